@@ -1,0 +1,5 @@
+//! dsa-kv: the paged KV-cache manager for DeepSeek Sparse Attention models.
+
+pub mod config;
+pub mod ids;
+pub mod layout;
