@@ -75,6 +75,11 @@ id_type!(
     BlockOrdinal(u32)
 );
 id_type!(
+    /// A page record inside the cache manager (a slot plus its state). Internal bookkeeping;
+    /// kernels never see it.
+    PageId(u32)
+);
+id_type!(
     /// A token id. Reuse keys encode it as 4 little-endian bytes; ids must be below 2^31.
     TokenId(u32)
 );
@@ -83,6 +88,17 @@ impl TokenId {
     /// Largest token id the reuse-key encoding accepts (the high bit is reserved for
     /// digest tokens, as in TensorRT-LLM's C++ key encoding).
     pub const MAX: u32 = (1 << 31) - 1;
+}
+
+/// A point in the sequence of device work (steps and copy plans), from one counter that
+/// only grows. Devices report completion as a watermark: everything up to a fence is
+/// done. `Fence::NONE` is always complete.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize)]
+pub struct Fence(pub u64);
+
+impl Fence {
+    /// A fence that is complete from the start.
+    pub const NONE: Fence = Fence(0);
 }
 
 /// A memory tier, warmest first.

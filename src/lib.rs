@@ -1,5 +1,7 @@
 //! dsa-kv: the paged KV-cache manager for DeepSeek Sparse Attention models.
 
 pub mod config;
+pub mod core;
 pub mod ids;
 pub mod layout;
+pub mod ops;

@@ -1,0 +1,42 @@
+//! KV events for KV-aware routers: blocks stored in the reuse tree, removed from it, and
+//! moved between tiers.
+
+use serde::Serialize;
+
+use super::reuse_key::BlockKey;
+use crate::ids::{LifeCycleId, Tier};
+
+/// A change to the reusable contents of the cache.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum KvEvent {
+    /// A block became reusable.
+    Stored {
+        /// The block's chained key.
+        key: BlockKey,
+        /// Its parent's key (the scope root key for a first block).
+        parent: BlockKey,
+        /// Tokens in the block (fewer than a block for a partial last block).
+        num_tokens: u32,
+        /// Where its pages are.
+        tier: Tier,
+        /// Eviction priority.
+        priority: u8,
+    },
+    /// A block is no longer reusable.
+    Removed {
+        /// The block's key.
+        key: BlockKey,
+    },
+    /// A block's page of one life cycle moved between tiers.
+    TierUpdated {
+        /// The block's key.
+        key: BlockKey,
+        /// The life cycle.
+        life_cycle: LifeCycleId,
+        /// Old tier.
+        from: Tier,
+        /// New tier.
+        to: Tier,
+    },
+}

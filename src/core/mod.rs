@@ -1,0 +1,30 @@
+//! The core: plain synchronous state the coordinator actor owns (`&mut self`, no async,
+//! no CUDA). Slot allocation with ready fences, sequences, the prefix-reuse radix tree,
+//! eviction across tiers, quota. Every byte that must move leaves as a
+//! [`CopyPlan`](crate::ops::CopyPlan).
+
+mod error;
+mod events;
+mod eviction;
+mod fence;
+mod invariants;
+mod manager;
+mod pages;
+pub mod quota;
+mod radix;
+mod residency;
+mod reuse_key;
+mod sequence_ops;
+mod slot_allocator;
+
+pub use error::{KvError, SeqStatus};
+pub use events::KvEvent;
+pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY};
+pub use fence::FenceClock;
+pub use manager::{
+    Created, GroupUsage, KvCacheManager, ManagerOptions, ManagerStats, SeqHandle, SeqOptions,
+    SequenceInfo, TierSlots,
+};
+pub use pages::PageStatus;
+pub use reuse_key::{BlockKey, ReuseScope};
+pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};

@@ -1,0 +1,374 @@
+//! Quota: from a byte budget to slots per pool group, and back. One formula,
+//! [`bytes_for_slots`], serves capacity planning, the warm-up (static) estimate and the
+//! allocation of the pools, so the budget and what is allocated cannot drift apart.
+//!
+//! Every pool is rounded up to the 2 MiB physical-allocation granularity of the GPU
+//! pools (CUDA VMM chunks). All pool groups get the same slot count: DSA layers are full
+//! attention, so a token needs one block in every life cycle.
+
+use serde::Serialize;
+
+use crate::config::{DsaModel, LayerSet};
+use crate::layout::{LayoutError, LayoutKind, PoolPlan, Role};
+
+/// Physical allocation granularity of a pool (2 MiB).
+pub const ALLOC_GRANULARITY: u64 = 2 << 20;
+
+fn round_up(x: u64, g: u64) -> u64 {
+    x.div_ceil(g) * g
+}
+
+/// Bytes the pools take with `slots` slots in every pool group, each pool rounded up
+/// to [`ALLOC_GRANULARITY`].
+pub fn bytes_for_slots(plan: &PoolPlan, slots: u64) -> u64 {
+    plan.pool_groups()
+        .iter()
+        .flat_map(|g| g.pools.iter())
+        .map(|p| round_up(slots.saturating_mul(p.slot_bytes), ALLOC_GRANULARITY))
+        .fold(0u64, u64::saturating_add)
+}
+
+/// The largest slot count (per pool group) whose pools fit in `budget` bytes.
+pub fn slots_for_budget(plan: &PoolPlan, budget: u64) -> u64 {
+    let per_block = plan.bytes_per_block().max(1);
+    let (mut lo, mut hi) = (0u64, budget / per_block + 1);
+    // Invariant: bytes_for_slots(lo) ≤ budget < bytes_for_slots(hi).
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if bytes_for_slots(plan, mid) <= budget {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Bytes needed to hold `tokens` tokens (whole blocks).
+pub fn bytes_for_tokens(plan: &PoolPlan, tokens: u64) -> u64 {
+    bytes_for_slots(plan, tokens.div_ceil(u64::from(plan.tokens_per_block())))
+}
+
+/// Tokens that fit in `budget` bytes.
+pub fn tokens_for_budget(plan: &PoolPlan, budget: u64) -> u64 {
+    slots_for_budget(plan, budget) * u64::from(plan.tokens_per_block())
+}
+
+/// The warm-up (static) estimate: tokens of `model` that fit in `budget` bytes, computed
+/// with the same plan and formula the allocation uses.
+pub fn estimate_tokens(
+    model: &DsaModel,
+    set: LayerSet,
+    kind: LayoutKind,
+    tokens_per_block: u32,
+    budget: u64,
+) -> Result<u64, LayoutError> {
+    Ok(tokens_for_budget(&PoolPlan::for_model(model, set, kind, tokens_per_block)?, budget))
+}
+
+/// Bytes per token of each buffer role, summed over layers (for "which component
+/// dominates").
+pub fn bytes_per_token_by_role(plan: &PoolPlan) -> Vec<(Role, u64)> {
+    let mut out: Vec<(Role, u64)> = Vec::new();
+    for p in plan.placements() {
+        let b = u64::from(p.row.bytes_per_token());
+        match out.iter_mut().find(|(r, _)| *r == p.role) {
+            Some(e) => e.1 += b,
+            None => out.push((p.role, b)),
+        }
+    }
+    out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    out
+}
+
+/// Inputs of the GPU budget.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct QuotaInputs {
+    /// An explicit byte budget (wins over the fraction).
+    pub max_gpu_total_bytes: Option<u64>,
+    /// Fraction of free GPU memory to use when no explicit budget is set.
+    pub free_gpu_memory_fraction: f64,
+    /// Free GPU memory in bytes (measured by the device), when known.
+    pub free_gpu_memory: Option<u64>,
+    /// Cap: the budget never exceeds what `max_tokens` needs at `max_util_for_resume`.
+    pub max_tokens: Option<u64>,
+    /// Headroom factor for resume (default 0.97).
+    pub max_util_for_resume: f64,
+}
+
+impl Default for QuotaInputs {
+    fn default() -> Self {
+        QuotaInputs {
+            max_gpu_total_bytes: None,
+            free_gpu_memory_fraction: 0.9,
+            free_gpu_memory: None,
+            max_tokens: None,
+            max_util_for_resume: 0.97,
+        }
+    }
+}
+
+/// Where the budget came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetSource {
+    /// `max_gpu_total_bytes`.
+    Explicit,
+    /// `free_gpu_memory_fraction × free memory`.
+    FreeMemoryFraction,
+    /// Capped by `max_tokens`.
+    MaxTokens,
+}
+
+/// A GPU budget resolved to slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct GpuBudget {
+    /// The byte budget.
+    pub bytes: u64,
+    /// What decided it.
+    pub source: BudgetSource,
+    /// Slots per pool group.
+    pub slots: u64,
+    /// Tokens that fit (`slots × T`).
+    pub tokens: u64,
+    /// Bytes the pools take (≤ `bytes`).
+    pub allocated_bytes: u64,
+}
+
+/// A budget that cannot work.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum QuotaError {
+    /// Neither an explicit budget nor the free memory is known.
+    #[error(
+        "no GPU budget: set max_gpu_total_bytes, or provide the free GPU memory so that \
+         free_gpu_memory_fraction can apply"
+    )]
+    NoBudget,
+    /// A fraction outside (0, 1].
+    #[error("{field} = {value} is invalid: it must be in (0, 1]")]
+    BadFraction {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// Not even `needed` tokens fit.
+    #[error(
+        "{needed} tokens need {needed_bytes} bytes but the budget is {budget} bytes ({fit} tokens \
+         fit). One token costs {bytes_per_token} B, {dominant_role} dominating with \
+         {dominant_bytes} B ({dominant_pct:.1}%). Raise the budget, lower the sequence length, \
+         or use a smaller kv_dtype."
+    )]
+    DoesNotFit {
+        /// Tokens required.
+        needed: u64,
+        /// Bytes they need.
+        needed_bytes: u64,
+        /// The budget.
+        budget: u64,
+        /// Tokens that fit.
+        fit: u64,
+        /// Bytes per token (all roles).
+        bytes_per_token: u64,
+        /// The largest component.
+        dominant_role: Role,
+        /// Its bytes per token.
+        dominant_bytes: u64,
+        /// Its share in percent.
+        dominant_pct: f64,
+    },
+    /// Page indices would overflow.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// Checks that `needed` tokens fit in `budget`; the error says which component dominates
+/// and how many tokens fit.
+pub fn check_fits(plan: &PoolPlan, budget: u64, needed: u64) -> Result<(), QuotaError> {
+    let fit = tokens_for_budget(plan, budget);
+    if needed <= fit {
+        return Ok(());
+    }
+    let per_token = plan.cache_bytes_per_token();
+    let (role, bytes) = bytes_per_token_by_role(plan)[0];
+    Err(QuotaError::DoesNotFit {
+        needed,
+        needed_bytes: bytes_for_tokens(plan, needed),
+        budget,
+        fit,
+        bytes_per_token: per_token,
+        dominant_role: role,
+        dominant_bytes: bytes,
+        dominant_pct: 100.0 * bytes as f64 / per_token as f64,
+    })
+}
+
+/// Resolves the GPU budget: an explicit byte count, or `fraction × free memory`;
+/// capped by `ceil(bytes_for_tokens(max_tokens) / max_util_for_resume)`. At least one
+/// block must fit.
+pub fn gpu_budget(plan: &PoolPlan, q: &QuotaInputs) -> Result<GpuBudget, QuotaError> {
+    for (field, value) in [
+        ("free_gpu_memory_fraction", q.free_gpu_memory_fraction),
+        ("max_util_for_resume", q.max_util_for_resume),
+    ] {
+        if !(value > 0.0 && value <= 1.0) {
+            return Err(QuotaError::BadFraction { field, value });
+        }
+    }
+    let (mut bytes, mut source) = match (q.max_gpu_total_bytes, q.free_gpu_memory) {
+        (Some(b), _) => (b, BudgetSource::Explicit),
+        (None, Some(free)) => (
+            (free as f64 * q.free_gpu_memory_fraction) as u64,
+            BudgetSource::FreeMemoryFraction,
+        ),
+        (None, None) => return Err(QuotaError::NoBudget),
+    };
+    if let Some(t) = q.max_tokens {
+        let cap = (bytes_for_tokens(plan, t) as f64 / q.max_util_for_resume).ceil() as u64;
+        if cap < bytes {
+            bytes = cap;
+            source = BudgetSource::MaxTokens;
+        }
+    }
+    check_fits(plan, bytes, u64::from(plan.tokens_per_block()))?;
+    let slots = slots_for_budget(plan, bytes);
+    plan.check_page_index_range(slots)?;
+    Ok(GpuBudget {
+        bytes,
+        source,
+        slots,
+        tokens: slots * u64::from(plan.tokens_per_block()),
+        allocated_bytes: bytes_for_slots(plan, slots),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DsaModelSpec, KvDtype};
+
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    fn v32(kind: LayoutKind) -> PoolPlan {
+        PoolPlan::for_model(&DsaModel::deepseek_v32(), LayerSet::Target, kind, 64).unwrap()
+    }
+
+    #[test]
+    fn granularity_and_exact_slot_counts() {
+        let p = v32(LayoutKind::V2);
+        // Pools: 2,248,704 B and 515,328 B per slot.
+        assert_eq!(bytes_for_slots(&p, 0), 0);
+        assert_eq!(bytes_for_slots(&p, 1), 4 * MIB + 2 * MIB);
+        assert_eq!(bytes_for_slots(&p, 10), round_up(22_487_040, 2 * MIB) + round_up(5_153_280, 2 * MIB));
+        assert_eq!(bytes_for_slots(&p, 10), 22 * MIB + 6 * MIB);
+        let s = slots_for_budget(&p, 80 * GIB);
+        assert!(bytes_for_slots(&p, s) <= 80 * GIB && bytes_for_slots(&p, s + 1) > 80 * GIB);
+        assert_eq!(s, 31_077);
+        assert_eq!(tokens_for_budget(&p, 80 * GIB), 31_077 * 64);
+        assert_eq!(slots_for_budget(&p, 6 * MIB - 1), 0);
+        assert_eq!(slots_for_budget(&p, 6 * MIB), 1);
+        // V1 has 62 pools, each rounded: fewer slots fit the same budget.
+        let v1 = v32(LayoutKind::V1);
+        assert_eq!(bytes_for_slots(&v1, 1), 4 * MIB + 61 * 2 * MIB);
+        assert!(slots_for_budget(&v1, 80 * GIB) <= s);
+    }
+
+    #[test]
+    fn warmup_estimate_uses_the_allocation_formula() {
+        let m = DsaModel::deepseek_v32();
+        for kind in [LayoutKind::V1, LayoutKind::V2] {
+            let p = v32(kind);
+            let est = estimate_tokens(&m, LayerSet::Target, kind, 64, 40 * GIB).unwrap();
+            assert_eq!(est, tokens_for_budget(&p, 40 * GIB));
+            let b = gpu_budget(
+                &p,
+                &QuotaInputs {
+                    max_gpu_total_bytes: Some(40 * GIB),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(b.tokens, est);
+            assert!(b.allocated_bytes <= 40 * GIB);
+        }
+        assert_eq!(
+            estimate_tokens(&m, LayerSet::Target, LayoutKind::V2, 32, GIB),
+            Err(LayoutError::DsaTokensPerBlock { got: 32 })
+        );
+    }
+
+    #[test]
+    fn budget_sources_and_max_tokens_cap() {
+        let p = v32(LayoutKind::V2);
+        let frac = gpu_budget(
+            &p,
+            &QuotaInputs {
+                free_gpu_memory: Some(100 * GIB),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(frac.bytes, 90 * GIB);
+        assert_eq!(frac.source, BudgetSource::FreeMemoryFraction);
+        let capped = gpu_budget(
+            &p,
+            &QuotaInputs {
+                max_gpu_total_bytes: Some(90 * GIB),
+                max_tokens: Some(64_000),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(capped.source, BudgetSource::MaxTokens);
+        assert_eq!(capped.bytes, (bytes_for_tokens(&p, 64_000) as f64 / 0.97).ceil() as u64);
+        assert!(capped.tokens >= 64_000);
+        assert_eq!(gpu_budget(&p, &QuotaInputs::default()), Err(QuotaError::NoBudget));
+        assert!(matches!(
+            gpu_budget(
+                &p,
+                &QuotaInputs {
+                    max_gpu_total_bytes: Some(GIB),
+                    free_gpu_memory_fraction: 1.5,
+                    ..Default::default()
+                }
+            ),
+            Err(QuotaError::BadFraction {
+                field: "free_gpu_memory_fraction",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn does_not_fit_names_the_dominant_component() {
+        let m = DsaModel::new(DsaModelSpec {
+            kv_dtype: KvDtype::Fp8DsMla,
+            ..DsaModelSpec::deepseek_v32()
+        })
+        .unwrap();
+        let p = PoolPlan::for_model(&m, LayerSet::Target, LayoutKind::V2, 64).unwrap();
+        assert_eq!(
+            bytes_per_token_by_role(&p),
+            vec![(Role::Key, 61 * 656), (Role::IndexKey, 61 * 132)]
+        );
+        let err = check_fits(&p, GIB, 1_000_000).unwrap_err();
+        let QuotaError::DoesNotFit { fit, dominant_role, dominant_bytes, bytes_per_token, .. } = err.clone() else {
+            panic!("{err:?}")
+        };
+        assert_eq!((dominant_role, dominant_bytes, bytes_per_token), (Role::Key, 40_016, 48_068));
+        assert_eq!(fit, tokens_for_budget(&p, GIB));
+        let msg = err.to_string();
+        assert!(msg.contains("key dominating with 40016 B (83.2%)"), "{msg}");
+        assert!(matches!(
+            gpu_budget(
+                &p,
+                &QuotaInputs {
+                    max_gpu_total_bytes: Some(MIB),
+                    ..Default::default()
+                }
+            ),
+            Err(QuotaError::DoesNotFit { needed: 64, fit: 0, .. })
+        ));
+    }
+}
