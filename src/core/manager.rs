@@ -651,3 +651,21 @@ impl KvCacheManager {
         self.pages.num_live() <= 4096
     }
 }
+
+#[cfg(test)]
+impl KvCacheManager {
+    /// Every structure a failed `resize`/`resume` must leave unchanged.
+    pub(super) fn fingerprint(&self) -> String {
+        let pages: Vec<_> = self.pages.iter_live().collect();
+        let mut blocks: Vec<String> = self
+            .tree
+            .blocks()
+            .map(|(r, n)| format!("{r:?} {} {:?} {:?}", n.key, n.tokens, n.pages))
+            .collect();
+        blocks.sort();
+        format!(
+            "{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}",
+            self.allocators, pages, self.queues, blocks, self.seqs, self.clock, self.copy_plans
+        )
+    }
+}

@@ -28,3 +28,6 @@ pub use manager::{
 pub use pages::PageStatus;
 pub use reuse_key::{BlockKey, ReuseScope};
 pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
+
+#[cfg(test)]
+mod tests;

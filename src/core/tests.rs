@@ -1,0 +1,482 @@
+//! Exact-value tests of the manager on a tiny layout (T = 4, one 2-byte key buffer), so
+//! that every slot, reuse length and eviction victim can be written down.
+
+use super::*;
+use crate::ids::{Fence, LayerId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+use crate::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
+use crate::ops::{CopyPlan, GroupCopy};
+
+const LC0: crate::ids::LifeCycleId = crate::ids::LifeCycleId(0);
+
+fn plan() -> PoolPlan {
+    PoolPlan::v2(
+        4,
+        vec![LayerSpec {
+            layer: LayerId(0),
+            life_cycle: LifeCycleKey(0),
+            buffers: vec![BufferSpec::new(Role::Key, RowLayout::Interleaved { row_bytes: 2 })],
+        }],
+    )
+    .unwrap()
+}
+
+fn mgr_with(gpu: u32, host: u32, opts: ManagerOptions) -> KvCacheManager {
+    let host = if host > 0 { vec![host] } else { vec![] };
+    KvCacheManager::new(plan(), TierSlots { gpu: vec![gpu], host }, opts).unwrap()
+}
+
+fn mgr(gpu: u32, host: u32) -> KvCacheManager {
+    mgr_with(gpu, host, ManagerOptions::default())
+}
+
+fn toks(r: std::ops::Range<u32>) -> Vec<TokenId> {
+    r.map(TokenId).collect()
+}
+
+fn start(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) -> SeqHandle {
+    let c = m
+        .create(RequestId(id), ReuseScope::SHARED, prompt, SeqOptions { priority })
+        .unwrap();
+    assert!(m.resume(&c.handle).unwrap());
+    c.handle
+}
+
+/// Creates, fills and commits a sequence of `prompt`, then closes it.
+fn cache(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) {
+    let mut h = start(m, id, prompt, priority);
+    let reused = m.info_of(&h).unwrap().committed;
+    assert!(m.resize(&h, prompt.len() as u64, reused).unwrap());
+    m.commit(&h, &prompt[reused as usize..]).unwrap();
+    m.close(&mut h).unwrap();
+}
+
+fn table(m: &KvCacheManager, h: &SeqHandle) -> Vec<u32> {
+    m.block_slots(h, LC0).unwrap().into_iter().map(|s| s.get()).collect()
+}
+
+#[test]
+fn sequence_life_cycle() {
+    let mut m = mgr(8, 0);
+    let c = m
+        .create(RequestId(1), ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .unwrap();
+    assert_eq!(c.reused_tokens, 0);
+    let mut h = c.handle;
+    assert_eq!(m.sequence(RequestId(1)).unwrap().status, SeqStatus::Suspended);
+    assert!(m.resume(&h).unwrap());
+    assert!(m.resume(&h).unwrap(), "resume of an active sequence is a no-op");
+    assert!(m.resize(&h, 10, 0).unwrap());
+    let info = m.info_of(&h).unwrap();
+    assert_eq!((info.capacity, info.history, info.committed, info.num_blocks), (10, 0, 0, 3));
+    let mut row = [7i32; 5];
+    assert_eq!(m.write_block_table(&h, LC0, &mut row), Ok(3));
+    assert_eq!(row, [0, 1, 2, -1, -1]);
+    m.commit(&h, &toks(0..10)).unwrap();
+    let info = m.info_of(&h).unwrap();
+    assert_eq!((info.committed, info.history), (10, 10), "history rises to committed");
+    assert_eq!(m.num_cached_blocks(), 2);
+    m.close(&mut h).unwrap();
+    assert_eq!(m.num_cached_blocks(), 3, "the partial tail is committed at close");
+    assert_eq!(m.num_pages(), 3);
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![3]);
+    assert_eq!(m.usage(Tier::Gpu)[0].evictable, 3);
+    m.close(&mut h).unwrap();
+    assert_eq!(m.resize(&h, 12, 10), Err(KvError::SequenceClosed { id: RequestId(1) }));
+    assert_eq!(m.sequence(RequestId(1)), Err(KvError::UnknownRequest { id: RequestId(1) }));
+    let ev = m.take_events();
+    let stored: Vec<u32> = ev
+        .iter()
+        .map(|e| match e {
+            KvEvent::Stored { num_tokens, tier, priority, .. } => {
+                assert_eq!((*tier, *priority), (Tier::Gpu, DEFAULT_PRIORITY));
+                *num_tokens
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(stored, vec![4, 4, 2]);
+    m.check_invariants();
+}
+
+#[test]
+fn reuse_lengths_are_exact() {
+    let mut m = mgr(16, 0);
+    cache(&mut m, 1, &toks(0..10), 35);
+    // Lookups leave out the last prompt token.
+    let probe = |m: &mut KvCacheManager, p: &[TokenId]| m.probe_reuse(ReuseScope::SHARED, p).unwrap();
+    assert_eq!(probe(&mut m, &toks(0..10)), 9, "2 full blocks + [8] of the partial [8, 9]");
+    assert_eq!(probe(&mut m, &toks(0..11)), 10, "2 full blocks + the whole partial block");
+    assert_eq!(probe(&mut m, &toks(0..8)), 7, "block 0 + [4, 5, 6] of block 1");
+    assert_eq!(probe(&mut m, &toks(0..5)), 4);
+    assert_eq!(probe(&mut m, &toks(0..2)), 1);
+    assert_eq!(probe(&mut m, &toks(0..1)), 0, "a one-token prompt reuses nothing");
+    assert_eq!(probe(&mut m, &toks(50..60)), 0);
+    let mut p = toks(0..10);
+    p[5] = TokenId(99);
+    assert_eq!(probe(&mut m, &p), 5, "divergence at token 5");
+    // Tenant isolation: another salt or LoRA never shares.
+    for scope in [
+        ReuseScope { lora_id: None, salt: Some(ReuseScope::salt_from_str("tenant-b")) },
+        ReuseScope { lora_id: Some(3), salt: None },
+    ] {
+        assert_eq!(m.probe_reuse(scope, &toks(0..10)).unwrap(), 0);
+        let c = m.create(RequestId(9), scope, &toks(0..10), SeqOptions::default()).unwrap();
+        assert_eq!(c.reused_tokens, 0);
+        let mut h = c.handle;
+        m.close(&mut h).unwrap();
+    }
+    // Partial reuse off: only whole blocks.
+    let mut m2 = mgr_with(16, 0, ManagerOptions { enable_partial_reuse: false, ..Default::default() });
+    cache(&mut m2, 1, &toks(0..10), 35);
+    assert_eq!(m2.probe_reuse(ReuseScope::SHARED, &toks(0..10)).unwrap(), 8);
+    // Reuse off: nothing is cached.
+    let mut m3 = mgr_with(16, 0, ManagerOptions { enable_block_reuse: false, ..Default::default() });
+    cache(&mut m3, 1, &toks(0..10), 35);
+    assert_eq!((m3.num_cached_blocks(), m3.num_pages()), (0, 0));
+    assert_eq!(m3.probe_reuse(ReuseScope::SHARED, &toks(0..10)).unwrap(), 0);
+}
+
+#[test]
+fn partial_reuse_copies_on_resume() {
+    let mut m = mgr(16, 0);
+    cache(&mut m, 1, &toks(0..10), 35); // slots 0, 1, 2 ([8, 9] in slot 2)
+    let c = m
+        .create(RequestId(2), ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .unwrap();
+    assert_eq!(c.reused_tokens, 9);
+    let h = c.handle;
+    let info = m.info_of(&h).unwrap();
+    assert_eq!((info.committed, info.history, info.capacity, info.pending_copy), (9, 9, 9, true));
+    assert!(m.resume(&h).unwrap());
+    assert_eq!(table(&m, &h), vec![0, 1, 3], "block 2 is a private copy");
+    let plans = m.take_copy_plans();
+    assert_eq!(
+        plans,
+        vec![CopyPlan {
+            fence: Fence(1),
+            wait_for: Fence::NONE,
+            copies: vec![GroupCopy {
+                pool_group: PoolGroupId(0),
+                src_tier: Tier::Gpu,
+                dst_tier: Tier::Gpu,
+                pairs: vec![(SlotId(2), SlotId(3))],
+            }],
+        }]
+    );
+    let info = m.info_of(&h).unwrap();
+    assert_eq!((info.pending_copy, info.ready_after), (false, Fence(1)));
+    assert_eq!(m.stats().partial_copies, 1);
+    assert_eq!(m.stats().reused_tokens, 9);
+    // Writing token 9 goes to the private page; the shared partial page stays cached.
+    assert!(m.resize(&h, 12, 9).unwrap());
+    m.take_events();
+    m.commit(&h, &toks(9..12)).unwrap();
+    // The full block [8..12) replaces the partial [8, 9] it extends; the old partial page
+    // (nobody holds it) is freed.
+    assert_eq!(m.num_cached_blocks(), 3);
+    assert!(matches!(
+        m.take_events().as_slice(),
+        [KvEvent::Stored { num_tokens: 4, .. }, KvEvent::Removed { .. }]
+    ));
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![3]);
+}
+
+#[test]
+fn duplicate_commit_rebases_onto_the_tree_page() {
+    let mut m = mgr(8, 0);
+    let a = start(&mut m, 1, &toks(0..9), 35);
+    let b = start(&mut m, 2, &toks(0..9), 35);
+    assert!(m.resize(&a, 8, 0).unwrap());
+    assert!(m.resize(&b, 8, 0).unwrap());
+    assert_eq!((table(&m, &a), table(&m, &b)), (vec![0, 1], vec![2, 3]));
+    m.commit(&a, &toks(0..8)).unwrap();
+    m.commit(&b, &toks(0..8)).unwrap();
+    assert_eq!(table(&m, &b), vec![0, 1], "B now reads A's committed pages");
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![2]);
+    assert_eq!(m.stats().rebased_blocks, 2);
+    assert_eq!(m.num_cached_blocks(), 2);
+    // B keeps going after the rebase: its next block links under the shared chain.
+    assert!(m.resize(&b, 12, 8).unwrap());
+    m.commit(&b, &toks(8..12)).unwrap();
+    assert_eq!(m.num_cached_blocks(), 3);
+    m.check_invariants();
+}
+
+#[test]
+fn eviction_is_lowest_priority_then_lru() {
+    let mut m = mgr(4, 0);
+    cache(&mut m, 1, &toks(100..104), 50);
+    cache(&mut m, 2, &toks(200..204), 10);
+    cache(&mut m, 3, &toks(300..304), 10);
+    cache(&mut m, 4, &toks(400..404), 35);
+    assert_eq!(m.num_cached_blocks(), 4);
+    let cached = |m: &mut KvCacheManager, base: u32| m.probe_reuse(ReuseScope::SHARED, &toks(base..base + 5)).unwrap() == 4;
+    let h = start(&mut m, 5, &toks(0..20), 35);
+    let mut order = Vec::new();
+    for blocks in 1..=4u64 {
+        assert!(m.resize(&h, blocks * 4, 0).unwrap());
+        let gone: Vec<u32> = [100, 200, 300, 400]
+            .into_iter()
+            .filter(|&b| !cached(&mut m, b) && !order.contains(&b))
+            .collect();
+        assert_eq!(gone.len(), 1);
+        order.push(gone[0]);
+    }
+    assert_eq!(order, vec![200, 300, 400, 100]);
+    assert_eq!(m.stats().dropped_pages, 4);
+    // The GPU is full of locked pages: a new sequence cannot even resume.
+    let other = m.create(RequestId(6), ReuseScope::SHARED, &toks(0..3), SeqOptions::default()).unwrap();
+    assert!(!m.resume(&other.handle).unwrap(), "100 % utilization, nothing evictable");
+    let removed = m
+        .take_events()
+        .into_iter()
+        .filter(|e| matches!(e, KvEvent::Removed { .. }))
+        .count();
+    assert_eq!(removed, 4);
+}
+
+#[test]
+fn failed_resize_changes_nothing() {
+    let mut m = mgr(3, 0);
+    cache(&mut m, 1, &toks(0..4), 35); // one cached block (evictable)
+    let a = start(&mut m, 2, &toks(10..20), 35);
+    assert!(m.resize(&a, 8, 0).unwrap()); // evicts nothing: 2 free slots
+    let b = start(&mut m, 3, &toks(20..30), 35);
+    let before = m.fingerprint();
+    assert!(!m.resize(&b, 8, 0).unwrap(), "needs 2, only 1 evictable");
+    assert_eq!(m.fingerprint(), before);
+    assert_eq!(m.stats().resize_failures, 1);
+    assert_eq!(m.num_cached_blocks(), 1, "the cached block was not evicted in vain");
+    assert!(m.resize(&b, 4, 0).unwrap());
+    assert_eq!(m.num_cached_blocks(), 0);
+}
+
+#[test]
+fn offload_onboard_and_exact_resume_rollback() {
+    let opts = ManagerOptions { max_util_for_resume: 1.0, ..Default::default() };
+    let mut m = mgr_with(2, 2, opts);
+    let a = start(&mut m, 1, &toks(0..5), 35);
+    assert!(m.resize(&a, 4, 0).unwrap());
+    m.commit(&a, &toks(0..4)).unwrap();
+    m.suspend(&a).unwrap();
+    m.suspend(&a).unwrap();
+    // B needs both GPU slots: A's held page moves to the host.
+    let b = start(&mut m, 2, &toks(10..20), 35);
+    assert!(m.resize(&b, 8, 0).unwrap());
+    assert_eq!(
+        m.take_copy_plans(),
+        vec![CopyPlan {
+            fence: Fence(1),
+            wait_for: Fence::NONE,
+            copies: vec![GroupCopy {
+                pool_group: PoolGroupId(0),
+                src_tier: Tier::Gpu,
+                dst_tier: Tier::Host,
+                pairs: vec![(SlotId(0), SlotId(0))],
+            }],
+        }]
+    );
+    assert_eq!(table(&m, &b), vec![1, 0], "B got the slot freed behind the copy");
+    assert_eq!(m.info_of(&b).unwrap().ready_after, Fence(1));
+    assert_eq!(m.stats().offloaded_pages, 1);
+    assert_eq!(m.stats().offloaded_bytes, 8);
+    // A cannot come back while B holds everything: nothing changes.
+    let before = m.fingerprint();
+    assert!(!m.resume(&a).unwrap());
+    assert_eq!(m.fingerprint(), before);
+    // Once B is suspended, A comes back: B's first block goes to the host, A's returns.
+    m.suspend(&b).unwrap();
+    assert!(m.resume(&a).unwrap());
+    assert_eq!(
+        m.take_copy_plans(),
+        vec![CopyPlan {
+            fence: Fence(2),
+            wait_for: Fence::NONE,
+            copies: vec![
+                GroupCopy {
+                    pool_group: PoolGroupId(0),
+                    src_tier: Tier::Gpu,
+                    dst_tier: Tier::Host,
+                    pairs: vec![(SlotId(1), SlotId(1))],
+                },
+                GroupCopy {
+                    pool_group: PoolGroupId(0),
+                    src_tier: Tier::Host,
+                    dst_tier: Tier::Gpu,
+                    pairs: vec![(SlotId(0), SlotId(1))],
+                },
+            ],
+        }]
+    );
+    assert_eq!(table(&m, &a), vec![1]);
+    assert_eq!(m.stats().onboarded_pages, 1);
+    let tier_updates: Vec<(Tier, Tier)> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::TierUpdated { from, to, .. } => Some((from, to)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tier_updates, vec![(Tier::Gpu, Tier::Host), (Tier::Host, Tier::Gpu)]);
+    m.check_invariants();
+}
+
+#[test]
+fn resume_gate_is_per_pool_group_utilization() {
+    let mut m = mgr(4, 4); // default max_util_for_resume 0.97
+    let a = start(&mut m, 1, &toks(0..2), 35);
+    m.suspend(&a).unwrap();
+    let b = start(&mut m, 2, &toks(10..30), 35);
+    assert!(m.resize(&b, 16, 0).unwrap());
+    assert_eq!(m.usage(Tier::Gpu)[0].utilization, 1.0);
+    assert!(!m.resume(&a).unwrap(), "100 % > 97 %");
+    assert_eq!(m.stats().resume_refusals, 1);
+    assert!(m.resize(&b, 12, 0).unwrap());
+    assert_eq!(m.usage(Tier::Gpu)[0].utilization, 0.75);
+    assert!(m.resume(&a).unwrap());
+}
+
+#[test]
+fn released_slots_wait_for_their_last_user() {
+    let opts = ManagerOptions { enable_block_reuse: false, ..Default::default() };
+    let mut m = mgr_with(2, 0, opts);
+    let mut a = start(&mut m, 1, &toks(0..4), 35);
+    assert!(m.resize(&a, 4, 0).unwrap());
+    assert_eq!(table(&m, &a), vec![0]);
+    let step = m.issue_fence(); // a step that uses A is in flight
+    m.close(&mut a).unwrap();
+    // The fresh slot 1 is preferred over slot 0, still in flight.
+    let b = start(&mut m, 2, &toks(0..4), 35);
+    assert!(m.resize(&b, 4, 0).unwrap());
+    assert_eq!((table(&m, &b), m.info_of(&b).unwrap().ready_after), (vec![1], Fence::NONE));
+    // Slot 0 is handed out with the wait made explicit.
+    let c = start(&mut m, 3, &toks(0..4), 35);
+    assert!(m.resize(&c, 4, 0).unwrap());
+    assert_eq!((table(&m, &c), m.info_of(&c).unwrap().ready_after), (vec![0], step));
+    assert_eq!(m.complete_fences(Fence(9)), Err(KvError::FenceNotIssued { fence: Fence(9), issued: step }));
+    m.complete_fences(step).unwrap();
+    assert_eq!(m.completed_fence(), step);
+}
+
+#[test]
+fn donated_page_when_the_tree_copy_is_offloaded() {
+    let opts = ManagerOptions { max_util_for_resume: 1.0, ..Default::default() };
+    let mut m = mgr_with(2, 4, opts);
+    let mut a = start(&mut m, 1, &toks(0..5), 35);
+    let b = start(&mut m, 2, &toks(0..5), 35);
+    assert!(m.resize(&a, 4, 0).unwrap());
+    assert!(m.resize(&b, 4, 0).unwrap());
+    m.commit(&a, &toks(0..4)).unwrap();
+    m.suspend(&a).unwrap();
+    // Pressure moves A's committed page to the host.
+    let c = start(&mut m, 3, &toks(50..55), 35);
+    assert!(m.resize(&c, 4, 0).unwrap());
+    assert_eq!(m.stats().offloaded_pages, 1);
+    m.take_events();
+    // B commits the same block: the tree's copy is off the GPU, so B donates its page.
+    m.commit(&b, &toks(0..4)).unwrap();
+    assert!(matches!(
+        m.take_events().as_slice(),
+        [KvEvent::TierUpdated { from: Tier::Host, to: Tier::Gpu, .. }]
+    ));
+    assert_eq!(table(&m, &b), vec![1]);
+    assert_eq!(m.num_cached_blocks(), 1);
+    // A still owns its (now private) host page; closing A frees it.
+    assert_eq!(m.occupied_slots(Tier::Host), vec![1]);
+    m.close(&mut a).unwrap();
+    assert_eq!(m.occupied_slots(Tier::Host), vec![0]);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(0..5)).unwrap(), 4);
+    m.check_invariants();
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    let mut m = mgr(4, 0);
+    let mut h = start(&mut m, 1, &toks(0..8), 35);
+    assert!(m.resize(&h, 8, 4).unwrap());
+    assert_eq!(
+        m.resize(&h, 8, 3),
+        Err(KvError::HistoryBackwards { id: RequestId(1), current: 4, requested: 3 })
+    );
+    assert_eq!(
+        m.resize(&h, 5, 6),
+        Err(KvError::CapacityBelowHistory { id: RequestId(1), capacity: 5, history: 6 })
+    );
+    assert_eq!(
+        m.commit(&h, &toks(0..9)),
+        Err(KvError::CommitBeyondCapacity { id: RequestId(1), adding: 9, total: 9, capacity: 8 })
+    );
+    assert_eq!(
+        m.commit(&h, &[TokenId(1), TokenId(1 << 31)]),
+        Err(KvError::TokenOutOfRange { index: 1, value: 1 << 31, max: TokenId::MAX })
+    );
+    assert!(matches!(
+        m.create(RequestId(1), ReuseScope::SHARED, &toks(0..3), SeqOptions::default()),
+        Err(KvError::DuplicateRequest { .. })
+    ));
+    assert!(matches!(
+        m.create(RequestId(2), ReuseScope::SHARED, &toks(0..3), SeqOptions { priority: 101 }),
+        Err(KvError::InvalidOption { field: "priority", .. })
+    ));
+    assert_eq!(
+        m.resize(&h, 20, 4),
+        Err(KvError::SequenceTooLong {
+            id: RequestId(1),
+            tokens: 20,
+            blocks: 5,
+            group: PoolGroupId(0),
+            capacity: 4,
+            capacity_tokens: 16
+        })
+    );
+    m.suspend(&h).unwrap();
+    assert!(matches!(m.resize(&h, 8, 4), Err(KvError::NotActive { status: SeqStatus::Suspended, .. })));
+    assert!(matches!(m.write_block_table(&h, LC0, &mut [0; 4]), Err(KvError::NotActive { .. })));
+    assert!(m.resume(&h).unwrap());
+    assert!(matches!(m.write_block_table(&h, LC0, &mut [0; 1]), Err(KvError::InvalidOption { .. })));
+    m.commit(&h, &toks(0..6)).unwrap();
+    m.stop_committing(&h).unwrap();
+    m.stop_committing(&h).unwrap();
+    assert_eq!(m.commit(&h, &toks(6..7)), Err(KvError::CommitAfterStop { id: RequestId(1) }));
+    let mut other = mgr(4, 0);
+    assert_eq!(other.resize(&h, 8, 4), Err(KvError::WrongManager { id: RequestId(1) }));
+    assert_eq!(other.close(&mut h), Err(KvError::WrongManager { id: RequestId(1) }));
+    m.close(&mut h).unwrap();
+    assert_eq!(m.commit(&h, &toks(0..1)), Err(KvError::SequenceClosed { id: RequestId(1) }));
+    assert_eq!(m.suspend(&h), Err(KvError::SequenceClosed { id: RequestId(1) }));
+    assert!(matches!(
+        KvCacheManager::new(plan(), TierSlots { gpu: vec![0], host: vec![] }, ManagerOptions::default()),
+        Err(KvError::InvalidOption { field: "gpu_slots", .. })
+    ));
+    assert!(matches!(
+        KvCacheManager::new(
+            plan(),
+            TierSlots { gpu: vec![4], host: vec![] },
+            ManagerOptions { max_util_for_resume: 0.0, ..Default::default() }
+        ),
+        Err(KvError::InvalidOption { field: "max_util_for_resume", .. })
+    ));
+    let msg = KvError::HistoryBackwards { id: RequestId(3), current: 9, requested: 2 }.to_string();
+    assert_eq!(msg, "request 3: history may not go backwards (9 → 2)");
+}
+
+#[test]
+fn rejected_draft_tokens_shrink_capacity_and_never_enter_the_cache() {
+    let mut m = mgr(8, 0);
+    let mut h = start(&mut m, 1, &toks(0..4), 35);
+    // Prompt of 4 processed, then one decode step with 3 draft tokens (capacity 4+1+3).
+    assert!(m.resize(&h, 8, 0).unwrap());
+    m.commit(&h, &toks(0..4)).unwrap();
+    assert!(m.resize(&h, 4 + 1 + 3 + 1, 4).unwrap());
+    assert_eq!(m.info_of(&h).unwrap().num_blocks, 3);
+    // One draft accepted: the target token and the draft are committed, the rest rolled back.
+    m.commit(&h, &[TokenId(40), TokenId(41)]).unwrap();
+    assert!(m.resize(&h, 6, 6).unwrap());
+    assert_eq!(m.info_of(&h).unwrap().num_blocks, 2);
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![2]);
+    m.close(&mut h).unwrap();
+    let mut p = toks(0..4);
+    p.extend([TokenId(40), TokenId(41), TokenId(0)]);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &p).unwrap(), 6);
+}
