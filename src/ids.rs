@@ -93,7 +93,9 @@ impl TokenId {
 /// A point in the sequence of device work (steps and copy plans), from one counter that
 /// only grows. Devices report completion as a watermark: everything up to a fence is
 /// done. `Fence::NONE` is always complete.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize,
+)]
 pub struct Fence(pub u64);
 
 impl Fence {

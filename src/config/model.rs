@@ -26,7 +26,12 @@ pub enum KvDtype {
 
 impl KvDtype {
     /// Every dtype, in documentation order.
-    pub const ALL: [KvDtype; 4] = [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Fp8DsMla, KvDtype::Nvfp4];
+    pub const ALL: [KvDtype; 4] = [
+        KvDtype::Bf16,
+        KvDtype::Fp8,
+        KvDtype::Fp8DsMla,
+        KvDtype::Nvfp4,
+    ];
 
     /// The name used on command lines and in config files.
     pub fn name(self) -> &'static str {
@@ -131,7 +136,7 @@ impl IndexerLayers {
             IndexerLayers::All => true,
             IndexerLayers::Shared { skip_offset, freq } => {
                 let last_leading = skip_offset.saturating_sub(1);
-                layer < *skip_offset || (layer - last_leading) % (*freq).max(1) == 0
+                layer < *skip_offset || (layer - last_leading).is_multiple_of((*freq).max(1))
             }
             IndexerLayers::Mask(mask) => mask.get(layer as usize).copied().unwrap_or(false),
         }
@@ -385,19 +390,27 @@ impl DsaModel {
             return bad("num_layers", 0, "a model needs at least one target layer");
         }
         if spec.num_layers > 4096 {
-            return bad("num_layers", spec.num_layers, "at most 4096 layers are supported");
+            return bad(
+                "num_layers",
+                spec.num_layers,
+                "at most 4096 layers are supported",
+            );
         }
         if spec.num_mtp_layers > 16 {
-            return bad("num_mtp_layers", spec.num_mtp_layers, "at most 16 MTP layers are supported");
+            return bad(
+                "num_mtp_layers",
+                spec.num_mtp_layers,
+                "at most 16 MTP layers are supported",
+            );
         }
-        if spec.kv_lora_rank == 0 || spec.kv_lora_rank % 128 != 0 {
+        if spec.kv_lora_rank == 0 || !spec.kv_lora_rank.is_multiple_of(128) {
             return bad(
                 "kv_lora_rank",
                 spec.kv_lora_rank,
                 "must be a positive multiple of 128 (FP8 tiles of 128 values)",
             );
         }
-        if spec.qk_rope_head_dim == 0 || spec.qk_rope_head_dim % 16 != 0 {
+        if spec.qk_rope_head_dim == 0 || !spec.qk_rope_head_dim.is_multiple_of(16) {
             return bad(
                 "qk_rope_head_dim",
                 spec.qk_rope_head_dim,
@@ -430,9 +443,13 @@ impl DsaModel {
             );
         }
         if spec.index_n_heads == 0 {
-            return bad("index_n_heads", 0, "the indexer needs at least one query head");
+            return bad(
+                "index_n_heads",
+                0,
+                "the indexer needs at least one query head",
+            );
         }
-        if spec.index_topk == 0 || spec.index_topk % 64 != 0 {
+        if spec.index_topk == 0 || !spec.index_topk.is_multiple_of(64) {
             return bad(
                 "index_topk",
                 spec.index_topk,
@@ -450,7 +467,11 @@ impl DsaModel {
                     );
                 }
                 if *freq == 0 {
-                    return bad("indexer_layers.freq", 0, "the period of full layers must be ≥ 1");
+                    return bad(
+                        "indexer_layers.freq",
+                        0,
+                        "the period of full layers must be ≥ 1",
+                    );
                 }
             }
             IndexerLayers::Mask(mask) => {
@@ -480,7 +501,8 @@ impl DsaModel {
 
     /// DeepSeek-V3.2 with its published dims.
     pub fn deepseek_v32() -> Self {
-        Self::new(DsaModelSpec::deepseek_v32()).expect("invariant: the DeepSeek-V3.2 preset is valid")
+        Self::new(DsaModelSpec::deepseek_v32())
+            .expect("invariant: the DeepSeek-V3.2 preset is valid")
     }
 
     /// GLM-5 with its published dims.
@@ -562,7 +584,10 @@ impl DsaModel {
         if self.has_indexer(layer) {
             return None;
         }
-        (0..layer.get()).rev().map(LayerId).find(|&l| self.has_indexer(l))
+        (0..layer.get())
+            .rev()
+            .map(LayerId)
+            .find(|&l| self.has_indexer(l))
     }
 
     /// The layers of `set`, in ascending order.
@@ -724,9 +749,27 @@ mod tests {
     fn invalid_dims_are_errors_naming_the_field() {
         let base = DsaModelSpec::deepseek_v32();
         let cases: Vec<(DsaModelSpec, &str)> = vec![
-            (DsaModelSpec { num_layers: 0, ..base.clone() }, "num_layers"),
-            (DsaModelSpec { kv_lora_rank: 500, ..base.clone() }, "kv_lora_rank"),
-            (DsaModelSpec { qk_rope_head_dim: 0, ..base.clone() }, "qk_rope_head_dim"),
+            (
+                DsaModelSpec {
+                    num_layers: 0,
+                    ..base.clone()
+                },
+                "num_layers",
+            ),
+            (
+                DsaModelSpec {
+                    kv_lora_rank: 500,
+                    ..base.clone()
+                },
+                "kv_lora_rank",
+            ),
+            (
+                DsaModelSpec {
+                    qk_rope_head_dim: 0,
+                    ..base.clone()
+                },
+                "qk_rope_head_dim",
+            ),
             (
                 DsaModelSpec {
                     kv_dtype: KvDtype::Fp8DsMla,
@@ -735,20 +778,50 @@ mod tests {
                 },
                 "kv_lora_rank",
             ),
-            (DsaModelSpec { index_head_dim: 64, ..base.clone() }, "index_head_dim"),
-            (DsaModelSpec { indexer_quant_block: 64, ..base.clone() }, "indexer_quant_block"),
-            (DsaModelSpec { index_topk: 100, ..base.clone() }, "index_topk"),
-            (DsaModelSpec { index_n_heads: 0, ..base.clone() }, "index_n_heads"),
             (
                 DsaModelSpec {
-                    indexer_layers: IndexerLayers::Shared { skip_offset: 0, freq: 4 },
+                    index_head_dim: 64,
+                    ..base.clone()
+                },
+                "index_head_dim",
+            ),
+            (
+                DsaModelSpec {
+                    indexer_quant_block: 64,
+                    ..base.clone()
+                },
+                "indexer_quant_block",
+            ),
+            (
+                DsaModelSpec {
+                    index_topk: 100,
+                    ..base.clone()
+                },
+                "index_topk",
+            ),
+            (
+                DsaModelSpec {
+                    index_n_heads: 0,
+                    ..base.clone()
+                },
+                "index_n_heads",
+            ),
+            (
+                DsaModelSpec {
+                    indexer_layers: IndexerLayers::Shared {
+                        skip_offset: 0,
+                        freq: 4,
+                    },
                     ..base.clone()
                 },
                 "indexer_layers.skip_offset",
             ),
             (
                 DsaModelSpec {
-                    indexer_layers: IndexerLayers::Shared { skip_offset: 3, freq: 0 },
+                    indexer_layers: IndexerLayers::Shared {
+                        skip_offset: 3,
+                        freq: 0,
+                    },
                     ..base.clone()
                 },
                 "indexer_layers.freq",
@@ -766,7 +839,10 @@ mod tests {
         };
         assert_eq!(
             DsaModel::new(short_mask),
-            Err(ModelError::MaskLength { got: 3, num_layers: 61 })
+            Err(ModelError::MaskLength {
+                got: 3,
+                num_layers: 61
+            })
         );
         let mut mask = vec![false; 61];
         mask[5] = true;
@@ -776,7 +852,10 @@ mod tests {
         };
         assert!(matches!(
             DsaModel::new(bad_first),
-            Err(ModelError::InvalidDim { field: "indexer_layers.mask[0]", .. })
+            Err(ModelError::InvalidDim {
+                field: "indexer_layers.mask[0]",
+                ..
+            })
         ));
         let msg = DsaModel::new(DsaModelSpec {
             index_head_dim: 64,

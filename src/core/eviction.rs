@@ -41,13 +41,27 @@ impl EvictionQueues {
     }
 
     /// Inserts with a given stamp (rollback of an exclusion).
-    pub fn restore(&mut self, tier: Tier, group: PoolGroupId, priority: u8, stamp: u64, page: PageId) {
+    pub fn restore(
+        &mut self,
+        tier: Tier,
+        group: PoolGroupId,
+        priority: u8,
+        stamp: u64,
+        page: PageId,
+    ) {
         let q = self.q(tier, group);
         let fresh = self.queues[q].insert((priority, stamp, page));
         debug_assert!(fresh, "page {page} queued twice");
     }
 
-    pub fn remove(&mut self, tier: Tier, group: PoolGroupId, priority: u8, stamp: u64, page: PageId) {
+    pub fn remove(
+        &mut self,
+        tier: Tier,
+        group: PoolGroupId,
+        priority: u8,
+        stamp: u64,
+        page: PageId,
+    ) {
         let q = self.q(tier, group);
         let found = self.queues[q].remove(&(priority, stamp, page));
         debug_assert!(found, "page {page} missing from its queue");
@@ -58,11 +72,23 @@ impl EvictionQueues {
     }
 
     /// The next `n` victims in eviction order, without removing them.
-    pub fn peek(&self, tier: Tier, group: PoolGroupId, n: usize) -> impl Iterator<Item = PageId> + '_ {
+    pub fn peek(
+        &self,
+        tier: Tier,
+        group: PoolGroupId,
+        n: usize,
+    ) -> impl Iterator<Item = PageId> + '_ {
         self.queues[self.q(tier, group)].iter().take(n).map(|e| e.2)
     }
 
-    pub fn contains(&self, tier: Tier, group: PoolGroupId, priority: u8, stamp: u64, page: PageId) -> bool {
+    pub fn contains(
+        &self,
+        tier: Tier,
+        group: PoolGroupId,
+        priority: u8,
+        stamp: u64,
+        page: PageId,
+    ) -> bool {
         self.queues[self.q(tier, group)].contains(&(priority, stamp, page))
     }
 

@@ -27,9 +27,17 @@ impl KvCacheManager {
         let mut queued = 0usize;
         for (pid, p) in self.pages.iter_live() {
             let a = &self.allocators[p.tier.index()][p.group.index()];
-            assert!(a.is_occupied(p.slot), "page {pid} slot {} not occupied on {}", p.slot, p.tier);
+            assert!(
+                a.is_occupied(p.slot),
+                "page {pid} slot {} not occupied on {}",
+                p.slot,
+                p.tier
+            );
             if let Some(other) = owners.insert((p.tier, p.group.get(), p.slot), pid) {
-                panic!("pages {other} and {pid} share slot {} on {}", p.slot, p.tier);
+                panic!(
+                    "pages {other} and {pid} share slot {} on {}",
+                    p.slot, p.tier
+                );
             }
             *per_alloc.entry((p.tier, p.group.get())).or_default() += 1;
             if p.status() == PageStatus::Locked {
@@ -46,35 +54,74 @@ impl KvCacheManager {
             );
             if let Some(stamp) = p.queued {
                 queued += 1;
-                assert!(self.queues.contains(p.tier, p.group, p.priority, stamp, pid), "page {pid} not in its queue");
+                assert!(
+                    self.queues
+                        .contains(p.tier, p.group, p.priority, stamp, pid),
+                    "page {pid} not in its queue"
+                );
             }
             assert!(
                 !(p.status() == PageStatus::Droppable && p.node.is_none()),
                 "page {pid} is unreferenced and uncached: it leaked"
             );
             if let Some(node) = p.node {
-                let n = self.tree.get(node).unwrap_or_else(|| panic!("page {pid} links a dead block"));
-                assert_eq!(n.pages[p.life_cycle.index()], pid, "block does not point back at page {pid}");
+                let n = self
+                    .tree
+                    .get(node)
+                    .unwrap_or_else(|| panic!("page {pid} links a dead block"));
+                assert_eq!(
+                    n.pages[p.life_cycle.index()],
+                    pid,
+                    "block does not point back at page {pid}"
+                );
                 assert!(p.committed, "linked page {pid} not committed");
             }
             if !p.committed {
-                assert_eq!(p.locks + p.holders, 1, "uncommitted page {pid} is not private");
+                assert_eq!(
+                    p.locks + p.holders,
+                    1,
+                    "uncommitted page {pid} is not private"
+                );
             }
-            assert_eq!(self.lc_group[p.life_cycle.index()], p.group, "page {pid} group");
+            assert_eq!(
+                self.lc_group[p.life_cycle.index()],
+                p.group,
+                "page {pid} group"
+            );
         }
         assert_eq!(queued, self.queues.total(), "queue sizes vs queued pages");
         for (t, tier) in self.allocators.iter().enumerate() {
             for (g, a) in tier.iter().enumerate() {
-                let live = per_alloc.get(&(Tier::ALL[t], g as u16)).copied().unwrap_or(0);
-                assert_eq!(a.num_occupied(), live, "tier {t} group {g}: occupied slots vs live pages");
+                let live = per_alloc
+                    .get(&(Tier::ALL[t], g as u16))
+                    .copied()
+                    .unwrap_or(0);
+                assert_eq!(
+                    a.num_occupied(),
+                    live,
+                    "tier {t} group {g}: occupied slots vs live pages"
+                );
             }
         }
         self.tree.check_invariants(self.tpb as usize);
         for (r, n) in self.tree.blocks() {
-            assert_eq!(n.pages.len(), self.n_lc, "block {} pages per life cycle", n.key);
+            assert_eq!(
+                n.pages.len(),
+                self.n_lc,
+                "block {} pages per life cycle",
+                n.key
+            );
             for &pid in &n.pages {
-                assert!(self.pages[pid].live, "block {} holds dead page {pid}", n.key);
-                assert_eq!(self.pages[pid].node, Some(r), "page {pid} does not point at its block");
+                assert!(
+                    self.pages[pid].live,
+                    "block {} holds dead page {pid}",
+                    n.key
+                );
+                assert_eq!(
+                    self.pages[pid].node,
+                    Some(r),
+                    "page {pid} does not point at its block"
+                );
             }
         }
         let mut refs: HashMap<PageId, (u32, u32)> = HashMap::new();
@@ -82,7 +129,12 @@ impl KvCacheManager {
         for (i, s) in self.seqs.iter().enumerate() {
             let Some(s) = s else { continue };
             live_seqs += 1;
-            assert_eq!(self.by_id.get(&s.id), Some(&(i as u32)), "sequence {} index", s.id);
+            assert_eq!(
+                self.by_id.get(&s.id),
+                Some(&(i as u32)),
+                "sequence {} index",
+                s.id
+            );
             assert!(
                 s.committed() <= s.history && s.history <= s.capacity,
                 "sequence {}: committed {} ≤ history {} ≤ capacity {}",
@@ -97,19 +149,37 @@ impl KvCacheManager {
                 "sequence {}: blocks = ceil(capacity / T)",
                 s.id
             );
-            assert!(s.nodes.len() as u64 <= s.committed() / self.tpb + 1, "sequence {} node chain", s.id);
+            assert!(
+                s.nodes.len() as u64 <= s.committed() / self.tpb + 1,
+                "sequence {} node chain",
+                s.id
+            );
             if s.status == SeqStatus::Active {
-                assert!(s.pending_copy.is_none(), "active sequence {} has a pending copy", s.id);
+                assert!(
+                    s.pending_copy.is_none(),
+                    "active sequence {} has a pending copy",
+                    s.id
+                );
             }
             for (j, &pid) in s.pages.iter().enumerate() {
                 let p = &self.pages[pid];
                 assert!(p.live, "sequence {} refers to dead page {pid}", s.id);
-                assert_eq!(p.life_cycle.index(), j % self.n_lc, "sequence {} page order", s.id);
+                assert_eq!(
+                    p.life_cycle.index(),
+                    j % self.n_lc,
+                    "sequence {} page order",
+                    s.id
+                );
                 let e = refs.entry(pid).or_default();
                 match s.status {
                     SeqStatus::Active => {
                         e.0 += 1;
-                        assert_eq!(p.tier, Tier::Gpu, "active sequence {} page {pid} off the GPU", s.id);
+                        assert_eq!(
+                            p.tier,
+                            Tier::Gpu,
+                            "active sequence {} page {pid} off the GPU",
+                            s.id
+                        );
                     }
                     SeqStatus::Suspended => e.1 += 1,
                 }
@@ -118,7 +188,11 @@ impl KvCacheManager {
         assert_eq!(live_seqs, self.by_id.len(), "sequence count");
         for (pid, p) in self.pages.iter_live() {
             let (locks, holders) = refs.get(&pid).copied().unwrap_or((0, 0));
-            assert_eq!((p.locks, p.holders), (locks, holders), "page {pid} reference counts");
+            assert_eq!(
+                (p.locks, p.holders),
+                (locks, holders),
+                "page {pid} reference counts"
+            );
         }
     }
 }

@@ -551,7 +551,12 @@ impl KvCacheManager {
     /// Writes the GPU slot of every block of life cycle `lc` of an **active** sequence
     /// into `out` and fills the rest with −1 (the physical block table). Returns the
     /// number of blocks.
-    pub fn write_block_table(&self, h: &SeqHandle, lc: LifeCycleId, out: &mut [i32]) -> Result<usize, KvError> {
+    pub fn write_block_table(
+        &self,
+        h: &SeqHandle,
+        lc: LifeCycleId,
+        out: &mut [i32],
+    ) -> Result<usize, KvError> {
         let idx = self.seq_index(h)?;
         let s = self.seq(idx);
         if s.status != SeqStatus::Active {
@@ -588,7 +593,12 @@ impl KvCacheManager {
 
     /// Page indices of (layer, role) for every block of an active sequence:
     /// `slot × scale + layer_offset` through the layer's converter.
-    pub fn page_indices(&self, h: &SeqHandle, layer: crate::ids::LayerId, role: Role) -> Result<Vec<u32>, KvError> {
+    pub fn page_indices(
+        &self,
+        h: &SeqHandle,
+        layer: crate::ids::LayerId,
+        role: Role,
+    ) -> Result<Vec<u32>, KvError> {
         let p = self.plan.placement(layer, role)?;
         Ok(self
             .block_slots(h, p.life_cycle)?
@@ -628,12 +638,18 @@ impl KvCacheManager {
 
     /// GPU slots of each pool group.
     pub fn gpu_slots(&self) -> Vec<u32> {
-        self.allocators[0].iter().map(SlotAllocator::capacity).collect()
+        self.allocators[0]
+            .iter()
+            .map(SlotAllocator::capacity)
+            .collect()
     }
 
     /// Host slots of each pool group (empty without a host tier).
     pub fn host_slots(&self) -> Vec<u32> {
-        self.allocators[1].iter().map(SlotAllocator::capacity).collect()
+        self.allocators[1]
+            .iter()
+            .map(SlotAllocator::capacity)
+            .collect()
     }
 
     #[inline]

@@ -63,7 +63,10 @@ pub fn estimate_tokens(
     tokens_per_block: u32,
     budget: u64,
 ) -> Result<u64, LayoutError> {
-    Ok(tokens_for_budget(&PoolPlan::for_model(model, set, kind, tokens_per_block)?, budget))
+    Ok(tokens_for_budget(
+        &PoolPlan::for_model(model, set, kind, tokens_per_block)?,
+        budget,
+    ))
 }
 
 /// Bytes per token of each buffer role, summed over layers (for "which component
@@ -260,7 +263,10 @@ mod tests {
         // Pools: 2,248,704 B and 515,328 B per slot.
         assert_eq!(bytes_for_slots(&p, 0), 0);
         assert_eq!(bytes_for_slots(&p, 1), 4 * MIB + 2 * MIB);
-        assert_eq!(bytes_for_slots(&p, 10), round_up(22_487_040, 2 * MIB) + round_up(5_153_280, 2 * MIB));
+        assert_eq!(
+            bytes_for_slots(&p, 10),
+            round_up(22_487_040, 2 * MIB) + round_up(5_153_280, 2 * MIB)
+        );
         assert_eq!(bytes_for_slots(&p, 10), 22 * MIB + 6 * MIB);
         let s = slots_for_budget(&p, 80 * GIB);
         assert!(bytes_for_slots(&p, s) <= 80 * GIB && bytes_for_slots(&p, s + 1) > 80 * GIB);
@@ -321,9 +327,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(capped.source, BudgetSource::MaxTokens);
-        assert_eq!(capped.bytes, (bytes_for_tokens(&p, 64_000) as f64 / 0.97).ceil() as u64);
+        assert_eq!(
+            capped.bytes,
+            (bytes_for_tokens(&p, 64_000) as f64 / 0.97).ceil() as u64
+        );
         assert!(capped.tokens >= 64_000);
-        assert_eq!(gpu_budget(&p, &QuotaInputs::default()), Err(QuotaError::NoBudget));
+        assert_eq!(
+            gpu_budget(&p, &QuotaInputs::default()),
+            Err(QuotaError::NoBudget)
+        );
         assert!(matches!(
             gpu_budget(
                 &p,
@@ -353,10 +365,20 @@ mod tests {
             vec![(Role::Key, 61 * 656), (Role::IndexKey, 61 * 132)]
         );
         let err = check_fits(&p, GIB, 1_000_000).unwrap_err();
-        let QuotaError::DoesNotFit { fit, dominant_role, dominant_bytes, bytes_per_token, .. } = err.clone() else {
+        let QuotaError::DoesNotFit {
+            fit,
+            dominant_role,
+            dominant_bytes,
+            bytes_per_token,
+            ..
+        } = err.clone()
+        else {
             panic!("{err:?}")
         };
-        assert_eq!((dominant_role, dominant_bytes, bytes_per_token), (Role::Key, 40_016, 48_068));
+        assert_eq!(
+            (dominant_role, dominant_bytes, bytes_per_token),
+            (Role::Key, 40_016, 48_068)
+        );
         assert_eq!(fit, tokens_for_budget(&p, GIB));
         let msg = err.to_string();
         assert!(msg.contains("key dominating with 40016 B (83.2%)"), "{msg}");
@@ -368,7 +390,11 @@ mod tests {
                     ..Default::default()
                 }
             ),
-            Err(QuotaError::DoesNotFit { needed: 64, fit: 0, .. })
+            Err(QuotaError::DoesNotFit {
+                needed: 64,
+                fit: 0,
+                ..
+            })
         ));
     }
 }

@@ -147,7 +147,12 @@ impl RadixTree {
         }
     }
 
-    fn new_node(key: BlockKey, parent: Option<u32>, tokens: Vec<TokenId>, pages: Vec<PageId>) -> Node {
+    fn new_node(
+        key: BlockKey,
+        parent: Option<u32>,
+        tokens: Vec<TokenId>,
+        pages: Vec<PageId>,
+    ) -> Node {
         Node {
             gen: 0,
             live: true,
@@ -204,7 +209,12 @@ impl RadixTree {
             let mut best: Option<(u32, BlockKey, u32)> = None;
             for &c in self.node(cur).children.values() {
                 let n = &self.nodes[c as usize];
-                let lcp = n.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count() as u32;
+                let lcp = n
+                    .tokens
+                    .iter()
+                    .zip(rest)
+                    .take_while(|(a, b)| a == b)
+                    .count() as u32;
                 let better = match best {
                     None => lcp > 0,
                     Some((l, k, _)) => lcp > l || (lcp == l && n.key < k),
@@ -245,7 +255,12 @@ impl RadixTree {
         // Insert first so that removing the replaced siblings never leaves the root
         // childless (which would prune it under our feet).
         let pidx = parent.idx;
-        let idx = self.alloc(Self::new_node(key, Some(pidx), tokens.to_vec(), pages.to_vec()));
+        let idx = self.alloc(Self::new_node(
+            key,
+            Some(pidx),
+            tokens.to_vec(),
+            pages.to_vec(),
+        ));
         self.nodes[pidx as usize].children.insert(key, idx);
         self.num_blocks += 1;
         for s in siblings {
@@ -261,7 +276,10 @@ impl RadixTree {
     /// Replaces the page of life cycle `lc` of a block (a donation on rebase).
     pub fn set_page(&mut self, r: NodeRef, lc: usize, page: PageId) -> PageId {
         let n = &mut self.nodes[r.idx as usize];
-        assert!(n.live && n.gen == r.gen, "invariant: node reference is live");
+        assert!(
+            n.live && n.gen == r.gen,
+            "invariant: node reference is live"
+        );
         std::mem::replace(&mut n.pages[lc], page)
     }
 
@@ -270,7 +288,10 @@ impl RadixTree {
     pub fn remove_subtree(&mut self, r: NodeRef, removed: &mut Vec<Removed>) {
         let Some(top) = self.get(r) else { return };
         let parent = top.parent;
-        assert!(parent.is_some(), "invariant: only blocks are removed, never a scope root");
+        assert!(
+            parent.is_some(),
+            "invariant: only blocks are removed, never a scope root"
+        );
         let top_key = top.key;
         let mut stack = vec![r.idx];
         while let Some(i) = stack.pop() {
@@ -304,7 +325,15 @@ impl RadixTree {
             .iter()
             .enumerate()
             .filter(|(_, n)| n.live && n.parent.is_some())
-            .map(|(i, n)| (NodeRef { idx: i as u32, gen: n.gen }, n))
+            .map(|(i, n)| {
+                (
+                    NodeRef {
+                        idx: i as u32,
+                        gen: n.gen,
+                    },
+                    n,
+                )
+            })
     }
 
     /// Panics when parent/child links or counts are inconsistent.
@@ -324,7 +353,11 @@ impl RadixTree {
                     assert!(!n.pages.is_empty(), "block {} has no page", n.key);
                     assert!(!n.tokens.is_empty() && n.tokens.len() <= tokens_per_block);
                     if n.tokens.len() < tokens_per_block {
-                        assert!(n.children.is_empty(), "partial block {} has children", n.key);
+                        assert!(
+                            n.children.is_empty(),
+                            "partial block {} has children",
+                            n.key
+                        );
                     }
                 }
             }
@@ -349,14 +382,27 @@ mod tests {
     }
 
     /// Inserts `tokens` block by block under the scope root; returns the node refs.
-    fn insert_seq(tree: &mut RadixTree, h: &mut KeyHasher, root: &BlockKey, tokens: &[TokenId], page0: u32) -> Vec<NodeRef> {
+    fn insert_seq(
+        tree: &mut RadixTree,
+        h: &mut KeyHasher,
+        root: &BlockKey,
+        tokens: &[TokenId],
+        page0: u32,
+    ) -> Vec<NodeRef> {
         let mut parent = tree.root_or_insert(*root);
         let mut key = *root;
         let mut out = vec![];
         let mut removed = vec![];
         for (i, chunk) in tokens.chunks(T).enumerate() {
             let k = h.block_key(&key, chunk);
-            match tree.insert(parent, k, chunk, &[PageId(page0 + i as u32)], T, &mut removed) {
+            match tree.insert(
+                parent,
+                k,
+                chunk,
+                &[PageId(page0 + i as u32)],
+                T,
+                &mut removed,
+            ) {
                 Insert::New(r) | Insert::Duplicate(r) => {
                     out.push(r);
                     parent = r;
@@ -389,8 +435,15 @@ mod tests {
         let m = tree.match_prefix(&mut h, &root, &toks(&[1, 2, 3, 4, 5, 6, 0]), T, false);
         assert_eq!((m.full.len(), m.partial), (1, None));
         // Another scope sees nothing.
-        let other = ReuseScope { lora_id: None, salt: Some(1) }.root_key();
-        assert_eq!(tree.match_prefix(&mut h, &other, &seq, T, true), TreeMatch::default());
+        let other = ReuseScope {
+            lora_id: None,
+            salt: Some(1),
+        }
+        .root_key();
+        assert_eq!(
+            tree.match_prefix(&mut h, &other, &seq, T, true),
+            TreeMatch::default()
+        );
         // No common token: no partial.
         let m = tree.match_prefix(&mut h, &root, &toks(&[9, 9]), T, true);
         assert_eq!(m, TreeMatch::default());
@@ -409,10 +462,16 @@ mod tests {
             Insert::New(n) => n,
             other => panic!("{other:?}"),
         };
-        assert_eq!(tree.insert(r, kf, &full, &[PageId(2)], T, &mut removed), Insert::Duplicate(n1));
+        assert_eq!(
+            tree.insert(r, kf, &full, &[PageId(2)], T, &mut removed),
+            Insert::Duplicate(n1)
+        );
         // A partial block that is a prefix of the full sibling is useless.
         let p = toks(&[1, 2]);
-        assert_eq!(tree.insert(r, h.block_key(&root, &p), &p, &[PageId(3)], T, &mut removed), Insert::Useless);
+        assert_eq!(
+            tree.insert(r, h.block_key(&root, &p), &p, &[PageId(3)], T, &mut removed),
+            Insert::Useless
+        );
         // A partial block [5] then a longer one [5, 6] replaces it.
         let a = toks(&[5]);
         let na = match tree.insert(r, h.block_key(&root, &a), &a, &[PageId(4)], T, &mut removed) {
@@ -420,7 +479,10 @@ mod tests {
             other => panic!("{other:?}"),
         };
         let b = toks(&[5, 6]);
-        assert!(matches!(tree.insert(r, h.block_key(&root, &b), &b, &[PageId(5)], T, &mut removed), Insert::New(_)));
+        assert!(matches!(
+            tree.insert(r, h.block_key(&root, &b), &b, &[PageId(5)], T, &mut removed),
+            Insert::New(_)
+        ));
         assert_eq!(removed.len(), 1);
         assert_eq!(removed[0].pages, vec![PageId(4)]);
         assert!(tree.get(na).is_none(), "replaced node is gone");
@@ -433,13 +495,31 @@ mod tests {
         let mut tree = RadixTree::default();
         let mut h = KeyHasher::default();
         let root = ReuseScope::SHARED.root_key();
-        let a = insert_seq(&mut tree, &mut h, &root, &toks(&[1, 2, 3, 4, 5, 6, 7, 8]), 10);
-        let b = insert_seq(&mut tree, &mut h, &root, &toks(&[1, 2, 3, 4, 9, 9, 9, 9, 1]), 20);
+        let a = insert_seq(
+            &mut tree,
+            &mut h,
+            &root,
+            &toks(&[1, 2, 3, 4, 5, 6, 7, 8]),
+            10,
+        );
+        let b = insert_seq(
+            &mut tree,
+            &mut h,
+            &root,
+            &toks(&[1, 2, 3, 4, 9, 9, 9, 9, 1]),
+            20,
+        );
         assert_eq!(a[0], b[0]);
         assert_eq!(tree.num_blocks(), 4);
         let mut removed = vec![];
         tree.remove_subtree(a[1], &mut removed);
-        assert_eq!(removed.iter().flat_map(|r| r.pages.clone()).collect::<Vec<_>>(), vec![PageId(11)]);
+        assert_eq!(
+            removed
+                .iter()
+                .flat_map(|r| r.pages.clone())
+                .collect::<Vec<_>>(),
+            vec![PageId(11)]
+        );
         assert_eq!(tree.num_blocks(), 3);
         removed.clear();
         tree.remove_subtree(a[0], &mut removed);

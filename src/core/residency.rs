@@ -227,9 +227,8 @@ impl KvCacheManager {
     /// makes them (offloading to the host tier, dropping from the last tier). Checks
     /// everything before moving anything: on `false` no structure has changed.
     pub(super) fn make_room_on_gpu(&mut self, needs: &[u32]) -> bool {
-        let groups = needs.len();
-        for g in 0..groups {
-            if !self.room_feasible(PoolGroupId(g as u16), needs[g]) {
+        for (g, &need) in needs.iter().enumerate() {
+            if !self.room_feasible(PoolGroupId(g as u16), need) {
                 return false;
             }
         }
@@ -322,7 +321,12 @@ impl KvCacheManager {
     }
 
     /// Allocates `n` new GPU pages of life cycle `lc` (room was made), locked once.
-    pub(super) fn new_locked_pages(&mut self, lc: LifeCycleId, n: usize, out: &mut Vec<(PageId, Option<Fence>)>) {
+    pub(super) fn new_locked_pages(
+        &mut self,
+        lc: LifeCycleId,
+        n: usize,
+        out: &mut Vec<(PageId, Option<Fence>)>,
+    ) {
         let group = self.lc_group[lc.index()];
         for _ in 0..n {
             let g = self.grant(Tier::Gpu, group);

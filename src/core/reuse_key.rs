@@ -101,22 +101,34 @@ mod tests {
             ReuseScope::SHARED.root_key().to_hex(),
             "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d"
         );
-        let lora = ReuseScope { lora_id: Some(5), salt: None };
+        let lora = ReuseScope {
+            lora_id: Some(5),
+            salt: None,
+        };
         assert_eq!(
             lora.root_key().to_hex(),
             "fadee97341d48aa37015edff6dfdd433ed192c94c0c3f14ca5b533d9547b3804"
         );
-        let salt = ReuseScope { lora_id: None, salt: Some(7) };
+        let salt = ReuseScope {
+            lora_id: None,
+            salt: Some(7),
+        };
         assert_eq!(
             salt.root_key().to_hex(),
             "95d6f8b53c8e5c1d2e3c443dfee0705a7ebdff9f6442377ef935ecc87dd1695a"
         );
-        let both = ReuseScope { lora_id: Some(5), salt: Some(7) };
+        let both = ReuseScope {
+            lora_id: Some(5),
+            salt: Some(7),
+        };
         assert_eq!(
             both.root_key().to_hex(),
             "65a69abe2c862979c226ec726ea15c567bd9ab0c76ffda6bc30be1ee8547943b"
         );
-        assert_eq!(ReuseScope::salt_from_str("tenant-a"), 16_248_643_848_220_682_112);
+        assert_eq!(
+            ReuseScope::salt_from_str("tenant-a"),
+            16_248_643_848_220_682_112
+        );
     }
 
     #[test]
@@ -124,10 +136,26 @@ mod tests {
         let mut h = KeyHasher::default();
         let root = ReuseScope::SHARED.root_key();
         let b1 = h.block_key(&root, &[TokenId(1), TokenId(2), TokenId(3)]);
-        assert_eq!(b1.to_hex(), "cfb54dcb32c106a7cf6e868309d3ce024413595c044ff9e5f525b359017de1eb");
+        assert_eq!(
+            b1.to_hex(),
+            "cfb54dcb32c106a7cf6e868309d3ce024413595c044ff9e5f525b359017de1eb"
+        );
         let toks: Vec<TokenId> = (100..164).map(TokenId).collect();
         let b2 = h.block_key(&b1, &toks);
-        assert_eq!(b2.to_hex(), "170f867eb0d04c09be6dae8462a30a338389334e7b4bd349f0f833075be75584");
-        assert_ne!(b1, h.block_key(&ReuseScope { lora_id: None, salt: Some(7) }.root_key(), &[TokenId(1), TokenId(2), TokenId(3)]));
+        assert_eq!(
+            b2.to_hex(),
+            "170f867eb0d04c09be6dae8462a30a338389334e7b4bd349f0f833075be75584"
+        );
+        assert_ne!(
+            b1,
+            h.block_key(
+                &ReuseScope {
+                    lora_id: None,
+                    salt: Some(7)
+                }
+                .root_key(),
+                &[TokenId(1), TokenId(2), TokenId(3)]
+            )
+        );
     }
 }

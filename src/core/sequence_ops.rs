@@ -82,7 +82,11 @@ impl KvCacheManager {
                     self.new_locked_pages(LifeCycleId(lc as u16), 1, &mut fresh);
                 }
             }
-            let mut ready = fresh.iter().filter_map(|f| f.1).max().unwrap_or(Fence::NONE);
+            let mut ready = fresh
+                .iter()
+                .filter_map(|f| f.1)
+                .max()
+                .unwrap_or(Fence::NONE);
             if let Some(p) = &self.current_plan {
                 ready = ready.max(p.fence);
             }
@@ -91,9 +95,16 @@ impl KvCacheManager {
             s.pages.extend(fresh.iter().map(|f| f.0));
             s.ready_after = s.ready_after.max(ready);
         } else if (new_blocks as usize) < old_blocks {
-            let tail: Vec<PageId> = self.seq_mut(idx).pages.drain(new_blocks as usize * n..).collect();
+            let tail: Vec<PageId> = self
+                .seq_mut(idx)
+                .pages
+                .drain(new_blocks as usize * n..)
+                .collect();
             for pid in tail.into_iter().rev() {
-                debug_assert!(self.pages[pid].node.is_none(), "a trailing block is never committed");
+                debug_assert!(
+                    self.pages[pid].node.is_none(),
+                    "a trailing block is never committed"
+                );
                 self.unref(pid, true);
             }
         }

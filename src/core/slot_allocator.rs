@@ -188,18 +188,33 @@ impl SlotAllocator {
     pub fn check_invariants(&self) {
         let bits: u32 = self.occupied.iter().map(|w| w.count_ones()).sum();
         assert_eq!(bits, self.num_occupied, "occupied bitset vs count");
-        let free = self.ready.len() as u32 + self.pending.len() as u32 + (self.capacity - self.next_fresh);
-        assert_eq!(free + self.num_occupied, self.capacity, "free + used = total");
+        let free =
+            self.ready.len() as u32 + self.pending.len() as u32 + (self.capacity - self.next_fresh);
+        assert_eq!(
+            free + self.num_occupied,
+            self.capacity,
+            "free + used = total"
+        );
         let mut seen = vec![false; self.capacity as usize];
-        let recycled = self.ready.iter().copied().chain(self.pending.iter().map(|r| r.0 .1));
+        let recycled = self
+            .ready
+            .iter()
+            .copied()
+            .chain(self.pending.iter().map(|r| r.0 .1));
         for s in recycled {
-            assert!(s.get() < self.next_fresh, "recycled slot {s} was never issued");
+            assert!(
+                s.get() < self.next_fresh,
+                "recycled slot {s} was never issued"
+            );
             assert!(!self.is_occupied(s), "recycled slot {s} is occupied");
             assert!(!seen[s.index()], "slot {s} recycled twice");
             seen[s.index()] = true;
         }
         for s in self.next_fresh..self.capacity {
-            assert!(!self.is_occupied(SlotId(s)), "never-issued slot {s} is occupied");
+            assert!(
+                !self.is_occupied(SlotId(s)),
+                "never-issued slot {s} is occupied"
+            );
         }
     }
 }
@@ -238,7 +253,13 @@ mod tests {
         a.release(s1, Fence::NONE).unwrap(); // ready at once
         let completed = Fence(2);
         // Ready recycled first.
-        assert_eq!(a.allocate(completed).unwrap(), SlotGrant { slot: SlotId(1), wait_for: None });
+        assert_eq!(
+            a.allocate(completed).unwrap(),
+            SlotGrant {
+                slot: SlotId(1),
+                wait_for: None
+            }
+        );
         // Then never-issued ids.
         assert_eq!(a.allocate(completed).unwrap().slot, SlotId(2));
         assert_eq!(a.allocate(completed).unwrap().slot, SlotId(3));
@@ -262,7 +283,13 @@ mod tests {
         assert_eq!(a.allocate(Fence(2)).unwrap().slot, SlotId(1));
         a.release(SlotId(1), Fence(4)).unwrap();
         // Watermark 3: slot 0 is ready, slot 1 (fence 4) is not.
-        assert_eq!(a.allocate(Fence(3)).unwrap(), SlotGrant { slot: SlotId(0), wait_for: None });
+        assert_eq!(
+            a.allocate(Fence(3)).unwrap(),
+            SlotGrant {
+                slot: SlotId(0),
+                wait_for: None
+            }
+        );
         assert_eq!(
             a.allocate(Fence(3)).unwrap(),
             SlotGrant {
@@ -283,7 +310,9 @@ mod tests {
         let mut got = Vec::new();
         a.allocate_many(3, Fence::NONE, &mut got).unwrap();
         assert_eq!(
-            got.iter().map(|g| (g.slot.get(), g.wait_for.unwrap().0)).collect::<Vec<_>>(),
+            got.iter()
+                .map(|g| (g.slot.get(), g.wait_for.unwrap().0))
+                .collect::<Vec<_>>(),
             vec![(1, 7), (2, 8), (0, 9)]
         );
     }
@@ -312,8 +341,14 @@ mod tests {
         let mut a = SlotAllocator::new(2);
         let s = a.allocate(Fence::NONE).unwrap().slot;
         a.release(s, Fence::NONE).unwrap();
-        assert_eq!(a.release(s, Fence::NONE), Err(SlotError::NotOccupied { slot: s }));
-        assert_eq!(a.release(SlotId(1), Fence::NONE), Err(SlotError::NotOccupied { slot: SlotId(1) }));
+        assert_eq!(
+            a.release(s, Fence::NONE),
+            Err(SlotError::NotOccupied { slot: s })
+        );
+        assert_eq!(
+            a.release(SlotId(1), Fence::NONE),
+            Err(SlotError::NotOccupied { slot: SlotId(1) })
+        );
         assert_eq!(
             a.release(SlotId(2), Fence::NONE),
             Err(SlotError::OutOfRange {

@@ -14,7 +14,10 @@ fn plan() -> PoolPlan {
         vec![LayerSpec {
             layer: LayerId(0),
             life_cycle: LifeCycleKey(0),
-            buffers: vec![BufferSpec::new(Role::Key, RowLayout::Interleaved { row_bytes: 2 })],
+            buffers: vec![BufferSpec::new(
+                Role::Key,
+                RowLayout::Interleaved { row_bytes: 2 },
+            )],
         }],
     )
     .unwrap()
@@ -22,7 +25,15 @@ fn plan() -> PoolPlan {
 
 fn mgr_with(gpu: u32, host: u32, opts: ManagerOptions) -> KvCacheManager {
     let host = if host > 0 { vec![host] } else { vec![] };
-    KvCacheManager::new(plan(), TierSlots { gpu: vec![gpu], host }, opts).unwrap()
+    KvCacheManager::new(
+        plan(),
+        TierSlots {
+            gpu: vec![gpu],
+            host,
+        },
+        opts,
+    )
+    .unwrap()
 }
 
 fn mgr(gpu: u32, host: u32) -> KvCacheManager {
@@ -35,7 +46,12 @@ fn toks(r: std::ops::Range<u32>) -> Vec<TokenId> {
 
 fn start(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) -> SeqHandle {
     let c = m
-        .create(RequestId(id), ReuseScope::SHARED, prompt, SeqOptions { priority })
+        .create(
+            RequestId(id),
+            ReuseScope::SHARED,
+            prompt,
+            SeqOptions { priority },
+        )
         .unwrap();
     assert!(m.resume(&c.handle).unwrap());
     c.handle
@@ -51,43 +67,80 @@ fn cache(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) {
 }
 
 fn table(m: &KvCacheManager, h: &SeqHandle) -> Vec<u32> {
-    m.block_slots(h, LC0).unwrap().into_iter().map(|s| s.get()).collect()
+    m.block_slots(h, LC0)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.get())
+        .collect()
 }
 
 #[test]
 fn sequence_life_cycle() {
     let mut m = mgr(8, 0);
     let c = m
-        .create(RequestId(1), ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .create(
+            RequestId(1),
+            ReuseScope::SHARED,
+            &toks(0..10),
+            SeqOptions::default(),
+        )
         .unwrap();
     assert_eq!(c.reused_tokens, 0);
     let mut h = c.handle;
-    assert_eq!(m.sequence(RequestId(1)).unwrap().status, SeqStatus::Suspended);
+    assert_eq!(
+        m.sequence(RequestId(1)).unwrap().status,
+        SeqStatus::Suspended
+    );
     assert!(m.resume(&h).unwrap());
-    assert!(m.resume(&h).unwrap(), "resume of an active sequence is a no-op");
+    assert!(
+        m.resume(&h).unwrap(),
+        "resume of an active sequence is a no-op"
+    );
     assert!(m.resize(&h, 10, 0).unwrap());
     let info = m.info_of(&h).unwrap();
-    assert_eq!((info.capacity, info.history, info.committed, info.num_blocks), (10, 0, 0, 3));
+    assert_eq!(
+        (info.capacity, info.history, info.committed, info.num_blocks),
+        (10, 0, 0, 3)
+    );
     let mut row = [7i32; 5];
     assert_eq!(m.write_block_table(&h, LC0, &mut row), Ok(3));
     assert_eq!(row, [0, 1, 2, -1, -1]);
     m.commit(&h, &toks(0..10)).unwrap();
     let info = m.info_of(&h).unwrap();
-    assert_eq!((info.committed, info.history), (10, 10), "history rises to committed");
+    assert_eq!(
+        (info.committed, info.history),
+        (10, 10),
+        "history rises to committed"
+    );
     assert_eq!(m.num_cached_blocks(), 2);
     m.close(&mut h).unwrap();
-    assert_eq!(m.num_cached_blocks(), 3, "the partial tail is committed at close");
+    assert_eq!(
+        m.num_cached_blocks(),
+        3,
+        "the partial tail is committed at close"
+    );
     assert_eq!(m.num_pages(), 3);
     assert_eq!(m.occupied_slots(Tier::Gpu), vec![3]);
     assert_eq!(m.usage(Tier::Gpu)[0].evictable, 3);
     m.close(&mut h).unwrap();
-    assert_eq!(m.resize(&h, 12, 10), Err(KvError::SequenceClosed { id: RequestId(1) }));
-    assert_eq!(m.sequence(RequestId(1)), Err(KvError::UnknownRequest { id: RequestId(1) }));
+    assert_eq!(
+        m.resize(&h, 12, 10),
+        Err(KvError::SequenceClosed { id: RequestId(1) })
+    );
+    assert_eq!(
+        m.sequence(RequestId(1)),
+        Err(KvError::UnknownRequest { id: RequestId(1) })
+    );
     let ev = m.take_events();
     let stored: Vec<u32> = ev
         .iter()
         .map(|e| match e {
-            KvEvent::Stored { num_tokens, tier, priority, .. } => {
+            KvEvent::Stored {
+                num_tokens,
+                tier,
+                priority,
+                ..
+            } => {
                 assert_eq!((*tier, *priority), (Tier::Gpu, DEFAULT_PRIORITY));
                 *num_tokens
             }
@@ -103,34 +156,73 @@ fn reuse_lengths_are_exact() {
     let mut m = mgr(16, 0);
     cache(&mut m, 1, &toks(0..10), 35);
     // Lookups leave out the last prompt token.
-    let probe = |m: &mut KvCacheManager, p: &[TokenId]| m.probe_reuse(ReuseScope::SHARED, p).unwrap();
-    assert_eq!(probe(&mut m, &toks(0..10)), 9, "2 full blocks + [8] of the partial [8, 9]");
-    assert_eq!(probe(&mut m, &toks(0..11)), 10, "2 full blocks + the whole partial block");
-    assert_eq!(probe(&mut m, &toks(0..8)), 7, "block 0 + [4, 5, 6] of block 1");
+    let probe =
+        |m: &mut KvCacheManager, p: &[TokenId]| m.probe_reuse(ReuseScope::SHARED, p).unwrap();
+    assert_eq!(
+        probe(&mut m, &toks(0..10)),
+        9,
+        "2 full blocks + [8] of the partial [8, 9]"
+    );
+    assert_eq!(
+        probe(&mut m, &toks(0..11)),
+        10,
+        "2 full blocks + the whole partial block"
+    );
+    assert_eq!(
+        probe(&mut m, &toks(0..8)),
+        7,
+        "block 0 + [4, 5, 6] of block 1"
+    );
     assert_eq!(probe(&mut m, &toks(0..5)), 4);
     assert_eq!(probe(&mut m, &toks(0..2)), 1);
-    assert_eq!(probe(&mut m, &toks(0..1)), 0, "a one-token prompt reuses nothing");
+    assert_eq!(
+        probe(&mut m, &toks(0..1)),
+        0,
+        "a one-token prompt reuses nothing"
+    );
     assert_eq!(probe(&mut m, &toks(50..60)), 0);
     let mut p = toks(0..10);
     p[5] = TokenId(99);
     assert_eq!(probe(&mut m, &p), 5, "divergence at token 5");
     // Tenant isolation: another salt or LoRA never shares.
     for scope in [
-        ReuseScope { lora_id: None, salt: Some(ReuseScope::salt_from_str("tenant-b")) },
-        ReuseScope { lora_id: Some(3), salt: None },
+        ReuseScope {
+            lora_id: None,
+            salt: Some(ReuseScope::salt_from_str("tenant-b")),
+        },
+        ReuseScope {
+            lora_id: Some(3),
+            salt: None,
+        },
     ] {
         assert_eq!(m.probe_reuse(scope, &toks(0..10)).unwrap(), 0);
-        let c = m.create(RequestId(9), scope, &toks(0..10), SeqOptions::default()).unwrap();
+        let c = m
+            .create(RequestId(9), scope, &toks(0..10), SeqOptions::default())
+            .unwrap();
         assert_eq!(c.reused_tokens, 0);
         let mut h = c.handle;
         m.close(&mut h).unwrap();
     }
     // Partial reuse off: only whole blocks.
-    let mut m2 = mgr_with(16, 0, ManagerOptions { enable_partial_reuse: false, ..Default::default() });
+    let mut m2 = mgr_with(
+        16,
+        0,
+        ManagerOptions {
+            enable_partial_reuse: false,
+            ..Default::default()
+        },
+    );
     cache(&mut m2, 1, &toks(0..10), 35);
     assert_eq!(m2.probe_reuse(ReuseScope::SHARED, &toks(0..10)).unwrap(), 8);
     // Reuse off: nothing is cached.
-    let mut m3 = mgr_with(16, 0, ManagerOptions { enable_block_reuse: false, ..Default::default() });
+    let mut m3 = mgr_with(
+        16,
+        0,
+        ManagerOptions {
+            enable_block_reuse: false,
+            ..Default::default()
+        },
+    );
     cache(&mut m3, 1, &toks(0..10), 35);
     assert_eq!((m3.num_cached_blocks(), m3.num_pages()), (0, 0));
     assert_eq!(m3.probe_reuse(ReuseScope::SHARED, &toks(0..10)).unwrap(), 0);
@@ -141,12 +233,25 @@ fn partial_reuse_copies_on_resume() {
     let mut m = mgr(16, 0);
     cache(&mut m, 1, &toks(0..10), 35); // slots 0, 1, 2 ([8, 9] in slot 2)
     let c = m
-        .create(RequestId(2), ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .create(
+            RequestId(2),
+            ReuseScope::SHARED,
+            &toks(0..10),
+            SeqOptions::default(),
+        )
         .unwrap();
     assert_eq!(c.reused_tokens, 9);
     let h = c.handle;
     let info = m.info_of(&h).unwrap();
-    assert_eq!((info.committed, info.history, info.capacity, info.pending_copy), (9, 9, 9, true));
+    assert_eq!(
+        (
+            info.committed,
+            info.history,
+            info.capacity,
+            info.pending_copy
+        ),
+        (9, 9, 9, true)
+    );
     assert!(m.resume(&h).unwrap());
     assert_eq!(table(&m, &h), vec![0, 1, 3], "block 2 is a private copy");
     let plans = m.take_copy_plans();
@@ -176,7 +281,10 @@ fn partial_reuse_copies_on_resume() {
     assert_eq!(m.num_cached_blocks(), 3);
     assert!(matches!(
         m.take_events().as_slice(),
-        [KvEvent::Stored { num_tokens: 4, .. }, KvEvent::Removed { .. }]
+        [
+            KvEvent::Stored { num_tokens: 4, .. },
+            KvEvent::Removed { .. }
+        ]
     ));
     assert_eq!(m.occupied_slots(Tier::Gpu), vec![3]);
 }
@@ -210,7 +318,11 @@ fn eviction_is_lowest_priority_then_lru() {
     cache(&mut m, 3, &toks(300..304), 10);
     cache(&mut m, 4, &toks(400..404), 35);
     assert_eq!(m.num_cached_blocks(), 4);
-    let cached = |m: &mut KvCacheManager, base: u32| m.probe_reuse(ReuseScope::SHARED, &toks(base..base + 5)).unwrap() == 4;
+    let cached = |m: &mut KvCacheManager, base: u32| {
+        m.probe_reuse(ReuseScope::SHARED, &toks(base..base + 5))
+            .unwrap()
+            == 4
+    };
     let h = start(&mut m, 5, &toks(0..20), 35);
     let mut order = Vec::new();
     for blocks in 1..=4u64 {
@@ -225,8 +337,18 @@ fn eviction_is_lowest_priority_then_lru() {
     assert_eq!(order, vec![200, 300, 400, 100]);
     assert_eq!(m.stats().dropped_pages, 4);
     // The GPU is full of locked pages: a new sequence cannot even resume.
-    let other = m.create(RequestId(6), ReuseScope::SHARED, &toks(0..3), SeqOptions::default()).unwrap();
-    assert!(!m.resume(&other.handle).unwrap(), "100 % utilization, nothing evictable");
+    let other = m
+        .create(
+            RequestId(6),
+            ReuseScope::SHARED,
+            &toks(0..3),
+            SeqOptions::default(),
+        )
+        .unwrap();
+    assert!(
+        !m.resume(&other.handle).unwrap(),
+        "100 % utilization, nothing evictable"
+    );
     let removed = m
         .take_events()
         .into_iter()
@@ -246,14 +368,21 @@ fn failed_resize_changes_nothing() {
     assert!(!m.resize(&b, 8, 0).unwrap(), "needs 2, only 1 evictable");
     assert_eq!(m.fingerprint(), before);
     assert_eq!(m.stats().resize_failures, 1);
-    assert_eq!(m.num_cached_blocks(), 1, "the cached block was not evicted in vain");
+    assert_eq!(
+        m.num_cached_blocks(),
+        1,
+        "the cached block was not evicted in vain"
+    );
     assert!(m.resize(&b, 4, 0).unwrap());
     assert_eq!(m.num_cached_blocks(), 0);
 }
 
 #[test]
 fn offload_onboard_and_exact_resume_rollback() {
-    let opts = ManagerOptions { max_util_for_resume: 1.0, ..Default::default() };
+    let opts = ManagerOptions {
+        max_util_for_resume: 1.0,
+        ..Default::default()
+    };
     let mut m = mgr_with(2, 2, opts);
     let a = start(&mut m, 1, &toks(0..5), 35);
     assert!(m.resize(&a, 4, 0).unwrap());
@@ -276,7 +405,11 @@ fn offload_onboard_and_exact_resume_rollback() {
             }],
         }]
     );
-    assert_eq!(table(&m, &b), vec![1, 0], "B got the slot freed behind the copy");
+    assert_eq!(
+        table(&m, &b),
+        vec![1, 0],
+        "B got the slot freed behind the copy"
+    );
     assert_eq!(m.info_of(&b).unwrap().ready_after, Fence(1));
     assert_eq!(m.stats().offloaded_pages, 1);
     assert_eq!(m.stats().offloaded_bytes, 8);
@@ -318,7 +451,10 @@ fn offload_onboard_and_exact_resume_rollback() {
             _ => None,
         })
         .collect();
-    assert_eq!(tier_updates, vec![(Tier::Gpu, Tier::Host), (Tier::Host, Tier::Gpu)]);
+    assert_eq!(
+        tier_updates,
+        vec![(Tier::Gpu, Tier::Host), (Tier::Host, Tier::Gpu)]
+    );
     m.check_invariants();
 }
 
@@ -339,7 +475,10 @@ fn resume_gate_is_per_pool_group_utilization() {
 
 #[test]
 fn released_slots_wait_for_their_last_user() {
-    let opts = ManagerOptions { enable_block_reuse: false, ..Default::default() };
+    let opts = ManagerOptions {
+        enable_block_reuse: false,
+        ..Default::default()
+    };
     let mut m = mgr_with(2, 0, opts);
     let mut a = start(&mut m, 1, &toks(0..4), 35);
     assert!(m.resize(&a, 4, 0).unwrap());
@@ -349,19 +488,34 @@ fn released_slots_wait_for_their_last_user() {
     // The fresh slot 1 is preferred over slot 0, still in flight.
     let b = start(&mut m, 2, &toks(0..4), 35);
     assert!(m.resize(&b, 4, 0).unwrap());
-    assert_eq!((table(&m, &b), m.info_of(&b).unwrap().ready_after), (vec![1], Fence::NONE));
+    assert_eq!(
+        (table(&m, &b), m.info_of(&b).unwrap().ready_after),
+        (vec![1], Fence::NONE)
+    );
     // Slot 0 is handed out with the wait made explicit.
     let c = start(&mut m, 3, &toks(0..4), 35);
     assert!(m.resize(&c, 4, 0).unwrap());
-    assert_eq!((table(&m, &c), m.info_of(&c).unwrap().ready_after), (vec![0], step));
-    assert_eq!(m.complete_fences(Fence(9)), Err(KvError::FenceNotIssued { fence: Fence(9), issued: step }));
+    assert_eq!(
+        (table(&m, &c), m.info_of(&c).unwrap().ready_after),
+        (vec![0], step)
+    );
+    assert_eq!(
+        m.complete_fences(Fence(9)),
+        Err(KvError::FenceNotIssued {
+            fence: Fence(9),
+            issued: step
+        })
+    );
     m.complete_fences(step).unwrap();
     assert_eq!(m.completed_fence(), step);
 }
 
 #[test]
 fn donated_page_when_the_tree_copy_is_offloaded() {
-    let opts = ManagerOptions { max_util_for_resume: 1.0, ..Default::default() };
+    let opts = ManagerOptions {
+        max_util_for_resume: 1.0,
+        ..Default::default()
+    };
     let mut m = mgr_with(2, 4, opts);
     let mut a = start(&mut m, 1, &toks(0..5), 35);
     let b = start(&mut m, 2, &toks(0..5), 35);
@@ -378,7 +532,11 @@ fn donated_page_when_the_tree_copy_is_offloaded() {
     m.commit(&b, &toks(0..4)).unwrap();
     assert!(matches!(
         m.take_events().as_slice(),
-        [KvEvent::TierUpdated { from: Tier::Host, to: Tier::Gpu, .. }]
+        [KvEvent::TierUpdated {
+            from: Tier::Host,
+            to: Tier::Gpu,
+            ..
+        }]
     ));
     assert_eq!(table(&m, &b), vec![1]);
     assert_eq!(m.num_cached_blocks(), 1);
@@ -397,27 +555,57 @@ fn bad_input_gets_typed_errors() {
     assert!(m.resize(&h, 8, 4).unwrap());
     assert_eq!(
         m.resize(&h, 8, 3),
-        Err(KvError::HistoryBackwards { id: RequestId(1), current: 4, requested: 3 })
+        Err(KvError::HistoryBackwards {
+            id: RequestId(1),
+            current: 4,
+            requested: 3
+        })
     );
     assert_eq!(
         m.resize(&h, 5, 6),
-        Err(KvError::CapacityBelowHistory { id: RequestId(1), capacity: 5, history: 6 })
+        Err(KvError::CapacityBelowHistory {
+            id: RequestId(1),
+            capacity: 5,
+            history: 6
+        })
     );
     assert_eq!(
         m.commit(&h, &toks(0..9)),
-        Err(KvError::CommitBeyondCapacity { id: RequestId(1), adding: 9, total: 9, capacity: 8 })
+        Err(KvError::CommitBeyondCapacity {
+            id: RequestId(1),
+            adding: 9,
+            total: 9,
+            capacity: 8
+        })
     );
     assert_eq!(
         m.commit(&h, &[TokenId(1), TokenId(1 << 31)]),
-        Err(KvError::TokenOutOfRange { index: 1, value: 1 << 31, max: TokenId::MAX })
+        Err(KvError::TokenOutOfRange {
+            index: 1,
+            value: 1 << 31,
+            max: TokenId::MAX
+        })
     );
     assert!(matches!(
-        m.create(RequestId(1), ReuseScope::SHARED, &toks(0..3), SeqOptions::default()),
+        m.create(
+            RequestId(1),
+            ReuseScope::SHARED,
+            &toks(0..3),
+            SeqOptions::default()
+        ),
         Err(KvError::DuplicateRequest { .. })
     ));
     assert!(matches!(
-        m.create(RequestId(2), ReuseScope::SHARED, &toks(0..3), SeqOptions { priority: 101 }),
-        Err(KvError::InvalidOption { field: "priority", .. })
+        m.create(
+            RequestId(2),
+            ReuseScope::SHARED,
+            &toks(0..3),
+            SeqOptions { priority: 101 }
+        ),
+        Err(KvError::InvalidOption {
+            field: "priority",
+            ..
+        })
     ));
     assert_eq!(
         m.resize(&h, 20, 4),
@@ -431,33 +619,84 @@ fn bad_input_gets_typed_errors() {
         })
     );
     m.suspend(&h).unwrap();
-    assert!(matches!(m.resize(&h, 8, 4), Err(KvError::NotActive { status: SeqStatus::Suspended, .. })));
-    assert!(matches!(m.write_block_table(&h, LC0, &mut [0; 4]), Err(KvError::NotActive { .. })));
+    assert!(matches!(
+        m.resize(&h, 8, 4),
+        Err(KvError::NotActive {
+            status: SeqStatus::Suspended,
+            ..
+        })
+    ));
+    assert!(matches!(
+        m.write_block_table(&h, LC0, &mut [0; 4]),
+        Err(KvError::NotActive { .. })
+    ));
     assert!(m.resume(&h).unwrap());
-    assert!(matches!(m.write_block_table(&h, LC0, &mut [0; 1]), Err(KvError::InvalidOption { .. })));
+    assert!(matches!(
+        m.write_block_table(&h, LC0, &mut [0; 1]),
+        Err(KvError::InvalidOption { .. })
+    ));
     m.commit(&h, &toks(0..6)).unwrap();
     m.stop_committing(&h).unwrap();
     m.stop_committing(&h).unwrap();
-    assert_eq!(m.commit(&h, &toks(6..7)), Err(KvError::CommitAfterStop { id: RequestId(1) }));
+    assert_eq!(
+        m.commit(&h, &toks(6..7)),
+        Err(KvError::CommitAfterStop { id: RequestId(1) })
+    );
     let mut other = mgr(4, 0);
-    assert_eq!(other.resize(&h, 8, 4), Err(KvError::WrongManager { id: RequestId(1) }));
-    assert_eq!(other.close(&mut h), Err(KvError::WrongManager { id: RequestId(1) }));
+    assert_eq!(
+        other.resize(&h, 8, 4),
+        Err(KvError::WrongManager { id: RequestId(1) })
+    );
+    assert_eq!(
+        other.close(&mut h),
+        Err(KvError::WrongManager { id: RequestId(1) })
+    );
     m.close(&mut h).unwrap();
-    assert_eq!(m.commit(&h, &toks(0..1)), Err(KvError::SequenceClosed { id: RequestId(1) }));
-    assert_eq!(m.suspend(&h), Err(KvError::SequenceClosed { id: RequestId(1) }));
+    assert_eq!(
+        m.commit(&h, &toks(0..1)),
+        Err(KvError::SequenceClosed { id: RequestId(1) })
+    );
+    assert_eq!(
+        m.suspend(&h),
+        Err(KvError::SequenceClosed { id: RequestId(1) })
+    );
     assert!(matches!(
-        KvCacheManager::new(plan(), TierSlots { gpu: vec![0], host: vec![] }, ManagerOptions::default()),
-        Err(KvError::InvalidOption { field: "gpu_slots", .. })
+        KvCacheManager::new(
+            plan(),
+            TierSlots {
+                gpu: vec![0],
+                host: vec![]
+            },
+            ManagerOptions::default()
+        ),
+        Err(KvError::InvalidOption {
+            field: "gpu_slots",
+            ..
+        })
     ));
     assert!(matches!(
         KvCacheManager::new(
             plan(),
-            TierSlots { gpu: vec![4], host: vec![] },
-            ManagerOptions { max_util_for_resume: 0.0, ..Default::default() }
+            TierSlots {
+                gpu: vec![4],
+                host: vec![]
+            },
+            ManagerOptions {
+                max_util_for_resume: 0.0,
+                ..Default::default()
+            }
         ),
-        Err(KvError::InvalidOption { field: "max_util_for_resume", .. })
+        Err(KvError::InvalidOption {
+            field: "max_util_for_resume",
+            ..
+        })
     ));
-    let msg = KvError::HistoryBackwards { id: RequestId(3), current: 9, requested: 2 }.to_string();
+    let msg = KvError::HistoryBackwards {
+        id: RequestId(3),
+        current: 9,
+        requested: 2,
+    }
+    .to_string();
     assert_eq!(msg, "request 3: history may not go backwards (9 → 2)");
 }
 

@@ -78,7 +78,9 @@ pub enum LayoutKind {
 /// Layers with equal keys share one allocation life cycle (their pages are allocated,
 /// reused, evicted and freed together). DSA layers are all full attention, so the key
 /// is only a cache domain tag (e.g. target vs. a separately managed draft domain).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize,
+)]
 pub struct LifeCycleKey(pub u32);
 
 /// One buffer of a layer as the planner receives it.
@@ -250,7 +252,9 @@ pub enum LayoutError {
         why: &'static str,
     },
     /// Indexer pages with page expansion.
-    #[error("DSA indexer K-cache does not support page expansion (layer {layer} expands {expansion}×)")]
+    #[error(
+        "DSA indexer K-cache does not support page expansion (layer {layer} expands {expansion}×)"
+    )]
     IndexerExpansion {
         /// The layer.
         layer: LayerId,

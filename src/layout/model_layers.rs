@@ -2,7 +2,9 @@
 //! plus a block-scale buffer), and layers that own an indexer append an `IndexKey`
 //! buffer after the standard roles. All layers share one life cycle.
 
-use super::{BufferSpec, LayerSpec, LayoutError, LayoutKind, LifeCycleKey, PoolPlan, Role, RowLayout};
+use super::{
+    BufferSpec, LayerSpec, LayoutError, LayoutKind, LifeCycleKey, PoolPlan, Role, RowLayout,
+};
 use crate::config::{DsaModel, KvDtype, LayerSet};
 
 /// The only page size DSA kernels accept.
@@ -21,11 +23,15 @@ pub fn layer_specs_for_model(model: &DsaModel, set: LayerSet) -> Vec<LayerSpec> 
                 KvDtype::Nvfp4 => {
                     buffers.push(BufferSpec::new(
                         Role::Key,
-                        RowLayout::Interleaved { row_bytes: elems / 2 },
+                        RowLayout::Interleaved {
+                            row_bytes: elems / 2,
+                        },
                     ));
                     buffers.push(BufferSpec::new(
                         Role::KeyBlockScale,
-                        RowLayout::Interleaved { row_bytes: elems / 16 },
+                        RowLayout::Interleaved {
+                            row_bytes: elems / 16,
+                        },
                     ));
                 }
                 _ => buffers.push(BufferSpec::new(

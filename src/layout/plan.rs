@@ -420,10 +420,16 @@ impl PoolPlan {
         }
         let not = |layer, why| Err(LayoutError::NotV1Compatible { layer, why });
         if key0.converter.expansion != 1 {
-            return not(first.layer, "the first layer's key pages expand (expansion must be 1)");
+            return not(
+                first.layer,
+                "the first layer's key pages expand (expansion must be 1)",
+            );
         }
         if key0.converter.layer_offset != 0 {
-            return not(first.layer, "the first layer's key pages must sit at layer offset 0");
+            return not(
+                first.layer,
+                "the first layer's key pages must sit at layer offset 0",
+            );
         }
         if key0.converter.scale != num_layers {
             return not(
@@ -435,16 +441,25 @@ impl PoolPlan {
         for (local, spec) in self.layers.iter().enumerate() {
             let key = self.placement(spec.layer, Role::Key)?;
             if key.pool_group != key0.pool_group || key.pool != key0.pool {
-                return not(spec.layer, "every layer's key pages must live in the same pool");
+                return not(
+                    spec.layer,
+                    "every layer's key pages must live in the same pool",
+                );
             }
             if key.converter.scale != key0.converter.scale || key.converter.expansion != 1 {
-                return not(spec.layer, "every layer needs the same key page scale and no expansion");
+                return not(
+                    spec.layer,
+                    "every layer needs the same key page scale and no expansion",
+                );
             }
             if key.converter.layer_offset != local as u32 {
                 return not(spec.layer, "K pages must follow local-layer order");
             }
             if key.offset_in_slot != key0.offset_in_slot + local as u64 * key0.page_stride {
-                return not(spec.layer, "per-layer K pages must be contiguous in each slot");
+                return not(
+                    spec.layer,
+                    "per-layer K pages must be contiguous in each slot",
+                );
             }
         }
         Ok(PrimaryPoolView {

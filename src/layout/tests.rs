@@ -28,7 +28,10 @@ fn layer(l: u32, lc: u32, bufs: &[(Role, u32)]) -> LayerSpec {
     LayerSpec {
         layer: LayerId(l),
         life_cycle: LifeCycleKey(lc),
-        buffers: bufs.iter().map(|&(r, b)| BufferSpec::new(r, row(b))).collect(),
+        buffers: bufs
+            .iter()
+            .map(|&(r, b)| BufferSpec::new(r, row(b)))
+            .collect(),
     }
 }
 
@@ -102,7 +105,10 @@ fn v2_nvfp4_pools_sorted_descending() {
         g.pools.iter().map(|x| x.slot_bytes).collect::<Vec<_>>(),
         vec![61 * 18_432, 61 * 8_448, 61 * 2_304]
     );
-    assert_eq!(p.placement(LayerId(4), Role::KeyBlockScale).unwrap().pool, PoolId(2));
+    assert_eq!(
+        p.placement(LayerId(4), Role::KeyBlockScale).unwrap().pool,
+        PoolId(2)
+    );
     assert_eq!(p.bytes_per_token(LayerId(4), Role::All), Ok(324 + 132));
     assert_eq!(p.cache_bytes_per_token(), 61 * 456);
     let view = p.primary_pool_view().unwrap();
@@ -126,7 +132,10 @@ fn v1_layout_primary_pool_and_indexer_pools() {
     let glm = plan(&DsaModel::glm52(), LayoutKind::V1);
     assert_eq!(glm.pool_groups()[0].pools.len(), 1 + 21);
     assert_eq!(glm.converter(LayerId(74), Role::IndexKey).unwrap().scale, 1);
-    assert_eq!(glm.placement(LayerId(74), Role::IndexKey).unwrap().pool, PoolId(21));
+    assert_eq!(
+        glm.placement(LayerId(74), Role::IndexKey).unwrap().pool,
+        PoolId(21)
+    );
     assert_eq!(glm.cache_bytes_per_token(), 47_700);
     // NVFP4 in V1: a block-scale pool with the primary geometry.
     let m = with(DsaModelSpec {
@@ -139,12 +148,19 @@ fn v1_layout_primary_pool_and_indexer_pools() {
     assert_eq!(g.pools[0].slot_bytes, 61 * 18_432);
     assert_eq!(g.pools[1].slot_bytes, 61 * 2_304);
     assert_eq!(g.pools[2].slot_bytes, 4_352);
-    assert_eq!(p.converter(LayerId(3), Role::KeyBlockScale), Ok(conv(61, 3)));
+    assert_eq!(
+        p.converter(LayerId(3), Role::KeyBlockScale),
+        Ok(conv(61, 3))
+    );
 }
 
 #[test]
 fn v1_and_v2_agree_on_accounting_and_primary_view() {
-    for spec in [DsaModelSpec::deepseek_v32(), DsaModelSpec::glm5(), DsaModelSpec::glm52()] {
+    for spec in [
+        DsaModelSpec::deepseek_v32(),
+        DsaModelSpec::glm5(),
+        DsaModelSpec::glm52(),
+    ] {
         let m = with(spec);
         let v1 = plan(&m, LayoutKind::V1);
         let v2 = plan(&m, LayoutKind::V2);
@@ -154,7 +170,10 @@ fn v1_and_v2_agree_on_accounting_and_primary_view() {
         let view = v2.primary_pool_view().unwrap();
         for (slot, l) in [(0u32, 0u32), (3, 5), (1000, 60)] {
             let k = v2.placement(LayerId(l), Role::Key).unwrap();
-            assert_eq!(view.page_byte_offset(SlotId(slot), l), k.page_byte_offset(SlotId(slot)));
+            assert_eq!(
+                view.page_byte_offset(SlotId(slot), l),
+                k.page_byte_offset(SlotId(slot))
+            );
             assert_eq!(
                 view.global_row(SlotId(slot), l, 17),
                 u64::from(k.converter.page_index(SlotId(slot)).get()) * 64 + 17
@@ -170,11 +189,19 @@ fn v1_and_v2_agree_on_accounting_and_primary_view() {
 
 #[test]
 fn dsa_requires_64_tokens_per_block() {
-    let err = PoolPlan::for_model(&DsaModel::deepseek_v32(), LayerSet::Target, LayoutKind::V2, 32)
-        .unwrap_err();
+    let err = PoolPlan::for_model(
+        &DsaModel::deepseek_v32(),
+        LayerSet::Target,
+        LayoutKind::V2,
+        32,
+    )
+    .unwrap_err();
     assert_eq!(err, LayoutError::DsaTokensPerBlock { got: 32 });
     let msg = err.to_string();
-    assert!(msg.contains("must be 64 for DSA (got 32)") && msg.contains("DeepGEMM"), "{msg}");
+    assert!(
+        msg.contains("must be 64 for DSA (got 32)") && msg.contains("DeepGEMM"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -224,7 +251,10 @@ fn life_cycles_with_equal_slot_lists_share_a_pool_group() {
     assert_eq!(p.num_life_cycles(), 3);
     assert_eq!(p.life_cycle_key(LifeCycleId(1)), LifeCycleKey(9));
     assert_eq!(p.pool_groups().len(), 2);
-    assert_eq!(p.pool_groups()[0].life_cycles, vec![LifeCycleId(0), LifeCycleId(1)]);
+    assert_eq!(
+        p.pool_groups()[0].life_cycles,
+        vec![LifeCycleId(0), LifeCycleId(1)]
+    );
     assert_eq!(p.pool_groups()[1].life_cycles, vec![LifeCycleId(2)]);
     assert_eq!(p.pool_group_of(LifeCycleId(1)), PoolGroupId(0));
     assert_eq!(p.pool_group_of(LifeCycleId(2)), PoolGroupId(1));
@@ -236,11 +266,20 @@ fn life_cycles_with_equal_slot_lists_share_a_pool_group() {
     assert_eq!(p.pool_groups()[1].pools[0].slot_bytes, 8 * 16);
     let reps = p.representatives();
     assert_eq!(reps[&(PoolGroupId(0), PoolId(0), Role::Key)], LayerId(0));
-    assert_eq!(reps[&(PoolGroupId(0), PoolId(1), Role::IndexKey)], LayerId(0));
+    assert_eq!(
+        reps[&(PoolGroupId(0), PoolId(1), Role::IndexKey)],
+        LayerId(0)
+    );
     assert_eq!(reps[&(PoolGroupId(1), PoolId(0), Role::Key)], LayerId(4));
     assert_eq!(reps.len(), 3);
     assert_eq!(
-        PoolPlan::v1(16, vec![layer(0, 1, &[(Role::Key, 8)]), layer(1, 2, &[(Role::Key, 8)])]),
+        PoolPlan::v1(
+            16,
+            vec![
+                layer(0, 1, &[(Role::Key, 8)]),
+                layer(1, 2, &[(Role::Key, 8)])
+            ]
+        ),
         Err(LayoutError::V1LifeCycles { got: 2 })
     );
 }
@@ -261,7 +300,9 @@ fn representatives_do_not_depend_on_layer_order() {
     for _ in 0..50 {
         let mut permuted = base.clone();
         for i in (1..permuted.len()).rev() {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             permuted.swap(i, (state >> 33) as usize % (i + 1));
         }
         let p = PoolPlan::v2(64, permuted).unwrap();
@@ -269,16 +310,16 @@ fn representatives_do_not_depend_on_layer_order() {
         assert_eq!(p, reference);
     }
     let table = reference.pool_table();
-    let idx = table
-        .iter()
-        .find(|e| e.role == Role::IndexKey)
-        .unwrap();
+    let idx = table.iter().find(|e| e.role == Role::IndexKey).unwrap();
     // Both life cycles (even and odd layers) have the slot list [6 keys, 2 index keys]
     // and share group 0; life cycle 0 (layer 0's) is first in physical order, and its
     // first index key is layer 4.
     assert_eq!(reference.pool_groups().len(), 1);
     assert_eq!(idx.representative, LayerId(4));
-    assert_eq!((idx.index_scale, idx.base_offset, idx.page_stride), (2, 0, 132 * 64));
+    assert_eq!(
+        (idx.index_scale, idx.base_offset, idx.page_stride),
+        (2, 0, 132 * 64)
+    );
 }
 
 #[test]
@@ -302,35 +343,66 @@ fn primary_view_rejections() {
             role: Role::Value
         })
     );
-    let non_uniform = vec![layer(0, 0, &[(Role::Key, 8)]), layer(1, 0, &[(Role::Key, 16)])];
+    let non_uniform = vec![
+        layer(0, 0, &[(Role::Key, 8)]),
+        layer(1, 0, &[(Role::Key, 16)]),
+    ];
     let expected = LayoutError::NonUniformKey {
         layer: LayerId(1),
         got: 16,
         first: LayerId(0),
         expected: 8,
     };
-    assert_eq!(PoolPlan::v2(16, non_uniform.clone()).unwrap().primary_pool_view(), Err(expected.clone()));
+    assert_eq!(
+        PoolPlan::v2(16, non_uniform.clone())
+            .unwrap()
+            .primary_pool_view(),
+        Err(expected.clone())
+    );
     assert_eq!(PoolPlan::v1(16, non_uniform), Err(expected));
     // Page expansion on the key.
-    let mut expanded = vec![layer(0, 0, &[(Role::Key, 8)]), layer(1, 0, &[(Role::Key, 8)])];
+    let mut expanded = vec![
+        layer(0, 0, &[(Role::Key, 8)]),
+        layer(1, 0, &[(Role::Key, 8)]),
+    ];
     for l in &mut expanded {
         l.buffers[0].tokens_per_block_override = Some(8);
     }
     let p = PoolPlan::v2(16, expanded).unwrap();
     assert_eq!(p.converter(LayerId(1), Role::Key).unwrap().expansion, 2);
-    assert_eq!(p.converter(LayerId(1), Role::Key).unwrap().page_index(SlotId(3)).get(), 14);
+    assert_eq!(
+        p.converter(LayerId(1), Role::Key)
+            .unwrap()
+            .page_index(SlotId(3))
+            .get(),
+        14
+    );
     assert_eq!(p.placement(LayerId(1), Role::Key).unwrap().page_stride, 64);
     assert!(matches!(
         p.primary_pool_view(),
-        Err(LayoutError::NotV1Compatible { layer: LayerId(0), .. })
+        Err(LayoutError::NotV1Compatible {
+            layer: LayerId(0),
+            ..
+        })
     ));
     // Layer order and contiguity are checked too (defensive: the planners never produce
     // such plans, so build them by hand).
     let good = plan(&DsaModel::deepseek_v32(), LayoutKind::V2);
     let mut swapped = good.clone();
-    let a = swapped.placements.iter().position(|p| p.layer == LayerId(1) && p.role == Role::Key).unwrap();
-    let b = swapped.placements.iter().position(|p| p.layer == LayerId(2) && p.role == Role::Key).unwrap();
-    let (ca, cb) = (swapped.placements[a].converter, swapped.placements[b].converter);
+    let a = swapped
+        .placements
+        .iter()
+        .position(|p| p.layer == LayerId(1) && p.role == Role::Key)
+        .unwrap();
+    let b = swapped
+        .placements
+        .iter()
+        .position(|p| p.layer == LayerId(2) && p.role == Role::Key)
+        .unwrap();
+    let (ca, cb) = (
+        swapped.placements[a].converter,
+        swapped.placements[b].converter,
+    );
     swapped.placements[a].converter = cb;
     swapped.placements[b].converter = ca;
     assert_eq!(
@@ -341,7 +413,11 @@ fn primary_view_rejections() {
         })
     );
     let mut gap = good;
-    let c = gap.placements.iter().position(|p| p.layer == LayerId(3) && p.role == Role::Key).unwrap();
+    let c = gap
+        .placements
+        .iter()
+        .position(|p| p.layer == LayerId(3) && p.role == Role::Key)
+        .unwrap();
     gap.placements[c].offset_in_slot += 64;
     assert_eq!(
         gap.primary_pool_view(),
@@ -386,7 +462,10 @@ fn indexer_scale_rejections() {
 fn spec_validation_errors() {
     let ok = |l| layer(l, 0, &[(Role::Key, 8)]);
     assert_eq!(PoolPlan::v2(64, vec![]), Err(LayoutError::NoLayers));
-    assert_eq!(PoolPlan::v2(48, vec![ok(0)]), Err(LayoutError::TokensPerBlock { got: 48 }));
+    assert_eq!(
+        PoolPlan::v2(48, vec![ok(0)]),
+        Err(LayoutError::TokensPerBlock { got: 48 })
+    );
     assert_eq!(
         PoolPlan::v2(64, vec![ok(0), ok(0)]),
         Err(LayoutError::DuplicateLayer { layer: LayerId(0) })
@@ -415,11 +494,17 @@ fn spec_validation_errors() {
     );
     let mut bad = ok(0);
     bad.buffers[0].tokens_per_block_override = Some(48);
-    assert!(matches!(PoolPlan::v2(64, vec![bad]), Err(LayoutError::BadOverride { got: 48, .. })));
+    assert!(matches!(
+        PoolPlan::v2(64, vec![bad]),
+        Err(LayoutError::BadOverride { got: 48, .. })
+    ));
     let p = PoolPlan::v2(64, vec![ok(0)]).unwrap();
     assert!(matches!(
         p.placement(LayerId(0), Role::All),
-        Err(LayoutError::NoSuchBuffer { role: Role::All, .. })
+        Err(LayoutError::NoSuchBuffer {
+            role: Role::All,
+            ..
+        })
     ));
 }
 

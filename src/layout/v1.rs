@@ -69,7 +69,9 @@ impl PoolPlan {
         let mut representatives = BTreeMap::new();
         // Primary pool, then block scales: L pages per block, layer l at offset l.
         for role in [Role::Key, Role::KeyBlockScale] {
-            let Some(b0) = row_of(first, role) else { continue };
+            let Some(b0) = row_of(first, role) else {
+                continue;
+            };
             let (size, page_stride, _) = buffer_geometry(tokens_per_block, &b0);
             let pool = PoolId(pools.len() as u16);
             pools.push(PoolDesc {
@@ -97,7 +99,9 @@ impl PoolPlan {
         }
         // One indexer pool per indexer layer, one page per block.
         for spec in &layers {
-            let Some(b) = row_of(spec, Role::IndexKey) else { continue };
+            let Some(b) = row_of(spec, Role::IndexKey) else {
+                continue;
+            };
             let (size, page_stride, _) = buffer_geometry(tokens_per_block, &b);
             let pool = PoolId(pools.len() as u16);
             pools.push(PoolDesc {

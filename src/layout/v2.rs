@@ -53,7 +53,7 @@ pub(super) fn canonical_specs(
                 });
             }
             if let Some(o) = b.tokens_per_block_override {
-                if o == 0 || tokens_per_block % o != 0 {
+                if o == 0 || !tokens_per_block.is_multiple_of(o) {
                     return Err(LayoutError::BadOverride {
                         layer: spec.layer,
                         role: b.role,

@@ -40,7 +40,12 @@ impl CopyPlan {
 }
 
 /// Host reference: copies whole slots of `slot_bytes` from `src` to `dst`.
-pub fn copy_slots_between(src: &[u8], dst: &mut [u8], slot_bytes: usize, pairs: &[(SlotId, SlotId)]) {
+pub fn copy_slots_between(
+    src: &[u8],
+    dst: &mut [u8],
+    slot_bytes: usize,
+    pairs: &[(SlotId, SlotId)],
+) {
     for &(s, d) in pairs {
         let so = s.index() * slot_bytes;
         let d0 = d.index() * slot_bytes;
@@ -64,7 +69,12 @@ mod tests {
     fn copies_whole_slots() {
         let src: Vec<u8> = (0..32).collect();
         let mut dst = vec![0u8; 32];
-        copy_slots_between(&src, &mut dst, 8, &[(SlotId(3), SlotId(0)), (SlotId(1), SlotId(2))]);
+        copy_slots_between(
+            &src,
+            &mut dst,
+            8,
+            &[(SlotId(3), SlotId(0)), (SlotId(1), SlotId(2))],
+        );
         assert_eq!(&dst[0..8], &src[24..32]);
         assert_eq!(&dst[16..24], &src[8..16]);
         assert_eq!(&dst[8..16], &[0; 8]);
