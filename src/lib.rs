@@ -5,3 +5,4 @@ pub mod core;
 pub mod ids;
 pub mod layout;
 pub mod ops;
+pub mod storage;
