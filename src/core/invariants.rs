@@ -52,11 +52,11 @@ impl KvCacheManager {
                 p.tier,
                 p.node.is_some()
             );
-            if let Some(stamp) = p.queued {
+            if let Some((prio, stamp)) = p.queued {
                 queued += 1;
+                assert_eq!(prio, p.priority, "page {pid} queued under a stale priority");
                 assert!(
-                    self.queues
-                        .contains(p.tier, p.group, p.priority, stamp, pid),
+                    self.queues.contains(p.tier, p.group, prio, stamp, pid),
                     "page {pid} not in its queue"
                 );
             }

@@ -36,8 +36,9 @@ pub(crate) struct Page {
     /// Immutable: committed into the tree at some point (it may have been unlinked since).
     pub committed: bool,
     pub priority: u8,
-    /// Eviction-queue stamp when the page is in its (tier, group) queue.
-    pub queued: Option<u64>,
+    /// Eviction-queue key `(priority, LRU stamp)` when the page is in its (tier, group)
+    /// queue (the key is kept so a priority change cannot orphan a queue entry).
+    pub queued: Option<(u8, u64)>,
     /// The fence after which the page's bytes are valid (a copy into it).
     pub ready: Fence,
 }

@@ -31,21 +31,21 @@ impl KvCacheManager {
     }
 
     /// Takes a page out of its eviction queue; returns its stamp for an exact restore.
-    pub(super) fn dequeue(&mut self, pid: PageId) -> Option<u64> {
+    pub(super) fn dequeue(&mut self, pid: PageId) -> Option<(u8, u64)> {
         let p = &mut self.pages[pid];
-        let stamp = p.queued.take()?;
-        let (tier, group, prio) = (p.tier, p.group, p.priority);
+        let (prio, stamp) = p.queued.take()?;
+        let (tier, group) = (p.tier, p.group);
         self.queues.remove(tier, group, prio, stamp, pid);
-        Some(stamp)
+        Some((prio, stamp))
     }
 
-    /// Puts a page back with the stamp [`dequeue`](Self::dequeue) returned.
-    pub(super) fn requeue(&mut self, pid: PageId, stamp: u64) {
+    /// Puts a page back with the key [`dequeue`](Self::dequeue) returned.
+    pub(super) fn requeue(&mut self, pid: PageId, key: (u8, u64)) {
         let p = &mut self.pages[pid];
         debug_assert!(p.queued.is_none());
-        p.queued = Some(stamp);
-        let (tier, group, prio) = (p.tier, p.group, p.priority);
-        self.queues.restore(tier, group, prio, stamp, pid);
+        p.queued = Some(key);
+        let (tier, group) = (p.tier, p.group);
+        self.queues.restore(tier, group, key.0, key.1, pid);
     }
 
     /// Re-derives queue membership after the page's references changed (a use: the
@@ -56,7 +56,7 @@ impl KvCacheManager {
             let p = &self.pages[pid];
             let (tier, group, prio) = (p.tier, p.group, p.priority);
             let stamp = self.queues.push(tier, group, prio, pid);
-            self.pages[pid].queued = Some(stamp);
+            self.pages[pid].queued = Some((prio, stamp));
         }
     }
 

@@ -183,6 +183,7 @@ impl KvCacheManager {
         match outcome {
             Insert::New(node) => {
                 for &pid in &pages {
+                    self.dequeue(pid);
                     let p = &mut self.pages[pid];
                     p.node = Some(node);
                     p.committed = true;
@@ -215,6 +216,7 @@ impl KvCacheManager {
                         // unlinked (freed unless someone still holds it).
                         self.tree.set_page(node, lc, ours);
                         let from = self.pages[theirs].tier;
+                        self.dequeue(ours);
                         let p = &mut self.pages[ours];
                         p.node = Some(node);
                         p.committed = true;
@@ -303,7 +305,7 @@ impl KvCacheManager {
         let pending = self.seq(idx).pending_copy.map(|b| b as usize);
         let own: Vec<PageId> = self.seq(idx).pages.clone();
         // Our own pages must not be chosen as victims while we make room.
-        let stamps: Vec<(PageId, u64)> = own
+        let stamps: Vec<(PageId, (u8, u64))> = own
             .iter()
             .filter_map(|&p| self.dequeue(p).map(|s| (p, s)))
             .collect();
