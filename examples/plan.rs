@@ -1,0 +1,306 @@
+//! Capacity planner: bytes per token and per page of each cache component, the pool
+//! groups of the chosen layout, and how many tokens fit in a GPU budget.
+//!
+//! ```text
+//! cargo run --release --example plan -- --model deepseek-v3.2 [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4]
+//!     [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] [--fraction F] [--layout v1|v2]
+//!     [--layers N] [--tokens-per-block T] [--with-mtp] [--json]
+//! ```
+//!
+//! `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
+//! is `fraction` (default 0.9) of it. MTP layers are reported in their own fields; with
+//! `--with-mtp` they share the target manager (and its budget).
+
+use std::process::ExitCode;
+
+use dsa_kv::config::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelPreset};
+use dsa_kv::core::quota::{gpu_budget, QuotaInputs};
+use dsa_kv::layout::{LayoutKind, PoolPlan, Role};
+use serde_json::json;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+struct Args {
+    preset: ModelPreset,
+    layers: Option<u32>,
+    kv_dtype: Option<KvDtype>,
+    indexer_dtype: Option<IndexerDtype>,
+    gpu_mem_gib: f64,
+    fraction: f64,
+    layout: Option<LayoutKind>,
+    tokens_per_block: u32,
+    with_mtp: bool,
+    json: bool,
+}
+
+const USAGE: &str = "usage: plan --model deepseek-v3.2|glm-5|glm-5.2|mistral-large-3 \
+[--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] \
+[--fraction F] [--layout v1|v2] [--layers N] [--tokens-per-block T] [--with-mtp] [--json]";
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        preset: ModelPreset::DeepSeekV32,
+        layers: None,
+        kv_dtype: None,
+        indexer_dtype: None,
+        gpu_mem_gib: 80.0,
+        fraction: 0.9,
+        layout: None,
+        tokens_per_block: 64,
+        with_mtp: false,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    let mut model_given = false;
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"));
+        match flag.as_str() {
+            "--model" => {
+                a.preset = ModelPreset::parse(&value("--model")?).map_err(|e| e.to_string())?;
+                model_given = true;
+            }
+            "--kv-dtype" => a.kv_dtype = Some(KvDtype::parse(&value("--kv-dtype")?).map_err(|e| e.to_string())?),
+            "--indexer-dtype" => {
+                a.indexer_dtype = Some(IndexerDtype::parse(&value("--indexer-dtype")?).map_err(|e| e.to_string())?)
+            }
+            "--gpu-mem-gib" => {
+                let v = value("--gpu-mem-gib")?;
+                a.gpu_mem_gib = v
+                    .parse()
+                    .ok()
+                    .filter(|g: &f64| g.is_finite() && *g > 0.0)
+                    .ok_or(format!("--gpu-mem-gib must be a positive number of GiB (got {v:?})"))?;
+            }
+            "--fraction" => {
+                let v = value("--fraction")?;
+                a.fraction = v
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| *f > 0.0 && *f <= 1.0)
+                    .ok_or(format!("--fraction must be in (0, 1] (got {v:?})"))?;
+            }
+            "--layout" => {
+                a.layout = Some(match value("--layout")?.as_str() {
+                    "v1" => LayoutKind::V1,
+                    "v2" => LayoutKind::V2,
+                    other => return Err(format!("--layout must be v1 or v2 (got {other:?})")),
+                })
+            }
+            "--layers" => {
+                let v = value("--layers")?;
+                a.layers = Some(v.parse().map_err(|_| format!("--layers must be an integer (got {v:?})"))?);
+            }
+            "--tokens-per-block" => {
+                let v = value("--tokens-per-block")?;
+                a.tokens_per_block = v
+                    .parse()
+                    .map_err(|_| format!("--tokens-per-block must be an integer (got {v:?})"))?;
+            }
+            "--with-mtp" => a.with_mtp = true,
+            "--json" => a.json = true,
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    if !model_given {
+        return Err(format!("--model is required\n{USAGE}"));
+    }
+    Ok(a)
+}
+
+fn group_digits(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn run(a: Args) -> Result<(), String> {
+    let mut spec = a.preset.spec(a.layers).map_err(|e| e.to_string())?;
+    if let Some(d) = a.kv_dtype {
+        spec.kv_dtype = d;
+    }
+    if let Some(d) = a.indexer_dtype {
+        spec.indexer_dtype = d;
+    }
+    let model = DsaModel::new(spec).map_err(|e| e.to_string())?;
+    let kind = a.layout.unwrap_or(if model.spec().default_kv_manager_v2 == Some(true) {
+        LayoutKind::V2
+    } else {
+        LayoutKind::V1
+    });
+    let set = if a.with_mtp { LayerSet::TargetAndMtp } else { LayerSet::Target };
+    let plan = PoolPlan::for_model(&model, set, kind, a.tokens_per_block).map_err(|e| e.to_string())?;
+    let target = model.bytes_per_token(LayerSet::Target);
+    let mtp = model.bytes_per_token(LayerSet::MtpOnly);
+    let s = model.spec();
+    let num_idx = model.num_indexer_layers();
+    let free = (a.gpu_mem_gib * GIB) as u64;
+    let budget = gpu_budget(
+        &plan,
+        &QuotaInputs {
+            free_gpu_memory: Some(free),
+            free_gpu_memory_fraction: a.fraction,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    assert_eq!(
+        plan.cache_bytes_per_token(),
+        model.bytes_per_token(set).total(),
+        "invariant: the plan's Role::All accounting equals the model's"
+    );
+    let t = u64::from(a.tokens_per_block);
+    let groups: Vec<_> = plan
+        .pool_groups()
+        .iter()
+        .map(|g| {
+            json!({
+                "id": g.id.get(),
+                "life_cycles": g.life_cycles.iter().map(|l| l.get()).collect::<Vec<_>>(),
+                "slot_bytes": g.slot_bytes(),
+                "pools": g.pools.iter().map(|p| {
+                    let roles: Vec<String> = plan.placements().iter()
+                        .filter(|pl| pl.pool_group == g.id && pl.pool == p.id)
+                        .map(|pl| pl.role.to_string()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+                    let buffers = plan.placements().iter().filter(|pl| pl.pool_group == g.id && pl.pool == p.id).count();
+                    json!({"id": p.id.get(), "slot_bytes": p.slot_bytes, "roles": roles, "buffers": buffers})
+                }).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let report = json!({
+        "model": s.name,
+        "preset": a.preset.name(),
+        "num_layers": s.num_layers,
+        "indexer_layers": num_idx,
+        "kv_dtype": s.kv_dtype.name(),
+        "indexer_dtype": s.indexer_dtype.name(),
+        "layout": format!("{kind:?}").to_lowercase(),
+        "tokens_per_block": a.tokens_per_block,
+        "mla_row_bytes": model.mla_row_bytes(),
+        "indexer_row_bytes": model.indexer_row_bytes(),
+        "bytes_per_token": target.total(),
+        "mla_bytes_per_token": target.mla,
+        "indexer_bytes_per_token": target.indexer,
+        "indexer_share": target.indexer as f64 / target.total() as f64,
+        "mla_bytes_per_page_per_layer": u64::from(model.mla_row_bytes()) * t,
+        "indexer_bytes_per_page_per_layer": u64::from(model.indexer_row_bytes()) * t,
+        "mtp_layers": s.num_mtp_layers,
+        "mtp_bytes_per_token": mtp.total(),
+        "mtp_mla_bytes_per_token": mtp.mla,
+        "mtp_indexer_bytes_per_token": mtp.indexer,
+        "mtp_in_manager": a.with_mtp,
+        "manager_bytes_per_token": plan.cache_bytes_per_token(),
+        "bytes_per_block": plan.bytes_per_block(),
+        "pool_groups": groups,
+        "gpu_mem_gib": a.gpu_mem_gib,
+        "free_gpu_memory_fraction": a.fraction,
+        "budget_bytes": budget.bytes,
+        "allocated_bytes": budget.allocated_bytes,
+        "blocks": budget.slots,
+        "tokens_that_fit": budget.tokens,
+    });
+    if a.json {
+        println!("{report}");
+        return Ok(());
+    }
+    println!(
+        "{} ({} target layers, {} with an indexer, {} MTP) | kv_dtype {} | indexer {} | layout {:?} | {} tokens/block",
+        s.name, s.num_layers, num_idx, s.num_mtp_layers, s.kv_dtype, s.indexer_dtype, kind, t
+    );
+    println!();
+    println!("bytes per token, one rank, target layers:");
+    println!("  {:<22}{:>10}{:>8}{:>14}{:>18}", "component", "B/layer", "layers", "B/token", "B/page/layer");
+    let mla_page = u64::from(model.mla_row_bytes()) * t;
+    let idx_page = u64::from(model.indexer_row_bytes()) * t;
+    println!(
+        "  {:<22}{:>10}{:>8}{:>14}{:>18}",
+        format!("MLA latent ({})", s.kv_dtype),
+        model.mla_row_bytes(),
+        s.num_layers,
+        group_digits(target.mla),
+        group_digits(mla_page)
+    );
+    println!(
+        "  {:<22}{:>10}{:>8}{:>14}{:>18}",
+        format!("indexer K ({})", s.indexer_dtype),
+        model.indexer_row_bytes(),
+        num_idx,
+        group_digits(target.indexer),
+        group_digits(idx_page)
+    );
+    println!("  {:<22}{:>10}{:>8}{:>14}", "total", "", "", group_digits(target.total()));
+    println!(
+        "  indexer share {:.2} %",
+        100.0 * target.indexer as f64 / target.total() as f64
+    );
+    if s.num_mtp_layers > 0 {
+        println!(
+            "  MTP: {} layer(s), {} B/token ({} MLA + {} indexer){}",
+            s.num_mtp_layers,
+            group_digits(mtp.total()),
+            mtp.mla,
+            mtp.indexer,
+            if a.with_mtp { ", in this manager" } else { ", in a separate draft manager" }
+        );
+    }
+    println!();
+    println!("pool groups ({kind:?}):");
+    for g in plan.pool_groups() {
+        println!(
+            "  group {}: life cycles {:?}, {} B per slot, {} pool(s)",
+            g.id,
+            g.life_cycles.iter().map(|l| l.get()).collect::<Vec<_>>(),
+            group_digits(g.slot_bytes()),
+            g.pools.len()
+        );
+        let shown = if g.pools.len() > 6 { 3 } else { g.pools.len() };
+        for p in &g.pools[..shown] {
+            let pls: Vec<_> = plan
+                .placements()
+                .iter()
+                .filter(|pl| pl.pool_group == g.id && pl.pool == p.id)
+                .collect();
+            let role = pls.first().map_or(Role::Key, |pl| pl.role);
+            println!(
+                "    pool {}: {} B per slot = {} × {} ({} page of {} B)",
+                p.id,
+                group_digits(p.slot_bytes),
+                pls.len(),
+                role,
+                if pls.len() == 1 { "one" } else { "per-layer" },
+                group_digits(pls.first().map_or(0, |pl| pl.page_stride))
+            );
+        }
+        if shown < g.pools.len() {
+            println!("    … {} more pools of the same kind", g.pools.len() - shown);
+        }
+    }
+    println!();
+    println!(
+        "capacity: {:.1} GiB free × {} = {:.2} GiB budget → {} blocks = {} tokens ({:.2} GiB allocated in 2 MiB chunks)",
+        a.gpu_mem_gib,
+        a.fraction,
+        budget.bytes as f64 / GIB,
+        group_digits(budget.slots),
+        group_digits(budget.tokens),
+        budget.allocated_bytes as f64 / GIB
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match parse().and_then(run) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
