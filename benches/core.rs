@@ -5,12 +5,20 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use dsa_kv::config::{DsaModel, LayerSet};
-use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, SeqHandle, SeqOptions, SlotAllocator, TierSlots};
+use dsa_kv::core::{
+    KvCacheManager, ManagerOptions, ReuseScope, SeqHandle, SeqOptions, SlotAllocator, TierSlots,
+};
 use dsa_kv::ids::{Fence, LifeCycleId, RequestId, TokenId};
 use dsa_kv::layout::{LayoutKind, PoolPlan};
 
 fn v32_manager(gpu_slots: u32) -> KvCacheManager {
-    let plan = PoolPlan::for_model(&DsaModel::deepseek_v32(), LayerSet::Target, LayoutKind::V2, 64).unwrap();
+    let plan = PoolPlan::for_model(
+        &DsaModel::deepseek_v32(),
+        LayerSet::Target,
+        LayoutKind::V2,
+        64,
+    )
+    .unwrap();
     KvCacheManager::new(
         plan,
         TierSlots {
@@ -42,9 +50,16 @@ fn alloc_free(c: &mut Criterion) {
 
 fn prefix_match(c: &mut Criterion) {
     let mut m = v32_manager(1024);
-    let prompt: Vec<TokenId> = (0..32_768u32).map(|i| TokenId(i.wrapping_mul(2_654_435_761) % 150_000)).collect();
+    let prompt: Vec<TokenId> = (0..32_768u32)
+        .map(|i| TokenId(i.wrapping_mul(2_654_435_761) % 150_000))
+        .collect();
     let mut h = m
-        .create(RequestId(1), ReuseScope::SHARED, &prompt, SeqOptions::default())
+        .create(
+            RequestId(1),
+            ReuseScope::SHARED,
+            &prompt,
+            SeqOptions::default(),
+        )
         .unwrap()
         .handle;
     assert!(m.resume(&h).unwrap());
@@ -57,12 +72,24 @@ fn prefix_match(c: &mut Criterion) {
     let mut g = c.benchmark_group("prefix");
     g.throughput(Throughput::Elements(32_768));
     g.bench_function("probe_32k_tokens", |b| {
-        b.iter(|| black_box(m.probe_reuse(ReuseScope::SHARED, black_box(&query)).unwrap()))
+        b.iter(|| {
+            black_box(
+                m.probe_reuse(ReuseScope::SHARED, black_box(&query))
+                    .unwrap(),
+            )
+        })
     });
     // Creation holds the 512 matched pages; closing releases them (both timed).
     g.bench_function("create_close_32k_tokens", |b| {
         b.iter(|| {
-            let mut c = m.create(RequestId(2), ReuseScope::SHARED, &query, SeqOptions::default()).unwrap();
+            let mut c = m
+                .create(
+                    RequestId(2),
+                    ReuseScope::SHARED,
+                    &query,
+                    SeqOptions::default(),
+                )
+                .unwrap();
             m.close(&mut c.handle).unwrap();
         })
     });
@@ -84,7 +111,12 @@ fn decode_batch() -> Batch {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
         let len = 1000 + (x >> 33) % 2000;
         let h = m
-            .create(RequestId(i), ReuseScope::SHARED, &[TokenId(i as u32)], SeqOptions::default())
+            .create(
+                RequestId(i),
+                ReuseScope::SHARED,
+                &[TokenId(i as u32)],
+                SeqOptions::default(),
+            )
             .unwrap()
             .handle;
         assert!(m.resume(&h).unwrap());

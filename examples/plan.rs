@@ -53,15 +53,22 @@ fn parse() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mut model_given = false;
     while let Some(flag) = it.next() {
-        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"));
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
         match flag.as_str() {
             "--model" => {
                 a.preset = ModelPreset::parse(&value("--model")?).map_err(|e| e.to_string())?;
                 model_given = true;
             }
-            "--kv-dtype" => a.kv_dtype = Some(KvDtype::parse(&value("--kv-dtype")?).map_err(|e| e.to_string())?),
+            "--kv-dtype" => {
+                a.kv_dtype = Some(KvDtype::parse(&value("--kv-dtype")?).map_err(|e| e.to_string())?)
+            }
             "--indexer-dtype" => {
-                a.indexer_dtype = Some(IndexerDtype::parse(&value("--indexer-dtype")?).map_err(|e| e.to_string())?)
+                a.indexer_dtype = Some(
+                    IndexerDtype::parse(&value("--indexer-dtype")?).map_err(|e| e.to_string())?,
+                )
             }
             "--gpu-mem-gib" => {
                 let v = value("--gpu-mem-gib")?;
@@ -69,7 +76,9 @@ fn parse() -> Result<Args, String> {
                     .parse()
                     .ok()
                     .filter(|g: &f64| g.is_finite() && *g > 0.0)
-                    .ok_or(format!("--gpu-mem-gib must be a positive number of GiB (got {v:?})"))?;
+                    .ok_or(format!(
+                        "--gpu-mem-gib must be a positive number of GiB (got {v:?})"
+                    ))?;
             }
             "--fraction" => {
                 let v = value("--fraction")?;
@@ -88,7 +97,10 @@ fn parse() -> Result<Args, String> {
             }
             "--layers" => {
                 let v = value("--layers")?;
-                a.layers = Some(v.parse().map_err(|_| format!("--layers must be an integer (got {v:?})"))?);
+                a.layers = Some(
+                    v.parse()
+                        .map_err(|_| format!("--layers must be an integer (got {v:?})"))?,
+                );
             }
             "--tokens-per-block" => {
                 let v = value("--tokens-per-block")?;
@@ -129,13 +141,20 @@ fn run(a: Args) -> Result<(), String> {
         spec.indexer_dtype = d;
     }
     let model = DsaModel::new(spec).map_err(|e| e.to_string())?;
-    let kind = a.layout.unwrap_or(if model.spec().default_kv_manager_v2 == Some(true) {
-        LayoutKind::V2
+    let kind = a
+        .layout
+        .unwrap_or(if model.spec().default_kv_manager_v2 == Some(true) {
+            LayoutKind::V2
+        } else {
+            LayoutKind::V1
+        });
+    let set = if a.with_mtp {
+        LayerSet::TargetAndMtp
     } else {
-        LayoutKind::V1
-    });
-    let set = if a.with_mtp { LayerSet::TargetAndMtp } else { LayerSet::Target };
-    let plan = PoolPlan::for_model(&model, set, kind, a.tokens_per_block).map_err(|e| e.to_string())?;
+        LayerSet::Target
+    };
+    let plan =
+        PoolPlan::for_model(&model, set, kind, a.tokens_per_block).map_err(|e| e.to_string())?;
     let target = model.bytes_per_token(LayerSet::Target);
     let mtp = model.bytes_per_token(LayerSet::MtpOnly);
     let s = model.spec();
@@ -216,7 +235,10 @@ fn run(a: Args) -> Result<(), String> {
     );
     println!();
     println!("bytes per token, one rank, target layers:");
-    println!("  {:<22}{:>10}{:>8}{:>14}{:>18}", "component", "B/layer", "layers", "B/token", "B/page/layer");
+    println!(
+        "  {:<22}{:>10}{:>8}{:>14}{:>18}",
+        "component", "B/layer", "layers", "B/token", "B/page/layer"
+    );
     let mla_page = u64::from(model.mla_row_bytes()) * t;
     let idx_page = u64::from(model.indexer_row_bytes()) * t;
     println!(
@@ -235,7 +257,13 @@ fn run(a: Args) -> Result<(), String> {
         group_digits(target.indexer),
         group_digits(idx_page)
     );
-    println!("  {:<22}{:>10}{:>8}{:>14}", "total", "", "", group_digits(target.total()));
+    println!(
+        "  {:<22}{:>10}{:>8}{:>14}",
+        "total",
+        "",
+        "",
+        group_digits(target.total())
+    );
     println!(
         "  indexer share {:.2} %",
         100.0 * target.indexer as f64 / target.total() as f64
@@ -247,7 +275,11 @@ fn run(a: Args) -> Result<(), String> {
             group_digits(mtp.total()),
             mtp.mla,
             mtp.indexer,
-            if a.with_mtp { ", in this manager" } else { ", in a separate draft manager" }
+            if a.with_mtp {
+                ", in this manager"
+            } else {
+                ", in a separate draft manager"
+            }
         );
     }
     println!();
@@ -279,7 +311,10 @@ fn run(a: Args) -> Result<(), String> {
             );
         }
         if shown < g.pools.len() {
-            println!("    … {} more pools of the same kind", g.pools.len() - shown);
+            println!(
+                "    … {} more pools of the same kind",
+                g.pools.len() - shown
+            );
         }
     }
     println!();

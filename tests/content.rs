@@ -24,16 +24,30 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
         max_util_for_resume: 1.0,
         ..Default::default()
     };
-    let mut m = KvCacheManager::new(plan.clone(), TierSlots { gpu: gpu.clone(), host: host.clone() }, opts).unwrap();
+    let mut m = KvCacheManager::new(
+        plan.clone(),
+        TierSlots {
+            gpu: gpu.clone(),
+            host: host.clone(),
+        },
+        opts,
+    )
+    .unwrap();
     let mut st = HostStorage::new(&plan, &gpu, &host).unwrap();
     let scope = ReuseScope::SHARED;
     let seed = 0xC0FFEE;
-    let ctx = format!("{kind:?} {:?} {:?}", model.spec().kv_dtype, model.spec().indexer_dtype);
+    let ctx = format!(
+        "{kind:?} {:?} {:?}",
+        model.spec().kv_dtype,
+        model.spec().indexer_dtype
+    );
 
     // A: 150-token prompt (2 full blocks + 22 tokens), written, committed, closed.
     let a_tokens = tokens(1, 150);
     let a_hash = prefix_hashes(seed, &a_tokens);
-    let c = m.create(RequestId(1), scope, &a_tokens, SeqOptions::default()).unwrap();
+    let c = m
+        .create(RequestId(1), scope, &a_tokens, SeqOptions::default())
+        .unwrap();
     let mut a = c.handle;
     assert!(m.resume(&a).unwrap());
     assert!(m.resize(&a, 150, 0).unwrap());
@@ -47,11 +61,17 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     let mut b_tokens = a_tokens.clone();
     b_tokens.extend(tokens(2, 30));
     let b_hash = prefix_hashes(seed, &b_tokens);
-    let c = m.create(RequestId(2), scope, &b_tokens, SeqOptions::default()).unwrap();
+    let c = m
+        .create(RequestId(2), scope, &b_tokens, SeqOptions::default())
+        .unwrap();
     assert_eq!(c.reused_tokens, 150, "{ctx}");
     let b = c.handle;
     assert!(m.resume(&b).unwrap());
-    assert_eq!(run_copy_plans(&mut m, &mut st), 1, "copy-on-resume of the partial block");
+    assert_eq!(
+        run_copy_plans(&mut m, &mut st),
+        1,
+        "copy-on-resume of the partial block"
+    );
     verify_positions(&m, &st, &b, &b_hash, 0..150).unwrap_or_else(|e| panic!("{ctx}: reuse {e:?}"));
     assert!(m.resize(&b, 180, 150).unwrap());
     write_positions(&m, &mut st, &b, &b_hash, 150..180);
@@ -62,7 +82,9 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     // C: an unrelated 256-token prompt fills the GPU: B's pages go to the host.
     let c_tokens = tokens(3, 256);
     let c_hash = prefix_hashes(seed, &c_tokens);
-    let cc = m.create(RequestId(3), scope, &c_tokens, SeqOptions::default()).unwrap();
+    let cc = m
+        .create(RequestId(3), scope, &c_tokens, SeqOptions::default())
+        .unwrap();
     let mut cseq = cc.handle;
     assert!(m.resume(&cseq).unwrap());
     assert!(m.resize(&cseq, 256, 0).unwrap(), "{ctx}");
@@ -78,7 +100,8 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     assert!(m.resume(&b).unwrap(), "{ctx}");
     run_copy_plans(&mut m, &mut st);
     assert_eq!(m.stats().onboarded_pages, 1, "{ctx}");
-    verify_positions(&m, &st, &b, &b_hash, 0..180).unwrap_or_else(|e| panic!("{ctx}: onboarding {e:?}"));
+    verify_positions(&m, &st, &b, &b_hash, 0..180)
+        .unwrap_or_else(|e| panic!("{ctx}: onboarding {e:?}"));
 
     // D: reuses A's first 100 tokens (1 full block + 36 copied) after all that movement.
     let mut d_tokens = a_tokens[..100].to_vec();
@@ -86,12 +109,15 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     let d_hash = prefix_hashes(seed, &d_tokens);
     let mut bb = b;
     m.close(&mut bb).unwrap();
-    let dc = m.create(RequestId(4), scope, &d_tokens, SeqOptions::default()).unwrap();
+    let dc = m
+        .create(RequestId(4), scope, &d_tokens, SeqOptions::default())
+        .unwrap();
     assert_eq!(dc.reused_tokens, 100, "{ctx}");
     let d = dc.handle;
     assert!(m.resume(&d).unwrap());
     run_copy_plans(&mut m, &mut st);
-    verify_positions(&m, &st, &d, &d_hash, 0..100).unwrap_or_else(|e| panic!("{ctx}: reuse after movement {e:?}"));
+    verify_positions(&m, &st, &d, &d_hash, 0..100)
+        .unwrap_or_else(|e| panic!("{ctx}: reuse after movement {e:?}"));
     assert_eq!(m.occupied_slots(Tier::Host).len(), 1);
     m.check_invariants();
 }
@@ -116,7 +142,10 @@ fn content_survives_reuse_offload_and_onboarding() {
         },
         DsaModelSpec {
             kv_dtype: KvDtype::Bf16,
-            indexer_layers: IndexerLayers::Shared { skip_offset: 1, freq: 2 },
+            indexer_layers: IndexerLayers::Shared {
+                skip_offset: 1,
+                freq: 2,
+            },
             ..small
         },
     ];

@@ -13,7 +13,10 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use common::*;
-use dsa_kv::core::{KvCacheManager, KvError, ManagerOptions, ReuseScope, SeqHandle, SeqOptions, SeqStatus, TierSlots};
+use dsa_kv::core::{
+    KvCacheManager, KvError, ManagerOptions, ReuseScope, SeqHandle, SeqOptions, SeqStatus,
+    TierSlots,
+};
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
 use dsa_kv::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
 use dsa_kv::storage::HostStorage;
@@ -29,7 +32,10 @@ struct Config {
 }
 
 fn layer(l: u32, lc: u32, indexer: bool) -> LayerSpec {
-    let mut buffers = vec![BufferSpec::new(Role::Key, RowLayout::Interleaved { row_bytes: 6 })];
+    let mut buffers = vec![BufferSpec::new(
+        Role::Key,
+        RowLayout::Interleaved { row_bytes: 6 },
+    )];
     if indexer {
         buffers.push(BufferSpec::new(
             Role::IndexKey,
@@ -63,6 +69,13 @@ fn configs() -> Vec<Config> {
             specs: vec![layer(0, 0, true), layer(1, 1, false)],
             gpu: vec![12, 16],
             host: vec![],
+            opts: ManagerOptions::default(),
+        },
+        Config {
+            name: "two pool groups, host tier",
+            specs: vec![layer(0, 0, false), layer(1, 1, true), layer(2, 1, true)],
+            gpu: vec![12, 10],
+            host: vec![6, 5],
             opts: ManagerOptions::default(),
         },
         Config {
@@ -195,7 +208,13 @@ impl World {
 
     fn verify(&self, i: usize) {
         let s = &self.seqs[i];
-        if let Err((pos, layer, role)) = verify_positions(&self.m, &self.st, &s.handle, &s.hashes, 0..s.history as usize) {
+        if let Err((pos, layer, role)) = verify_positions(
+            &self.m,
+            &self.st,
+            &s.handle,
+            &s.hashes,
+            0..s.history as usize,
+        ) {
             panic!(
                 "KV mismatch for request {} at position {pos} (layer {layer}, {role}); history {}",
                 s.handle.id(),
@@ -215,7 +234,10 @@ impl World {
                 "request {} diverged from the reference",
                 s.handle.id()
             );
-            assert_eq!(self.m.committed_tokens(&s.handle).unwrap(), &s.stream[..s.committed as usize]);
+            assert_eq!(
+                self.m.committed_tokens(&s.handle).unwrap(),
+                &s.stream[..s.committed as usize]
+            );
         }
     }
 
@@ -226,7 +248,8 @@ impl World {
             12..=21 => self.resume(),
             22..=27 => {
                 if let Some(i) = self.pick(Some(SeqStatus::Active)) {
-                    self.log.push(format!("suspend {}", self.seqs[i].handle.id()));
+                    self.log
+                        .push(format!("suspend {}", self.seqs[i].handle.id()));
                     self.m.suspend(&self.seqs[i].handle).unwrap();
                     self.seqs[i].status = SeqStatus::Suspended;
                 }
@@ -269,7 +292,9 @@ impl World {
     fn new_prompt(&mut self, scope: usize) -> Vec<TokenId> {
         // Sometimes the same tokens another live request is still producing: both will
         // commit the same blocks (rebasing, donation).
-        let live: Vec<usize> = (0..self.seqs.len()).filter(|&i| self.seqs[i].scope == scope).collect();
+        let live: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].scope == scope)
+            .collect();
         if !live.is_empty() && self.rng.chance(25) {
             let s = &self.seqs[live[self.rng.below(live.len() as u64) as usize]];
             let mut p = s.stream.clone();
@@ -304,14 +329,23 @@ impl World {
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let priority = [10u8, 35, 60][self.rng.below(3) as usize];
-        self.log.push(format!("create {id} scope {scope} prompt {} prio {priority}", prompt.len()));
+        self.log.push(format!(
+            "create {id} scope {scope} prompt {} prio {priority}",
+            prompt.len()
+        ));
         let probe = self.m.probe_reuse(SCOPES[scope], &prompt).unwrap();
-        let c = self.m.create(id, SCOPES[scope], &prompt, SeqOptions { priority }).unwrap();
+        let c = self
+            .m
+            .create(id, SCOPES[scope], &prompt, SeqOptions { priority })
+            .unwrap();
         let reused = c.reused_tokens;
         assert_eq!(reused, probe, "probe_reuse and create disagree");
         let lookup = &prompt[..prompt.len().saturating_sub(1)];
         let bound = self.trie.lcp(scope as u32, lookup) as u64;
-        assert!(reused <= bound, "reused {reused} tokens but only {bound} were ever committed");
+        assert!(
+            reused <= bound,
+            "reused {reused} tokens but only {bound} were ever committed"
+        );
         if !self.reuse {
             assert_eq!(reused, 0);
         }
@@ -340,20 +374,26 @@ impl World {
     }
 
     fn resume_idx(&mut self, i: usize) {
-        self.log.push(format!("resume {}", self.seqs[i].handle.id()));
+        self.log
+            .push(format!("resume {}", self.seqs[i].handle.id()));
         if self.m.resume(&self.seqs[i].handle).unwrap() {
             self.seqs[i].status = SeqStatus::Active;
             run_copy_plans(&mut self.m, &mut self.st);
             self.verify(i);
         } else {
-            assert!(self.m.take_copy_plans().is_empty(), "a refused resume planned copies");
+            assert!(
+                self.m.take_copy_plans().is_empty(),
+                "a refused resume planned copies"
+            );
         }
     }
 
     /// A scheduler step: capacity grows to history + inputs (prefill chunk or decode with
     /// draft tokens); the new positions' KV is written.
     fn step(&mut self) {
-        let Some(i) = self.pick(Some(SeqStatus::Active)) else { return };
+        let Some(i) = self.pick(Some(SeqStatus::Active)) else {
+            return;
+        };
         let s = &self.seqs[i];
         let cap = (s.history + 1 + self.rng.below(7)).min(self.max_tokens);
         if cap < s.history {
@@ -368,9 +408,18 @@ impl World {
                 let s = &mut self.seqs[i];
                 s.capacity = cap;
                 let s = &self.seqs[i];
-                write_positions(&self.m, &mut self.st, &s.handle, &s.hashes, history as usize..cap as usize);
+                write_positions(
+                    &self.m,
+                    &mut self.st,
+                    &s.handle,
+                    &s.hashes,
+                    history as usize..cap as usize,
+                );
             }
-            Ok(false) => assert!(self.m.take_copy_plans().is_empty(), "a failed resize planned copies"),
+            Ok(false) => assert!(
+                self.m.take_copy_plans().is_empty(),
+                "a failed resize planned copies"
+            ),
             Err(KvError::SequenceTooLong { .. }) => {}
             Err(e) => panic!("resize: {e}"),
         }
@@ -379,13 +428,19 @@ impl World {
     /// Accepts some of the step's tokens: history advances and (usually) they are
     /// committed.
     fn accept(&mut self) {
-        let Some(i) = self.pick(Some(SeqStatus::Active)) else { return };
+        let Some(i) = self.pick(Some(SeqStatus::Active)) else {
+            return;
+        };
         let s = &self.seqs[i];
         let k = self.rng.below(s.capacity - s.history + 1);
         let history = s.history + k;
         let capacity = s.capacity;
-        self.log.push(format!("accept {} history {history}", s.handle.id()));
-        assert!(self.m.resize(&self.seqs[i].handle, capacity, history).unwrap());
+        self.log
+            .push(format!("accept {} history {history}", s.handle.id()));
+        assert!(self
+            .m
+            .resize(&self.seqs[i].handle, capacity, history)
+            .unwrap());
         self.seqs[i].history = history;
         if self.rng.chance(80) && !self.seqs[i].stopped {
             let s = &self.seqs[i];
@@ -394,16 +449,20 @@ impl World {
             let s = &mut self.seqs[i];
             s.committed = history;
             let root = s.scope as u32;
-            self.trie.insert(root, &self.seqs[i].stream[..history as usize]);
+            self.trie
+                .insert(root, &self.seqs[i].stream[..history as usize]);
         }
     }
 
     /// Rejected draft tokens: capacity shrinks back towards history.
     fn rollback(&mut self) {
-        let Some(i) = self.pick(Some(SeqStatus::Active)) else { return };
+        let Some(i) = self.pick(Some(SeqStatus::Active)) else {
+            return;
+        };
         let s = &self.seqs[i];
         let cap = s.history + self.rng.below(s.capacity - s.history + 1);
-        self.log.push(format!("rollback {} capacity {cap}", s.handle.id()));
+        self.log
+            .push(format!("rollback {} capacity {cap}", s.handle.id()));
         assert!(self.m.resize(&s.handle, cap, s.history).unwrap());
         self.seqs[i].capacity = cap;
         // Rolled-back tokens are redrawn: a rejected draft never reappears as committed.
@@ -420,7 +479,8 @@ impl World {
         self.m.close(&mut s.handle).unwrap();
         assert!(self.m.sequence(s.handle.id()).is_err());
         if !s.stopped {
-            self.trie.insert(s.scope as u32, &s.stream[..s.committed as usize]);
+            self.trie
+                .insert(s.scope as u32, &s.stream[..s.committed as usize]);
         }
     }
 
@@ -498,11 +558,17 @@ fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
         stats.resume_refusals
     );
     if cfg.opts.enable_block_reuse {
-        assert!(stats.reused_tokens > 0, "the workload never reused a prefix");
+        assert!(
+            stats.reused_tokens > 0,
+            "the workload never reused a prefix"
+        );
         assert!(stats.dropped_pages > 0, "the workload never evicted");
     }
     if !cfg.host.is_empty() {
-        assert!(stats.offloaded_pages > 0 && stats.onboarded_pages > 0, "no tier traffic");
+        assert!(
+            stats.offloaded_pages > 0 && stats.onboarded_pages > 0,
+            "no tier traffic"
+        );
     }
     ops
 }
@@ -512,7 +578,7 @@ fn randomized_against_reference_model() {
     let ops: usize = std::env::var("DSA_KV_MODEL_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(8_000);
+        .unwrap_or(6_400);
     let seeds: Vec<u64> = match std::env::var("DSA_KV_MODEL_SEED") {
         Ok(s) => vec![s.parse().expect("DSA_KV_MODEL_SEED must be an integer")],
         Err(_) => vec![1, 2, 3, 4],

@@ -281,6 +281,41 @@ mod tests {
     }
 
     #[test]
+    fn block_bytes_are_role_all_accounting() {
+        // One block costs exactly T × Σ_layers Role::All, for every preset, dtype and
+        // layout: the quota cannot leave the indexer out.
+        for spec in [
+            DsaModelSpec::deepseek_v32(),
+            DsaModelSpec::glm5(),
+            DsaModelSpec::glm52(),
+        ] {
+            for kv_dtype in KvDtype::ALL {
+                let m = DsaModel::new(DsaModelSpec {
+                    kv_dtype,
+                    ..spec.clone()
+                })
+                .unwrap();
+                for set in [LayerSet::Target, LayerSet::TargetAndMtp, LayerSet::MtpOnly] {
+                    for kind in [LayoutKind::V1, LayoutKind::V2] {
+                        let p = PoolPlan::for_model(&m, set, kind, 64).unwrap();
+                        let all: u64 = p
+                            .layer_ids()
+                            .map(|l| p.bytes_per_token(l, Role::All).unwrap())
+                            .sum();
+                        assert_eq!(all, m.bytes_per_token(set).total());
+                        assert_eq!(
+                            p.bytes_per_block(),
+                            64 * all,
+                            "{} {kv_dtype} {set:?} {kind:?}",
+                            spec.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn warmup_estimate_uses_the_allocation_formula() {
         let m = DsaModel::deepseek_v32();
         for kind in [LayoutKind::V1, LayoutKind::V2] {

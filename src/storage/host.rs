@@ -21,7 +21,11 @@ pub struct HostStorage {
 impl HostStorage {
     /// Zeroed pools for `plan` with the given slots per group (`host_slots` empty: no
     /// host tier).
-    pub fn new(plan: &PoolPlan, gpu_slots: &[u32], host_slots: &[u32]) -> Result<Self, StorageError> {
+    pub fn new(
+        plan: &PoolPlan,
+        gpu_slots: &[u32],
+        host_slots: &[u32],
+    ) -> Result<Self, StorageError> {
         let groups = plan.pool_groups().len();
         let slot_bytes: Vec<Vec<usize>> = plan
             .pool_groups()
@@ -45,12 +49,13 @@ impl HostStorage {
                 for (p, &sb) in slot_bytes[g].iter().enumerate() {
                     let bytes = sb * n as usize;
                     let mut v = Vec::new();
-                    v.try_reserve_exact(bytes).map_err(|_| StorageError::OutOfMemory {
-                        tier,
-                        group: PoolGroupId(g as u16),
-                        pool: p as u16,
-                        bytes: bytes as u64,
-                    })?;
+                    v.try_reserve_exact(bytes)
+                        .map_err(|_| StorageError::OutOfMemory {
+                            tier,
+                            group: PoolGroupId(g as u16),
+                            pool: p as u16,
+                            bytes: bytes as u64,
+                        })?;
                     v.resize(bytes, 0);
                     pools.push(v);
                 }
@@ -90,7 +95,15 @@ impl HostStorage {
     /// Writes token `pos` (inside the page) of buffer `p` in `slot`: `value` is the
     /// payload (the whole row for interleaved layouts), `scale` the scale word of a
     /// values-then-scales page.
-    pub fn write_token(&mut self, tier: Tier, p: &BufferPlacement, slot: SlotId, pos: u32, value: &[u8], scale: &[u8]) {
+    pub fn write_token(
+        &mut self,
+        tier: Tier,
+        p: &BufferPlacement,
+        slot: SlotId,
+        pos: u32,
+        value: &[u8],
+        scale: &[u8],
+    ) {
         let ranges = p.row.token_ranges(self.tokens_per_block, pos);
         let page = self.page_mut(tier, p, slot);
         let (vo, vl) = ranges.value;
@@ -102,7 +115,13 @@ impl HostStorage {
 
     /// Reads token `pos` of buffer `p` in `slot`: `(payload, scale)` (`scale` empty for
     /// interleaved layouts).
-    pub fn read_token(&self, tier: Tier, p: &BufferPlacement, slot: SlotId, pos: u32) -> (&[u8], &[u8]) {
+    pub fn read_token(
+        &self,
+        tier: Tier,
+        p: &BufferPlacement,
+        slot: SlotId,
+        pos: u32,
+    ) -> (&[u8], &[u8]) {
         let ranges = p.row.token_ranges(self.tokens_per_block, pos);
         let page = self.page(tier, p, slot);
         let (vo, vl) = ranges.value;
@@ -181,7 +200,10 @@ mod tests {
         // Layer 1's index page of slot 2 is page 2·2+1 = 5 of the 8448-byte pages.
         let pool = st.pool(Tier::Gpu, PoolGroupId(0), 1);
         assert_eq!(&pool[5 * 8448 + 5 * 128..5 * 8448 + 6 * 128], &[7u8; 128]);
-        assert_eq!(&pool[5 * 8448 + 8192 + 20..5 * 8448 + 8192 + 24], &[9, 9, 9, 9]);
+        assert_eq!(
+            &pool[5 * 8448 + 8192 + 20..5 * 8448 + 8192 + 24],
+            &[9, 9, 9, 9]
+        );
         st.execute(&CopyPlan {
             fence: Fence(1),
             wait_for: Fence::NONE,
@@ -193,7 +215,10 @@ mod tests {
             }],
         })
         .unwrap();
-        assert_eq!(st.read_token(Tier::Host, &idx, SlotId(1), 5), (&[7u8; 128][..], &[9u8, 9, 9, 9][..]));
+        assert_eq!(
+            st.read_token(Tier::Host, &idx, SlotId(1), 5),
+            (&[7u8; 128][..], &[9u8, 9, 9, 9][..])
+        );
         let bad = CopyPlan {
             fence: Fence(2),
             wait_for: Fence::NONE,
@@ -204,8 +229,17 @@ mod tests {
                 pairs: vec![(SlotId(2), SlotId(0))],
             }],
         };
-        assert!(matches!(st.execute(&bad), Err(StorageError::SlotOutOfRange { slot: SlotId(2), .. })));
+        assert!(matches!(
+            st.execute(&bad),
+            Err(StorageError::SlotOutOfRange {
+                slot: SlotId(2),
+                ..
+            })
+        ));
         let mut no_host = HostStorage::new(&plan, &[3], &[]).unwrap();
-        assert_eq!(no_host.execute(&bad), Err(StorageError::NoSuchTier { tier: Tier::Host }));
+        assert_eq!(
+            no_host.execute(&bad),
+            Err(StorageError::NoSuchTier { tier: Tier::Host })
+        );
     }
 }

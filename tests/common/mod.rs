@@ -49,7 +49,13 @@ pub fn prefix_hashes(scope_seed: u64, tokens: &[TokenId]) -> Vec<u64> {
 }
 
 /// The bytes of one token of one buffer: payload and scale word.
-pub fn pattern(prefix_hash: u64, layer: LayerId, role: Role, value_len: usize, scale_len: usize) -> (Vec<u8>, Vec<u8>) {
+pub fn pattern(
+    prefix_hash: u64,
+    layer: LayerId,
+    role: Role,
+    value_len: usize,
+    scale_len: usize,
+) -> (Vec<u8>, Vec<u8>) {
     let mut r = Rng(prefix_hash ^ (u64::from(layer.get()) << 40) ^ ((role as u64) << 56));
     let mut bytes = |n: usize| -> Vec<u8> {
         let mut v = Vec::with_capacity(n);
@@ -70,11 +76,20 @@ fn lens(p: &BufferPlacement, tpb: u32) -> (usize, usize) {
 }
 
 /// Writes positions `range` of an active sequence through its block table.
-pub fn write_positions(m: &KvCacheManager, st: &mut HostStorage, h: &SeqHandle, hashes: &[u64], range: std::ops::Range<usize>) {
+pub fn write_positions(
+    m: &KvCacheManager,
+    st: &mut HostStorage,
+    h: &SeqHandle,
+    hashes: &[u64],
+    range: std::ops::Range<usize>,
+) {
     let tpb = m.tokens_per_block() as usize;
     let placements: Vec<BufferPlacement> = m.plan().placements().to_vec();
     let tables: Vec<Vec<SlotId>> = (0..m.plan().num_life_cycles())
-        .map(|lc| m.block_slots(h, dsa_kv::ids::LifeCycleId(lc as u16)).unwrap())
+        .map(|lc| {
+            m.block_slots(h, dsa_kv::ids::LifeCycleId(lc as u16))
+                .unwrap()
+        })
         .collect();
     for p in range {
         for pl in &placements {
@@ -88,10 +103,19 @@ pub fn write_positions(m: &KvCacheManager, st: &mut HostStorage, h: &SeqHandle, 
 
 /// Checks positions `range` of an active sequence through its block table; returns the
 /// first mismatch as `(position, layer, role)`.
-pub fn verify_positions(m: &KvCacheManager, st: &HostStorage, h: &SeqHandle, hashes: &[u64], range: std::ops::Range<usize>) -> Result<(), (usize, LayerId, Role)> {
+pub fn verify_positions(
+    m: &KvCacheManager,
+    st: &HostStorage,
+    h: &SeqHandle,
+    hashes: &[u64],
+    range: std::ops::Range<usize>,
+) -> Result<(), (usize, LayerId, Role)> {
     let tpb = m.tokens_per_block() as usize;
     let tables: Vec<Vec<SlotId>> = (0..m.plan().num_life_cycles())
-        .map(|lc| m.block_slots(h, dsa_kv::ids::LifeCycleId(lc as u16)).unwrap())
+        .map(|lc| {
+            m.block_slots(h, dsa_kv::ids::LifeCycleId(lc as u16))
+                .unwrap()
+        })
         .collect();
     for p in range {
         for pl in m.plan().placements() {
