@@ -43,5 +43,6 @@ pub mod config;
 pub mod core;
 pub mod ids;
 pub mod layout;
+pub mod metadata;
 pub mod ops;
 pub mod storage;

@@ -243,6 +243,20 @@ impl KvCacheManager {
         self.handle_removed(removed);
     }
 
+    /// Ends a speculative step: commits the verified tokens (the target token and the
+    /// accepted drafts; history rises to them) and shrinks capacity back to history, which
+    /// frees the pages that only held rejected draft tokens. Rejected tokens are never
+    /// committed, so the prefix cache can never serve them.
+    pub fn accept_tokens(&mut self, h: &SeqHandle, accepted: &[TokenId]) -> Result<(), KvError> {
+        let idx = self.seq_index(h)?;
+        self.require_active(idx, "accepting tokens")?;
+        self.commit(h, accepted)?;
+        let history = self.seq(idx).history;
+        let grew = self.resize(h, history, history)?;
+        debug_assert!(grew, "shrinking never needs room");
+        Ok(())
+    }
+
     /// Stops adding blocks to the cache: a partial trailing block is committed as the
     /// sequence's last block (so a later request can reuse part of it). Idempotent.
     pub fn stop_committing(&mut self, h: &SeqHandle) -> Result<(), KvError> {

@@ -1,0 +1,701 @@
+//! [`StepMetadata`]: what the DSA kernels read each step, built on the host with the
+//! exact semantics of the device path (brief §3 "Per-step metadata").
+//!
+//! For a batch (context requests first, then generation requests), with request `r`
+//! holding `c_r` cached and `n_r` new tokens and `kv_r = c_r + n_r`:
+//! * indexer page table `[r][b] = slot × indexer_page_scale` (padding clamped to 0);
+//! * block table `[r][b] = slot` for `b < ceil(kv_r / T)`, −1 after;
+//! * for each new token `g = c_r + j`: payload offset `page × T(D+S) + (g mod T) × D`,
+//!   scale offset `page × T(D+S) + T·D + (g mod T) × S` with `page = table[r][g / T]`
+//!   (64-bit), MLA token slot `slot × T + g mod T`, request index `r`;
+//! * context tokens: causal window `ks = start of r in the concatenated context KV`,
+//!   `ke = ks + c_r + j + 1`;
+//! * full-KV mappings: when some context request has cached tokens (and full-KV is
+//!   enabled), own buffers with the offsets of every KV token of every context request,
+//!   request-major; otherwise the bindings alias the slot mappings. A step without
+//!   context requests leaves them as they were.
+//!
+//! Padding (for CUDA graphs): mappings −1 (skip), request indices and windows 0.
+
+use serde::Serialize;
+
+use super::buffers::{Bindings, BufferId, BufferRole, BufferSet, Data, MetaBuffer};
+use super::MetadataError;
+use crate::layout::{IndexerPageLayout, LayoutError, PoolPlan, Role, RowLayout};
+
+/// The per-manager constants the metadata needs (target and draft managers differ).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub struct MetadataLayout {
+    /// Tokens per block `T`.
+    pub tokens_per_block: u32,
+    /// Indexer pages per slot (V1: 1; V2: the `IndexKey` converter scale).
+    pub indexer_page_scale: u32,
+    /// Indexer page geometry; `None` when no layer owns an indexer (mappings are −1).
+    pub indexer: Option<IndexerPageLayout>,
+}
+
+impl MetadataLayout {
+    /// The constants of `plan`: tokens per block, the (uniform) indexer page scale and
+    /// the indexer page geometry.
+    pub fn from_plan(plan: &PoolPlan) -> Result<Self, LayoutError> {
+        let indexer = plan
+            .placements()
+            .iter()
+            .find(|p| p.role == Role::IndexKey)
+            .map(|p| match p.row {
+                RowLayout::ValuesThenScales {
+                    data_bytes,
+                    scale_bytes,
+                } => Ok(IndexerPageLayout {
+                    tokens_per_block: p.tokens_per_page(),
+                    data_bytes,
+                    scale_bytes,
+                }),
+                RowLayout::Interleaved { .. } => Err(LayoutError::NoSuchBuffer {
+                    layer: p.layer,
+                    role: Role::IndexKey,
+                    hint: ": an indexer buffer must use the values-then-scales page layout",
+                }),
+            })
+            .transpose()?;
+        Ok(MetadataLayout {
+            tokens_per_block: plan.tokens_per_block(),
+            indexer_page_scale: plan.indexer_page_scale()?,
+            indexer,
+        })
+    }
+}
+
+/// Sizes of one buffer set, fixed at creation.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub struct MetadataDims {
+    /// Rows of the page tables.
+    pub max_num_sequences: usize,
+    /// Columns of the page tables (pad to a multiple of 4 for 16-byte vector copies).
+    pub max_blocks_per_seq: usize,
+    /// New tokens per step.
+    pub max_num_tokens: usize,
+    /// KV tokens of all context requests of a step (full-KV mappings).
+    pub max_context_kv_tokens: usize,
+}
+
+/// Context (prefill chunk) or generation (decode, possibly with draft tokens).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub enum RequestKind {
+    /// A prefill chunk.
+    Context,
+    /// A decode step.
+    Generation,
+}
+
+/// One request of a step, as the scheduler and the cache manager describe it.
+#[derive(Clone, Copy, Debug)]
+pub struct StepRequest<'a> {
+    /// Context or generation.
+    pub kind: RequestKind,
+    /// Physical slot of every block the request holds (the manager's block table row).
+    pub block_slots: &'a [i32],
+    /// KV tokens before this step.
+    pub num_cached: u32,
+    /// Tokens this step adds (query tokens).
+    pub num_new: u32,
+    /// Helix context parallelism: this rank is inactive for the request and adds no
+    /// tokens this step.
+    pub helix_inactive: bool,
+}
+
+impl StepRequest<'_> {
+    /// Tokens this step adds on this rank.
+    pub fn added(&self) -> u32 {
+        if self.helix_inactive {
+            0
+        } else {
+            self.num_new
+        }
+    }
+}
+
+/// Counts of the prepared step.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
+pub struct StepCounts {
+    /// Requests.
+    pub num_requests: usize,
+    /// Context requests (they come first).
+    pub num_context_requests: usize,
+    /// New tokens (all requests).
+    pub num_tokens: usize,
+    /// New tokens of context requests (they come first).
+    pub num_context_tokens: usize,
+    /// Entries of the full-KV mappings (0 when aliased).
+    pub num_full_kv_tokens: usize,
+}
+
+/// The metadata buffers of one model instance on one device, with an optional draft
+/// set for speculative decoding. See the module docs for the contents.
+#[derive(Debug)]
+pub struct StepMetadata {
+    pub(super) buffers: Vec<MetaBuffer>,
+    pub(super) target: BufferSet,
+    pub(super) target_dims: MetadataDims,
+    pub(super) draft: Option<(BufferSet, MetadataDims)>,
+    pub(super) bound: Bindings,
+    pub(super) bound_dims: MetadataDims,
+    pub(super) layout: MetadataLayout,
+    pub(super) full_kv_enabled: bool,
+    /// Shared per-step buffers (identical for the target and the draft forward).
+    pub(super) req_idx_per_token: Vec<i32>,
+    pub(super) cu_seqlen_ks: Vec<i32>,
+    pub(super) cu_seqlen_ke: Vec<i32>,
+    pub(super) kinds: Vec<RequestKind>,
+    pub(super) num_new: Vec<u32>,
+    pub(super) helix_inactive: Vec<bool>,
+    /// Blocks given per request, for the target (0) and the draft (1) set.
+    pub(super) blocks_given: [Vec<u32>; 2],
+    pub(super) counts: StepCounts,
+    /// Bumped by every prepare and restore of a draft replay.
+    pub(super) epoch: u64,
+    /// Epoch of the active draft replay.
+    pub(super) replay: Option<u64>,
+}
+
+fn alloc_set(buffers: &mut Vec<MetaBuffer>, d: &MetadataDims) -> BufferSet {
+    let table = d.max_num_sequences * d.max_blocks_per_seq;
+    let mut push = |b: MetaBuffer| {
+        buffers.push(b);
+        BufferId((buffers.len() - 1) as u32)
+    };
+    BufferSet {
+        indexer_page_table: push(MetaBuffer::i32(BufferRole::IndexerPageTable, table, 0)),
+        block_table: push(MetaBuffer::i32(BufferRole::BlockTable, table, -1)),
+        slot_mapping_value: push(MetaBuffer::i64(
+            BufferRole::SlotMappingValue,
+            d.max_num_tokens,
+            -1,
+        )),
+        slot_mapping_scale: push(MetaBuffer::i64(
+            BufferRole::SlotMappingScale,
+            d.max_num_tokens,
+            -1,
+        )),
+        mla_slot_mapping: push(MetaBuffer::i64(
+            BufferRole::MlaSlotMapping,
+            d.max_num_tokens,
+            -1,
+        )),
+        full_kv_value: push(MetaBuffer::i64(
+            BufferRole::FullKvValue,
+            d.max_context_kv_tokens,
+            -1,
+        )),
+        full_kv_scale: push(MetaBuffer::i64(
+            BufferRole::FullKvScale,
+            d.max_context_kv_tokens,
+            -1,
+        )),
+        kv_lens: push(MetaBuffer::i32(BufferRole::KvLens, d.max_num_sequences, 0)),
+        num_cached: push(MetaBuffer::i32(
+            BufferRole::NumCached,
+            d.max_num_sequences,
+            0,
+        )),
+    }
+}
+
+impl StepMetadata {
+    /// Allocates the target set (and a draft set sized from the draft manager, when
+    /// speculative decoding uses a separate draft cache). `full_kv` enables the full-KV
+    /// mappings for context requests with cached tokens (context MLA over cached KV).
+    pub fn new(
+        layout: MetadataLayout,
+        dims: MetadataDims,
+        draft_dims: Option<MetadataDims>,
+        full_kv: bool,
+    ) -> Result<Self, MetadataError> {
+        for d in std::iter::once(&dims).chain(draft_dims.as_ref()) {
+            if d.max_num_sequences == 0 || d.max_blocks_per_seq == 0 || d.max_num_tokens == 0 {
+                return Err(MetadataError::BadDims { dims: *d });
+            }
+        }
+        if draft_dims.is_some_and(|d| {
+            d.max_num_sequences != dims.max_num_sequences || d.max_num_tokens != dims.max_num_tokens
+        }) {
+            return Err(MetadataError::BadDims {
+                dims: draft_dims.expect("checked"),
+            });
+        }
+        let mut buffers = Vec::new();
+        let target = alloc_set(&mut buffers, &dims);
+        let draft = draft_dims.map(|d| (alloc_set(&mut buffers, &d), d));
+        Ok(StepMetadata {
+            buffers,
+            target,
+            target_dims: dims,
+            draft,
+            bound: target.bindings(true),
+            bound_dims: dims,
+            layout,
+            full_kv_enabled: full_kv,
+            req_idx_per_token: vec![0; dims.max_num_tokens],
+            cu_seqlen_ks: vec![0; dims.max_num_tokens],
+            cu_seqlen_ke: vec![0; dims.max_num_tokens],
+            kinds: Vec::new(),
+            num_new: Vec::new(),
+            helix_inactive: Vec::new(),
+            blocks_given: [Vec::new(), Vec::new()],
+            counts: StepCounts::default(),
+            epoch: 0,
+            replay: None,
+        })
+    }
+
+    pub(super) fn i32s(&self, id: BufferId) -> &[i32] {
+        match &self.buffers[id.0 as usize].data {
+            Data::I32(v) => v,
+            Data::I64(_) => unreachable!("invariant: buffer {id:?} holds i32"),
+        }
+    }
+
+    pub(super) fn i64s(&self, id: BufferId) -> &[i64] {
+        match &self.buffers[id.0 as usize].data {
+            Data::I64(v) => v,
+            Data::I32(_) => unreachable!("invariant: buffer {id:?} holds i64"),
+        }
+    }
+
+    pub(super) fn i32s_mut(&mut self, id: BufferId) -> &mut [i32] {
+        match &mut self.buffers[id.0 as usize].data {
+            Data::I32(v) => v,
+            Data::I64(_) => unreachable!("invariant: buffer {id:?} holds i32"),
+        }
+    }
+
+    pub(super) fn i64s_mut(&mut self, id: BufferId) -> &mut [i64] {
+        match &mut self.buffers[id.0 as usize].data {
+            Data::I64(v) => v,
+            Data::I32(_) => unreachable!("invariant: buffer {id:?} holds i64"),
+        }
+    }
+
+    /// Validates a batch against `dims` and `layout`; returns the step counts.
+    pub(super) fn validate_for(
+        &self,
+        layout: &MetadataLayout,
+        dims: &MetadataDims,
+        reqs: &[StepRequest],
+    ) -> Result<StepCounts, MetadataError> {
+        if reqs.len() > dims.max_num_sequences {
+            return Err(MetadataError::TooManyRequests {
+                got: reqs.len(),
+                max: dims.max_num_sequences,
+            });
+        }
+        let t = u64::from(layout.tokens_per_block);
+        let mut c = StepCounts {
+            num_requests: reqs.len(),
+            ..Default::default()
+        };
+        let mut context_kv = 0usize;
+        let mut any_cached_context = false;
+        for (i, r) in reqs.iter().enumerate() {
+            if r.kind == RequestKind::Context {
+                if i > c.num_context_requests {
+                    return Err(MetadataError::ContextAfterGeneration { index: i });
+                }
+                c.num_context_requests += 1;
+                c.num_context_tokens += r.added() as usize;
+                context_kv += (r.num_cached + r.added()) as usize;
+                any_cached_context |= r.num_cached > 0;
+            }
+            if r.block_slots.len() > dims.max_blocks_per_seq {
+                return Err(MetadataError::TooManyBlocks {
+                    request: i,
+                    blocks: r.block_slots.len(),
+                    max: dims.max_blocks_per_seq,
+                });
+            }
+            let kv = u64::from(r.num_cached) + u64::from(r.added());
+            let needed = kv.div_ceil(t) as usize;
+            if needed > r.block_slots.len() || r.block_slots[..needed].iter().any(|&s| s < 0) {
+                return Err(MetadataError::BlocksShort {
+                    request: i,
+                    kv_len: kv,
+                    needed,
+                    given: r.block_slots.iter().take_while(|&&s| s >= 0).count(),
+                });
+            }
+            c.num_tokens += r.added() as usize;
+        }
+        if c.num_tokens > dims.max_num_tokens {
+            return Err(MetadataError::TooManyTokens {
+                got: c.num_tokens,
+                max: dims.max_num_tokens,
+            });
+        }
+        if self.full_kv_enabled && any_cached_context {
+            if context_kv > dims.max_context_kv_tokens {
+                return Err(MetadataError::ContextKvOverflow {
+                    got: context_kv,
+                    max: dims.max_context_kv_tokens,
+                });
+            }
+            c.num_full_kv_tokens = context_kv;
+        }
+        Ok(c)
+    }
+
+    /// Builds the metadata of a step into the bound (target) buffers. Errors leave every
+    /// buffer as it was.
+    pub fn prepare(
+        &mut self,
+        layout: &MetadataLayout,
+        reqs: &[StepRequest],
+    ) -> Result<StepCounts, MetadataError> {
+        if self.replay.is_some() {
+            return Err(MetadataError::ReplayActive);
+        }
+        let counts = self.validate_for(layout, &self.bound_dims, reqs)?;
+        self.layout = *layout;
+        self.counts = counts;
+        self.kinds = reqs.iter().map(|r| r.kind).collect();
+        self.num_new = reqs.iter().map(|r| r.num_new).collect();
+        self.helix_inactive = reqs.iter().map(|r| r.helix_inactive).collect();
+        self.blocks_given[0] = reqs.iter().map(|r| r.block_slots.len() as u32).collect();
+        // Shared per-token buffers.
+        let mut tok = 0;
+        let mut kv_start = 0i32;
+        for (r, req) in reqs.iter().enumerate() {
+            let kv = (req.num_cached + req.added()) as i32;
+            for j in 0..req.added() as i32 {
+                self.req_idx_per_token[tok] = r as i32;
+                let ctx = req.kind == RequestKind::Context;
+                self.cu_seqlen_ks[tok] = if ctx { kv_start } else { 0 };
+                self.cu_seqlen_ke[tok] = if ctx {
+                    kv_start + req.num_cached as i32 + j + 1
+                } else {
+                    0
+                };
+                tok += 1;
+            }
+            if req.kind == RequestKind::Context {
+                kv_start += kv;
+            }
+        }
+        self.req_idx_per_token[tok..].fill(0);
+        self.cu_seqlen_ks[tok..].fill(0);
+        self.cu_seqlen_ke[tok..].fill(0);
+        let set = self.bound_set();
+        self.fill_set(&set, self.bound_dims, reqs, counts);
+        Ok(counts)
+    }
+
+    /// The buffer set that is bound now.
+    pub(super) fn bound_set(&self) -> BufferSet {
+        match &self.draft {
+            Some((d, _)) if self.bound.indexer_page_table == d.indexer_page_table => *d,
+            _ => self.target,
+        }
+    }
+
+    /// Fills every buffer of `set` for a validated batch and rebinds the full-KV
+    /// mappings (own buffers or alias) of that set.
+    pub(super) fn fill_set(
+        &mut self,
+        set: &BufferSet,
+        dims: MetadataDims,
+        reqs: &[StepRequest],
+        counts: StepCounts,
+    ) {
+        let t = self.layout.tokens_per_block;
+        let scale = self.layout.indexer_page_scale;
+        let b = dims.max_blocks_per_seq;
+        {
+            let table = self.i32s_mut(set.indexer_page_table);
+            table.fill(0);
+            for (r, req) in reqs.iter().enumerate() {
+                for (col, &slot) in req.block_slots.iter().enumerate() {
+                    table[r * b + col] = slot.max(0).saturating_mul(scale as i32);
+                }
+            }
+        }
+        {
+            let table = self.i32s_mut(set.block_table);
+            table.fill(-1);
+            for (r, req) in reqs.iter().enumerate() {
+                let kv = req.num_cached + req.added();
+                let valid = kv.div_ceil(t) as usize;
+                table[r * b..r * b + valid].copy_from_slice(&req.block_slots[..valid]);
+            }
+        }
+        {
+            let lens = self.i32s_mut(set.kv_lens);
+            lens.fill(0);
+            for (r, req) in reqs.iter().enumerate() {
+                lens[r] = (req.num_cached + req.added()) as i32;
+            }
+            let cached = self.i32s_mut(set.num_cached);
+            cached.fill(0);
+            for (r, req) in reqs.iter().enumerate() {
+                cached[r] = req.num_cached as i32;
+            }
+        }
+        self.fill_slot_mappings(set, dims);
+        if counts.num_context_requests > 0 {
+            let own = counts.num_full_kv_tokens > 0;
+            self.bound = set.bindings(!own);
+            if own {
+                self.fill_full_kv(set, dims);
+            }
+        } else {
+            // A step with no context request leaves the full-KV bindings as they were.
+            let aliased = self.bound.full_kv_aliased();
+            self.bound = set.bindings(aliased);
+        }
+    }
+
+    /// Byte offsets of KV token `g` of request `r`, through `set`'s indexer page table.
+    fn indexer_offsets(&self, set: &BufferSet, dims: MetadataDims, r: usize, g: u32) -> (i64, i64) {
+        let Some(ix) = self.layout.indexer else {
+            return (-1, -1);
+        };
+        let t = self.layout.tokens_per_block;
+        let page = self.i32s(set.indexer_page_table)[r * dims.max_blocks_per_seq + (g / t) as usize]
+            as u64;
+        (
+            ix.value_offset(page, g % t) as i64,
+            ix.scale_offset(page, g % t) as i64,
+        )
+    }
+
+    /// Slot mappings of every new token, from the set's tables and cached lengths.
+    pub(super) fn fill_slot_mappings(&mut self, set: &BufferSet, dims: MetadataDims) {
+        let t = self.layout.tokens_per_block;
+        let n = self.counts.num_tokens;
+        let mut vals = Vec::with_capacity(n);
+        let mut mla = Vec::with_capacity(n);
+        let cached = self.i32s(set.num_cached).to_vec();
+        // Physical slots come from the indexer page table (`slot × scale`, scale ≥ 1),
+        // so a recompute needs nothing but the bound set.
+        let table = self.i32s(set.indexer_page_table);
+        let scale = self.layout.indexer_page_scale.max(1) as i32;
+        let mut phys = Vec::with_capacity(n);
+        for r in 0..self.counts.num_requests {
+            if self.helix_inactive[r] {
+                continue;
+            }
+            for j in 0..self.num_new[r] {
+                let g = cached[r] as u32 + j;
+                let col = (g / t) as usize;
+                phys.push((r, g, table[r * dims.max_blocks_per_seq + col] / scale));
+            }
+        }
+        for &(r, g, slot) in &phys {
+            vals.push(self.indexer_offsets(set, dims, r, g));
+            mla.push(i64::from(slot) * i64::from(t) + i64::from(g % t));
+        }
+        let v = self.i64s_mut(set.slot_mapping_value);
+        v.fill(-1);
+        for (i, o) in vals.iter().enumerate() {
+            v[i] = o.0;
+        }
+        let s = self.i64s_mut(set.slot_mapping_scale);
+        s.fill(-1);
+        for (i, o) in vals.iter().enumerate() {
+            s[i] = o.1;
+        }
+        let m = self.i64s_mut(set.mla_slot_mapping);
+        m.fill(-1);
+        m[..mla.len()].copy_from_slice(&mla);
+    }
+
+    fn fill_full_kv(&mut self, set: &BufferSet, dims: MetadataDims) {
+        let lens = self.i32s(set.kv_lens).to_vec();
+        let mut offs = Vec::with_capacity(self.counts.num_full_kv_tokens);
+        for r in 0..self.counts.num_context_requests {
+            for g in 0..lens[r] as u32 {
+                offs.push(self.indexer_offsets(set, dims, r, g));
+            }
+        }
+        let v = self.i64s_mut(set.full_kv_value);
+        v.fill(-1);
+        for (i, o) in offs.iter().enumerate() {
+            v[i] = o.0;
+        }
+        let s = self.i64s_mut(set.full_kv_scale);
+        s.fill(-1);
+        for (i, o) in offs.iter().enumerate() {
+            s[i] = o.1;
+        }
+    }
+
+    /// Recomputes the slot mappings from corrected cached lengths (after speculative
+    /// acceptance or an overlap scheduler), as the device does: one length per request
+    /// of the prepared step. The full-KV mappings and their alias state are not touched.
+    pub fn recompute_slot_mappings(&mut self, num_cached: &[u32]) -> Result<(), MetadataError> {
+        if num_cached.len() != self.counts.num_requests {
+            return Err(MetadataError::RequestCount {
+                got: num_cached.len(),
+                expected: self.counts.num_requests,
+            });
+        }
+        let t = self.layout.tokens_per_block;
+        for (r, &c) in num_cached.iter().enumerate() {
+            let kv = c + if self.helix_inactive[r] {
+                0
+            } else {
+                self.num_new[r]
+            };
+            let needed = kv.div_ceil(t);
+            let given = self.blocks_given[usize::from(self.replay.is_some())][r];
+            if needed > given {
+                return Err(MetadataError::BlocksShort {
+                    request: r,
+                    kv_len: u64::from(kv),
+                    needed: needed as usize,
+                    given: given as usize,
+                });
+            }
+        }
+        let set = self.bound_set();
+        let dims = self.bound_dims;
+        for (r, &c) in num_cached.iter().enumerate() {
+            let added = if self.helix_inactive[r] {
+                0
+            } else {
+                self.num_new[r]
+            };
+            self.i32s_mut(set.num_cached)[r] = c as i32;
+            self.i32s_mut(set.kv_lens)[r] = (c + added) as i32;
+        }
+        self.fill_slot_mappings(&set, dims);
+        Ok(())
+    }
+
+    // ---- read access ----------------------------------------------------------------
+
+    /// Counts of the prepared step.
+    pub fn counts(&self) -> StepCounts {
+        self.counts
+    }
+
+    /// Current bindings (which buffer plays which role; full-KV alias state).
+    pub fn bindings(&self) -> Bindings {
+        self.bound
+    }
+
+    /// The layout constants the bound buffers were built with.
+    pub fn layout(&self) -> MetadataLayout {
+        self.layout
+    }
+
+    /// Columns of the bound page tables.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.bound_dims.max_blocks_per_seq
+    }
+
+    /// The address of a buffer (stable for the metadata's life).
+    pub fn buffer_addr(&self, id: BufferId) -> usize {
+        self.buffers[id.0 as usize].addr()
+    }
+
+    /// What a buffer holds.
+    pub fn buffer_role(&self, id: BufferId) -> BufferRole {
+        self.buffers[id.0 as usize].role
+    }
+
+    /// Bound indexer page table, `[max_num_sequences × max_blocks_per_seq]`.
+    pub fn indexer_page_table(&self) -> &[i32] {
+        self.i32s(self.bound.indexer_page_table)
+    }
+
+    /// Bound physical block table.
+    pub fn block_table(&self) -> &[i32] {
+        self.i32s(self.bound.block_table)
+    }
+
+    /// Bound payload offsets of the new tokens (`[max_num_tokens]`, −1 padded).
+    pub fn slot_mapping_value(&self) -> &[i64] {
+        self.i64s(self.bound.slot_mapping_value)
+    }
+
+    /// Bound scale offsets of the new tokens.
+    pub fn slot_mapping_scale(&self) -> &[i64] {
+        self.i64s(self.bound.slot_mapping_scale)
+    }
+
+    /// Bound MLA token slots of the new tokens.
+    pub fn mla_slot_mapping(&self) -> &[i64] {
+        self.i64s(self.bound.mla_slot_mapping)
+    }
+
+    /// Bound full-KV payload offsets (the slot mappings when aliased).
+    pub fn full_kv_value(&self) -> &[i64] {
+        self.i64s(self.bound.full_kv_value)
+    }
+
+    /// Bound full-KV scale offsets (the slot mappings when aliased).
+    pub fn full_kv_scale(&self) -> &[i64] {
+        self.i64s(self.bound.full_kv_scale)
+    }
+
+    /// Bound KV length per request.
+    pub fn kv_lens(&self) -> &[i32] {
+        self.i32s(self.bound.kv_lens)
+    }
+
+    /// Bound cached length per request.
+    pub fn num_cached(&self) -> &[i32] {
+        self.i32s(self.bound.num_cached)
+    }
+
+    /// Request index of each new token.
+    pub fn req_idx_per_token(&self) -> &[i32] {
+        &self.req_idx_per_token
+    }
+
+    /// Causal window start of each context token.
+    pub fn cu_seqlen_ks(&self) -> &[i32] {
+        &self.cu_seqlen_ks
+    }
+
+    /// Causal window end (exclusive) of each context token.
+    pub fn cu_seqlen_ke(&self) -> &[i32] {
+        &self.cu_seqlen_ke
+    }
+
+    /// The buffers of the target set (`draft == false`) or of the draft set (`None`
+    /// without draft buffers): indexer page table, block table, slot mappings (value,
+    /// scale, MLA), full-KV (value, scale), KV lengths, cached lengths.
+    pub fn set_buffers(&self, draft: bool) -> Option<[BufferId; 9]> {
+        if draft {
+            self.draft.map(|(s, _)| s.ids())
+        } else {
+            Some(self.target.ids())
+        }
+    }
+
+    /// Dimensions of the target set and of the draft set.
+    pub fn dims(&self) -> (MetadataDims, Option<MetadataDims>) {
+        (self.target_dims, self.draft.map(|(_, d)| d))
+    }
+
+    /// The contents of an i32 buffer (`None` for an i64 buffer).
+    pub fn buffer_i32(&self, id: BufferId) -> Option<&[i32]> {
+        match &self.buffers.get(id.0 as usize)?.data {
+            Data::I32(v) => Some(v),
+            Data::I64(_) => None,
+        }
+    }
+
+    /// The contents of an i64 buffer (`None` for an i32 buffer).
+    pub fn buffer_i64(&self, id: BufferId) -> Option<&[i64]> {
+        match &self.buffers.get(id.0 as usize)?.data {
+            Data::I64(v) => Some(v),
+            Data::I32(_) => None,
+        }
+    }
+
+    /// Whether a draft replay is active.
+    pub fn in_draft_replay(&self) -> bool {
+        self.replay.is_some()
+    }
+}

@@ -1,0 +1,514 @@
+//! Exact-value tests of the step metadata and the draft-replay mechanics, on hand-made
+//! slots (T = 64, indexer page scale 3, FP8 indexer pages of 8448 B).
+
+use super::*;
+use crate::layout::IndexerPageLayout;
+
+const PAGE: i64 = 8448;
+
+fn layout(scale: u32) -> MetadataLayout {
+    MetadataLayout {
+        tokens_per_block: 64,
+        indexer_page_scale: scale,
+        indexer: Some(IndexerPageLayout {
+            tokens_per_block: 64,
+            data_bytes: 128,
+            scale_bytes: 4,
+        }),
+    }
+}
+
+fn dims(blocks: usize) -> MetadataDims {
+    MetadataDims {
+        max_num_sequences: 4,
+        max_blocks_per_seq: blocks,
+        max_num_tokens: 600,
+        max_context_kv_tokens: 1024,
+    }
+}
+
+fn req(kind: RequestKind, slots: &[i32], cached: u32, new: u32) -> StepRequest<'_> {
+    StepRequest {
+        kind,
+        block_slots: slots,
+        num_cached: cached,
+        num_new: new,
+        helix_inactive: false,
+    }
+}
+
+use RequestKind::{Context, Generation};
+
+#[test]
+fn step_metadata_exact_values() {
+    let mut m = StepMetadata::new(layout(3), dims(4), None, true).unwrap();
+    let reqs = [req(Context, &[5, 2], 60, 10), req(Generation, &[7], 63, 1)];
+    let c = m.prepare(&layout(3), &reqs).unwrap();
+    assert_eq!(
+        c,
+        StepCounts {
+            num_requests: 2,
+            num_context_requests: 1,
+            num_tokens: 11,
+            num_context_tokens: 10,
+            num_full_kv_tokens: 70
+        }
+    );
+    assert_eq!(&m.indexer_page_table()[..8], &[15, 6, 0, 0, 21, 0, 0, 0]);
+    assert!(m.indexer_page_table()[8..].iter().all(|&p| p == 0));
+    assert_eq!(&m.block_table()[..8], &[5, 2, -1, -1, 7, -1, -1, -1]);
+    let v = m.slot_mapping_value();
+    let s = m.slot_mapping_scale();
+    assert_eq!(
+        (v[0], s[0]),
+        (15 * PAGE + 60 * 128, 15 * PAGE + 8192 + 60 * 4)
+    );
+    assert_eq!(
+        (v[3], s[3]),
+        (15 * PAGE + 63 * 128, 15 * PAGE + 8192 + 63 * 4)
+    );
+    assert_eq!((v[4], s[4]), (6 * PAGE, 6 * PAGE + 8192));
+    assert_eq!(
+        (v[10], s[10]),
+        (21 * PAGE + 63 * 128, 21 * PAGE + 8192 + 63 * 4)
+    );
+    assert!(
+        v[11..].iter().chain(&s[11..]).all(|&o| o == -1),
+        "padding is −1"
+    );
+    assert_eq!(
+        &m.mla_slot_mapping()[..5],
+        &[5 * 64 + 60, 5 * 64 + 61, 5 * 64 + 62, 5 * 64 + 63, 2 * 64]
+    );
+    assert_eq!(m.mla_slot_mapping()[10], 7 * 64 + 63);
+    assert_eq!(
+        &m.req_idx_per_token()[..12],
+        &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    );
+    assert_eq!(&m.cu_seqlen_ks()[..11], &[0; 11]);
+    assert_eq!(
+        &m.cu_seqlen_ke()[..11],
+        &[61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 0]
+    );
+    assert_eq!(&m.kv_lens()[..3], &[70, 64, 0]);
+    assert_eq!(&m.num_cached()[..3], &[60, 63, 0]);
+    // Cached context tokens: own full-KV mappings of all 70 KV tokens.
+    assert!(!m.bindings().full_kv_aliased());
+    let fv = m.full_kv_value();
+    assert_eq!(
+        (fv[0], fv[63], fv[64], fv[69], fv[70]),
+        (
+            15 * PAGE,
+            15 * PAGE + 63 * 128,
+            6 * PAGE,
+            6 * PAGE + 5 * 128,
+            -1
+        )
+    );
+    assert_eq!(m.full_kv_scale()[69], 6 * PAGE + 8192 + 5 * 4);
+}
+
+#[test]
+fn context_windows_span_several_context_requests() {
+    let mut m = StepMetadata::new(layout(1), dims(4), None, true).unwrap();
+    let reqs = [
+        req(Context, &[0], 0, 3),
+        req(Context, &[1, 2], 62, 2),
+        req(Generation, &[3], 10, 1),
+    ];
+    m.prepare(&layout(1), &reqs).unwrap();
+    // Request 1 starts after request 0's 3 KV tokens.
+    assert_eq!(&m.cu_seqlen_ks()[..6], &[0, 0, 0, 3, 3, 0]);
+    assert_eq!(&m.cu_seqlen_ke()[..6], &[1, 2, 3, 3 + 63, 3 + 64, 0]);
+    assert_eq!(m.counts().num_full_kv_tokens, 3 + 64);
+    // Full-KV entries are request-major: request 1's first token comes after 3 entries.
+    assert_eq!(m.full_kv_value()[3], PAGE);
+    assert_eq!(
+        m.full_kv_value()[3 + 64 - 1],
+        PAGE + 63 * 128,
+        "g = 63 is still in block 0"
+    );
+}
+
+#[test]
+fn full_kv_alias_state_and_recompute() {
+    // No cached tokens in any context request: the full-KV mappings alias the slot mappings.
+    let mut m = StepMetadata::new(layout(3), dims(6), None, true).unwrap();
+    let slots_a = [1, 2, 3, 4, 5];
+    let slots_b = [6, 7, 8, 9, 10];
+    m.prepare(
+        &layout(3),
+        &[
+            req(Context, &slots_a, 0, 130),
+            req(Context, &slots_b, 0, 131),
+        ],
+    )
+    .unwrap();
+    let b = m.bindings();
+    assert!(b.full_kv_aliased());
+    assert_eq!(
+        (b.full_kv_value, b.full_kv_scale),
+        (b.slot_mapping_value, b.slot_mapping_scale)
+    );
+    assert_eq!(m.full_kv_value().as_ptr(), m.slot_mapping_value().as_ptr());
+    assert_eq!(m.counts().num_full_kv_tokens, 0);
+    m.recompute_slot_mappings(&[0, 0]).unwrap();
+    assert_eq!(m.bindings(), b, "the alias survives a recompute");
+
+    // Cached 127 / 129 with new 130 / 131: separate full-KV buffers.
+    let reqs = [
+        req(Context, &slots_a, 127, 130),
+        req(Context, &slots_b, 129, 131),
+    ];
+    m.prepare(&layout(3), &reqs).unwrap();
+    let b = m.bindings();
+    assert!(!b.full_kv_aliased());
+    assert_ne!(m.full_kv_value().as_ptr(), m.slot_mapping_value().as_ptr());
+    assert_eq!(m.counts().num_full_kv_tokens, 257 + 260);
+    let full_v = m.full_kv_value().to_vec();
+    let full_s = m.full_kv_scale().to_vec();
+    // Entry 257 is request 1's token 0: slot 6 → page 18.
+    assert_eq!(full_v[257], 18 * PAGE);
+    // Slot mappings of new tokens start at the cached position.
+    // g = 127: block 1 (slot 2, page 6), position 63.
+    assert_eq!(m.slot_mapping_value()[0], (2 * 3) * PAGE + 63 * 128);
+    // A recompute with corrected lengths moves the slot mappings, not the full-KV ones.
+    m.recompute_slot_mappings(&[120, 129]).unwrap();
+    assert_eq!(m.bindings(), b);
+    assert_eq!(m.full_kv_value(), full_v.as_slice());
+    assert_eq!(m.full_kv_scale(), full_s.as_slice());
+    assert_eq!(m.slot_mapping_value()[0], (2 * 3) * PAGE + 56 * 128);
+    assert_eq!(&m.num_cached()[..2], &[120, 129]);
+    assert_eq!(&m.kv_lens()[..2], &[250, 260]);
+    // The recompute equals a fresh prepare with those lengths.
+    let mut fresh = StepMetadata::new(layout(3), dims(6), None, true).unwrap();
+    fresh
+        .prepare(
+            &layout(3),
+            &[
+                req(Context, &slots_a, 120, 130),
+                req(Context, &slots_b, 129, 131),
+            ],
+        )
+        .unwrap();
+    assert_eq!(m.slot_mapping_value(), fresh.slot_mapping_value());
+    assert_eq!(m.slot_mapping_scale(), fresh.slot_mapping_scale());
+    assert_eq!(m.mla_slot_mapping(), fresh.mla_slot_mapping());
+    // A generation-only step leaves the full-KV mappings (and alias state) as they were.
+    m.prepare(&layout(3), &[req(Generation, &slots_a, 200, 1)])
+        .unwrap();
+    assert!(!m.bindings().full_kv_aliased());
+    assert_eq!(m.full_kv_value(), full_v.as_slice());
+    // Recompute past the blocks held is refused.
+    assert!(matches!(
+        m.recompute_slot_mappings(&[400]),
+        Err(MetadataError::BlocksShort { request: 0, .. })
+    ));
+    assert!(matches!(
+        m.recompute_slot_mappings(&[1, 2]),
+        Err(MetadataError::RequestCount { .. })
+    ));
+}
+
+#[test]
+fn helix_inactive_ranks_add_no_tokens() {
+    let mut m = StepMetadata::new(layout(1), dims(4), None, true).unwrap();
+    let mut inactive = req(Generation, &[4, 9], 64, 1);
+    inactive.helix_inactive = true;
+    let reqs = [
+        req(Generation, &[3], 10, 1),
+        inactive,
+        req(Generation, &[5], 0, 2),
+    ];
+    let c = m.prepare(&layout(1), &reqs).unwrap();
+    assert_eq!(c.num_tokens, 3);
+    assert_eq!(&m.kv_lens()[..3], &[11, 64, 2]);
+    assert_eq!(&m.req_idx_per_token()[..3], &[0, 2, 2]);
+    assert_eq!(
+        &m.block_table()[4..8],
+        &[4, -1, -1, -1],
+        "kv 64: one valid block"
+    );
+}
+
+#[test]
+fn bad_steps_are_refused_and_change_nothing() {
+    let mut m = StepMetadata::new(layout(1), dims(2), None, true).unwrap();
+    m.prepare(&layout(1), &[req(Context, &[1], 0, 5)]).unwrap();
+    let before = (
+        m.slot_mapping_value().to_vec(),
+        m.indexer_page_table().to_vec(),
+        m.counts(),
+    );
+    let cases: Vec<(Vec<StepRequest>, MetadataError)> = vec![
+        (
+            vec![req(Generation, &[1], 3, 1), req(Context, &[2], 0, 1)],
+            MetadataError::ContextAfterGeneration { index: 1 },
+        ),
+        (
+            vec![req(Context, &[1], 60, 10)],
+            MetadataError::BlocksShort {
+                request: 0,
+                kv_len: 70,
+                needed: 2,
+                given: 1,
+            },
+        ),
+        (
+            vec![req(Context, &[1, -1], 60, 10)],
+            MetadataError::BlocksShort {
+                request: 0,
+                kv_len: 70,
+                needed: 2,
+                given: 1,
+            },
+        ),
+        (
+            vec![req(Context, &[1, 2, 3], 0, 1)],
+            MetadataError::TooManyBlocks {
+                request: 0,
+                blocks: 3,
+                max: 2,
+            },
+        ),
+        (
+            vec![req(Generation, &[1], 0, 1); 5],
+            MetadataError::TooManyRequests { got: 5, max: 4 },
+        ),
+    ];
+    for (reqs, err) in cases {
+        assert_eq!(m.prepare(&layout(1), &reqs), Err(err));
+        assert_eq!(
+            (
+                m.slot_mapping_value().to_vec(),
+                m.indexer_page_table().to_vec(),
+                m.counts()
+            ),
+            before
+        );
+    }
+    let mut wide = StepMetadata::new(layout(1), dims(12), None, true).unwrap();
+    let slots: Vec<i32> = (0..10).collect();
+    assert_eq!(
+        wide.prepare(&layout(1), &[req(Context, &slots, 0, 601)]),
+        Err(MetadataError::TooManyTokens { got: 601, max: 600 })
+    );
+    let small = MetadataDims {
+        max_context_kv_tokens: 10,
+        ..dims(2)
+    };
+    let mut m = StepMetadata::new(layout(1), small, None, true).unwrap();
+    assert_eq!(
+        m.prepare(&layout(1), &[req(Context, &[1], 10, 5)]),
+        Err(MetadataError::ContextKvOverflow { got: 15, max: 10 })
+    );
+    // Without full-KV support the same step aliases and needs no full-KV room.
+    let mut m = StepMetadata::new(layout(1), small, None, false).unwrap();
+    m.prepare(&layout(1), &[req(Context, &[1], 10, 5)]).unwrap();
+    assert!(m.bindings().full_kv_aliased());
+    assert!(matches!(
+        StepMetadata::new(
+            layout(1),
+            MetadataDims {
+                max_num_tokens: 0,
+                ..dims(2)
+            },
+            None,
+            true
+        ),
+        Err(MetadataError::BadDims { .. })
+    ));
+}
+
+/// Everything a draft replay must leave identical: bindings, counts, layout and every
+/// buffer's contents and address.
+fn state(m: &StepMetadata) -> (Bindings, StepCounts, MetadataLayout, Vec<(usize, Vec<i64>)>) {
+    let bufs = m
+        .buffers
+        .iter()
+        .map(|b| {
+            let v = match &b.data {
+                super::buffers::Data::I32(v) => v.iter().map(|&x| i64::from(x)).collect(),
+                super::buffers::Data::I64(v) => v.clone(),
+            };
+            (b.addr(), v)
+        })
+        .collect();
+    (m.bindings(), m.counts(), m.layout(), bufs)
+}
+
+fn draft_dims() -> MetadataDims {
+    MetadataDims {
+        max_blocks_per_seq: 8,
+        ..dims(6)
+    }
+}
+
+#[test]
+fn draft_replay_rebinds_and_restores_exactly() {
+    for cached in [0u32, 70] {
+        let mut m = StepMetadata::new(layout(3), dims(6), Some(draft_dims()), true).unwrap();
+        let target_slots = [[10, 11, 12], [20, 21, 22]];
+        let reqs = [
+            req(Context, &target_slots[0], cached, 60),
+            req(Generation, &target_slots[1], 100, 4),
+        ];
+        m.prepare(&layout(3), &reqs).unwrap();
+        let aliased = m.bindings().full_kv_aliased();
+        assert_eq!(aliased, cached == 0);
+        let before = state(&m);
+        let target_ids = m.set_buffers(false).unwrap();
+        let target_contents: Vec<_> = target_ids.iter().map(|&id| state_of(&m, id)).collect();
+
+        // Draft manager: one MTP layer, scale 1, its own slots.
+        let draft_layout = layout(1);
+        let draft_slots = [[3, 4, 5], [6, 7, 8]];
+        let dreqs = [
+            req(Context, &draft_slots[0], cached, 60),
+            req(Generation, &draft_slots[1], 100, 4),
+        ];
+        let snap = m.prepare_draft(&draft_layout, &dreqs).unwrap();
+        assert!(m.in_draft_replay());
+        let draft_ids = m.set_buffers(true).unwrap();
+        let b = m.bindings();
+        assert_eq!(b.indexer_page_table, draft_ids[0]);
+        assert_eq!(b.block_table, draft_ids[1]);
+        assert_eq!(
+            b.full_kv_aliased(),
+            aliased,
+            "the draft set gets the same alias decision"
+        );
+        assert_eq!(
+            &m.indexer_page_table()[..3],
+            &[3, 4, 5],
+            "draft page ids (scale 1)"
+        );
+        assert_eq!(m.max_blocks_per_seq(), 8);
+        // First new token: g = cached → draft slot 3 (g = 0) or 4 (g = 70, position 6).
+        let want = if cached == 0 {
+            3 * PAGE
+        } else {
+            4 * PAGE + 6 * 128
+        };
+        assert_eq!(m.slot_mapping_value()[0], want);
+        // Target buffers were not written.
+        for (id, c) in target_ids.iter().zip(&target_contents) {
+            assert_eq!(
+                &state_of(&m, *id),
+                c,
+                "target buffer {id:?} written during replay"
+            );
+        }
+        // A second prepare or a target prepare during the replay is refused.
+        assert_eq!(
+            m.prepare_draft(&draft_layout, &dreqs),
+            Err(MetadataError::ReplayActive)
+        );
+        assert_eq!(
+            m.prepare(&layout(3), &reqs),
+            Err(MetadataError::ReplayActive)
+        );
+        // The draft forward may recompute its slot mappings (draft buffers only).
+        m.recompute_slot_mappings(&[cached, 101]).unwrap();
+        for (id, c) in target_ids.iter().zip(&target_contents) {
+            assert_eq!(&state_of(&m, *id), c);
+        }
+        m.restore(&snap).unwrap();
+        assert!(!m.in_draft_replay());
+        assert_eq!(
+            m.bindings(),
+            before.0,
+            "same buffers (identity), same alias state"
+        );
+        assert_eq!(state(&m).0, before.0);
+        assert_eq!((state(&m).1, state(&m).2), (before.1, before.2));
+        for (id, c) in target_ids.iter().zip(&target_contents) {
+            assert_eq!(&state_of(&m, *id), c);
+        }
+        // Stale snapshots and restores outside a replay are refused.
+        assert_eq!(m.restore(&snap), Err(MetadataError::NotInReplay));
+        let snap2 = m.prepare_draft(&draft_layout, &dreqs).unwrap();
+        assert!(matches!(
+            m.restore(&snap),
+            Err(MetadataError::StaleSnapshot { .. })
+        ));
+        m.restore(&snap2).unwrap();
+    }
+}
+
+fn state_of(m: &StepMetadata, id: BufferId) -> (usize, Vec<i64>) {
+    let v = match m.buffer_i32(id) {
+        Some(v) => v.iter().map(|&x| i64::from(x)).collect(),
+        None => m.buffer_i64(id).unwrap().to_vec(),
+    };
+    (m.buffer_addr(id), v)
+}
+
+#[test]
+fn prepare_then_restore_is_a_no_op() {
+    let mut m = StepMetadata::new(layout(3), dims(6), Some(draft_dims()), true).unwrap();
+    let s = [1, 2];
+    m.prepare(&layout(3), &[req(Context, &s, 64, 10)]).unwrap();
+    let before = state(&m);
+    let d = [7, 8];
+    let snap = m
+        .prepare_draft(&layout(1), &[req(Context, &d, 64, 10)])
+        .unwrap();
+    assert_eq!(snap.bindings(), before.0);
+    m.restore(&snap).unwrap();
+    // Target buffers, bindings, counts, layout: identical. (Draft buffers now hold the
+    // draft step, which only the draft set ever reads.)
+    let after = state(&m);
+    assert_eq!((after.0, after.1, after.2), (before.0, before.1, before.2));
+    for id in m.set_buffers(false).unwrap() {
+        let i = id.0 as usize;
+        assert_eq!(after.3[i], before.3[i]);
+    }
+}
+
+#[test]
+fn guard_restores_on_drop_error_and_panic() {
+    let mut m = StepMetadata::new(layout(3), dims(6), Some(draft_dims()), true).unwrap();
+    let s = [1, 2];
+    m.prepare(&layout(3), &[req(Context, &s, 64, 10)]).unwrap();
+    let target = m.bindings();
+    let d = [7, 8];
+    let dreqs = [req(Context, &d, 64, 10)];
+    {
+        let g = m.draft_replay(&layout(1), &dreqs).unwrap();
+        assert_ne!(g.bindings(), target);
+    }
+    assert_eq!(m.bindings(), target, "restored on drop");
+    let failing = |m: &mut StepMetadata| -> Result<(), MetadataError> {
+        let mut g = m.draft_replay(&layout(1), &dreqs)?;
+        g.recompute_slot_mappings(&[9999])?; // fails: the guard restores on the way out
+        Ok(())
+    };
+    assert!(matches!(
+        failing(&mut m),
+        Err(MetadataError::BlocksShort { .. })
+    ));
+    assert_eq!(m.bindings(), target, "restored on error");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _g = m.draft_replay(&layout(1), &dreqs).unwrap();
+        panic!("draft forward failed");
+    }));
+    assert!(r.is_err());
+    assert_eq!(m.bindings(), target, "restored on panic");
+    assert!(!m.in_draft_replay());
+    let g = m.draft_replay(&layout(1), &dreqs).unwrap();
+    g.finish().unwrap();
+    assert_eq!(m.bindings(), target);
+    // Mismatched draft batches and missing draft buffers are refused.
+    assert_eq!(
+        m.prepare_draft(&layout(1), &[req(Context, &d, 63, 10)]),
+        Err(MetadataError::DraftBatchMismatch { index: 0 })
+    );
+    let mut no_draft = StepMetadata::new(layout(3), dims(6), None, true).unwrap();
+    assert_eq!(
+        no_draft.prepare_draft(&layout(1), &[]),
+        Err(MetadataError::NoDraftBuffers)
+    );
+    let snap = m.prepare_draft(&layout(1), &dreqs).unwrap();
+    assert_eq!(m.restore(&snap), Ok(()));
+}
