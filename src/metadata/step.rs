@@ -510,8 +510,8 @@ impl StepMetadata {
     fn fill_full_kv(&mut self, set: &BufferSet, dims: MetadataDims) {
         let lens = self.i32s(set.kv_lens).to_vec();
         let mut offs = Vec::with_capacity(self.counts.num_full_kv_tokens);
-        for r in 0..self.counts.num_context_requests {
-            for g in 0..lens[r] as u32 {
+        for (r, &len) in lens[..self.counts.num_context_requests].iter().enumerate() {
+            for g in 0..len as u32 {
                 offs.push(self.indexer_offsets(set, dims, r, g));
             }
         }
