@@ -75,6 +75,11 @@ impl HostStorage {
         &self.data[tier.index()][group.index()][pool as usize]
     }
 
+    /// The bytes of one pool, writable (kernels' view of device memory).
+    pub fn pool_mut(&mut self, tier: Tier, group: PoolGroupId, pool: u16) -> &mut [u8] {
+        &mut self.data[tier.index()][group.index()][pool as usize]
+    }
+
     fn page_range(&self, p: &BufferPlacement, slot: SlotId) -> std::ops::Range<usize> {
         let start = p.page_byte_offset(slot) as usize;
         start..start + p.page_stride as usize
