@@ -44,10 +44,11 @@ fn model(kv: KvDtype, idx: IndexerDtype) -> DsaModel {
 
 /// Deterministic BF16 vector of `n` values for (token, position, layer, salt).
 fn vector(token: TokenId, pos: usize, layer: LayerId, salt: u64, n: usize) -> Vec<bf16> {
-    let mut r = Rng(u64::from(token.get()) * 0x9e37
-        ^ (pos as u64) << 20
-        ^ u64::from(layer.get()) << 44
-        ^ salt);
+    let seed = (u64::from(token.get()) * 0x9e37)
+        ^ ((pos as u64) << 20)
+        ^ (u64::from(layer.get()) << 44)
+        ^ salt;
+    let mut r = Rng(seed);
     (0..n)
         .map(|_| bf16::from_f32((r.below(20_001) as f32 - 10_000.0) / 2_000.0))
         .collect()
