@@ -47,6 +47,9 @@ pub(super) enum Data {
 pub(super) struct MetaBuffer {
     pub role: BufferRole,
     pub data: Data,
+    /// Entries past this index hold the padding value (so a rewrite only re-pads what
+    /// the previous step used).
+    pub dirty: usize,
 }
 
 impl MetaBuffer {
@@ -54,6 +57,7 @@ impl MetaBuffer {
         MetaBuffer {
             role,
             data: Data::I32(vec![fill; len]),
+            dirty: 0,
         }
     }
 
@@ -61,6 +65,7 @@ impl MetaBuffer {
         MetaBuffer {
             role,
             data: Data::I64(vec![fill; len]),
+            dirty: 0,
         }
     }
 

@@ -396,6 +396,44 @@ impl StepMetadata {
         }
     }
 
+    /// Takes an i32 buffer out of the arena to rewrite it (the heap block, and so its
+    /// address, does not move); give it back with [`put_i32`](Self::put_i32).
+    fn take_i32(&mut self, id: BufferId) -> (Vec<i32>, usize) {
+        let b = &mut self.buffers[id.0 as usize];
+        match &mut b.data {
+            Data::I32(v) => (std::mem::take(v), b.dirty),
+            Data::I64(_) => unreachable!("invariant: buffer {id:?} holds i32"),
+        }
+    }
+
+    /// Puts back a rewritten buffer whose first `used` entries are valid; pads the rest
+    /// that the previous use had written.
+    fn put_i32(&mut self, id: BufferId, mut v: Vec<i32>, old_dirty: usize, used: usize, pad: i32) {
+        if old_dirty > used {
+            v[used..old_dirty].fill(pad);
+        }
+        let b = &mut self.buffers[id.0 as usize];
+        b.data = Data::I32(v);
+        b.dirty = used;
+    }
+
+    fn take_i64(&mut self, id: BufferId) -> (Vec<i64>, usize) {
+        let b = &mut self.buffers[id.0 as usize];
+        match &mut b.data {
+            Data::I64(v) => (std::mem::take(v), b.dirty),
+            Data::I32(_) => unreachable!("invariant: buffer {id:?} holds i64"),
+        }
+    }
+
+    fn put_i64(&mut self, id: BufferId, mut v: Vec<i64>, old_dirty: usize, used: usize) {
+        if old_dirty > used {
+            v[used..old_dirty].fill(-1);
+        }
+        let b = &mut self.buffers[id.0 as usize];
+        b.data = Data::I64(v);
+        b.dirty = used;
+    }
+
     /// Fills every buffer of `set` for a validated batch and rebinds the full-KV
     /// mappings (own buffers or alias) of that set.
     pub(super) fn fill_set(
@@ -406,38 +444,32 @@ impl StepMetadata {
         counts: StepCounts,
     ) {
         let t = self.layout.tokens_per_block;
-        let scale = self.layout.indexer_page_scale;
+        let scale = self.layout.indexer_page_scale as i32;
         let b = dims.max_blocks_per_seq;
-        {
-            let table = self.i32s_mut(set.indexer_page_table);
-            table.fill(0);
-            for (r, req) in reqs.iter().enumerate() {
-                for (col, &slot) in req.block_slots.iter().enumerate() {
-                    table[r * b + col] = slot.max(0).saturating_mul(scale as i32);
-                }
+        let rows = reqs.len() * b;
+        let (mut ix, ix_dirty) = self.take_i32(set.indexer_page_table);
+        let (mut bt, bt_dirty) = self.take_i32(set.block_table);
+        for (r, req) in reqs.iter().enumerate() {
+            let row = r * b..(r + 1) * b;
+            let valid = (req.num_cached + req.added()).div_ceil(t) as usize;
+            let (ixr, btr) = (&mut ix[row.clone()], &mut bt[row]);
+            for (col, &slot) in req.block_slots.iter().enumerate() {
+                ixr[col] = slot.max(0).saturating_mul(scale);
             }
+            ixr[req.block_slots.len()..].fill(0);
+            btr[..valid].copy_from_slice(&req.block_slots[..valid]);
+            btr[valid..].fill(-1);
         }
-        {
-            let table = self.i32s_mut(set.block_table);
-            table.fill(-1);
-            for (r, req) in reqs.iter().enumerate() {
-                let kv = req.num_cached + req.added();
-                let valid = kv.div_ceil(t) as usize;
-                table[r * b..r * b + valid].copy_from_slice(&req.block_slots[..valid]);
-            }
+        self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
+        self.put_i32(set.block_table, bt, bt_dirty, rows, -1);
+        let (mut lens, lens_dirty) = self.take_i32(set.kv_lens);
+        let (mut cached, cached_dirty) = self.take_i32(set.num_cached);
+        for (r, req) in reqs.iter().enumerate() {
+            lens[r] = (req.num_cached + req.added()) as i32;
+            cached[r] = req.num_cached as i32;
         }
-        {
-            let lens = self.i32s_mut(set.kv_lens);
-            lens.fill(0);
-            for (r, req) in reqs.iter().enumerate() {
-                lens[r] = (req.num_cached + req.added()) as i32;
-            }
-            let cached = self.i32s_mut(set.num_cached);
-            cached.fill(0);
-            for (r, req) in reqs.iter().enumerate() {
-                cached[r] = req.num_cached as i32;
-            }
-        }
+        self.put_i32(set.kv_lens, lens, lens_dirty, reqs.len(), 0);
+        self.put_i32(set.num_cached, cached, cached_dirty, reqs.len(), 0);
         self.fill_slot_mappings(set, dims);
         if counts.num_context_requests > 0 {
             let own = counts.num_full_kv_tokens > 0;
@@ -452,79 +484,83 @@ impl StepMetadata {
         }
     }
 
-    /// Byte offsets of KV token `g` of request `r`, through `set`'s indexer page table.
-    fn indexer_offsets(&self, set: &BufferSet, dims: MetadataDims, r: usize, g: u32) -> (i64, i64) {
-        let Some(ix) = self.layout.indexer else {
-            return (-1, -1);
-        };
+    /// Writes the indexer byte offsets (payload, scale) of KV tokens `gs` of request `r`
+    /// through the set's indexer page table, and the MLA token slots when asked.
+    fn write_offsets(
+        &self,
+        set: &BufferSet,
+        dims: MetadataDims,
+        r: usize,
+        gs: std::ops::Range<u32>,
+        out: (&mut [i64], &mut [i64], Option<&mut [i64]>),
+    ) {
         let t = self.layout.tokens_per_block;
-        let page = self.i32s(set.indexer_page_table)[r * dims.max_blocks_per_seq + (g / t) as usize]
-            as u64;
-        (
-            ix.value_offset(page, g % t) as i64,
-            ix.scale_offset(page, g % t) as i64,
-        )
+        let scale = self.layout.indexer_page_scale.max(1) as i32;
+        let row = &self.i32s(set.indexer_page_table)
+            [r * dims.max_blocks_per_seq..(r + 1) * dims.max_blocks_per_seq];
+        let (vals, scales, mut mla) = out;
+        for (i, g) in gs.enumerate() {
+            let page = row[(g / t) as usize];
+            let pos = g % t;
+            let (v, s) = match self.layout.indexer {
+                Some(ix) => (
+                    ix.value_offset(page as u64, pos) as i64,
+                    ix.scale_offset(page as u64, pos) as i64,
+                ),
+                None => (-1, -1),
+            };
+            vals[i] = v;
+            scales[i] = s;
+            if let Some(m) = mla.as_deref_mut() {
+                // Physical slots come from the indexer page table (`slot × scale`,
+                // scale ≥ 1), so a recompute needs nothing but the bound set.
+                m[i] = i64::from(page / scale) * i64::from(t) + i64::from(pos);
+            }
+        }
     }
 
     /// Slot mappings of every new token, from the set's tables and cached lengths.
     pub(super) fn fill_slot_mappings(&mut self, set: &BufferSet, dims: MetadataDims) {
-        let t = self.layout.tokens_per_block;
-        let n = self.counts.num_tokens;
-        let mut vals = Vec::with_capacity(n);
-        let mut mla = Vec::with_capacity(n);
-        let cached = self.i32s(set.num_cached).to_vec();
-        // Physical slots come from the indexer page table (`slot × scale`, scale ≥ 1),
-        // so a recompute needs nothing but the bound set.
-        let table = self.i32s(set.indexer_page_table);
-        let scale = self.layout.indexer_page_scale.max(1) as i32;
-        let mut phys = Vec::with_capacity(n);
+        let (mut v, vd) = self.take_i64(set.slot_mapping_value);
+        let (mut s, sd) = self.take_i64(set.slot_mapping_scale);
+        let (mut m, md) = self.take_i64(set.mla_slot_mapping);
+        let mut tok = 0;
         for r in 0..self.counts.num_requests {
             if self.helix_inactive[r] {
                 continue;
             }
-            for j in 0..self.num_new[r] {
-                let g = cached[r] as u32 + j;
-                let col = (g / t) as usize;
-                phys.push((r, g, table[r * dims.max_blocks_per_seq + col] / scale));
-            }
+            let c = self.i32s(set.num_cached)[r] as u32;
+            let n = self.num_new[r] as usize;
+            let out = (
+                &mut v[tok..tok + n],
+                &mut s[tok..tok + n],
+                Some(&mut m[tok..tok + n]),
+            );
+            self.write_offsets(set, dims, r, c..c + n as u32, out);
+            tok += n;
         }
-        for &(r, g, slot) in &phys {
-            vals.push(self.indexer_offsets(set, dims, r, g));
-            mla.push(i64::from(slot) * i64::from(t) + i64::from(g % t));
-        }
-        let v = self.i64s_mut(set.slot_mapping_value);
-        v.fill(-1);
-        for (i, o) in vals.iter().enumerate() {
-            v[i] = o.0;
-        }
-        let s = self.i64s_mut(set.slot_mapping_scale);
-        s.fill(-1);
-        for (i, o) in vals.iter().enumerate() {
-            s[i] = o.1;
-        }
-        let m = self.i64s_mut(set.mla_slot_mapping);
-        m.fill(-1);
-        m[..mla.len()].copy_from_slice(&mla);
+        self.put_i64(set.slot_mapping_value, v, vd, tok);
+        self.put_i64(set.slot_mapping_scale, s, sd, tok);
+        self.put_i64(set.mla_slot_mapping, m, md, tok);
     }
 
     fn fill_full_kv(&mut self, set: &BufferSet, dims: MetadataDims) {
-        let lens = self.i32s(set.kv_lens).to_vec();
-        let mut offs = Vec::with_capacity(self.counts.num_full_kv_tokens);
-        for (r, &len) in lens[..self.counts.num_context_requests].iter().enumerate() {
-            for g in 0..len as u32 {
-                offs.push(self.indexer_offsets(set, dims, r, g));
-            }
+        let (mut v, vd) = self.take_i64(set.full_kv_value);
+        let (mut s, sd) = self.take_i64(set.full_kv_scale);
+        let mut at = 0;
+        for r in 0..self.counts.num_context_requests {
+            let len = self.i32s(set.kv_lens)[r] as usize;
+            self.write_offsets(
+                set,
+                dims,
+                r,
+                0..len as u32,
+                (&mut v[at..at + len], &mut s[at..at + len], None),
+            );
+            at += len;
         }
-        let v = self.i64s_mut(set.full_kv_value);
-        v.fill(-1);
-        for (i, o) in offs.iter().enumerate() {
-            v[i] = o.0;
-        }
-        let s = self.i64s_mut(set.full_kv_scale);
-        s.fill(-1);
-        for (i, o) in offs.iter().enumerate() {
-            s[i] = o.1;
-        }
+        self.put_i64(set.full_kv_value, v, vd, at);
+        self.put_i64(set.full_kv_scale, s, sd, at);
     }
 
     /// Recomputes the slot mappings from corrected cached lengths (after speculative

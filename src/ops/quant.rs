@@ -37,55 +37,48 @@ pub enum ScaleFormat {
     Ue8m0,
 }
 
-/// Rounds a non-negative finite `a` to a minifloat with `mbits` mantissa bits whose
-/// smallest normal exponent is `min_exp`; returns `(exponent field, mantissa)` and the
-/// rounded value. Exact: every step is a power-of-two scaling in f64.
-fn round_minifloat(a: f32, mbits: u32, min_exp: i32) -> (u32, u32, f64) {
-    let a = f64::from(a);
-    if a == 0.0 {
-        return (0, 0, 0.0);
-    }
-    let e = (a.log2().floor() as i32).max(min_exp);
-    // log2 of a double can be off by one near powers of two; fix it exactly.
-    let e = if e > min_exp && a < 2f64.powi(e) {
-        e - 1
+/// `v >> s` rounded to nearest, ties to even (`1 ≤ s < 32`).
+#[inline]
+fn rne_shift(v: u32, s: u32) -> u32 {
+    let q = v >> s;
+    let rem = v & ((1 << s) - 1);
+    let half = 1 << (s - 1);
+    if rem > half || (rem == half && q & 1 == 1) {
+        q + 1
     } else {
-        e
-    };
-    let e = if a >= 2f64.powi(e + 1) { e + 1 } else { e };
-    let quantum = 2f64.powi(e - mbits as i32);
-    let v = (a / quantum).round_ties_even() * quantum;
-    if v == 0.0 {
-        return (0, 0, 0.0);
+        q
     }
-    let min_normal = 2f64.powi(min_exp);
-    if v < min_normal {
-        let m = (v / 2f64.powi(min_exp - mbits as i32)) as u32;
-        return (0, m, v);
-    }
-    let mut ve = v.log2().floor() as i32;
-    if v < 2f64.powi(ve) {
-        ve -= 1;
-    }
-    if v >= 2f64.powi(ve + 1) {
-        ve += 1;
-    }
-    let m = ((v / 2f64.powi(ve) - 1.0) * f64::from(1u32 << mbits)) as u32;
-    ((ve - min_exp + 1) as u32, m, v)
 }
 
-/// f32 → FP8 E4M3 (RNE, saturating).
+/// f32 → FP8 E4M3 (RNE, saturating). Integer-only: the CUDA kernels can mirror it bit
+/// for bit.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    if x.is_nan() {
-        return sign | 0x7F;
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7FFF_FFFF;
+    if abs > 0x7F80_0000 {
+        return sign | 0x7F; // NaN
     }
-    let a = x.abs();
-    if a >= FP8_E4M3_MAX {
-        return sign | 0x7E;
+    if abs >= 0x43E0_0000 {
+        return sign | 0x7E; // ≥ 448 (and ±inf) saturate
     }
-    let (e, m, v) = round_minifloat(a, 3, -6);
-    if v >= f64::from(FP8_E4M3_MAX) {
+    let exp = (abs >> 23) as i32 - 127;
+    if exp < -6 {
+        // E4M3 subnormals: multiples of 2^-9. Below 2^-10 everything rounds to 0 (2^-10
+        // itself is a tie that goes to the even 0).
+        if exp < -10 {
+            return sign;
+        }
+        let sig = (abs & 0x7F_FFFF) | 0x80_0000;
+        return sign | rne_shift(sig, (14 - exp) as u32) as u8; // 8 becomes the smallest normal
+    }
+    let mut e = exp + 7;
+    let mut m = rne_shift(abs & 0x7F_FFFF, 20);
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    if e > 15 || (e == 15 && m == 7) {
         return sign | 0x7E;
     }
     sign | ((e as u8) << 3) | m as u8
@@ -106,15 +99,30 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     }
 }
 
-/// f32 → FP4 E2M1 code (low 4 bits; RNE, saturating to ±6, NaN → +6 with its sign).
+/// f32 → FP4 E2M1 code (low 4 bits; RNE, saturating to ±6, NaN → ±6). Integer-only.
 pub fn f32_to_e2m1(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x8 } else { 0 };
-    let a = x.abs();
-    if a.is_nan() || a >= FP4_E2M1_MAX {
-        return sign | 0x7;
+    let bits = x.to_bits();
+    let sign = ((bits >> 28) & 0x8) as u8;
+    let abs = bits & 0x7FFF_FFFF;
+    if abs > 0x7F80_0000 || abs >= 0x40C0_0000 {
+        return sign | 0x7; // NaN, ≥ 6 and ±inf saturate
     }
-    let (e, m, v) = round_minifloat(a, 1, 0);
-    if v >= f64::from(FP4_E2M1_MAX) {
+    let exp = (abs >> 23) as i32 - 127;
+    if exp < 0 {
+        // Subnormal: multiples of 0.5; below 0.25 everything rounds to 0.
+        if exp < -2 {
+            return sign;
+        }
+        let sig = (abs & 0x7F_FFFF) | 0x80_0000;
+        return sign | rne_shift(sig, (22 - exp) as u32) as u8; // 2 becomes 1.0 (code 2)
+    }
+    let mut e = exp + 1;
+    let mut m = rne_shift(abs & 0x7F_FFFF, 22);
+    if m == 2 {
+        m = 0;
+        e += 1;
+    }
+    if e > 3 {
         return sign | 0x7;
     }
     sign | ((e as u8) << 1) | m as u8
@@ -216,6 +224,102 @@ pub fn dequantize_fp4_token(values: &[u8], scale_word: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rounds a non-negative finite `a` to a minifloat with `mbits` mantissa bits whose
+    /// smallest normal exponent is `min_exp`; returns `(exponent field, mantissa)` and the
+    /// rounded value. Exact: every step is a power-of-two scaling in f64.
+    fn round_minifloat(a: f32, mbits: u32, min_exp: i32) -> (u32, u32, f64) {
+        let a = f64::from(a);
+        if a == 0.0 {
+            return (0, 0, 0.0);
+        }
+        let e = (a.log2().floor() as i32).max(min_exp);
+        // log2 of a double can be off by one near powers of two; fix it exactly.
+        let e = if e > min_exp && a < 2f64.powi(e) {
+            e - 1
+        } else {
+            e
+        };
+        let e = if a >= 2f64.powi(e + 1) { e + 1 } else { e };
+        let quantum = 2f64.powi(e - mbits as i32);
+        let v = (a / quantum).round_ties_even() * quantum;
+        if v == 0.0 {
+            return (0, 0, 0.0);
+        }
+        let min_normal = 2f64.powi(min_exp);
+        if v < min_normal {
+            let m = (v / 2f64.powi(min_exp - mbits as i32)) as u32;
+            return (0, m, v);
+        }
+        let mut ve = v.log2().floor() as i32;
+        if v < 2f64.powi(ve) {
+            ve -= 1;
+        }
+        if v >= 2f64.powi(ve + 1) {
+            ve += 1;
+        }
+        let m = ((v / 2f64.powi(ve) - 1.0) * f64::from(1u32 << mbits)) as u32;
+        ((ve - min_exp + 1) as u32, m, v)
+    }
+
+    /// The f64 oracle of a saturating minifloat conversion.
+    fn oracle(x: f32, mbits: u32, min_exp: i32, max: f32, sign_bit: u8, sat: u8) -> u8 {
+        let sign = if x.is_sign_negative() { sign_bit } else { 0 };
+        let a = x.abs();
+        if a.is_nan() || a >= max {
+            return sign | sat;
+        }
+        let (e, m, v) = round_minifloat(a, mbits, min_exp);
+        if v >= f64::from(max) {
+            return sign | sat;
+        }
+        sign | ((e << mbits) | m) as u8
+    }
+
+    #[test]
+    fn integer_conversions_match_the_f64_oracle() {
+        let mut n = 0;
+        for exp in -40i32..=12 {
+            for hi in 0u32..4096 {
+                for lo in [0u32, 1, 0x3FF, 0x400, 0x401, 0x7FF] {
+                    let bits = (((exp + 127) as u32) << 23) | (hi << 11) | lo;
+                    for x in [f32::from_bits(bits), -f32::from_bits(bits)] {
+                        assert_eq!(
+                            f32_to_e4m3(x),
+                            oracle(x, 3, -6, FP8_E4M3_MAX, 0x80, 0x7E),
+                            "e4m3 {x:e}"
+                        );
+                        assert_eq!(
+                            f32_to_e2m1(x),
+                            oracle(x, 1, 0, FP4_E2M1_MAX, 0x8, 0x7),
+                            "e2m1 {x:e}"
+                        );
+                        n += 1;
+                    }
+                }
+            }
+        }
+        for x in [
+            0.0f32,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-45,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ] {
+            assert_eq!(
+                f32_to_e4m3(x),
+                oracle(x, 3, -6, FP8_E4M3_MAX, 0x80, 0x7E),
+                "e4m3 {x:e}"
+            );
+            assert_eq!(
+                f32_to_e2m1(x),
+                oracle(x, 1, 0, FP4_E2M1_MAX, 0x8, 0x7),
+                "e2m1 {x:e}"
+            );
+        }
+        assert!(n > 2_500_000);
+    }
 
     #[test]
     fn e4m3_round_trip_every_code() {
