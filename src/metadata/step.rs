@@ -269,11 +269,6 @@ impl StepMetadata {
         }
     }
 
-    pub(super) fn i64s_mut(&mut self, id: BufferId) -> &mut [i64] {
-        match &mut self.buffers[id.0 as usize].data {
-            Data::I64(v) => v,
-            Data::I32(_) => unreachable!("invariant: buffer {id:?} holds i64"),
-        }
     }
 
     /// Validates a batch against `dims` and `layout`; returns the step counts.
