@@ -269,8 +269,6 @@ impl StepMetadata {
         }
     }
 
-    }
-
     /// Validates a batch against `dims` and `layout`; returns the step counts.
     pub(super) fn validate_for(
         &self,
