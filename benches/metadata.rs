@@ -12,7 +12,10 @@ use half::bf16;
 
 /// 4 context requests (512 new tokens each, the first two with 1,000 cached tokens) and
 /// 256 generation requests of 1,000–3,000 tokens with 1 + 3 draft tokens each.
-fn batch() -> (Vec<Vec<i32>>, Vec<(RequestKind, u32, u32)>) {
+/// (kind, cached, new) of one request.
+type Shape = (RequestKind, u32, u32);
+
+fn batch() -> (Vec<Vec<i32>>, Vec<Shape>) {
     let mut next_slot = 0i32;
     let mut rows = Vec::new();
     let mut shape = Vec::new();
