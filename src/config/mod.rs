@@ -1,9 +1,18 @@
-//! Configuration: model dimensions ([`DsaModel`]) and, in later modules, the cache
-//! manager settings users set in code or in a file.
+//! Configuration: model dimensions ([`DsaModel`]) and the engine settings users set in
+//! code or in a TOML/JSON file ([`EngineConfig`]), with the V1/V2 selection and the
+//! validation rules of brief §3 ([`EngineConfig::resolve`]).
 
+mod engine;
 mod model;
 
+pub use engine::{
+    star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, ModelConfig,
+    ParallelConfig, ResolvedConfig, SchedulerConfig, SpecDecodeConfig, SpecMode, V2Choice,
+};
 pub use model::{
     ComponentBytes, DsaModel, DsaModelSpec, IndexerDtype, IndexerLayers, KvDtype, LayerKind,
     LayerSet, ModelError, ModelPreset,
 };
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,609 @@
+//! Engine configuration (TOML or JSON file, or code) and its resolution: which layout
+//! (V1 / V2) the cache uses, which layers each manager holds, and every incompatibility,
+//! checked up front (brief §3 "Validation").
+//!
+//! * `use_kv_cache_manager_v2: auto` takes the model default (the DSA presets default to
+//!   V2; no default means V1); an explicit `true` / `false` wins.
+//! * V2 with a sparse (DSA) model and any of beam width > 1, a KV connector or STAR
+//!   context parallelism is one [`ConfigError::Unsupported`] listing all of them and the
+//!   way out; a dense model in the same situation falls back to V1 with a warning.
+//! * V1 + STAR works: context tokens are cached on every CP rank, query tokens only on
+//!   the last ([`star_cached_tokens`]).
+//! * Helix works without block reuse; on inactive ranks a step adds no tokens.
+//! * Unknown fields and bad values are errors naming the field.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::model::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelError, ModelPreset};
+use crate::layout::{LayoutKind, DSA_TOKENS_PER_BLOCK};
+
+/// `use_kv_cache_manager_v2`: `auto`, `true` or `false`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum V2Choice {
+    /// The model's default (V1 when the model has none).
+    #[default]
+    Auto,
+    /// An explicit choice.
+    Explicit(bool),
+}
+
+impl Serialize for V2Choice {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            V2Choice::Auto => s.serialize_str("auto"),
+            V2Choice::Explicit(b) => s.serialize_bool(*b),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for V2Choice {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            B(bool),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::B(b) => Ok(V2Choice::Explicit(b)),
+            Raw::S(s) => match s.as_str() {
+                "auto" => Ok(V2Choice::Auto),
+                "true" => Ok(V2Choice::Explicit(true)),
+                "false" => Ok(V2Choice::Explicit(false)),
+                other => Err(serde::de::Error::custom(format!(
+                    "use_kv_cache_manager_v2: expected auto, true or false, got {other:?}"
+                ))),
+            },
+        }
+    }
+}
+
+/// Which model, with optional overrides of the preset.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// `deepseek-v3.2`, `glm-5`, `glm-5.2` or `mistral-large-3`.
+    pub preset: ModelPreset,
+    /// Target layers (required for Mistral Large 3).
+    #[serde(default)]
+    pub num_layers: Option<u32>,
+    /// MTP layers.
+    #[serde(default)]
+    pub num_mtp_layers: Option<u32>,
+    /// MLA row dtype.
+    #[serde(default)]
+    pub kv_dtype: Option<KvDtype>,
+    /// Indexer key dtype.
+    #[serde(default)]
+    pub indexer_dtype: Option<IndexerDtype>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            preset: ModelPreset::DeepSeekV32,
+            num_layers: None,
+            num_mtp_layers: None,
+            kv_dtype: None,
+            indexer_dtype: None,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// The validated model.
+    pub fn build(&self) -> Result<DsaModel, ModelError> {
+        let mut spec = self.preset.spec(self.num_layers)?;
+        if let Some(n) = self.num_mtp_layers {
+            spec.num_mtp_layers = n;
+        }
+        if let Some(d) = self.kv_dtype {
+            spec.kv_dtype = d;
+        }
+        if let Some(d) = self.indexer_dtype {
+            spec.indexer_dtype = d;
+        }
+        DsaModel::new(spec)
+    }
+}
+
+/// KV-cache settings, named as in TensorRT-LLM's `KvCacheConfig`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvCacheConfig {
+    /// Tokens per block (must be 64 for DSA).
+    pub tokens_per_block: u32,
+    /// `auto`, `true` or `false`.
+    pub use_kv_cache_manager_v2: V2Choice,
+    /// Fraction of free GPU memory for the cache when no explicit budget is given.
+    pub free_gpu_memory_fraction: f64,
+    /// Token cap of the GPU cache.
+    pub max_tokens: Option<u64>,
+    /// Explicit GPU budget in bytes.
+    pub max_gpu_total_bytes: Option<u64>,
+    /// Host (offload) tier in bytes; 0 or absent: no host tier.
+    pub host_cache_size: Option<u64>,
+    /// Prefix reuse.
+    pub enable_block_reuse: bool,
+    /// Reuse of a leading part of a block.
+    pub enable_partial_reuse: bool,
+    /// Resume refuses above this GPU utilization (0, 1].
+    pub max_util_for_resume: f64,
+}
+
+impl Default for KvCacheConfig {
+    fn default() -> Self {
+        KvCacheConfig {
+            tokens_per_block: DSA_TOKENS_PER_BLOCK,
+            use_kv_cache_manager_v2: V2Choice::Auto,
+            free_gpu_memory_fraction: 0.9,
+            max_tokens: None,
+            max_gpu_total_bytes: None,
+            host_cache_size: None,
+            enable_block_reuse: true,
+            enable_partial_reuse: true,
+            max_util_for_resume: 0.97,
+        }
+    }
+}
+
+/// Context-parallel mode.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpMode {
+    /// No context parallelism.
+    #[default]
+    None,
+    /// Helix: decode-time KV sharding across CP ranks.
+    Helix,
+    /// STAR attention: context blocks on every rank, queries on the last.
+    Star,
+}
+
+/// Parallelism of one model instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Tensor-parallel size (one device actor per rank; identical page tables).
+    pub tp_size: u32,
+    /// Context-parallel mode.
+    pub cp_mode: CpMode,
+    /// This rank's CP index.
+    pub cp_rank: u32,
+    /// CP group size.
+    pub cp_size: u32,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            tp_size: 1,
+            cp_mode: CpMode::None,
+            cp_rank: 0,
+            cp_size: 1,
+        }
+    }
+}
+
+/// Speculative decoding mode.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpecMode {
+    /// No speculation.
+    #[default]
+    None,
+    /// The model's MTP layers draft tokens.
+    Mtp,
+    /// An Eagle3 draft head (its own dense KV cache lives outside dsa-kv).
+    Eagle3,
+}
+
+/// Speculative decoding.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpecDecodeConfig {
+    /// Mode.
+    pub mode: SpecMode,
+    /// Draft tokens per step.
+    pub draft_tokens: u32,
+    /// MTP layers in their own manager (draft replay) instead of the target's.
+    pub separate_draft_cache: bool,
+}
+
+impl Default for SpecDecodeConfig {
+    fn default() -> Self {
+        SpecDecodeConfig {
+            mode: SpecMode::None,
+            draft_tokens: 0,
+            separate_draft_cache: true,
+        }
+    }
+}
+
+/// Scheduler limits.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    /// Requests per step.
+    pub max_num_sequences: u32,
+    /// New tokens per step (prefill chunks + decode tokens).
+    pub max_num_tokens: u32,
+    /// Longest prefill chunk of one request per step.
+    pub max_prefill_chunk: u32,
+    /// Longest sequence (prompt + output).
+    pub max_seq_len: u32,
+    /// Beam width (dsa-kv's V2 supports 1).
+    pub max_beam_width: u32,
+    /// Name of a KV connector, if one is configured.
+    pub kv_connector: Option<String>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_sequences: 256,
+            max_num_tokens: 8192,
+            max_prefill_chunk: 2048,
+            max_seq_len: 32_768,
+            max_beam_width: 1,
+            kv_connector: None,
+        }
+    }
+}
+
+/// Everything an engine is configured with.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// The model.
+    pub model: ModelConfig,
+    /// The cache.
+    pub kv_cache: KvCacheConfig,
+    /// Parallelism.
+    pub parallel: ParallelConfig,
+    /// Speculative decoding.
+    pub spec_decode: SpecDecodeConfig,
+    /// Scheduler limits.
+    pub scheduler: SchedulerConfig,
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {message}")]
+    Io {
+        /// Path.
+        path: String,
+        /// OS message.
+        message: String,
+    },
+    /// The text is not valid TOML/JSON for the schema (names the field and position).
+    #[error("invalid config {source_name}: {message}")]
+    Parse {
+        /// File name or `<string>`.
+        source_name: String,
+        /// Parser message.
+        message: String,
+    },
+    /// A field with a bad value.
+    #[error("{field} = {value} is invalid: {why}")]
+    Invalid {
+        /// Dotted field name.
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// What is required.
+        why: String,
+    },
+    /// V2 with a sparse model and features it does not support.
+    #[error(
+        "KV cache manager V2 for sparse-attention (DSA) models is not supported with {}. \
+         Set kv_cache.use_kv_cache_manager_v2 = false to use the V1 layout{}",
+        .incompatible.join(", "),
+        .hint
+    )]
+    Unsupported {
+        /// Every incompatibility found.
+        incompatible: Vec<&'static str>,
+        /// What else can be changed.
+        hint: String,
+    },
+    /// The model is invalid.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl EngineConfig {
+    /// Parses TOML; unknown fields are errors naming the field and position.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            source_name: "<toml>".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses JSON.
+    pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+            source_name: "<json>".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads a `.toml` or `.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let parsed = match ext {
+            "toml" => Self::from_toml_str(&text),
+            "json" => Self::from_json_str(&text),
+            other => {
+                return Err(ConfigError::Parse {
+                    source_name: path.display().to_string(),
+                    message: format!("unknown extension {other:?}: use .toml or .json"),
+                })
+            }
+        };
+        parsed.map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                source_name: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Validates and resolves the configuration.
+    pub fn resolve(&self) -> Result<ResolvedConfig, ConfigError> {
+        resolve(self)
+    }
+
+    /// Validates and resolves the configuration for a model built in code (the `model`
+    /// section is ignored): models the file schema cannot describe, such as a custom
+    /// indexer mask, go through the same rules.
+    pub fn resolve_with(&self, model: DsaModel) -> Result<ResolvedConfig, ConfigError> {
+        resolve_with_model(self, model)
+    }
+}
+
+/// The decisions a configuration resolves to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResolvedConfig {
+    /// The validated model.
+    pub model: DsaModel,
+    /// V1 or V2.
+    pub layout: LayoutKind,
+    /// Layers of the target manager.
+    pub target_layers: LayerSet,
+    /// Layers of a separate draft manager (MTP with `separate_draft_cache`).
+    pub draft_layers: Option<LayerSet>,
+    /// Draft tokens per decode step (0 without speculation).
+    pub draft_tokens: u32,
+    /// Block reuse after resolution.
+    pub enable_block_reuse: bool,
+    /// Non-fatal adjustments (also logged with `tracing::warn!`).
+    pub warnings: Vec<String>,
+    /// The source configuration.
+    pub config: EngineConfig,
+}
+
+fn invalid<T>(
+    field: &'static str,
+    value: impl fmt::Display,
+    why: impl Into<String>,
+) -> Result<T, ConfigError> {
+    Err(ConfigError::Invalid {
+        field,
+        value: value.to_string(),
+        why: why.into(),
+    })
+}
+
+/// Tokens of one request a STAR rank caches: the context on every rank, the query only
+/// on the last rank.
+pub fn star_cached_tokens(
+    context_tokens: u64,
+    query_tokens: u64,
+    cp_rank: u32,
+    cp_size: u32,
+) -> u64 {
+    context_tokens
+        + if cp_rank + 1 == cp_size {
+            query_tokens
+        } else {
+            0
+        }
+}
+
+fn resolve(c: &EngineConfig) -> Result<ResolvedConfig, ConfigError> {
+    resolve_with_model(c, c.model.build()?)
+}
+
+/// Resolves `c` for an already built model (code-level configuration can use models the
+/// file schema cannot describe, e.g. a dense mask).
+fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfig, ConfigError> {
+    let kv = &c.kv_cache;
+    if kv.tokens_per_block != DSA_TOKENS_PER_BLOCK {
+        return invalid(
+            "kv_cache.tokens_per_block",
+            kv.tokens_per_block,
+            "must be 64 for DSA: the DeepGEMM paged indexer-logits kernel and FlashMLA read 64-token pages",
+        );
+    }
+    for (field, v) in [
+        (
+            "kv_cache.free_gpu_memory_fraction",
+            kv.free_gpu_memory_fraction,
+        ),
+        ("kv_cache.max_util_for_resume", kv.max_util_for_resume),
+    ] {
+        if !(v > 0.0 && v <= 1.0) {
+            return invalid(field, v, "must be in (0, 1]");
+        }
+    }
+    if kv.max_tokens == Some(0) {
+        return invalid(
+            "kv_cache.max_tokens",
+            0,
+            "must be positive (leave it out for no cap)",
+        );
+    }
+    if kv.max_gpu_total_bytes == Some(0) {
+        return invalid(
+            "kv_cache.max_gpu_total_bytes",
+            0,
+            "must be positive (leave it out to use free_gpu_memory_fraction)",
+        );
+    }
+    let p = &c.parallel;
+    if p.tp_size == 0 {
+        return invalid("parallel.tp_size", 0, "must be at least 1");
+    }
+    if p.cp_size == 0 {
+        return invalid("parallel.cp_size", 0, "must be at least 1");
+    }
+    if p.cp_rank >= p.cp_size {
+        return invalid(
+            "parallel.cp_rank",
+            p.cp_rank,
+            format!("must be below cp_size {}", p.cp_size),
+        );
+    }
+    if p.cp_mode == CpMode::None && p.cp_size > 1 {
+        return invalid(
+            "parallel.cp_size",
+            p.cp_size,
+            "is above 1 but cp_mode is none: choose helix or star",
+        );
+    }
+    let s = &c.scheduler;
+    if s.max_beam_width == 0 {
+        return invalid("scheduler.max_beam_width", 0, "must be at least 1");
+    }
+    for (field, v) in [
+        ("scheduler.max_num_sequences", s.max_num_sequences),
+        ("scheduler.max_num_tokens", s.max_num_tokens),
+        ("scheduler.max_prefill_chunk", s.max_prefill_chunk),
+        ("scheduler.max_seq_len", s.max_seq_len),
+    ] {
+        if v == 0 {
+            return invalid(field, 0, "must be positive");
+        }
+    }
+    let sd = &c.spec_decode;
+    let draft_tokens = match sd.mode {
+        SpecMode::None => {
+            if sd.draft_tokens > 0 {
+                return invalid(
+                    "spec_decode.draft_tokens",
+                    sd.draft_tokens,
+                    "needs spec_decode.mode mtp or eagle3",
+                );
+            }
+            0
+        }
+        SpecMode::Mtp | SpecMode::Eagle3 => {
+            if sd.draft_tokens == 0 || sd.draft_tokens > 16 {
+                return invalid(
+                    "spec_decode.draft_tokens",
+                    sd.draft_tokens,
+                    "must be in 1..=16 with speculative decoding",
+                );
+            }
+            sd.draft_tokens
+        }
+    };
+    if sd.mode == SpecMode::Mtp && model.spec().num_mtp_layers == 0 {
+        return invalid(
+            "spec_decode.mode",
+            "mtp",
+            format!(
+                "{} has no MTP layer: set model.num_mtp_layers or use eagle3",
+                model.spec().name
+            ),
+        );
+    }
+    if sd.mode == SpecMode::Eagle3 && sd.separate_draft_cache {
+        return invalid(
+            "spec_decode.separate_draft_cache",
+            true,
+            "an Eagle3 draft head has a dense KV cache that dsa-kv does not manage: set it to false \
+             (dsa-kv still reserves and rolls back the draft tokens in the target cache)",
+        );
+    }
+    let mut warnings = Vec::new();
+    let sparse = model.num_indexer_layers() > 0
+        || (model.spec().mtp_has_indexer && model.spec().num_mtp_layers > 0);
+    let mut use_v2 = match kv.use_kv_cache_manager_v2 {
+        V2Choice::Auto => model.spec().default_kv_manager_v2.unwrap_or(false),
+        V2Choice::Explicit(b) => b,
+    };
+    if use_v2 {
+        let mut incompatible = Vec::new();
+        if s.max_beam_width > 1 {
+            incompatible.push("max_beam_width > 1");
+        }
+        if s.kv_connector.is_some() {
+            incompatible.push("kv_connector");
+        }
+        if p.cp_mode == CpMode::Star {
+            incompatible.push("STAR context parallelism");
+        }
+        if !incompatible.is_empty() {
+            if sparse {
+                let mut hint = String::new();
+                if p.cp_mode == CpMode::Star {
+                    hint.push_str(", or use cp_mode none or helix instead of star");
+                }
+                if s.max_beam_width > 1 {
+                    hint.push_str(", or set scheduler.max_beam_width = 1");
+                }
+                if s.kv_connector.is_some() {
+                    hint.push_str(", or remove scheduler.kv_connector");
+                }
+                return Err(ConfigError::Unsupported { incompatible, hint });
+            }
+            let w = format!(
+                "KV cache manager V2 is not supported with {}: falling back to the V1 layout",
+                incompatible.join(", ")
+            );
+            tracing::warn!("{w}");
+            warnings.push(w);
+            use_v2 = false;
+        }
+    }
+    if p.cp_mode == CpMode::Helix && kv.enable_block_reuse {
+        return invalid(
+            "kv_cache.enable_block_reuse",
+            true,
+            "Helix context parallelism shards the KV history across ranks, so blocks cannot be reused: set it to false",
+        );
+    }
+    let (target_layers, draft_layers) = match (sd.mode, sd.separate_draft_cache) {
+        (SpecMode::Mtp, true) => (LayerSet::Target, Some(LayerSet::MtpOnly)),
+        (SpecMode::Mtp, false) => (LayerSet::TargetAndMtp, None),
+        _ => (LayerSet::Target, None),
+    };
+    Ok(ResolvedConfig {
+        model,
+        layout: if use_v2 {
+            LayoutKind::V2
+        } else {
+            LayoutKind::V1
+        },
+        target_layers,
+        draft_layers,
+        draft_tokens,
+        enable_block_reuse: kv.enable_block_reuse,
+        warnings,
+        config: c.clone(),
+    })
+}
