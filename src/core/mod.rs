@@ -14,6 +14,7 @@ pub mod quota;
 mod radix;
 mod residency;
 mod reuse_key;
+pub mod scheduler;
 mod sequence_ops;
 mod slot_allocator;
 
@@ -31,3 +32,6 @@ pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod scheduler_tests;

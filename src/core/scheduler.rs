@@ -1,0 +1,913 @@
+//! Continuous batching on top of the cache managers: admission with prefix reuse,
+//! chunked prefill, decode steps with draft tokens, preemption under memory pressure,
+//! commit of verified tokens, rollback of rejected drafts, and completion. Plain
+//! synchronous state; the coordinator actor is a thin adapter around it.
+//!
+//! A step is `schedule` (decide and allocate; the plan goes to every device), then
+//! `commit` (the framework says which draft tokens were accepted and which token was
+//! sampled). With a separate draft cache, every operation is mirrored on the draft
+//! manager, which has the same slot counts, so its decisions mirror the target's.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::error::{KvError, SeqStatus};
+use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
+use super::reuse_key::ReuseScope;
+use crate::ids::{Fence, LifeCycleId, RequestId, TokenId};
+use crate::ops::CopyPlan;
+
+/// Scheduler limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SchedulerLimits {
+    /// Requests per step.
+    pub max_num_sequences: u32,
+    /// New tokens per step.
+    pub max_num_tokens: u32,
+    /// Longest prefill chunk.
+    pub max_prefill_chunk: u32,
+    /// Longest sequence (prompt + output).
+    pub max_seq_len: u32,
+    /// Draft tokens per decode step.
+    pub draft_tokens: u32,
+    /// Steps without progress before the scheduler reports a livelock.
+    pub livelock_steps: u32,
+}
+
+/// A request as a client submits it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubmitRequest {
+    /// Unique id.
+    pub id: RequestId,
+    /// Reuse scope (tenant salt, LoRA).
+    pub scope: ReuseScope,
+    /// Prompt tokens.
+    pub prompt: Vec<TokenId>,
+    /// Output tokens to generate.
+    pub max_new_tokens: u32,
+    /// Eviction and preemption priority (0–100; lower goes first).
+    pub priority: u8,
+}
+
+/// Context chunk or decode step.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub enum PlannedKind {
+    /// A prefill chunk.
+    Context,
+    /// A decode step (the last sampled token, then draft tokens).
+    Generation,
+}
+
+/// One request of a step plan.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PlannedRequest {
+    /// The request.
+    pub id: RequestId,
+    /// Context or generation.
+    pub kind: PlannedKind,
+    /// KV tokens before this step.
+    pub num_cached: u32,
+    /// Tokens this step processes (their KV is written), drafts included.
+    pub tokens: Vec<TokenId>,
+    /// Draft tokens among `tokens` (the last ones).
+    pub num_drafts: u32,
+    /// GPU slot of every target block.
+    pub block_slots: Vec<i32>,
+    /// GPU slot of every draft-manager block.
+    pub draft_block_slots: Option<Vec<i32>>,
+    /// Token ids of positions `[0, num_cached)` when the cached KV must be verified this
+    /// step (after reuse or a preemption that may have moved it).
+    pub verify_tokens: Option<Vec<TokenId>>,
+}
+
+/// Everything the devices need for one step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StepPlan {
+    /// Step number.
+    pub step: u64,
+    /// Fence of the target manager that completes with this step.
+    pub target_fence: Fence,
+    /// Fence of the draft manager.
+    pub draft_fence: Option<Fence>,
+    /// Target copies to run before the step.
+    pub copies: Vec<CopyPlan>,
+    /// Draft copies to run before the step.
+    pub draft_copies: Vec<CopyPlan>,
+    /// Scheduled requests, context requests first.
+    pub requests: Vec<PlannedRequest>,
+    /// Requests suspended to make room this step.
+    pub preempted: Vec<RequestId>,
+    /// Requests resumed this step.
+    pub resumed: Vec<RequestId>,
+    /// Requests that failed this step, with the reason.
+    pub failed: Vec<(RequestId, String)>,
+}
+
+/// What the framework decided after the forward pass of one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestOutcome {
+    /// The request.
+    pub id: RequestId,
+    /// Draft tokens accepted (a prefix of the step's drafts).
+    pub accepted_drafts: u32,
+    /// The token sampled after the accepted ones (required for decode steps and for the
+    /// last prefill chunk).
+    pub next_token: Option<TokenId>,
+}
+
+/// A finished request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finished {
+    /// The request.
+    pub id: RequestId,
+    /// Output tokens sampled.
+    pub generated: u32,
+    /// Prompt tokens served from the cache.
+    pub reused_tokens: u64,
+    /// Times it was preempted.
+    pub preemptions: u32,
+    /// Every token with KV (prompt + committed outputs).
+    pub tokens: Vec<TokenId>,
+    /// Its block table at the end (for a final verification).
+    pub block_slots: Vec<i32>,
+    /// The draft manager's block table.
+    pub draft_block_slots: Option<Vec<i32>>,
+}
+
+/// Scheduler counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SchedulerStats {
+    /// Steps planned.
+    pub steps: u64,
+    /// Requests admitted.
+    pub submitted: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Preemptions (suspensions to make room).
+    pub preemptions: u64,
+    /// Prefill tokens processed.
+    pub prefill_tokens: u64,
+    /// Decode tokens processed (drafts included).
+    pub decode_tokens: u64,
+    /// Draft tokens proposed.
+    pub drafts_proposed: u64,
+    /// Draft tokens accepted.
+    pub drafts_accepted: u64,
+}
+
+/// Scheduler errors.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SchedError {
+    /// A request's own problem.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// An empty prompt.
+    #[error("request {id} has an empty prompt")]
+    EmptyPrompt {
+        /// The request.
+        id: RequestId,
+    },
+    /// Too long for the configuration.
+    #[error("request {id}: prompt {prompt} + {max_new_tokens} new tokens exceeds max_seq_len {max_seq_len}")]
+    TooLong {
+        /// The request.
+        id: RequestId,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Output tokens.
+        max_new_tokens: u32,
+        /// The limit.
+        max_seq_len: u32,
+    },
+    /// Zero output tokens.
+    #[error("request {id}: max_new_tokens must be at least 1")]
+    NoOutput {
+        /// The request.
+        id: RequestId,
+    },
+    /// `schedule` before the previous step was committed.
+    #[error(
+        "step {step} is not committed yet: commit its outcome before scheduling the next step"
+    )]
+    StepNotCommitted {
+        /// The pending step.
+        step: u64,
+    },
+    /// `commit` without a scheduled step.
+    #[error("no step to commit")]
+    NothingToCommit,
+    /// An outcome for a request the step did not run.
+    #[error("request {id} was not part of step {step}")]
+    NotInStep {
+        /// The request.
+        id: RequestId,
+        /// The step.
+        step: u64,
+    },
+    /// A missing outcome or sampled token.
+    #[error("request {id}: {what}")]
+    BadOutcome {
+        /// The request.
+        id: RequestId,
+        /// What is wrong.
+        what: String,
+    },
+    /// No progress for too long.
+    #[error(
+        "no request could be scheduled for {steps} consecutive steps ({waiting} waiting): the \
+         cache cannot hold any of them; the smallest needs {smallest_blocks} blocks of {capacity}"
+    )]
+    Livelock {
+        /// Steps without progress.
+        steps: u32,
+        /// Requests waiting.
+        waiting: usize,
+        /// Blocks the smallest waiting request needs.
+        smallest_blocks: u64,
+        /// GPU blocks of the target pool.
+        capacity: u32,
+    },
+    /// The draft manager diverged from the target (an internal invariant).
+    #[error("the draft cache diverged from the target cache for request {id}: {what}")]
+    DraftDiverged {
+        /// The request.
+        id: RequestId,
+        /// What happened.
+        what: &'static str,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    Prefill { done: u32 },
+    Decode { next: TokenId, generated: u32 },
+}
+
+#[derive(Debug)]
+struct Pending {
+    kind: PlannedKind,
+    tokens: Vec<TokenId>,
+    num_drafts: u32,
+}
+
+/// A request's sequences in the target and (mirrored) draft manager.
+#[derive(Debug)]
+struct Seqs {
+    target: SeqHandle,
+    draft: Option<SeqHandle>,
+}
+
+#[derive(Debug)]
+struct Req {
+    id: RequestId,
+    scope: ReuseScope,
+    /// Open sequences; `None` until first scheduled, and after a recompute preemption.
+    seq: Option<Seqs>,
+    /// Tokens to prefill (the prompt; after a recompute preemption, every token with
+    /// KV).
+    prefill_len: u32,
+    /// After a recompute preemption: the decode state to return to once re-prefilled.
+    resume_decode: Option<(TokenId, u32)>,
+    max_new_tokens: u32,
+    priority: u8,
+    /// Every token whose KV exists or is planned (prompt, then committed outputs).
+    tokens: Vec<TokenId>,
+    phase: Phase,
+    suspended: bool,
+    verify: bool,
+    reused: u64,
+    preemptions: u32,
+    pending: Option<Pending>,
+}
+
+impl Req {
+    fn kv_len(&self) -> u32 {
+        match self.phase {
+            Phase::Prefill { done } => done,
+            Phase::Decode { .. } => self.tokens.len() as u32,
+        }
+    }
+
+    fn seqs(&self) -> &Seqs {
+        self.seq
+            .as_ref()
+            .expect("invariant: a scheduled request has open sequences")
+    }
+}
+
+/// The scheduler. See the module docs.
+pub struct Scheduler {
+    target: KvCacheManager,
+    draft: Option<KvCacheManager>,
+    limits: SchedulerLimits,
+    reqs: Vec<Req>,
+    step: u64,
+    step_pending: bool,
+    stalled: u32,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler over a target manager and an optional draft manager (same slot
+    /// counts, MTP layers only).
+    pub fn new(
+        target: KvCacheManager,
+        draft: Option<KvCacheManager>,
+        limits: SchedulerLimits,
+    ) -> Self {
+        Scheduler {
+            target,
+            draft,
+            limits,
+            reqs: Vec::new(),
+            step: 0,
+            step_pending: false,
+            stalled: 0,
+            stats: SchedulerStats::default(),
+        }
+    }
+
+    /// The target manager.
+    pub fn target(&self) -> &KvCacheManager {
+        &self.target
+    }
+
+    /// The draft manager.
+    pub fn draft(&self) -> Option<&KvCacheManager> {
+        self.draft.as_ref()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    /// Requests admitted and not finished.
+    pub fn num_active(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Requests waiting (not running: never scheduled, suspended or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.reqs.iter().filter(|r| r.suspended).count()
+    }
+
+    /// Drains the target manager's KV events (the draft cache mirrors its blocks, so
+    /// routers need one stream).
+    pub fn take_events(&mut self) -> Vec<super::KvEvent> {
+        if let Some(d) = &mut self.draft {
+            d.take_events();
+        }
+        self.target.take_events()
+    }
+
+    /// Admits a request. Its sequence is created (with prefix reuse) when it is first
+    /// scheduled; the returned value is the reuse a probe sees now.
+    pub fn submit(&mut self, r: SubmitRequest) -> Result<u64, SchedError> {
+        if r.prompt.is_empty() {
+            return Err(SchedError::EmptyPrompt { id: r.id });
+        }
+        if r.max_new_tokens == 0 {
+            return Err(SchedError::NoOutput { id: r.id });
+        }
+        if r.prompt.len() as u64 + u64::from(r.max_new_tokens) > u64::from(self.limits.max_seq_len)
+        {
+            return Err(SchedError::TooLong {
+                id: r.id,
+                prompt: r.prompt.len(),
+                max_new_tokens: r.max_new_tokens,
+                max_seq_len: self.limits.max_seq_len,
+            });
+        }
+        if r.priority > super::MAX_PRIORITY {
+            return Err(KvError::InvalidOption {
+                field: "priority",
+                value: r.priority.to_string(),
+                why: "priorities are 0..=100",
+            }
+            .into());
+        }
+        if self.reqs.iter().any(|q| q.id == r.id) {
+            return Err(KvError::DuplicateRequest { id: r.id }.into());
+        }
+        let probe = self.target.probe_reuse(r.scope, &r.prompt)?;
+        self.reqs.push(Req {
+            id: r.id,
+            scope: r.scope,
+            seq: None,
+            prefill_len: r.prompt.len() as u32,
+            resume_decode: None,
+            max_new_tokens: r.max_new_tokens,
+            priority: r.priority,
+            tokens: r.prompt,
+            phase: Phase::Prefill { done: 0 },
+            suspended: true,
+            verify: false,
+            reused: 0,
+            preemptions: 0,
+            pending: None,
+        });
+        self.stats.submitted += 1;
+        Ok(probe)
+    }
+
+    /// Applies `f` to the request's target sequence and its draft mirror.
+    fn both<T>(
+        &mut self,
+        i: usize,
+        mut f: impl FnMut(&mut KvCacheManager, &SeqHandle) -> Result<T, KvError>,
+    ) -> Result<(T, Option<T>), KvError> {
+        let s = self.reqs[i].seqs();
+        let t = f(&mut self.target, &s.target)?;
+        let d = match (&mut self.draft, &s.draft) {
+            (Some(m), Some(h)) => Some(f(m, h)?),
+            _ => None,
+        };
+        Ok((t, d))
+    }
+
+    /// Opens the request's sequences (with reuse) if needed and resumes them; `false`
+    /// when there is no room now (nothing changed).
+    fn activate(&mut self, i: usize) -> Result<bool, SchedError> {
+        if self.reqs[i].seq.is_none() {
+            let r = &self.reqs[i];
+            let opts = SeqOptions {
+                priority: r.priority,
+            };
+            let prompt = &r.tokens[..r.prefill_len as usize];
+            let c = self.target.create(r.id, r.scope, prompt, opts)?;
+            let draft = match &mut self.draft {
+                Some(d) => {
+                    let dc = d.create(r.id, r.scope, prompt, opts)?;
+                    if dc.reused_tokens != c.reused_tokens {
+                        return Err(SchedError::DraftDiverged {
+                            id: r.id,
+                            what: "reused a different prefix",
+                        });
+                    }
+                    Some(dc.handle)
+                }
+                None => None,
+            };
+            let r = &mut self.reqs[i];
+            if r.resume_decode.is_none() {
+                r.reused = c.reused_tokens;
+            }
+            r.phase = Phase::Prefill {
+                done: c.reused_tokens as u32,
+            };
+            r.verify = c.reused_tokens > 0;
+            r.seq = Some(Seqs {
+                target: c.handle,
+                draft,
+            });
+        }
+        let s = self.reqs[i].seqs();
+        if !self.target.resume(&s.target)? {
+            return Ok(false);
+        }
+        if let (Some(d), Some(h)) = (&mut self.draft, &s.draft) {
+            if !d.resume(h)? {
+                return Err(SchedError::DraftDiverged {
+                    id: self.reqs[i].id,
+                    what: "the draft cache refused a resume the target accepted",
+                });
+            }
+        }
+        self.reqs[i].suspended = false;
+        Ok(true)
+    }
+
+    fn close_seqs(&mut self, i: usize) -> Result<(), KvError> {
+        if let Some(mut s) = self.reqs[i].seq.take() {
+            self.target.close(&mut s.target)?;
+            if let (Some(d), Some(h)) = (&mut self.draft, &mut s.draft) {
+                d.close(h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Preempts request `i`. With a host tier it is suspended (its pages may be
+    /// offloaded and come back on resume). Without one, suspended pages could never leave
+    /// the GPU, so it is recomputed instead: its sequences are closed (committed blocks
+    /// stay cached) and it prefills again, from whatever is still cached, when it is
+    /// next scheduled.
+    fn preempt(&mut self, i: usize) -> Result<(), SchedError> {
+        self.reqs[i].preemptions += 1;
+        self.stats.preemptions += 1;
+        if self.target.has_host_tier() {
+            self.both(i, |m, h| m.suspend(h))?;
+        } else {
+            self.close_seqs(i)?;
+            let r = &mut self.reqs[i];
+            match r.phase {
+                Phase::Decode { next, generated } => {
+                    r.prefill_len = r.tokens.len() as u32;
+                    r.resume_decode = Some((next, generated));
+                }
+                Phase::Prefill { .. } => {}
+            }
+            r.phase = Phase::Prefill { done: 0 };
+        }
+        let r = &mut self.reqs[i];
+        r.suspended = true;
+        r.verify = true;
+        Ok(())
+    }
+
+    fn table(m: &KvCacheManager, h: &SeqHandle) -> Result<Vec<i32>, KvError> {
+        Ok(m.block_slots(h, LifeCycleId(0))?
+            .into_iter()
+            .map(|s| s.get() as i32)
+            .collect())
+    }
+
+    /// The request to preempt to make room for `for_idx`: running, not scheduled this
+    /// step; lowest priority first, then the most recently admitted.
+    fn victim(&self, for_idx: usize) -> Option<usize> {
+        (0..self.reqs.len())
+            .filter(|&j| j != for_idx && !self.reqs[j].suspended && self.reqs[j].pending.is_none())
+            .min_by_key(|&j| (self.reqs[j].priority, std::cmp::Reverse(j)))
+    }
+
+    fn fail(
+        &mut self,
+        i: usize,
+        why: String,
+        failed: &mut Vec<(RequestId, String)>,
+    ) -> Result<(), KvError> {
+        self.close_seqs(i)?;
+        let r = self.reqs.remove(i);
+        self.stats.failed += 1;
+        failed.push((r.id, why));
+        Ok(())
+    }
+
+    /// Plans one step: decode requests first, then prefill chunks, within the token and
+    /// sequence budgets; preempts lower-priority requests when memory is short.
+    /// `drafts` holds each decoding request's draft tokens (truncated to the configured
+    /// count).
+    pub fn schedule(
+        &mut self,
+        drafts: &HashMap<RequestId, Vec<TokenId>>,
+    ) -> Result<StepPlan, SchedError> {
+        if self.step_pending {
+            return Err(SchedError::StepNotCommitted { step: self.step });
+        }
+        let mut budget = self.limits.max_num_tokens;
+        let mut seqs = 0;
+        let mut plan = StepPlan {
+            step: self.step + 1,
+            target_fence: Fence::NONE,
+            draft_fence: None,
+            copies: Vec::new(),
+            draft_copies: Vec::new(),
+            requests: Vec::new(),
+            preempted: Vec::new(),
+            resumed: Vec::new(),
+            failed: Vec::new(),
+        };
+        // Decode first (they hold memory and latency matters), then prefill; admission
+        // order within each.
+        let mut order: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|r| matches!(r.phase, Phase::Decode { .. }))
+            .map(|r| r.id)
+            .collect();
+        order.extend(
+            self.reqs
+                .iter()
+                .filter(|r| matches!(r.phase, Phase::Prefill { .. }))
+                .map(|r| r.id),
+        );
+        for id in order {
+            if seqs == self.limits.max_num_sequences || budget == 0 {
+                break;
+            }
+            let Some(i) = self.reqs.iter().position(|r| r.id == id) else {
+                continue;
+            };
+            if self.reqs[i].suspended {
+                if !self.activate(i)? {
+                    continue;
+                }
+                plan.resumed.push(id);
+            }
+            let r = &self.reqs[i];
+            let (kind, new, num_drafts) = match r.phase {
+                Phase::Decode { next, .. } => {
+                    let mut t = vec![next];
+                    let d = drafts.get(&id).map_or(&[][..], |v| v.as_slice());
+                    let d = &d[..d.len().min(self.limits.draft_tokens as usize)];
+                    t.extend_from_slice(d);
+                    (PlannedKind::Generation, t, d.len() as u32)
+                }
+                Phase::Prefill { done } => {
+                    let n = (r.prefill_len - done)
+                        .min(self.limits.max_prefill_chunk)
+                        .min(budget);
+                    (
+                        PlannedKind::Context,
+                        r.tokens[done as usize..(done + n) as usize].to_vec(),
+                        0,
+                    )
+                }
+            };
+            let n = new.len() as u32;
+            if n == 0 || n > budget {
+                continue;
+            }
+            let cached = self.reqs[i].kv_len();
+            let ok = loop {
+                let h = &self.reqs[i].seqs().target;
+                match self
+                    .target
+                    .resize(h, u64::from(cached + n), u64::from(cached))
+                {
+                    Ok(true) => break true,
+                    Ok(false) => match self.victim(i) {
+                        Some(v) => {
+                            plan.preempted.push(self.reqs[v].id);
+                            self.preempt(v)?;
+                        }
+                        None => {
+                            // Nothing left to preempt: this request waits.
+                            plan.preempted.push(id);
+                            self.preempt(i)?;
+                            break false;
+                        }
+                    },
+                    Err(e @ KvError::SequenceTooLong { .. }) => {
+                        self.fail(i, e.to_string(), &mut plan.failed)?;
+                        break false;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            if !ok {
+                continue;
+            }
+            let s = self.reqs[i].seqs();
+            if let (Some(d), Some(h)) = (&mut self.draft, &s.draft) {
+                if !d.resize(h, u64::from(cached + n), u64::from(cached))? {
+                    return Err(SchedError::DraftDiverged {
+                        id,
+                        what: "the draft cache refused a resize the target accepted",
+                    });
+                }
+            }
+            let r = &self.reqs[i];
+            let block_slots = Self::table(&self.target, &r.seqs().target)?;
+            let draft_block_slots = match (&self.draft, &r.seqs().draft) {
+                (Some(d), Some(h)) => Some(Self::table(d, h)?),
+                _ => None,
+            };
+            let verify_tokens =
+                (r.verify && cached > 0).then(|| r.tokens[..cached as usize].to_vec());
+            plan.requests.push(PlannedRequest {
+                id,
+                kind,
+                num_cached: cached,
+                tokens: new.clone(),
+                num_drafts,
+                block_slots,
+                draft_block_slots,
+                verify_tokens,
+            });
+            let r = &mut self.reqs[i];
+            r.verify = false;
+            r.pending = Some(Pending {
+                kind,
+                tokens: new,
+                num_drafts,
+            });
+            budget -= n;
+            seqs += 1;
+        }
+        // A request preempted after it was planned (as a victim of a later one) cannot
+        // be: victims are never scheduled in the same step.
+        plan.requests
+            .sort_by_key(|p| p.kind == PlannedKind::Generation);
+        plan.copies = self.target.take_copy_plans();
+        plan.target_fence = self.target.issue_fence();
+        if let Some(d) = &mut self.draft {
+            plan.draft_copies = d.take_copy_plans();
+            plan.draft_fence = Some(d.issue_fence());
+        }
+        self.step += 1;
+        self.stats.steps += 1;
+        if plan.requests.is_empty() && !self.reqs.is_empty() {
+            self.stalled += 1;
+            if self.stalled >= self.limits.livelock_steps {
+                let t = self.target.tokens_per_block();
+                let smallest = self
+                    .reqs
+                    .iter()
+                    .map(|r| (u64::from(r.kv_len()) + 1).div_ceil(t))
+                    .min()
+                    .unwrap_or(0);
+                return Err(SchedError::Livelock {
+                    steps: self.stalled,
+                    waiting: self.reqs.len(),
+                    smallest_blocks: smallest,
+                    capacity: self.target.gpu_slots()[0],
+                });
+            }
+        } else {
+            self.stalled = 0;
+        }
+        self.step_pending = !plan.requests.is_empty();
+        Ok(plan)
+    }
+
+    /// Records that the devices completed the step's work up to these fences.
+    pub fn complete(&mut self, target: Fence, draft: Option<Fence>) -> Result<(), KvError> {
+        self.target.complete_fences(target)?;
+        if let (Some(d), Some(f)) = (&mut self.draft, draft) {
+            d.complete_fences(f)?;
+        }
+        Ok(())
+    }
+
+    /// Commits the outcome of the last step: prefill chunks are committed; decode steps
+    /// commit the last sampled token and the accepted drafts and roll back the rest.
+    /// Returns the requests that reached their output length (their sequences are still
+    /// open: call [`finalize`](Self::finalize) after any last verification). An invalid
+    /// outcome is refused and changes nothing.
+    pub fn commit(&mut self, outcomes: &[RequestOutcome]) -> Result<Vec<Finished>, SchedError> {
+        if !self.step_pending {
+            return Err(SchedError::NothingToCommit);
+        }
+        let by_id: HashMap<RequestId, &RequestOutcome> =
+            outcomes.iter().map(|o| (o.id, o)).collect();
+        // Validate everything before changing anything.
+        for o in outcomes {
+            match self
+                .reqs
+                .iter()
+                .find(|r| r.id == o.id)
+                .and_then(|r| r.pending.as_ref())
+            {
+                None => {
+                    return Err(SchedError::NotInStep {
+                        id: o.id,
+                        step: self.step,
+                    })
+                }
+                Some(p) if o.accepted_drafts > p.num_drafts => {
+                    return Err(SchedError::BadOutcome {
+                        id: o.id,
+                        what: format!(
+                            "{} drafts accepted of {} proposed",
+                            o.accepted_drafts, p.num_drafts
+                        ),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        for r in &self.reqs {
+            let Some(p) = &r.pending else { continue };
+            let needs_token = match (p.kind, r.phase) {
+                (PlannedKind::Generation, _) => true,
+                (PlannedKind::Context, Phase::Prefill { done }) => {
+                    r.resume_decode.is_none() && done + p.tokens.len() as u32 == r.prefill_len
+                }
+                _ => false,
+            };
+            if needs_token && by_id.get(&r.id).and_then(|o| o.next_token).is_none() {
+                return Err(SchedError::BadOutcome {
+                    id: r.id,
+                    what: "the step produced a token: give next_token".into(),
+                });
+            }
+        }
+        let mut finished = Vec::new();
+        for i in 0..self.reqs.len() {
+            let Some(p) = self.reqs[i].pending.take() else {
+                continue;
+            };
+            let o = by_id.get(&self.reqs[i].id);
+            match p.kind {
+                PlannedKind::Context => {
+                    self.both(i, |m, h| m.commit(h, &p.tokens))?;
+                    self.stats.prefill_tokens += p.tokens.len() as u64;
+                    let r = &mut self.reqs[i];
+                    let Phase::Prefill { done } = r.phase else {
+                        unreachable!("context steps are prefill")
+                    };
+                    let done = done + p.tokens.len() as u32;
+                    r.phase = if done < r.prefill_len {
+                        Phase::Prefill { done }
+                    } else if let Some((next, generated)) = r.resume_decode.take() {
+                        Phase::Decode { next, generated }
+                    } else {
+                        Phase::Decode {
+                            next: o
+                                .and_then(|o| o.next_token)
+                                .expect("invariant: validated above"),
+                            generated: 1,
+                        }
+                    };
+                }
+                PlannedKind::Generation => {
+                    let k = o.map_or(0, |o| o.accepted_drafts) as usize;
+                    let accepted = &p.tokens[..1 + k];
+                    self.both(i, |m, h| m.accept_tokens(h, accepted))?;
+                    self.stats.decode_tokens += p.tokens.len() as u64;
+                    self.stats.drafts_proposed += u64::from(p.num_drafts);
+                    self.stats.drafts_accepted += k as u64;
+                    let r = &mut self.reqs[i];
+                    r.tokens.extend_from_slice(accepted);
+                    let Phase::Decode { generated, .. } = r.phase else {
+                        unreachable!("generation steps decode")
+                    };
+                    r.phase = Phase::Decode {
+                        next: o
+                            .and_then(|o| o.next_token)
+                            .expect("invariant: validated above"),
+                        generated: generated + 1 + k as u32,
+                    };
+                }
+            }
+            let r = &self.reqs[i];
+            if let Phase::Decode { generated, .. } = r.phase {
+                if generated >= r.max_new_tokens {
+                    let s = r.seqs();
+                    finished.push(Finished {
+                        id: r.id,
+                        generated,
+                        reused_tokens: r.reused,
+                        preemptions: r.preemptions,
+                        tokens: r.tokens.clone(),
+                        block_slots: Self::table(&self.target, &s.target)?,
+                        draft_block_slots: match (&self.draft, &s.draft) {
+                            (Some(d), Some(h)) => Some(Self::table(d, h)?),
+                            _ => None,
+                        },
+                    });
+                }
+            }
+        }
+        self.step_pending = false;
+        Ok(finished)
+    }
+
+    /// Closes finished requests (their committed blocks stay cached for reuse).
+    pub fn finalize(&mut self, ids: &[RequestId]) -> Result<(), SchedError> {
+        for id in ids {
+            if let Some(i) = self.reqs.iter().position(|r| r.id == *id) {
+                self.close_seqs(i)?;
+                self.reqs.remove(i);
+                self.stats.finished += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cancels a request (its sequences are closed; committed blocks stay cached).
+    pub fn cancel(&mut self, id: RequestId) -> Result<(), SchedError> {
+        let i = self
+            .reqs
+            .iter()
+            .position(|r| r.id == id)
+            .ok_or(KvError::UnknownRequest { id })?;
+        if self.reqs[i].pending.is_some() {
+            return Err(SchedError::BadOutcome {
+                id,
+                what: "it is part of the step in flight: cancel after committing the step".into(),
+            });
+        }
+        let mut failed = Vec::new();
+        self.fail(i, "cancelled".into(), &mut failed)?;
+        Ok(())
+    }
+
+    /// Fails every request (e.g. a device holding their pages died); returns their ids.
+    /// A step in flight is abandoned: closing drops its uncommitted capacity.
+    pub fn fail_all(&mut self, why: &str) -> Result<Vec<RequestId>, SchedError> {
+        let mut failed = Vec::new();
+        while !self.reqs.is_empty() {
+            self.fail(0, why.to_string(), &mut failed)?;
+        }
+        self.step_pending = false;
+        Ok(failed.into_iter().map(|f| f.0).collect())
+    }
+
+    /// Whether a request is waiting (`Suspended`) or running (`Active`); `None` once
+    /// finished, failed or unknown.
+    pub fn status(&self, id: RequestId) -> Option<SeqStatus> {
+        self.reqs.iter().find(|r| r.id == id).map(|r| {
+            if r.suspended {
+                SeqStatus::Suspended
+            } else {
+                SeqStatus::Active
+            }
+        })
+    }
+}

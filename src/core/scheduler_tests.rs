@@ -1,0 +1,326 @@
+//! Scheduler tests: engine loops on a tiny layout (T = 4) under memory pressure, with and
+//! without a host tier (suspend vs. recompute preemption) and with a mirrored draft cache.
+
+use std::collections::HashMap;
+
+use super::scheduler::*;
+use super::*;
+use crate::ids::{LayerId, RequestId, Tier, TokenId};
+use crate::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
+
+fn plan() -> PoolPlan {
+    PoolPlan::v2(
+        4,
+        vec![LayerSpec {
+            layer: LayerId(0),
+            life_cycle: LifeCycleKey(0),
+            buffers: vec![BufferSpec::new(
+                Role::Key,
+                RowLayout::Interleaved { row_bytes: 2 },
+            )],
+        }],
+    )
+    .unwrap()
+}
+
+fn manager(gpu: u32, host: u32) -> KvCacheManager {
+    let host = if host > 0 { vec![host] } else { vec![] };
+    let opts = ManagerOptions {
+        max_util_for_resume: 1.0,
+        ..Default::default()
+    };
+    KvCacheManager::new(
+        plan(),
+        TierSlots {
+            gpu: vec![gpu],
+            host,
+        },
+        opts,
+    )
+    .unwrap()
+}
+
+fn limits(draft_tokens: u32) -> SchedulerLimits {
+    SchedulerLimits {
+        max_num_sequences: 8,
+        max_num_tokens: 16,
+        max_prefill_chunk: 6,
+        max_seq_len: 64,
+        draft_tokens,
+        livelock_steps: 50,
+    }
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_new: u32) -> SubmitRequest {
+    SubmitRequest {
+        id: RequestId(id),
+        scope: ReuseScope::SHARED,
+        prompt: prompt.into_iter().map(TokenId).collect(),
+        max_new_tokens: max_new,
+        priority: 35,
+    }
+}
+
+/// Runs steps until every request finished; returns the finished requests and the
+/// number of steps.
+fn drive(s: &mut Scheduler, seed: u64, max_steps: usize) -> (Vec<Finished>, usize) {
+    let mut rng = seed;
+    let mut next = || {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) as u32
+    };
+    let mut done = Vec::new();
+    for step in 0..max_steps {
+        if s.num_active() == 0 {
+            return (done, step);
+        }
+        let drafts: HashMap<RequestId, Vec<TokenId>> = (1..=20)
+            .map(|i| (RequestId(i), vec![TokenId(next() % 7), TokenId(next() % 7)]))
+            .collect();
+        let plan = s.schedule(&drafts).unwrap();
+        s.complete(plan.target_fence, plan.draft_fence).unwrap();
+        let outcomes: Vec<RequestOutcome> = plan
+            .requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: if p.num_drafts > 0 {
+                    next() % (p.num_drafts + 1)
+                } else {
+                    0
+                },
+                next_token: Some(TokenId(next() % 7)),
+            })
+            .collect();
+        if plan.requests.is_empty() {
+            continue;
+        }
+        let finished = s.commit(&outcomes).unwrap();
+        let ids: Vec<RequestId> = finished.iter().map(|f| f.id).collect();
+        s.finalize(&ids).unwrap();
+        done.extend(finished);
+        s.target().check_invariants();
+        if let Some(d) = s.draft() {
+            d.check_invariants();
+            assert_eq!(
+                d.occupied_slots(Tier::Gpu),
+                s.target().occupied_slots(Tier::Gpu),
+                "draft mirrors target"
+            );
+        }
+    }
+    panic!("not finished after {max_steps} steps");
+}
+
+#[test]
+fn everything_finishes_under_pressure_with_suspension() {
+    let mut s = Scheduler::new(manager(10, 16), None, limits(0));
+    let sys: Vec<u32> = (100..108).collect();
+    let prompt = |i: u64| {
+        let mut p = sys.clone();
+        p.extend([i as u32, 1, 2]);
+        p
+    };
+    // A first request caches the system prompt; the next seven reuse it.
+    s.submit(req(1, prompt(1), 6)).unwrap();
+    let (mut done, _) = drive(&mut s, 1, 100);
+    for i in 2..=8u64 {
+        assert_eq!(
+            s.submit(req(i, prompt(i), 5 + i as u32)).unwrap(),
+            8,
+            "probe sees the cached prompt"
+        );
+    }
+    let (more, steps) = drive(&mut s, 1, 500);
+    done.extend(more);
+    assert_eq!(done.len(), 8);
+    for f in &done {
+        assert_eq!(f.generated, 5 + f.id.get() as u32);
+        // Prompt + every committed output: generated − 1 (the last sampled token has no KV).
+        assert_eq!(f.tokens.len() as u32, 11 + f.generated - 1);
+    }
+    let st = s.stats();
+    assert_eq!((st.submitted, st.finished, st.failed), (8, 8, 0));
+    assert!(
+        st.preemptions > 0,
+        "10 GPU blocks for 8 requests must preempt"
+    );
+    assert!(s.target().stats().offloaded_pages > 0);
+    assert!(
+        s.target().stats().reused_tokens > 0,
+        "the shared system prompt is reused"
+    );
+    assert!(steps > 0);
+    // Nothing leaks: only cached blocks hold pages, nothing is locked or held.
+    let m = s.target();
+    assert_eq!(m.num_sequences(), 0);
+    assert_eq!(m.num_pages(), m.num_cached_blocks());
+}
+
+#[test]
+fn recompute_preemption_without_a_host_tier() {
+    let mut s = Scheduler::new(manager(9, 0), None, limits(0));
+    for i in 1..=6u64 {
+        s.submit(req(i, vec![i as u32 * 10, 1, 2, 3, 4, 5, 6], 9))
+            .unwrap();
+    }
+    let (done, _) = drive(&mut s, 2, 1000);
+    assert_eq!(done.len(), 6);
+    assert!(s.stats().preemptions > 0);
+    assert_eq!(s.target().stats().offloaded_pages, 0);
+    let m = s.target();
+    assert_eq!(m.num_pages(), m.num_cached_blocks());
+    for f in done {
+        assert_eq!(f.generated, 9);
+    }
+}
+
+#[test]
+fn draft_cache_mirrors_and_rejected_drafts_roll_back() {
+    let mut s = Scheduler::new(manager(16, 16), Some(manager(16, 16)), limits(2));
+    for i in 1..=5u64 {
+        s.submit(req(i, (0..7).map(|t| t + i as u32).collect(), 12))
+            .unwrap();
+    }
+    let (done, _) = drive(&mut s, 3, 500);
+    assert_eq!(done.len(), 5);
+    let st = s.stats();
+    assert!(st.drafts_proposed > 0 && st.drafts_accepted < st.drafts_proposed);
+    for f in &done {
+        // Rejected drafts never became tokens: only the committed ones did.
+        assert!(f.generated >= 12);
+        assert_eq!(
+            f.draft_block_slots.as_ref().map(Vec::len),
+            Some(f.block_slots.len())
+        );
+    }
+}
+
+#[test]
+fn protocol_errors_change_nothing() {
+    let mut s = Scheduler::new(manager(16, 0), None, limits(0));
+    assert!(matches!(
+        s.submit(req(1, vec![], 3)),
+        Err(SchedError::EmptyPrompt { .. })
+    ));
+    assert!(matches!(
+        s.submit(req(1, vec![1], 0)),
+        Err(SchedError::NoOutput { .. })
+    ));
+    assert!(matches!(
+        s.submit(req(1, vec![1; 60], 10)),
+        Err(SchedError::TooLong { .. })
+    ));
+    s.submit(req(1, vec![1, 2, 3], 2)).unwrap();
+    assert!(matches!(
+        s.submit(req(1, vec![1], 1)),
+        Err(SchedError::Kv(KvError::DuplicateRequest { .. }))
+    ));
+    assert!(matches!(
+        s.submit(SubmitRequest {
+            priority: 101,
+            ..req(2, vec![1], 1)
+        }),
+        Err(SchedError::Kv(KvError::InvalidOption {
+            field: "priority",
+            ..
+        }))
+    ));
+    assert_eq!(s.commit(&[]), Err(SchedError::NothingToCommit));
+    let plan = s.schedule(&HashMap::new()).unwrap();
+    assert_eq!(plan.requests.len(), 1);
+    assert_eq!(plan.requests[0].tokens.len(), 3);
+    assert!(matches!(
+        s.schedule(&HashMap::new()),
+        Err(SchedError::StepNotCommitted { .. })
+    ));
+    // The last prefill chunk produces a token: it is required.
+    assert!(matches!(s.commit(&[]), Err(SchedError::BadOutcome { .. })));
+    assert!(matches!(
+        s.commit(&[RequestOutcome {
+            id: RequestId(9),
+            accepted_drafts: 0,
+            next_token: None
+        }]),
+        Err(SchedError::NotInStep { .. })
+    ));
+    assert!(matches!(
+        s.cancel(RequestId(1)),
+        Err(SchedError::BadOutcome { .. })
+    ));
+    s.commit(&[RequestOutcome {
+        id: RequestId(1),
+        accepted_drafts: 0,
+        next_token: Some(TokenId(4)),
+    }])
+    .unwrap();
+    s.cancel(RequestId(1)).unwrap();
+    assert_eq!(s.stats().failed, 1);
+    assert!(matches!(
+        s.cancel(RequestId(1)),
+        Err(SchedError::Kv(KvError::UnknownRequest { .. }))
+    ));
+}
+
+#[test]
+fn a_request_that_can_never_fit_fails_and_the_rest_go_on() {
+    let mut l = limits(0);
+    l.max_prefill_chunk = 64;
+    l.max_num_tokens = 64;
+    let mut s = Scheduler::new(manager(4, 0), None, l);
+    s.submit(req(1, (0..30).collect(), 2)).unwrap(); // 8 blocks > 4
+    s.submit(req(2, vec![5, 6], 2)).unwrap();
+    let plan = s.schedule(&HashMap::new()).unwrap();
+    assert_eq!(plan.failed.len(), 1);
+    assert_eq!(plan.failed[0].0, RequestId(1));
+    assert!(
+        plan.failed[0].1.contains("holds only 4 blocks"),
+        "{}",
+        plan.failed[0].1
+    );
+    assert_eq!(plan.requests.len(), 1);
+}
+
+#[test]
+fn livelock_is_reported() {
+    // A decode step needs 1 + 2 draft tokens but the step budget is 1 token: after the
+    // prompt is prefilled one token per step, nothing can ever be scheduled.
+    let mut l = limits(2);
+    l.max_num_tokens = 1;
+    l.livelock_steps = 5;
+    let mut s = Scheduler::new(manager(8, 0), None, l);
+    s.submit(req(1, vec![1, 2, 3], 4)).unwrap();
+    let drafts: HashMap<RequestId, Vec<TokenId>> =
+        [(RequestId(1), vec![TokenId(5), TokenId(6)])].into();
+    let mut stalled = 0;
+    let err = loop {
+        match s.schedule(&drafts) {
+            Ok(p) if p.requests.is_empty() => stalled += 1,
+            Ok(p) => {
+                assert_eq!(p.requests[0].tokens.len(), 1);
+                let o = RequestOutcome {
+                    id: RequestId(1),
+                    accepted_drafts: 0,
+                    next_token: Some(TokenId(9)),
+                };
+                s.commit(&[o]).unwrap();
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(stalled, 4);
+    assert_eq!(
+        err,
+        SchedError::Livelock {
+            steps: 5,
+            waiting: 1,
+            smallest_blocks: 1,
+            capacity: 8
+        }
+    );
+    assert!(err
+        .to_string()
+        .contains("no request could be scheduled for 5 consecutive steps"));
+}
