@@ -143,8 +143,8 @@ pub struct GpuBudget {
 pub enum QuotaError {
     /// Neither an explicit budget nor the free memory is known.
     #[error(
-        "no GPU budget: set max_gpu_total_bytes, or provide the free GPU memory so that \
-         free_gpu_memory_fraction can apply"
+        "no GPU budget: set max_gpu_total_bytes or max_tokens, or provide the free GPU memory \
+         so that free_gpu_memory_fraction can apply"
     )]
     NoBudget,
     /// A fraction outside (0, 1].
@@ -224,7 +224,14 @@ pub fn gpu_budget(plan: &PoolPlan, q: &QuotaInputs) -> Result<GpuBudget, QuotaEr
             (free as f64 * q.free_gpu_memory_fraction) as u64,
             BudgetSource::FreeMemoryFraction,
         ),
-        (None, None) => return Err(QuotaError::NoBudget),
+        (None, None) => match q.max_tokens {
+            // No budget and no memory reading: the token cap alone sizes the cache.
+            Some(t) => (
+                (bytes_for_tokens(plan, t) as f64 / q.max_util_for_resume).ceil() as u64,
+                BudgetSource::MaxTokens,
+            ),
+            None => return Err(QuotaError::NoBudget),
+        },
     };
     if let Some(t) = q.max_tokens {
         let cap = (bytes_for_tokens(plan, t) as f64 / q.max_util_for_resume).ceil() as u64;

@@ -9,7 +9,7 @@
 
 use half::bf16;
 
-use super::quant::{block_scale, f32_to_e4m3, ScaleFormat, FP8_E4M3_MAX};
+use super::quant::{block_scale, e4m3_to_f32, f32_to_e2m1, f32_to_e4m3, ScaleFormat, FP4_E2M1_MAX, FP8_E4M3_MAX};
 use super::OpError;
 use crate::layout::{
     BufferPlacement, FP8_DS_MLA_NOPE_BYTES, FP8_DS_MLA_ROPE_OFFSET, FP8_DS_MLA_ROW_BYTES,
@@ -179,6 +179,61 @@ pub fn mla_scatter_fp8_ds_mla(
     scatter_rows(cache, view, slots, |i, dst| {
         quantize_fp8_ds_mla_row(&rows[i * ELEMS..(i + 1) * ELEMS], fmt, dst)
     })
+}
+
+/// Elements per NVFP4 scale block.
+pub const NVFP4_BLOCK: usize = 16;
+
+/// Quantizes one row to NVFP4: per 16-element block `s = e4m3(max(amax, 1e-4) / 6)`,
+/// values `e2m1(x / s)` two per byte (even element in the low nibble) into `data`
+/// (`elems / 2` bytes), the FP8 scale codes into `scales` (`elems / 16` bytes).
+pub fn quantize_nvfp4_row(row: &[bf16], data: &mut [u8], scales: &mut [u8]) {
+    for (b, block) in row.chunks_exact(NVFP4_BLOCK).enumerate() {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.to_f32().abs()));
+        let code = f32_to_e4m3(block_scale(amax, FP4_E2M1_MAX, ScaleFormat::F32));
+        scales[b] = code;
+        let s = e4m3_to_f32(code);
+        for (i, pair) in block.chunks_exact(2).enumerate() {
+            let lo = f32_to_e2m1(pair[0].to_f32() / s);
+            let hi = f32_to_e2m1(pair[1].to_f32() / s);
+            data[b * NVFP4_BLOCK / 2 + i] = lo | (hi << 4);
+        }
+    }
+}
+
+/// Quantizes rows to NVFP4 and writes them into two buffers of the layer: the packed
+/// values (`data_view`, `elems / 2` bytes per row) and the block scales (`scale_view`,
+/// `elems / 16` bytes per row), both addressed by the same token slots.
+pub fn mla_scatter_nvfp4(
+    data_cache: &mut [u8],
+    data_view: &RowView,
+    scale_cache: &mut [u8],
+    scale_view: &RowView,
+    rows: &[bf16],
+    slots: &[i64],
+) -> Result<(), OpError> {
+    let elems = data_view.row_bytes as usize * 2;
+    if scale_view.row_bytes as usize * NVFP4_BLOCK != elems {
+        return Err(OpError::Length {
+            what: "NVFP4 block-scale bytes per row",
+            expected: elems / NVFP4_BLOCK,
+            got: scale_view.row_bytes as usize,
+        });
+    }
+    check_rows(rows.len(), elems, slots.len())?;
+    for (i, &s) in slots.iter().enumerate() {
+        data_view.range(data_cache.len(), i, s)?;
+        scale_view.range(scale_cache.len(), i, s)?;
+    }
+    let mut scales = vec![0u8; elems / NVFP4_BLOCK];
+    for (i, &s) in slots.iter().enumerate() {
+        let (Some(dr), Some(sr)) = (data_view.range(data_cache.len(), i, s)?, scale_view.range(scale_cache.len(), i, s)?) else {
+            continue;
+        };
+        quantize_nvfp4_row(&rows[i * elems..(i + 1) * elems], &mut data_cache[dr], &mut scales);
+        scale_cache[sr].copy_from_slice(&scales);
+    }
+    Ok(())
 }
 
 /// Reads rows (raw bytes) of token slots into `out` (`row_bytes` each); a negative slot

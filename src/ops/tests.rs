@@ -404,3 +404,30 @@ fn topk_to_global_matches_brute_force() {
         Err(OpError::Int32Overflow { .. })
     ));
 }
+
+#[test]
+fn nvfp4_rows_round_trip_within_precision() {
+    use super::mla::{mla_scatter_nvfp4, quantize_nvfp4_row, NVFP4_BLOCK};
+    let row: Vec<bf16> = (0..576).map(|i| bf16::from_f32(((i % 23) as f32 - 11.0) * 0.25)).collect();
+    let (mut data, mut scales) = (vec![0u8; 288], vec![0u8; 36]);
+    quantize_nvfp4_row(&row, &mut data, &mut scales);
+    // Block 0 holds -11..=4 × 0.25: amax 2.75, scale e4m3(2.75 / 6) = 0.46875 (0x2F).
+    assert_eq!(scales[0], f32_to_e4m3(2.75 / 6.0));
+    assert_eq!(e4m3_to_f32(scales[0]), 0.46875);
+    for (b, block) in row.chunks_exact(NVFP4_BLOCK).enumerate() {
+        let s = e4m3_to_f32(scales[b]);
+        for (j, x) in block.iter().enumerate() {
+            let byte = data[b * 8 + j / 2];
+            let code = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
+            let y = e2m1_to_f32(code) * s;
+            assert!((x.to_f32() - y).abs() <= s, "{x} vs {y}");
+        }
+    }
+    let dv = RowView { base: 0, block_stride: 64 * 288, tokens_per_block: 64, row_bytes: 288 };
+    let sv = RowView { base: 0, block_stride: 64 * 36, tokens_per_block: 64, row_bytes: 36 };
+    let (mut dc, mut sc) = (vec![0u8; 2 * 64 * 288], vec![0u8; 2 * 64 * 36]);
+    mla_scatter_nvfp4(&mut dc, &dv, &mut sc, &sv, &row, &[70]).unwrap();
+    assert_eq!(&dc[70 * 288..71 * 288], &data[..]);
+    assert_eq!(&sc[70 * 36..71 * 36], &scales[..]);
+    assert!(matches!(mla_scatter_nvfp4(&mut dc, &dv, &mut sc, &sv, &row, &[128]), Err(OpError::OutOfBounds { .. })));
+}
