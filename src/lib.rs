@@ -39,6 +39,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod actors;
 pub mod config;
 pub mod core;
 pub mod ids;

@@ -33,6 +33,9 @@ pub struct SchedulerLimits {
     pub draft_tokens: u32,
     /// Steps without progress before the scheduler reports a livelock.
     pub livelock_steps: u32,
+    /// KV tokens (cached + new) of all context requests of one step: the size of the
+    /// devices' full-KV mapping buffers. A context request that would exceed it waits.
+    pub max_context_kv_tokens: u32,
 }
 
 /// A request as a client submits it.
@@ -79,6 +82,9 @@ pub struct PlannedRequest {
     /// Token ids of positions `[0, num_cached)` when the cached KV must be verified this
     /// step (after reuse or a preemption that may have moved it).
     pub verify_tokens: Option<Vec<TokenId>>,
+    /// The step ends with a sampled token for this request (a decode step, or the last
+    /// chunk of its prompt): its outcome needs `next_token`.
+    pub produces_token: bool,
 }
 
 /// Everything the devices need for one step.
@@ -559,6 +565,7 @@ impl Scheduler {
             return Err(SchedError::StepNotCommitted { step: self.step });
         }
         let mut budget = self.limits.max_num_tokens;
+        let mut context_kv = 0u32;
         let mut seqs = 0;
         let mut plan = StepPlan {
             step: self.step + 1,
@@ -623,6 +630,12 @@ impl Scheduler {
                 continue;
             }
             let cached = self.reqs[i].kv_len();
+            if kind == PlannedKind::Context {
+                if context_kv + cached + n > self.limits.max_context_kv_tokens {
+                    continue;
+                }
+                context_kv += cached + n;
+            }
             let ok = loop {
                 let h = &self.reqs[i].seqs().target;
                 match self
@@ -669,6 +682,10 @@ impl Scheduler {
             };
             let verify_tokens =
                 (r.verify && cached > 0).then(|| r.tokens[..cached as usize].to_vec());
+            let produces_token = match kind {
+                PlannedKind::Generation => true,
+                PlannedKind::Context => r.resume_decode.is_none() && cached + n == r.prefill_len,
+            };
             plan.requests.push(PlannedRequest {
                 id,
                 kind,
@@ -678,6 +695,7 @@ impl Scheduler {
                 block_slots,
                 draft_block_slots,
                 verify_tokens,
+                produces_token,
             });
             let r = &mut self.reqs[i];
             r.verify = false;

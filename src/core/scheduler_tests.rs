@@ -48,6 +48,7 @@ fn limits(draft_tokens: u32) -> SchedulerLimits {
         max_seq_len: 64,
         draft_tokens,
         livelock_steps: 50,
+        max_context_kv_tokens: 256,
     }
 }
 

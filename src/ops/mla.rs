@@ -9,7 +9,9 @@
 
 use half::bf16;
 
-use super::quant::{block_scale, e4m3_to_f32, f32_to_e2m1, f32_to_e4m3, ScaleFormat, FP4_E2M1_MAX, FP8_E4M3_MAX};
+use super::quant::{
+    block_scale, e4m3_to_f32, f32_to_e2m1, f32_to_e4m3, ScaleFormat, FP4_E2M1_MAX, FP8_E4M3_MAX,
+};
 use super::OpError;
 use crate::layout::{
     BufferPlacement, FP8_DS_MLA_NOPE_BYTES, FP8_DS_MLA_ROPE_OFFSET, FP8_DS_MLA_ROW_BYTES,
@@ -227,10 +229,17 @@ pub fn mla_scatter_nvfp4(
     }
     let mut scales = vec![0u8; elems / NVFP4_BLOCK];
     for (i, &s) in slots.iter().enumerate() {
-        let (Some(dr), Some(sr)) = (data_view.range(data_cache.len(), i, s)?, scale_view.range(scale_cache.len(), i, s)?) else {
+        let (Some(dr), Some(sr)) = (
+            data_view.range(data_cache.len(), i, s)?,
+            scale_view.range(scale_cache.len(), i, s)?,
+        ) else {
             continue;
         };
-        quantize_nvfp4_row(&rows[i * elems..(i + 1) * elems], &mut data_cache[dr], &mut scales);
+        quantize_nvfp4_row(
+            &rows[i * elems..(i + 1) * elems],
+            &mut data_cache[dr],
+            &mut scales,
+        );
         scale_cache[sr].copy_from_slice(&scales);
     }
     Ok(())

@@ -408,7 +408,9 @@ fn topk_to_global_matches_brute_force() {
 #[test]
 fn nvfp4_rows_round_trip_within_precision() {
     use super::mla::{mla_scatter_nvfp4, quantize_nvfp4_row, NVFP4_BLOCK};
-    let row: Vec<bf16> = (0..576).map(|i| bf16::from_f32(((i % 23) as f32 - 11.0) * 0.25)).collect();
+    let row: Vec<bf16> = (0..576)
+        .map(|i| bf16::from_f32(((i % 23) as f32 - 11.0) * 0.25))
+        .collect();
     let (mut data, mut scales) = (vec![0u8; 288], vec![0u8; 36]);
     quantize_nvfp4_row(&row, &mut data, &mut scales);
     // Block 0 holds -11..=4 × 0.25: amax 2.75, scale e4m3(2.75 / 6) = 0.46875 (0x2F).
@@ -423,11 +425,24 @@ fn nvfp4_rows_round_trip_within_precision() {
             assert!((x.to_f32() - y).abs() <= s, "{x} vs {y}");
         }
     }
-    let dv = RowView { base: 0, block_stride: 64 * 288, tokens_per_block: 64, row_bytes: 288 };
-    let sv = RowView { base: 0, block_stride: 64 * 36, tokens_per_block: 64, row_bytes: 36 };
+    let dv = RowView {
+        base: 0,
+        block_stride: 64 * 288,
+        tokens_per_block: 64,
+        row_bytes: 288,
+    };
+    let sv = RowView {
+        base: 0,
+        block_stride: 64 * 36,
+        tokens_per_block: 64,
+        row_bytes: 36,
+    };
     let (mut dc, mut sc) = (vec![0u8; 2 * 64 * 288], vec![0u8; 2 * 64 * 36]);
     mla_scatter_nvfp4(&mut dc, &dv, &mut sc, &sv, &row, &[70]).unwrap();
     assert_eq!(&dc[70 * 288..71 * 288], &data[..]);
     assert_eq!(&sc[70 * 36..71 * 36], &scales[..]);
-    assert!(matches!(mla_scatter_nvfp4(&mut dc, &dv, &mut sc, &sv, &row, &[128]), Err(OpError::OutOfBounds { .. })));
+    assert!(matches!(
+        mla_scatter_nvfp4(&mut dc, &dv, &mut sc, &sv, &row, &[128]),
+        Err(OpError::OutOfBounds { .. })
+    ));
 }

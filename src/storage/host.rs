@@ -80,6 +80,27 @@ impl HostStorage {
         &mut self.data[tier.index()][group.index()][pool as usize]
     }
 
+    /// Two different pools of one group, both writable (a layer's NVFP4 values and
+    /// block scales).
+    pub fn two_pools_mut(
+        &mut self,
+        tier: Tier,
+        group: PoolGroupId,
+        a: u16,
+        b: u16,
+    ) -> (&mut [u8], &mut [u8]) {
+        assert_ne!(a, b, "invariant: two distinct pools");
+        let pools = &mut self.data[tier.index()][group.index()];
+        let (lo, hi) = (a.min(b) as usize, a.max(b) as usize);
+        let (left, right) = pools.split_at_mut(hi);
+        let (x, y) = (&mut left[lo][..], &mut right[0][..]);
+        if a < b {
+            (x, y)
+        } else {
+            (y, x)
+        }
+    }
+
     fn page_range(&self, p: &BufferPlacement, slot: SlotId) -> std::ops::Range<usize> {
         let start = p.page_byte_offset(slot) as usize;
         start..start + p.page_stride as usize

@@ -1,0 +1,650 @@
+//! What a device does with a step plan, behind one trait so the CUDA backend can plug in
+//! later: run the copy plans, build the step metadata, write every new token's KV through
+//! the ops (the synthetic "forward"), replay drafts against the draft cache, and verify
+//! cached KV by reading it back through the page tables.
+//!
+//! [`HostDevice`] keeps the pools in host memory ([`HostStorage`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::bf16;
+use serde::Serialize;
+
+use super::kv_source::KvSource;
+use crate::config::{DsaModel, IndexerDtype, KvDtype};
+use crate::core::scheduler::{PlannedKind, StepPlan};
+use crate::ids::{Fence, LayerId, RequestId, Tier, TokenId};
+use crate::layout::{BufferPlacement, PoolPlan, Role};
+use crate::metadata::{
+    DraftSnapshot, MetadataDims, MetadataError, MetadataLayout, RequestKind, StepMetadata,
+    StepRequest,
+};
+use crate::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
+use crate::ops::mla::{
+    mla_scatter_bf16, mla_scatter_fp8, mla_scatter_fp8_ds_mla, mla_scatter_nvfp4,
+    quantize_fp8_ds_mla_row, quantize_nvfp4_row, RowView,
+};
+use crate::ops::quant::{f32_to_e4m3, quantize_fp4_token, quantize_fp8_token, ScaleFormat};
+use crate::ops::OpError;
+use crate::storage::{HostStorage, KvStorage, StorageError};
+
+/// A device failure.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DeviceError {
+    /// Pool memory or a copy failed.
+    #[error("device {device}: storage: {source}")]
+    Storage {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: StorageError,
+    },
+    /// The step metadata could not be built.
+    #[error("device {device}: metadata: {source}")]
+    Metadata {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: MetadataError,
+    },
+    /// An op refused its inputs.
+    #[error("device {device}: op: {source}")]
+    Op {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: OpError,
+    },
+    /// A draft replay without a draft cache.
+    #[error("device {device}: the step has draft slots but the device has no draft cache")]
+    NoDraftCache {
+        /// Device index.
+        device: usize,
+    },
+}
+
+/// Which layers verification reads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum VerifyLayers {
+    /// Every layer of every buffer.
+    All,
+    /// The first, middle and last target layer and every draft layer.
+    Sample,
+}
+
+/// How the device was set up.
+#[derive(Clone)]
+pub struct DeviceSetup {
+    /// The model.
+    pub model: DsaModel,
+    /// Target pool plan.
+    pub target_plan: PoolPlan,
+    /// Target GPU and host slots per pool group (host empty: no host tier).
+    pub target_slots: (Vec<u32>, Vec<u32>),
+    /// Draft pool plan (separate draft cache), with the same slot counts.
+    pub draft_plan: Option<PoolPlan>,
+    /// Metadata buffer sizes (target, draft).
+    pub dims: (MetadataDims, Option<MetadataDims>),
+    /// Source of new tokens' KV.
+    pub source: Arc<dyn KvSource>,
+    /// Layers verification reads.
+    pub verify: VerifyLayers,
+    /// Per-tensor scale of FP8 MLA rows.
+    pub fp8_tensor_scale: f32,
+}
+
+/// One piece of cached KV to check: positions `[0, tokens.len())` of a request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VerifySpec {
+    /// The request.
+    pub id: RequestId,
+    /// Token of each position.
+    pub tokens: Vec<TokenId>,
+    /// Target block slots.
+    pub block_slots: Vec<i32>,
+    /// Draft block slots (separate draft cache).
+    pub draft_block_slots: Option<Vec<i32>>,
+}
+
+/// A byte mismatch found by verification.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Mismatch {
+    /// The request.
+    pub id: RequestId,
+    /// Token position.
+    pub position: u32,
+    /// Layer.
+    pub layer: LayerId,
+    /// Buffer role.
+    pub role: Role,
+}
+
+/// What a device did for one step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceStepReport {
+    /// Device index.
+    pub device: usize,
+    /// Target fence completed.
+    pub target_fence: Fence,
+    /// Draft fence completed.
+    pub draft_fence: Option<Fence>,
+    /// New tokens written (each on every target layer).
+    pub tokens_written: u64,
+    /// Slot copies executed.
+    pub slot_copies: u64,
+    /// Cached token positions verified (each on the verified layers).
+    pub tokens_verified: u64,
+    /// Mismatches found (empty when every byte matched).
+    pub mismatches: Vec<Mismatch>,
+    /// Hash of the bound metadata (identical on every tensor-parallel rank).
+    pub metadata_digest: u64,
+    /// Time spent, in microseconds.
+    pub elapsed_us: u64,
+}
+
+/// The device operations a step needs.
+pub trait DeviceBackend: Send + 'static {
+    /// Device index.
+    fn index(&self) -> usize;
+    /// Runs copies, verifies requested cached KV, builds metadata, writes new tokens.
+    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError>;
+    /// Rebinds the metadata to the draft buffers for the plan's draft slots.
+    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError>;
+    /// Writes the draft (MTP) layers' KV of the plan's new tokens through the bound draft
+    /// metadata.
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError>;
+    /// Restores the target bindings.
+    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError>;
+    /// Verifies whole requests; returns (positions verified, mismatches).
+    fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError>;
+}
+
+struct Cache {
+    plan: PoolPlan,
+    layout: MetadataLayout,
+    store: HostStorage,
+    slot_bytes: Vec<Vec<u64>>,
+}
+
+/// A device whose pools live in host memory.
+pub struct HostDevice {
+    index: usize,
+    model: DsaModel,
+    target: Cache,
+    draft: Option<Cache>,
+    meta: StepMetadata,
+    source: Arc<dyn KvSource>,
+    verify: VerifyLayers,
+    fp8_tensor_scale: f32,
+}
+
+impl HostDevice {
+    /// Allocates the pools and metadata buffers of device `index`.
+    pub fn new(index: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
+        let storage = |source| DeviceError::Storage {
+            device: index,
+            source,
+        };
+        let meta_err = |source| DeviceError::Metadata {
+            device: index,
+            source,
+        };
+        let cache = |plan: PoolPlan| -> Result<Cache, DeviceError> {
+            let layout =
+                MetadataLayout::from_plan(&plan).map_err(|e| meta_err(MetadataError::Layout(e)))?;
+            let store = HostStorage::new(&plan, &setup.target_slots.0, &setup.target_slots.1)
+                .map_err(storage)?;
+            let slot_bytes = plan
+                .pool_groups()
+                .iter()
+                .map(|g| g.pools.iter().map(|p| p.slot_bytes).collect())
+                .collect();
+            Ok(Cache {
+                plan,
+                layout,
+                store,
+                slot_bytes,
+            })
+        };
+        let target = cache(setup.target_plan)?;
+        let draft = setup.draft_plan.map(cache).transpose()?;
+        let meta =
+            StepMetadata::new(target.layout, setup.dims.0, setup.dims.1, true).map_err(meta_err)?;
+        Ok(HostDevice {
+            index,
+            model: setup.model,
+            target,
+            draft,
+            meta,
+            source: setup.source,
+            verify: setup.verify,
+            fp8_tensor_scale: setup.fp8_tensor_scale,
+        })
+    }
+
+    fn op(&self, source: OpError) -> DeviceError {
+        DeviceError::Op {
+            device: self.index,
+            source,
+        }
+    }
+
+    fn meta_err(&self, source: MetadataError) -> DeviceError {
+        DeviceError::Metadata {
+            device: self.index,
+            source,
+        }
+    }
+
+    fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
+        plan.requests
+            .iter()
+            .map(|r| StepRequest {
+                kind: match r.kind {
+                    PlannedKind::Context => RequestKind::Context,
+                    PlannedKind::Generation => RequestKind::Generation,
+                },
+                block_slots: if draft {
+                    r.draft_block_slots.as_deref().unwrap_or(&[])
+                } else {
+                    &r.block_slots
+                },
+                num_cached: r.num_cached,
+                num_new: r.tokens.len() as u32,
+                helix_inactive: false,
+            })
+            .collect()
+    }
+
+    /// Writes the KV of the plan's new tokens into `cache` through the bound metadata.
+    fn write_tokens(
+        meta: &StepMetadata,
+        cache: &mut Cache,
+        model: &DsaModel,
+        source: &dyn KvSource,
+        fp8_scale: f32,
+        plan: &StepPlan,
+    ) -> Result<u64, OpError> {
+        let toks: Vec<(TokenId, u32)> = plan
+            .requests
+            .iter()
+            .flat_map(|r| {
+                r.tokens
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, &t)| (t, r.num_cached + j as u32))
+            })
+            .collect();
+        let n = toks.len();
+        let vm = &meta.slot_mapping_value()[..n];
+        let sm = &meta.slot_mapping_scale()[..n];
+        let mla = &meta.mla_slot_mapping()[..n];
+        let spec = model.spec();
+        let placements: Vec<BufferPlacement> = cache.plan.placements().to_vec();
+        let mut key = vec![bf16::ZERO; spec.index_head_dim as usize];
+        let mut row = vec![bf16::ZERO; model.mla_row_elems() as usize];
+        for p in &placements {
+            match p.role {
+                Role::IndexKey => {
+                    let width = model.indexer_data_bytes() as usize;
+                    let mut vals = vec![0u8; n * width];
+                    let mut scales = vec![0u8; n * 4];
+                    for (i, &(t, pos)) in toks.iter().enumerate() {
+                        source.indexer_key(t, pos, p.layer, &mut key);
+                        quantize_key(
+                            spec.indexer_dtype,
+                            &key,
+                            &mut vals[i * width..(i + 1) * width],
+                            &mut scales[i * 4..i * 4 + 4],
+                        );
+                    }
+                    let pool = cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get());
+                    let view = &mut pool[p.offset_in_slot as usize..];
+                    indexer_k_scatter(
+                        view,
+                        &vals,
+                        &scales,
+                        IndexerMappings {
+                            value: vm,
+                            scale: sm,
+                        },
+                        width,
+                    )?;
+                }
+                Role::Key => {
+                    let mut rows = Vec::with_capacity(n * row.len());
+                    for &(t, pos) in &toks {
+                        source.mla_row(t, pos, p.layer, &mut row);
+                        rows.extend_from_slice(&row);
+                    }
+                    let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
+                    match spec.kv_dtype {
+                        KvDtype::Bf16 => mla_scatter_bf16(
+                            cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                            &rv,
+                            &rows,
+                            mla,
+                        )?,
+                        KvDtype::Fp8 => mla_scatter_fp8(
+                            cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                            &rv,
+                            &rows,
+                            mla,
+                            fp8_scale,
+                        )?,
+                        KvDtype::Fp8DsMla => mla_scatter_fp8_ds_mla(
+                            cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                            &rv,
+                            &rows,
+                            mla,
+                            ScaleFormat::Ue8m0,
+                        )?,
+                        KvDtype::Nvfp4 => {
+                            let sp = *cache
+                                .plan
+                                .placement(p.layer, Role::KeyBlockScale)
+                                .expect("invariant: NVFP4 layers have a block-scale buffer");
+                            let sv = RowView::of(
+                                &sp,
+                                cache.slot_bytes[sp.pool_group.index()][sp.pool.index()],
+                            );
+                            let (data, scales) = cache.store.two_pools_mut(
+                                Tier::Gpu,
+                                p.pool_group,
+                                p.pool.get(),
+                                sp.pool.get(),
+                            );
+                            mla_scatter_nvfp4(data, &rv, scales, &sv, &rows, mla)?;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(n as u64)
+    }
+
+    fn layers_to_verify(&self, plan: &PoolPlan) -> Vec<LayerId> {
+        let ids: Vec<LayerId> = plan.layer_ids().collect();
+        match self.verify {
+            VerifyLayers::All => ids,
+            VerifyLayers::Sample => {
+                let mut v = vec![ids[0], ids[ids.len() / 2], ids[ids.len() - 1]];
+                v.dedup();
+                v
+            }
+        }
+    }
+
+    /// Reads positions `[0, tokens.len())` of one request back through its block slots
+    /// (no metadata involved) and compares every byte with the expected encoding.
+    fn verify_cache(
+        &self,
+        cache: &Cache,
+        id: RequestId,
+        tokens: &[TokenId],
+        slots: &[i32],
+        out: &mut Vec<Mismatch>,
+    ) -> u64 {
+        let spec = self.model.spec();
+        let t = cache.layout.tokens_per_block;
+        let mut key = vec![bf16::ZERO; spec.index_head_dim as usize];
+        let mut row = vec![bf16::ZERO; self.model.mla_row_elems() as usize];
+        let layers = self.layers_to_verify(&cache.plan);
+        for &layer in &layers {
+            for (pos, &tok) in tokens.iter().enumerate() {
+                let pos = pos as u32;
+                let Some(&slot) = slots.get((pos / t) as usize) else {
+                    out.push(Mismatch {
+                        id,
+                        position: pos,
+                        layer,
+                        role: Role::Key,
+                    });
+                    continue;
+                };
+                if let (Ok(p), Some(ix)) = (
+                    cache.plan.placement(layer, Role::IndexKey),
+                    cache.layout.indexer,
+                ) {
+                    self.source.indexer_key(tok, pos, layer, &mut key);
+                    let width = ix.data_bytes as usize;
+                    let (mut v, mut s) = (vec![0u8; width], [0u8; 4]);
+                    quantize_key(spec.indexer_dtype, &key, &mut v, &mut s);
+                    let pool = cache.store.pool(Tier::Gpu, p.pool_group, p.pool.get());
+                    let view = &pool[p.offset_in_slot as usize..];
+                    let page = u64::from(slot as u32) * u64::from(cache.layout.indexer_page_scale);
+                    let vo = ix.value_offset(page, pos % t) as usize;
+                    let so = ix.scale_offset(page, pos % t) as usize;
+                    if view.get(vo..vo + width) != Some(&v[..])
+                        || view.get(so..so + 4) != Some(&s[..])
+                    {
+                        out.push(Mismatch {
+                            id,
+                            position: pos,
+                            layer,
+                            role: Role::IndexKey,
+                        });
+                    }
+                }
+                if let Ok(p) = cache.plan.placement(layer, Role::Key) {
+                    self.source.mla_row(tok, pos, layer, &mut row);
+                    let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
+                    let slot_tok = i64::from(slot) * i64::from(t) + i64::from(pos % t);
+                    let (data, scale) = self.encode_mla(&row);
+                    let pool = cache.store.pool(Tier::Gpu, p.pool_group, p.pool.get());
+                    let o = rv.offset(slot_tok) as usize;
+                    let mut ok = pool.get(o..o + data.len()) == Some(&data[..]);
+                    if let (Some(scale), Ok(sp)) =
+                        (scale, cache.plan.placement(layer, Role::KeyBlockScale))
+                    {
+                        let sv = RowView::of(
+                            sp,
+                            cache.slot_bytes[sp.pool_group.index()][sp.pool.index()],
+                        );
+                        let spool = cache.store.pool(Tier::Gpu, sp.pool_group, sp.pool.get());
+                        let so = sv.offset(slot_tok) as usize;
+                        ok &= spool.get(so..so + scale.len()) == Some(&scale[..]);
+                    }
+                    if !ok {
+                        out.push(Mismatch {
+                            id,
+                            position: pos,
+                            layer,
+                            role: Role::Key,
+                        });
+                    }
+                }
+            }
+        }
+        tokens.len() as u64 * layers.len() as u64
+    }
+
+    /// The stored bytes of one MLA row (and its NVFP4 block scales).
+    fn encode_mla(&self, row: &[bf16]) -> (Vec<u8>, Option<Vec<u8>>) {
+        match self.model.spec().kv_dtype {
+            KvDtype::Bf16 => (
+                row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+                None,
+            ),
+            KvDtype::Fp8 => (
+                row.iter()
+                    .map(|v| f32_to_e4m3(v.to_f32() / self.fp8_tensor_scale))
+                    .collect(),
+                None,
+            ),
+            KvDtype::Fp8DsMla => {
+                let mut out = vec![0u8; 656];
+                quantize_fp8_ds_mla_row(row, ScaleFormat::Ue8m0, &mut out);
+                (out, None)
+            }
+            KvDtype::Nvfp4 => {
+                let (mut d, mut s) = (vec![0u8; row.len() / 2], vec![0u8; row.len() / 16]);
+                quantize_nvfp4_row(row, &mut d, &mut s);
+                (d, Some(s))
+            }
+        }
+    }
+
+    /// Hash of the bound page tables and slot mappings (FNV-1a).
+    fn metadata_digest(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |x: i64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            }
+        };
+        let n = self.meta.counts().num_tokens;
+        let rows = self.meta.counts().num_requests * self.meta.max_blocks_per_seq();
+        self.meta.indexer_page_table()[..rows]
+            .iter()
+            .for_each(|&x| eat(i64::from(x)));
+        self.meta.block_table()[..rows]
+            .iter()
+            .for_each(|&x| eat(i64::from(x)));
+        self.meta.slot_mapping_value()[..n]
+            .iter()
+            .for_each(|&x| eat(x));
+        self.meta.mla_slot_mapping()[..n]
+            .iter()
+            .for_each(|&x| eat(x));
+        h
+    }
+}
+
+fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mut [u8]) {
+    match dtype {
+        IndexerDtype::Fp8 => quantize_fp8_token(key, ScaleFormat::Ue8m0, values, scale),
+        IndexerDtype::Fp4 => quantize_fp4_token(key, values, scale),
+    }
+}
+
+impl DeviceBackend for HostDevice {
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
+        let start = Instant::now();
+        let dev = self.index;
+        let storage = |source| DeviceError::Storage {
+            device: dev,
+            source,
+        };
+        let mut slot_copies = 0;
+        for cp in &plan.copies {
+            self.target.store.execute(cp).map_err(storage)?;
+            slot_copies += cp.num_slot_copies() as u64;
+        }
+        if !plan.draft_copies.is_empty() {
+            let draft = self
+                .draft
+                .as_mut()
+                .ok_or(DeviceError::NoDraftCache { device: dev })?;
+            for cp in &plan.draft_copies {
+                draft.store.execute(cp).map_err(storage)?;
+                slot_copies += cp.num_slot_copies() as u64;
+            }
+        }
+        // Cached KV that was reused or moved is checked before anything new is written.
+        let mut mismatches = Vec::new();
+        let mut verified = 0;
+        for r in &plan.requests {
+            if let Some(tokens) = &r.verify_tokens {
+                verified +=
+                    self.verify_cache(&self.target, r.id, tokens, &r.block_slots, &mut mismatches);
+                if let (Some(d), Some(slots)) = (&self.draft, &r.draft_block_slots) {
+                    verified += self.verify_cache(d, r.id, tokens, slots, &mut mismatches);
+                }
+            }
+        }
+        let reqs = Self::step_requests(plan, false);
+        self.meta
+            .prepare(&self.target.layout, &reqs)
+            .map_err(|e| self.meta_err(e))?;
+        let written = Self::write_tokens(
+            &self.meta,
+            &mut self.target,
+            &self.model,
+            &*self.source,
+            self.fp8_tensor_scale,
+            plan,
+        )
+        .map_err(|e| self.op(e))?;
+        Ok(DeviceStepReport {
+            device: dev,
+            target_fence: plan.target_fence,
+            draft_fence: plan.draft_fence,
+            tokens_written: written,
+            slot_copies,
+            tokens_verified: verified,
+            mismatches,
+            metadata_digest: self.metadata_digest(),
+            elapsed_us: start.elapsed().as_micros() as u64,
+        })
+    }
+
+    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
+        let layout = self
+            .draft
+            .as_ref()
+            .ok_or(DeviceError::NoDraftCache { device: self.index })?
+            .layout;
+        let reqs = Self::step_requests(plan, true);
+        self.meta
+            .prepare_draft(&layout, &reqs)
+            .map_err(|e| self.meta_err(e))
+    }
+
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
+        let dev = self.index;
+        let draft = self
+            .draft
+            .as_mut()
+            .ok_or(DeviceError::NoDraftCache { device: dev })?;
+        if !self.meta.in_draft_replay() {
+            return Err(DeviceError::Metadata {
+                device: dev,
+                source: MetadataError::NotInReplay,
+            });
+        }
+        Self::write_tokens(
+            &self.meta,
+            draft,
+            &self.model,
+            &*self.source,
+            self.fp8_tensor_scale,
+            plan,
+        )
+        .map_err(|source| DeviceError::Op {
+            device: dev,
+            source,
+        })
+    }
+
+    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
+        self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
+    }
+
+    fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
+        let mut mismatches = Vec::new();
+        let mut n = 0;
+        for s in specs {
+            n += self.verify_cache(
+                &self.target,
+                s.id,
+                &s.tokens,
+                &s.block_slots,
+                &mut mismatches,
+            );
+            if let (Some(d), Some(slots)) = (&self.draft, &s.draft_block_slots) {
+                n += self.verify_cache(d, s.id, &s.tokens, slots, &mut mismatches);
+            }
+        }
+        Ok((n, mismatches))
+    }
+}

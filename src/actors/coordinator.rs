@@ -1,0 +1,654 @@
+//! The coordinator actor: owns the [`Scheduler`] (and through it the cache managers),
+//! decides each step once and broadcasts the plan to every device (tensor parallelism:
+//! identical page tables everywhere), waits for their completion fences before any slot
+//! they used can be handed out again, commits outcomes, verifies finished requests, and
+//! keeps statistics and KV events. It survives panics (`on_panic` continues) and device
+//! deaths (the affected requests fail; the rest of the service goes on).
+
+use std::collections::{HashMap, VecDeque};
+use std::future::IntoFuture;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::future::join_all;
+use kameo::actor::{ActorId, ActorRef, WeakActorRef};
+use kameo::error::{ActorStopReason, PanicError};
+use kameo::message::{Context, Message};
+use kameo::Actor;
+use serde::Serialize;
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::backend::{DeviceStepReport, Mismatch, VerifySpec};
+use super::device::{DeviceActor, ExecuteStep, Verify};
+use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
+use super::error::RuntimeError;
+use super::stats::{ratio, EventCounts, Rolling, RuntimeStats, StepSample, TierUsage, HISTORY};
+use crate::core::scheduler::{
+    Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
+};
+use crate::core::{KvEvent, ManagerStats};
+use crate::ids::{RequestId, Tier, TokenId};
+
+/// A finished request with the result of its final verification.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FinishedReport {
+    /// The request.
+    pub finished: Finished,
+    /// Token positions verified on every device (× layers).
+    pub tokens_verified: u64,
+    /// Byte mismatches found.
+    pub mismatches: Vec<Mismatch>,
+}
+
+/// One scheduled request, as the framework needs it to run the model and sample.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ScheduledRequest {
+    /// The request.
+    pub id: RequestId,
+    /// Context chunk or decode step.
+    pub kind: PlannedKind,
+    /// KV tokens before the step.
+    pub num_cached: u32,
+    /// Tokens processed (drafts included).
+    pub num_tokens: u32,
+    /// Draft tokens among them.
+    pub num_drafts: u32,
+    /// Whether the outcome needs a sampled `next_token`.
+    pub produces_token: bool,
+}
+
+/// What one step did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepReport {
+    /// Step number.
+    pub step: u64,
+    /// Scheduled requests (context first).
+    pub scheduled: Vec<ScheduledRequest>,
+    /// Requests preempted to make room.
+    pub preempted: Vec<RequestId>,
+    /// Requests resumed.
+    pub resumed: Vec<RequestId>,
+    /// Requests failed while scheduling, with the reason.
+    pub failed: Vec<(RequestId, String)>,
+    /// Each device's report.
+    pub devices: Vec<DeviceStepReport>,
+    /// The draft replay, when the step had one.
+    pub draft: Option<DraftReport>,
+    /// Coordinator time for scheduling, microseconds.
+    pub manager_us: u64,
+}
+
+/// What a commit did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CommitReport {
+    /// Requests that finished.
+    pub finished: Vec<FinishedReport>,
+    /// Coordinator time, microseconds (device verification excluded).
+    pub manager_us: u64,
+}
+
+type Waiter = oneshot::Sender<Result<FinishedReport, RuntimeError>>;
+
+const DONE_CAPACITY: usize = 100_000;
+const EVENT_CAPACITY: usize = 1 << 16;
+
+/// The coordinator. See the module docs.
+pub struct Coordinator {
+    sched: Scheduler,
+    devices: Vec<Option<ActorRef<DeviceActor>>>,
+    draft: Option<ActorRef<DraftReplayActor>>,
+    watchers: HashMap<RequestId, Vec<Waiter>>,
+    done: HashMap<RequestId, Result<FinishedReport, RuntimeError>>,
+    done_order: VecDeque<RequestId>,
+    events: VecDeque<KvEvent>,
+    event_counts: EventCounts,
+    rolling: Rolling,
+    last_mgr: ManagerStats,
+    stats: RuntimeStats,
+    history: VecDeque<StepSample>,
+    pending_manager_us: u64,
+}
+
+/// What the coordinator starts with.
+pub struct CoordinatorArgs {
+    /// The scheduler with its managers.
+    pub sched: Scheduler,
+    /// One device actor per device.
+    pub devices: Vec<ActorRef<DeviceActor>>,
+    /// The draft-replay actor (separate draft cache).
+    pub draft: Option<ActorRef<DraftReplayActor>>,
+}
+
+impl Actor for Coordinator {
+    type Args = CoordinatorArgs;
+    type Error = RuntimeError;
+
+    async fn on_start(args: Self::Args, me: ActorRef<Self>) -> Result<Self, Self::Error> {
+        for d in &args.devices {
+            me.link(d).await;
+        }
+        let stats = RuntimeStats {
+            devices_alive: args.devices.len(),
+            ..Default::default()
+        };
+        Ok(Coordinator {
+            sched: args.sched,
+            devices: args.devices.into_iter().map(Some).collect(),
+            draft: args.draft,
+            watchers: HashMap::new(),
+            done: HashMap::new(),
+            done_order: VecDeque::new(),
+            events: VecDeque::new(),
+            event_counts: EventCounts::default(),
+            rolling: Rolling::default(),
+            last_mgr: ManagerStats::default(),
+            stats,
+            history: VecDeque::new(),
+            pending_manager_us: 0,
+        })
+    }
+
+    async fn on_panic(
+        &mut self,
+        _: WeakActorRef<Self>,
+        err: PanicError,
+    ) -> Result<ControlFlow<ActorStopReason>, Self::Error> {
+        tracing::error!(
+            ?err,
+            "a coordinator message panicked; the coordinator keeps serving"
+        );
+        Ok(ControlFlow::Continue(()))
+    }
+
+    async fn on_link_died(
+        &mut self,
+        _: WeakActorRef<Self>,
+        id: ActorId,
+        reason: ActorStopReason,
+    ) -> Result<ControlFlow<ActorStopReason>, Self::Error> {
+        let Some(index) = self
+            .devices
+            .iter()
+            .position(|d| d.as_ref().is_some_and(|d| d.id() == id))
+        else {
+            return Ok(ControlFlow::Continue(()));
+        };
+        if matches!(reason, ActorStopReason::Normal) {
+            self.devices[index] = None;
+            return Ok(ControlFlow::Continue(()));
+        }
+        tracing::error!(device = index, ?reason, "device actor died");
+        self.device_lost(index, format!("{reason:?}")).await;
+        Ok(ControlFlow::Continue(()))
+    }
+}
+
+impl Coordinator {
+    fn alive(&self) -> Vec<ActorRef<DeviceActor>> {
+        self.devices.iter().flatten().cloned().collect()
+    }
+
+    /// Every request holds pages on every device (tensor parallelism): all of them fail.
+    async fn device_lost(&mut self, index: usize, reason: String) {
+        self.devices[index] = None;
+        self.stats.devices_alive = self.devices.iter().flatten().count();
+        let failed = self
+            .sched
+            .fail_all(&format!("device {index} died"))
+            .unwrap_or_default();
+        let err = RuntimeError::DeviceLost {
+            device: index,
+            reason,
+            failed: failed.len(),
+        };
+        for id in failed {
+            self.resolve(
+                id,
+                Err(RuntimeError::RequestFailed {
+                    id,
+                    reason: err.to_string(),
+                }),
+            );
+        }
+        self.stats.failed = self.sched.stats().failed;
+        if let Some(d) = &self.draft {
+            let _ = d.tell(SetDevices(self.alive())).await;
+        }
+    }
+
+    fn resolve(&mut self, id: RequestId, result: Result<FinishedReport, RuntimeError>) {
+        if let Some(ws) = self.watchers.remove(&id) {
+            for w in ws {
+                let _ = w.send(result.clone());
+            }
+        } else {
+            if self.done_order.len() == DONE_CAPACITY {
+                if let Some(old) = self.done_order.pop_front() {
+                    self.done.remove(&old);
+                }
+            }
+            self.done.insert(id, result);
+            self.done_order.push_back(id);
+        }
+    }
+
+    fn drain_events(&mut self) {
+        for e in self.sched.take_events() {
+            match e {
+                KvEvent::Stored { .. } => self.event_counts.stored += 1,
+                KvEvent::Removed { .. } => self.event_counts.removed += 1,
+                KvEvent::TierUpdated { .. } => self.event_counts.tier_updated += 1,
+            }
+            if self.events.len() == EVENT_CAPACITY {
+                self.events.pop_front();
+            }
+            self.events.push_back(e);
+        }
+    }
+
+    fn sample(&mut self, plan: &StepPlan, manager_us: u64) {
+        let m = self.sched.target().stats();
+        let d_lookup = m.lookup_tokens - self.last_mgr.lookup_tokens;
+        let d_reused = m.reused_tokens - self.last_mgr.reused_tokens;
+        self.rolling.push(d_lookup, d_reused);
+        self.last_mgr = m;
+        let gpu = self.sched.target().usage(Tier::Gpu);
+        let host = self.sched.target().usage(Tier::Host);
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back(StepSample {
+            step: plan.step,
+            gpu_utilization: gpu.first().map_or(0.0, |u| u.utilization),
+            host_utilization: host.first().map_or(0.0, |u| u.utilization),
+            rolling_hit_rate: self.rolling.rate(),
+            scheduled: plan.requests.len() as u32,
+            waiting: self.sched.num_waiting() as u32,
+            manager_us,
+        });
+    }
+
+    fn snapshot(&self) -> RuntimeStats {
+        let s = self.sched.stats();
+        let m = self.sched.target().stats();
+        let t = self.sched.target();
+        let utilization = Tier::ALL
+            .iter()
+            .flat_map(|&tier| {
+                t.usage(tier)
+                    .into_iter()
+                    .map(move |usage| TierUsage { tier, usage })
+            })
+            .collect();
+        RuntimeStats {
+            steps: s.steps,
+            submitted: s.submitted,
+            finished: s.finished,
+            failed: s.failed,
+            preemptions: s.preemptions,
+            prefill_tokens: s.prefill_tokens,
+            decode_tokens: s.decode_tokens,
+            drafts_proposed: s.drafts_proposed,
+            drafts_accepted: s.drafts_accepted,
+            draft_acceptance_rate: ratio(s.drafts_accepted, s.drafts_proposed),
+            prefix_hit_rate: ratio(m.reused_tokens, m.lookup_tokens),
+            rolling_hit_rate: self.rolling.rate(),
+            offload_bytes: m.offloaded_bytes,
+            onboard_bytes: m.onboarded_bytes,
+            utilization,
+            events: self.event_counts,
+            history: self.history.iter().copied().collect(),
+            ..self.stats.clone()
+        }
+    }
+
+    async fn verify(
+        &mut self,
+        specs: Vec<VerifySpec>,
+    ) -> Result<(u64, Vec<Mismatch>), RuntimeError> {
+        let specs = Arc::new(specs);
+        let results = join_all(self.alive().into_iter().map(|d| {
+            let specs = specs.clone();
+            async move { d.ask(Verify(specs)).await }
+        }))
+        .await;
+        let mut n = 0;
+        let mut mismatches = Vec::new();
+        for r in results {
+            let (k, m) = r?;
+            n += k;
+            mismatches.extend(m);
+        }
+        self.stats.tokens_verified += n;
+        self.stats.mismatches += mismatches.len() as u64;
+        Ok((n, mismatches))
+    }
+}
+
+/// Admit a request.
+pub struct Submit(pub SubmitRequest);
+
+impl Message<Submit> for Coordinator {
+    type Reply = Result<u64, RuntimeError>;
+
+    async fn handle(&mut self, msg: Submit, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if self.devices.iter().flatten().next().is_none() {
+            return Err(RuntimeError::NoDevices);
+        }
+        let id = msg.0.id;
+        self.done.remove(&id);
+        let r = self.sched.submit(msg.0)?;
+        self.stats.submitted = self.sched.stats().submitted;
+        tracing::debug!(request = %id, reused = r, "submitted");
+        Ok(r)
+    }
+}
+
+/// Plan and run one step; the map holds each decoding request's draft tokens.
+pub struct Step(pub HashMap<RequestId, Vec<TokenId>>);
+
+impl Message<Step> for Coordinator {
+    type Reply = Result<StepReport, RuntimeError>;
+
+    async fn handle(&mut self, msg: Step, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let devices = self.alive();
+        if devices.is_empty() {
+            return Err(RuntimeError::NoDevices);
+        }
+        let t0 = Instant::now();
+        let plan = Arc::new(self.sched.schedule(&msg.0)?);
+        for (id, why) in &plan.failed {
+            let id = *id;
+            self.resolve(
+                id,
+                Err(RuntimeError::RequestFailed {
+                    id,
+                    reason: why.clone(),
+                }),
+            );
+        }
+        let manager_us = t0.elapsed().as_micros() as u64;
+        let span = tracing::info_span!("step", step = plan.step, requests = plan.requests.len());
+        // One message per step per device; every device gets the same plan.
+        let results = join_all(
+            devices
+                .iter()
+                .map(|d| d.ask(ExecuteStep(plan.clone())).into_future()),
+        )
+        .instrument(span.clone())
+        .await;
+        let mut reports = Vec::with_capacity(results.len());
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(rep) => reports.push(rep),
+                Err(e) => {
+                    first_err.get_or_insert(RuntimeError::from(e));
+                }
+            }
+        }
+        let draft = match (
+            &self.draft,
+            first_err.is_none() && plan.draft_fence.is_some() && !plan.requests.is_empty(),
+        ) {
+            (Some(d), true) => match d
+                .ask(DraftStep(plan.clone()))
+                .into_future()
+                .instrument(span)
+                .await
+            {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    first_err.get_or_insert(RuntimeError::from(e));
+                    None
+                }
+            },
+            _ => None,
+        };
+        if let Some(e) = first_err {
+            // Devices disagree about what happened: nothing of this step can be trusted.
+            let failed = self
+                .sched
+                .fail_all(&format!("step {} failed on a device: {e}", plan.step))?;
+            for id in failed {
+                self.resolve(
+                    id,
+                    Err(RuntimeError::RequestFailed {
+                        id,
+                        reason: e.to_string(),
+                    }),
+                );
+            }
+            self.stats.failed = self.sched.stats().failed;
+            return Err(e);
+        }
+        let t1 = Instant::now();
+        // Completion of the slowest device completes the fence for all of them.
+        self.sched.complete(plan.target_fence, plan.draft_fence)?;
+        let device_us = reports.iter().map(|r| r.elapsed_us).max().unwrap_or(0);
+        self.stats.device_us += device_us;
+        let verified: u64 = reports.iter().map(|r| r.tokens_verified).sum();
+        let mismatches: usize = reports.iter().map(|r| r.mismatches.len()).sum();
+        self.stats.tokens_verified += verified;
+        self.stats.mismatches += mismatches as u64;
+        if let Some(d) = &draft {
+            self.stats.draft_replays = d.replays;
+        }
+        if mismatches > 0 {
+            tracing::error!(step = plan.step, mismatches, "cached KV did not verify");
+        }
+        self.drain_events();
+        let manager_us = manager_us + t1.elapsed().as_micros() as u64;
+        self.pending_manager_us = manager_us;
+        self.sample(&plan, manager_us);
+        Ok(StepReport {
+            step: plan.step,
+            scheduled: plan
+                .requests
+                .iter()
+                .map(|p| ScheduledRequest {
+                    id: p.id,
+                    kind: p.kind,
+                    num_cached: p.num_cached,
+                    num_tokens: p.tokens.len() as u32,
+                    num_drafts: p.num_drafts,
+                    produces_token: p.produces_token,
+                })
+                .collect(),
+            preempted: plan.preempted.clone(),
+            resumed: plan.resumed.clone(),
+            failed: plan.failed.clone(),
+            devices: reports,
+            draft,
+            manager_us,
+        })
+    }
+}
+
+/// Commit the outcome of the last step.
+pub struct Commit(pub Vec<RequestOutcome>);
+
+impl Message<Commit> for Coordinator {
+    type Reply = Result<CommitReport, RuntimeError>;
+
+    async fn handle(&mut self, msg: Commit, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let t0 = Instant::now();
+        let finished = self.sched.commit(&msg.0)?;
+        let mut manager_us = t0.elapsed().as_micros() as u64;
+        let mut reports = Vec::with_capacity(finished.len());
+        if !finished.is_empty() {
+            // Every byte of every finished request is read back before it is closed.
+            let specs: Vec<VerifySpec> = finished
+                .iter()
+                .map(|f| VerifySpec {
+                    id: f.id,
+                    tokens: f.tokens.clone(),
+                    block_slots: f.block_slots.clone(),
+                    draft_block_slots: f.draft_block_slots.clone(),
+                })
+                .collect();
+            let mut per_request: HashMap<RequestId, Vec<Mismatch>> = HashMap::new();
+            let (n, mismatches) = self.verify(specs).await?;
+            for m in mismatches {
+                per_request.entry(m.id).or_default().push(m);
+            }
+            let t1 = Instant::now();
+            let ids: Vec<RequestId> = finished.iter().map(|f| f.id).collect();
+            self.sched.finalize(&ids)?;
+            let per = n / finished.len() as u64;
+            for f in finished {
+                let report = FinishedReport {
+                    mismatches: per_request.remove(&f.id).unwrap_or_default(),
+                    tokens_verified: per,
+                    finished: f,
+                };
+                self.resolve(report.finished.id, Ok(report.clone()));
+                reports.push(report);
+            }
+            manager_us += t1.elapsed().as_micros() as u64;
+        }
+        self.stats.finished = self.sched.stats().finished;
+        self.drain_events();
+        self.stats.manager_us += self.pending_manager_us + manager_us;
+        self.pending_manager_us = 0;
+        if let Some(last) = self.history.back_mut() {
+            last.manager_us += manager_us;
+        }
+        Ok(CommitReport {
+            finished: reports,
+            manager_us,
+        })
+    }
+}
+
+/// Register interest in a request's completion.
+pub struct Watch(pub RequestId, pub Waiter);
+
+impl Message<Watch> for Coordinator {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: Watch, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let Watch(id, tx) = msg;
+        if let Some(result) = self.done.remove(&id) {
+            self.done_order.retain(|x| *x != id);
+            let _ = tx.send(result);
+        } else if self.sched.status(id).is_some() {
+            self.watchers.entry(id).or_default().push(tx);
+        } else {
+            let _ = tx.send(Err(RuntimeError::Kv(
+                crate::core::KvError::UnknownRequest { id },
+            )));
+        }
+    }
+}
+
+/// Cancel a request.
+pub struct Cancel(pub RequestId);
+
+impl Message<Cancel> for Coordinator {
+    type Reply = Result<(), RuntimeError>;
+
+    async fn handle(&mut self, msg: Cancel, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.sched.cancel(msg.0)?;
+        self.stats.failed = self.sched.stats().failed;
+        self.resolve(
+            msg.0,
+            Err(RuntimeError::RequestFailed {
+                id: msg.0,
+                reason: "cancelled".into(),
+            }),
+        );
+        Ok(())
+    }
+}
+
+/// Read the statistics.
+pub struct GetStats;
+
+impl Message<GetStats> for Coordinator {
+    type Reply = RuntimeStats;
+
+    async fn handle(&mut self, _: GetStats, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.snapshot()
+    }
+}
+
+/// Take the KV events recorded since the last call (at most the last 65,536).
+pub struct TakeEvents;
+
+impl Message<TakeEvents> for Coordinator {
+    type Reply = Vec<KvEvent>;
+
+    async fn handle(&mut self, _: TakeEvents, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.drain_events();
+        self.events.drain(..).collect()
+    }
+}
+
+/// The device actors (for fault injection and shutdown).
+pub struct Devices;
+
+impl Message<Devices> for Coordinator {
+    type Reply = Vec<Option<ActorRef<DeviceActor>>>;
+
+    async fn handle(&mut self, _: Devices, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.devices.clone()
+    }
+}
+
+/// Check the managers' invariants (tests, drills): `Err` describes the first violation.
+pub struct CheckInvariants;
+
+impl Message<CheckInvariants> for Coordinator {
+    type Reply = Result<CacheCounts, String>;
+
+    async fn handle(
+        &mut self,
+        _: CheckInvariants,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let check = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.sched.target().check_invariants();
+            if let Some(d) = self.sched.draft() {
+                d.check_invariants();
+            }
+        }));
+        match check {
+            Ok(()) => {
+                let t = self.sched.target();
+                Ok(CacheCounts {
+                    active_requests: self.sched.num_active(),
+                    live_sequences: t.num_sequences(),
+                    pages: t.num_pages(),
+                    cached_blocks: t.num_cached_blocks(),
+                    gpu_slots_used: t.occupied_slots(Tier::Gpu).iter().sum(),
+                    host_slots_used: t.occupied_slots(Tier::Host).iter().sum(),
+                })
+            }
+            Err(p) => Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "invariant violated".into())),
+        }
+    }
+}
+
+/// Occupancy of the target cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, kameo::Reply)]
+pub struct CacheCounts {
+    /// Requests admitted and not finished.
+    pub active_requests: usize,
+    /// Open sequences.
+    pub live_sequences: usize,
+    /// Pages alive (in use or cached).
+    pub pages: usize,
+    /// Blocks cached for reuse.
+    pub cached_blocks: usize,
+    /// GPU slots in use.
+    pub gpu_slots_used: u32,
+    /// Host slots in use.
+    pub host_slots_used: u32,
+}

@@ -1,0 +1,152 @@
+//! The device actor: one per device, on its own OS thread (device calls block), owning
+//! the device's pools, streams and metadata through a [`DeviceBackend`]. It receives one
+//! message per step (the shared plan) and answers with what it did.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kameo::actor::ActorRef;
+use kameo::message::{Context, Message};
+use kameo::Actor;
+
+use super::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use crate::core::scheduler::StepPlan;
+use crate::metadata::DraftSnapshot;
+
+/// Owns one device. See the module docs.
+pub struct DeviceActor {
+    backend: Box<dyn DeviceBackend>,
+    delay: Option<Duration>,
+}
+
+impl Actor for DeviceActor {
+    type Args = Box<dyn DeviceBackend>;
+    type Error = Infallible;
+
+    async fn on_start(backend: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
+        tracing::debug!(device = backend.index(), "device actor started");
+        Ok(DeviceActor {
+            backend,
+            delay: None,
+        })
+    }
+}
+
+impl DeviceActor {
+    fn throttle(&self) {
+        if let Some(d) = self.delay {
+            // Own thread: blocking here stalls only this device, as a slow GPU would.
+            std::thread::sleep(d);
+        }
+    }
+}
+
+/// Execute one step plan.
+pub struct ExecuteStep(pub Arc<StepPlan>);
+
+impl Message<ExecuteStep> for DeviceActor {
+    type Reply = Result<DeviceStepReport, DeviceError>;
+
+    async fn handle(
+        &mut self,
+        msg: ExecuteStep,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.throttle();
+        let _span = tracing::debug_span!(
+            "device_step",
+            device = self.backend.index(),
+            step = msg.0.step
+        )
+        .entered();
+        self.backend.execute_step(&msg.0)
+    }
+}
+
+/// Rebind the metadata to the draft buffers for a plan.
+pub struct DraftPrepare(pub Arc<StepPlan>);
+
+impl Message<DraftPrepare> for DeviceActor {
+    type Reply = Result<DraftSnapshot, DeviceError>;
+
+    async fn handle(
+        &mut self,
+        msg: DraftPrepare,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.backend.draft_prepare(&msg.0)
+    }
+}
+
+/// Run the draft layers of a plan against the bound draft metadata.
+pub struct DraftForward(pub Arc<StepPlan>);
+
+impl Message<DraftForward> for DeviceActor {
+    type Reply = Result<u64, DeviceError>;
+
+    async fn handle(
+        &mut self,
+        msg: DraftForward,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.throttle();
+        self.backend.draft_forward(&msg.0)
+    }
+}
+
+/// Restore the target bindings.
+pub struct DraftRestore(pub DraftSnapshot);
+
+impl Message<DraftRestore> for DeviceActor {
+    type Reply = Result<(), DeviceError>;
+
+    async fn handle(
+        &mut self,
+        msg: DraftRestore,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.backend.draft_restore(&msg.0)
+    }
+}
+
+/// Verify whole requests.
+pub struct Verify(pub Arc<Vec<VerifySpec>>);
+
+impl Message<Verify> for DeviceActor {
+    type Reply = Result<(u64, Vec<Mismatch>), DeviceError>;
+
+    async fn handle(&mut self, msg: Verify, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.backend.verify(&msg.0)
+    }
+}
+
+/// Fault injection for reliability tests and drills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceFault {
+    /// Every following message waits this long first (a slow device).
+    Delay(Duration),
+    /// Back to full speed.
+    NoDelay,
+    /// Panic while handling this message (a crashed device).
+    Panic,
+}
+
+/// Apply a fault.
+pub struct InjectFault(pub DeviceFault);
+
+impl Message<InjectFault> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(
+        &mut self,
+        msg: InjectFault,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        match msg.0 {
+            DeviceFault::Delay(d) => self.delay = Some(d),
+            DeviceFault::NoDelay => self.delay = None,
+            DeviceFault::Panic => panic!("device {}: injected fault", self.backend.index()),
+        }
+    }
+}

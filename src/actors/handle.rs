@@ -1,0 +1,428 @@
+//! The public entry point: [`KvCacheBuilder`] → `start().await` → [`KvCacheHandle`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kameo::actor::{ActorRef, Spawn};
+use kameo::mailbox;
+use serde::Serialize;
+use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::oneshot;
+
+use super::backend::{DeviceSetup, HostDevice, VerifyLayers};
+use super::coordinator::{
+    CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
+    Devices, FinishedReport, GetStats, Step, StepReport, Submit, TakeEvents, Watch,
+};
+use super::device::{DeviceActor, DeviceFault, InjectFault};
+use super::draft::DraftReplayActor;
+use super::error::RuntimeError;
+use super::kv_source::{KvSource, SyntheticKv};
+use super::stats::RuntimeStats;
+use crate::config::{DsaModel, EngineConfig};
+use crate::core::quota::{gpu_budget, slots_for_budget, GpuBudget, QuotaInputs};
+use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
+use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
+use crate::ids::{RequestId, TokenId};
+use crate::layout::{LayoutKind, PoolPlan};
+use crate::metadata::MetadataDims;
+
+/// Builds and starts a runtime.
+///
+/// ```
+/// use dsa_kv::actors::KvCacheBuilder;
+/// use dsa_kv::config::EngineConfig;
+/// use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+/// use dsa_kv::core::ReuseScope;
+/// use dsa_kv::ids::{RequestId, TokenId};
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), dsa_kv::actors::RuntimeError> {
+/// let mut config = EngineConfig::default();
+/// config.model.num_layers = Some(2); // a small DeepSeek-V3.2-shaped model
+/// config.kv_cache.max_tokens = Some(4096);
+/// let kv = KvCacheBuilder::new().config(config).start().await?;
+///
+/// let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
+/// let id = RequestId(1);
+/// kv.submit(SubmitRequest { id, scope: ReuseScope::SHARED, prompt, max_new_tokens: 3, priority: 35 }).await?;
+/// let waiter = { let kv = kv.clone(); tokio::spawn(async move { kv.wait(id).await }) };
+/// // The engine loop: schedule and run a step on every device, then commit what the model sampled.
+/// for step in 0.. {
+///     let report = kv.step(Default::default()).await?;
+///     let outcomes = report.scheduled.iter()
+///         .map(|r| RequestOutcome { id: r.id, accepted_drafts: 0, next_token: r.produces_token.then_some(TokenId(7)) })
+///         .collect();
+///     if kv.commit(outcomes).await?.finished.len() == 1 { break; }
+///     assert!(step < 10);
+/// }
+/// let done = waiter.await.unwrap()?;
+/// assert_eq!(done.finished.generated, 3);
+/// assert!(done.mismatches.is_empty()); // every byte read back through the page tables
+/// kv.shutdown().await;
+/// # Ok(()) }
+/// ```
+pub struct KvCacheBuilder {
+    config: EngineConfig,
+    model: Option<DsaModel>,
+    devices: Option<usize>,
+    source: Arc<dyn KvSource>,
+    verify: VerifyLayers,
+    device_mailbox: usize,
+    coordinator_mailbox: usize,
+    fp8_tensor_scale: f32,
+}
+
+impl Default for KvCacheBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What a started runtime looks like.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RuntimeInfo {
+    /// Model name.
+    pub model: String,
+    /// V1 or V2.
+    pub layout: LayoutKind,
+    /// Bytes per token of the target manager (MLA + indexer, all its layers).
+    pub bytes_per_token: u64,
+    /// The GPU budget and slots per pool group.
+    pub budget: GpuBudget,
+    /// Host slots per pool group (0: no host tier).
+    pub host_slots: u64,
+    /// Devices (tensor-parallel ranks).
+    pub devices: usize,
+    /// A separate draft cache with draft replay.
+    pub draft_cache: bool,
+    /// Draft tokens per decode step.
+    pub draft_tokens: u32,
+    /// Configuration warnings.
+    pub warnings: Vec<String>,
+}
+
+impl KvCacheBuilder {
+    /// Defaults: `EngineConfig::default()`, devices = `parallel.tp_size`, the synthetic
+    /// KV source, sampled verification, device mailboxes of 4 steps, a coordinator
+    /// mailbox of 64 messages.
+    pub fn new() -> Self {
+        KvCacheBuilder {
+            config: EngineConfig::default(),
+            model: None,
+            devices: None,
+            source: Arc::new(SyntheticKv { seed: 0 }),
+            verify: VerifyLayers::Sample,
+            device_mailbox: 4,
+            coordinator_mailbox: 64,
+            fp8_tensor_scale: 1.0 / 32.0,
+        }
+    }
+
+    /// The engine configuration.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// A model built in code (overrides `config.model`).
+    pub fn model(mut self, model: DsaModel) -> Self {
+        self.model = Some(model);
+        self
+    }
+
+    /// Host-backend devices (tensor-parallel ranks); default `parallel.tp_size`.
+    pub fn host_devices(mut self, n: usize) -> Self {
+        self.devices = Some(n);
+        self
+    }
+
+    /// Where new tokens' KV comes from.
+    pub fn kv_source(mut self, source: Arc<dyn KvSource>) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// Which layers verification reads.
+    pub fn verify_layers(mut self, v: VerifyLayers) -> Self {
+        self.verify = v;
+        self
+    }
+
+    /// Mailbox capacity of each device actor, in steps (backpressure).
+    pub fn device_mailbox(mut self, n: usize) -> Self {
+        self.device_mailbox = n.max(1);
+        self
+    }
+
+    /// Mailbox capacity of the coordinator.
+    pub fn coordinator_mailbox(mut self, n: usize) -> Self {
+        self.coordinator_mailbox = n.max(1);
+        self
+    }
+
+    /// Validates everything, sizes the pools, spawns the actors.
+    pub async fn start(self) -> Result<KvCacheHandle, RuntimeError> {
+        let rt = Handle::try_current().map_err(|_| {
+            RuntimeError::Runtime(
+                "KvCacheBuilder::start needs a tokio runtime (call it from async code)".into(),
+            )
+        })?;
+        if matches!(rt.runtime_flavor(), RuntimeFlavor::CurrentThread) {
+            return Err(RuntimeError::Runtime(
+                "KvCacheBuilder::start needs a multi-thread tokio runtime: device actors run on their own \
+                 threads (use #[tokio::main] or #[tokio::test(flavor = \"multi_thread\")])"
+                    .into(),
+            ));
+        }
+        let resolved = match self.model.clone() {
+            Some(m) => self.config.resolve_with(m)?,
+            None => self.config.resolve()?,
+        };
+        let c = &self.config;
+        let devices = self.devices.unwrap_or(c.parallel.tp_size as usize);
+        if devices == 0 {
+            return Err(RuntimeError::NoDevices);
+        }
+        let t = c.kv_cache.tokens_per_block;
+        let target_plan =
+            PoolPlan::for_model(&resolved.model, resolved.target_layers, resolved.layout, t)?;
+        let draft_plan = resolved
+            .draft_layers
+            .map(|set| PoolPlan::for_model(&resolved.model, set, resolved.layout, t))
+            .transpose()?;
+        let budget = gpu_budget(
+            &target_plan,
+            &QuotaInputs {
+                max_gpu_total_bytes: c.kv_cache.max_gpu_total_bytes,
+                free_gpu_memory_fraction: c.kv_cache.free_gpu_memory_fraction,
+                // The host backend has no device memory to measure.
+                free_gpu_memory: None,
+                max_tokens: c.kv_cache.max_tokens,
+                max_util_for_resume: c.kv_cache.max_util_for_resume,
+            },
+        )?;
+        let groups = target_plan.pool_groups().len();
+        let gpu = u32::try_from(budget.slots).map_err(|_| {
+            RuntimeError::Runtime(format!(
+                "{} slots per pool group is more than this crate addresses",
+                budget.slots
+            ))
+        })?;
+        let host = c
+            .kv_cache
+            .host_cache_size
+            .map(|b| slots_for_budget(&target_plan, b))
+            .unwrap_or(0)
+            .min(u64::from(u32::MAX)) as u32;
+        let slots = TierSlots {
+            gpu: vec![gpu; groups],
+            host: if host > 0 { vec![host; groups] } else { vec![] },
+        };
+        let opts = ManagerOptions {
+            enable_block_reuse: resolved.enable_block_reuse,
+            enable_partial_reuse: c.kv_cache.enable_partial_reuse,
+            max_util_for_resume: c.kv_cache.max_util_for_resume,
+            record_events: true,
+        };
+        let target = KvCacheManager::new(target_plan.clone(), slots.clone(), opts.clone())?;
+        // The draft cache mirrors the target's decisions: same slot counts per group.
+        let draft = match &draft_plan {
+            Some(p) => {
+                let dg = p.pool_groups().len();
+                let ds = TierSlots {
+                    gpu: vec![gpu; dg],
+                    host: if host > 0 { vec![host; dg] } else { vec![] },
+                };
+                Some(KvCacheManager::new(p.clone(), ds, opts)?)
+            }
+            None => None,
+        };
+        let s = &c.scheduler;
+        let max_context_kv = (u64::from(s.max_num_sequences) * u64::from(s.max_seq_len))
+            .min(u64::from(s.max_num_tokens).max(2 * u64::from(s.max_seq_len)))
+            as u32;
+        let limits = SchedulerLimits {
+            max_num_sequences: s.max_num_sequences,
+            max_num_tokens: s.max_num_tokens,
+            max_prefill_chunk: s.max_prefill_chunk,
+            max_seq_len: s.max_seq_len,
+            draft_tokens: resolved.draft_tokens,
+            livelock_steps: 10_000,
+            max_context_kv_tokens: max_context_kv,
+        };
+        let sched = Scheduler::new(target, draft, limits);
+        let blocks = (s.max_seq_len + resolved.draft_tokens + 1).div_ceil(t) as usize;
+        let dims = MetadataDims {
+            max_num_sequences: s.max_num_sequences as usize,
+            max_blocks_per_seq: blocks.next_multiple_of(4),
+            max_num_tokens: s.max_num_tokens as usize,
+            max_context_kv_tokens: max_context_kv as usize,
+        };
+        let mut refs = Vec::with_capacity(devices);
+        for i in 0..devices {
+            let setup = DeviceSetup {
+                model: resolved.model.clone(),
+                target_plan: target_plan.clone(),
+                target_slots: (slots.gpu.clone(), slots.host.clone()),
+                draft_plan: draft_plan.clone(),
+                dims: (dims, draft_plan.as_ref().map(|_| dims)),
+                source: self.source.clone(),
+                verify: self.verify.clone(),
+                fp8_tensor_scale: self.fp8_tensor_scale,
+            };
+            let dev = HostDevice::new(i, setup)?;
+            refs.push(DeviceActor::spawn_in_thread_with_mailbox(
+                Box::new(dev),
+                mailbox::bounded(self.device_mailbox),
+            ));
+        }
+        let draft_actor = draft_plan
+            .as_ref()
+            .map(|_| DraftReplayActor::spawn(refs.clone()));
+        let coordinator = Coordinator::spawn_with_mailbox(
+            CoordinatorArgs {
+                sched,
+                devices: refs,
+                draft: draft_actor.clone(),
+            },
+            mailbox::bounded(self.coordinator_mailbox),
+        );
+        coordinator
+            .wait_for_startup_result()
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("the coordinator did not start: {e:?}")))?;
+        let info = RuntimeInfo {
+            model: resolved.model.spec().name.clone(),
+            layout: resolved.layout,
+            bytes_per_token: target_plan.cache_bytes_per_token(),
+            budget,
+            host_slots: u64::from(host),
+            devices,
+            draft_cache: draft_plan.is_some(),
+            draft_tokens: resolved.draft_tokens,
+            warnings: resolved.warnings,
+        };
+        tracing::info!(?info, "dsa-kv runtime started");
+        Ok(KvCacheHandle {
+            coordinator,
+            draft: draft_actor,
+            info: Arc::new(info),
+        })
+    }
+}
+
+/// A cheap-to-clone handle to a running runtime.
+#[derive(Clone)]
+pub struct KvCacheHandle {
+    coordinator: ActorRef<Coordinator>,
+    draft: Option<ActorRef<DraftReplayActor>>,
+    info: Arc<RuntimeInfo>,
+}
+
+impl KvCacheHandle {
+    /// What the runtime was started with.
+    pub fn info(&self) -> &RuntimeInfo {
+        &self.info
+    }
+
+    /// Admits a request; returns the prompt tokens a probe finds cached now.
+    pub async fn submit(&self, r: SubmitRequest) -> Result<u64, RuntimeError> {
+        Ok(self.coordinator.ask(Submit(r)).await?)
+    }
+
+    /// Plans one step and runs it on every device (`drafts`: each decoding request's
+    /// draft tokens).
+    pub async fn step(
+        &self,
+        drafts: HashMap<RequestId, Vec<TokenId>>,
+    ) -> Result<StepReport, RuntimeError> {
+        Ok(self.coordinator.ask(Step(drafts)).await?)
+    }
+
+    /// Commits what the model sampled for the last step.
+    pub async fn commit(
+        &self,
+        outcomes: Vec<RequestOutcome>,
+    ) -> Result<CommitReport, RuntimeError> {
+        Ok(self.coordinator.ask(Commit(outcomes)).await?)
+    }
+
+    /// Waits until a request finishes (or fails).
+    pub async fn wait(&self, id: RequestId) -> Result<FinishedReport, RuntimeError> {
+        let (tx, rx) = oneshot::channel();
+        self.coordinator.tell(Watch(id, tx)).await?;
+        rx.await.map_err(|_| {
+            RuntimeError::NotRunning("the coordinator stopped before the request finished".into())
+        })?
+    }
+
+    /// Cancels a request that is not part of the step in flight.
+    pub async fn cancel(&self, id: RequestId) -> Result<(), RuntimeError> {
+        Ok(self.coordinator.ask(Cancel(id)).await?)
+    }
+
+    /// Statistics.
+    pub async fn stats(&self) -> Result<RuntimeStats, RuntimeError> {
+        Ok(self.coordinator.ask(GetStats).await?)
+    }
+
+    /// KV events since the last call (stored / removed / tier-updated blocks).
+    pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
+        Ok(self.coordinator.ask(TakeEvents).await?)
+    }
+
+    /// Checks the cache managers' invariants; returns the cache occupancy.
+    pub async fn check_invariants(&self) -> Result<CacheCounts, RuntimeError> {
+        self.coordinator
+            .ask(CheckInvariants)
+            .await
+            .map_err(|e| match e {
+                kameo::error::SendError::HandlerError(why) => {
+                    RuntimeError::Runtime(format!("cache invariant violated: {why}"))
+                }
+                other => RuntimeError::NotRunning(format!("{other:?}")),
+            })
+    }
+
+    /// Injects a fault into device `index` (reliability tests and drills).
+    pub async fn inject_fault(&self, index: usize, fault: DeviceFault) -> Result<(), RuntimeError> {
+        let dev = self.device(index).await?;
+        dev.tell(InjectFault(fault)).await?;
+        Ok(())
+    }
+
+    /// Kills device `index` (its requests fail; the runtime keeps serving).
+    pub async fn kill_device(&self, index: usize) -> Result<(), RuntimeError> {
+        let dev = self.device(index).await?;
+        dev.kill();
+        dev.wait_for_shutdown().await;
+        Ok(())
+    }
+
+    async fn device(&self, index: usize) -> Result<ActorRef<DeviceActor>, RuntimeError> {
+        let devices = self.coordinator.ask(Devices).await?;
+        devices
+            .get(index)
+            .cloned()
+            .flatten()
+            .ok_or(RuntimeError::Runtime(format!(
+                "device {index} does not exist or is gone"
+            )))
+    }
+
+    /// Stops every actor. Pending requests are dropped.
+    pub async fn shutdown(self) {
+        let devices = self.coordinator.ask(Devices).await.unwrap_or_default();
+        let _ = self.coordinator.stop_gracefully().await;
+        self.coordinator.wait_for_shutdown().await;
+        if let Some(d) = &self.draft {
+            let _ = d.stop_gracefully().await;
+            d.wait_for_shutdown().await;
+        }
+        for d in devices.into_iter().flatten() {
+            let _ = d.stop_gracefully().await;
+            d.wait_for_shutdown().await;
+        }
+    }
+}

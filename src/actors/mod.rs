@@ -1,0 +1,25 @@
+//! The runtime a serving framework embeds: a cheap-to-clone async [`KvCacheHandle`] in
+//! front of a coordinator actor that owns the scheduler and cache managers, one device
+//! actor per device (own thread) that owns pools and metadata and runs the ops, and a
+//! draft-replay actor for speculative decoding (kameo actors on tokio).
+
+mod backend;
+mod coordinator;
+mod device;
+mod draft;
+mod error;
+mod handle;
+mod kv_source;
+mod stats;
+
+pub use backend::{
+    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice, Mismatch, VerifyLayers,
+    VerifySpec,
+};
+pub use coordinator::{CacheCounts, CommitReport, FinishedReport, ScheduledRequest, StepReport};
+pub use device::DeviceFault;
+pub use draft::DraftReport;
+pub use error::RuntimeError;
+pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
+pub use kv_source::{KvSource, SyntheticKv};
+pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};
