@@ -1,0 +1,364 @@
+//! The runtime through its public handle: many concurrent clients with nothing lost,
+//! supervision (a device dies mid-run), backpressure, and start-up validation.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsa_kv::actors::{DeviceFault, KvCacheBuilder, KvCacheHandle, RuntimeError};
+use dsa_kv::config::{ConfigError, EngineConfig, SpecMode};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::ReuseScope;
+use dsa_kv::ids::{RequestId, TokenId};
+
+fn config(max_tokens: u64, host: bool, mtp: bool) -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(3);
+    c.kv_cache.max_tokens = Some(max_tokens);
+    if host {
+        // The same bytes as 2,048 tokens.
+        c.kv_cache.host_cache_size = Some(2048 * 3 * 708 + (8 << 20));
+    }
+    c.scheduler.max_num_sequences = 16;
+    c.scheduler.max_num_tokens = 512;
+    c.scheduler.max_prefill_chunk = 256;
+    c.scheduler.max_seq_len = 2048;
+    if mtp {
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = 2;
+    }
+    c
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+/// Runs the engine loop until `stop` is set: step, sample (random draft acceptance),
+/// commit. Returns the number of steps.
+async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>, seed: u64) -> Result<u64, RuntimeError> {
+    let mut rng = Rng(seed);
+    let mut steps = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let drafts: HashMap<RequestId, Vec<TokenId>> = (0..64)
+            .map(|i| {
+                (
+                    RequestId(i),
+                    vec![
+                        TokenId(rng.next() as u32 % 1000),
+                        TokenId(rng.next() as u32 % 1000),
+                    ],
+                )
+            })
+            .collect();
+        let report = match kv.step(drafts).await {
+            Ok(r) => r,
+            Err(RuntimeError::NoDevices) => return Ok(steps),
+            Err(e) => return Err(e),
+        };
+        steps += 1;
+        if report.scheduled.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        let outcomes = report
+            .scheduled
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: if r.num_drafts > 0 {
+                    (rng.next() % u64::from(r.num_drafts + 1)) as u32
+                } else {
+                    0
+                },
+                next_token: r.produces_token.then(|| TokenId(rng.next() as u32 % 1000)),
+            })
+            .collect();
+        match kv.commit(outcomes).await {
+            Ok(_) => {}
+            Err(RuntimeError::Scheduler(dsa_kv::core::scheduler::SchedError::NothingToCommit)) => {}
+            Err(e) => return Err(e),
+        }
+        assert!(steps < 20_000, "the engine did not drain");
+    }
+    Ok(steps)
+}
+
+fn prompt(client: u64, len: usize) -> Vec<TokenId> {
+    // Clients share a 150-token system prompt, then differ.
+    (0..len)
+        .map(|i| {
+            TokenId(if i < 150 {
+                i as u32
+            } else {
+                (client * 1000 + i as u64) as u32
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_concurrent_clients_lose_nothing() {
+    let kv = KvCacheBuilder::new()
+        .config(config(1024, true, true))
+        .start()
+        .await
+        .unwrap();
+    assert!(kv.info().draft_cache);
+    let stop = Arc::new(AtomicBool::new(false));
+    let engine_task = tokio::spawn(engine(kv.clone(), stop.clone(), 7));
+    let mut clients = Vec::new();
+    for c in 0..40u64 {
+        let kv = kv.clone();
+        clients.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(c * 3)).await;
+            let id = RequestId(c);
+            let len = 160 + (c as usize * 37) % 300;
+            kv.submit(SubmitRequest {
+                id,
+                scope: ReuseScope::SHARED,
+                prompt: prompt(c, len),
+                max_new_tokens: 5 + (c as u32 % 20),
+                priority: [10, 35, 60][c as usize % 3],
+            })
+            .await?;
+            kv.wait(id).await
+        }));
+    }
+    let mut finished = 0;
+    for c in clients {
+        let done = c.await.unwrap().expect("every request finishes");
+        assert!(done.mismatches.is_empty(), "{:?}", done.mismatches);
+        assert!(done.tokens_verified > 0);
+        finished += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let steps = engine_task.await.unwrap().unwrap();
+    assert_eq!(finished, 40);
+    let st = kv.stats().await.unwrap();
+    assert_eq!(
+        (st.submitted, st.finished, st.failed),
+        (40, 40, 0),
+        "counters add up"
+    );
+    assert_eq!(st.mismatches, 0);
+    assert!(st.tokens_verified > 0);
+    assert!(
+        st.preemptions > 0,
+        "a 1,024-token cache for 40 clients must preempt"
+    );
+    assert!(st.offload_bytes > 0 && st.onboard_bytes > 0);
+    assert!(st.prefix_hit_rate > 0.0, "the system prompt is reused");
+    assert!(st.drafts_accepted > 0 && st.drafts_accepted < st.drafts_proposed);
+    assert!(st.draft_replays > 0);
+    assert!(st.events.stored > 0 && st.events.removed > 0 && st.events.tier_updated > 0);
+    assert_eq!(st.steps, steps);
+    let counts = kv.check_invariants().await.unwrap();
+    assert_eq!((counts.active_requests, counts.live_sequences), (0, 0));
+    assert_eq!(
+        counts.pages, counts.cached_blocks,
+        "only cached blocks hold pages: no slot leaked"
+    );
+    let events = kv.take_events().await.unwrap();
+    assert!(!events.is_empty());
+    kv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_device_fails_its_requests_and_service_continues() {
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .host_devices(2)
+        .start()
+        .await
+        .unwrap();
+    for c in 0..4u64 {
+        kv.submit(SubmitRequest {
+            id: RequestId(c),
+            scope: ReuseScope::SHARED,
+            prompt: prompt(c, 200),
+            max_new_tokens: 50,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+    }
+    let waiters: Vec<_> = (0..4u64)
+        .map(|c| {
+            let kv = kv.clone();
+            tokio::spawn(async move { kv.wait(RequestId(c)).await })
+        })
+        .collect();
+    // Two steps: the prefill runs on both devices.
+    for _ in 0..2 {
+        let r = kv.step(HashMap::new()).await.unwrap();
+        assert_eq!(r.devices.len(), 2);
+        assert_eq!(
+            r.devices[0].metadata_digest, r.devices[1].metadata_digest,
+            "identical page tables on every rank"
+        );
+        let o = r
+            .scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: 0,
+                next_token: s.produces_token.then_some(TokenId(1)),
+            })
+            .collect();
+        kv.commit(o).await.unwrap();
+    }
+    kv.kill_device(1).await.unwrap();
+    // The coordinator learns of the death and fails every request holding pages there.
+    for w in waiters {
+        match w.await.unwrap() {
+            Err(RuntimeError::RequestFailed { reason, .. }) => {
+                assert!(reason.contains("device 1"), "{reason}")
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+    let st = kv.stats().await.unwrap();
+    assert_eq!((st.failed, st.devices_alive), (4, 1));
+    // The service goes on with the remaining device.
+    kv.submit(SubmitRequest {
+        id: RequestId(9),
+        scope: ReuseScope::SHARED,
+        prompt: prompt(9, 100),
+        max_new_tokens: 3,
+        priority: 35,
+    })
+    .await
+    .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let e = tokio::spawn(engine(kv.clone(), stop.clone(), 1));
+    let done = kv.wait(RequestId(9)).await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    e.await.unwrap().unwrap();
+    assert_eq!(done.finished.generated, 3);
+    let counts = kv.check_invariants().await.unwrap();
+    assert_eq!(counts.live_sequences, 0);
+    kv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_mailbox_slows_senders_and_loses_nothing() {
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .coordinator_mailbox(1)
+        .device_mailbox(1)
+        .start()
+        .await
+        .unwrap();
+    kv.inject_fault(0, DeviceFault::Delay(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    kv.submit(SubmitRequest {
+        id: RequestId(1),
+        scope: ReuseScope::SHARED,
+        prompt: prompt(1, 64),
+        max_new_tokens: 1,
+        priority: 35,
+    })
+    .await
+    .unwrap();
+    // A step is in flight on the slow device; 30 clients ask for stats meanwhile.
+    let stepper = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.step(HashMap::new()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t0 = Instant::now();
+    let asks: Vec<_> = (0..30)
+        .map(|_| {
+            let kv = kv.clone();
+            tokio::spawn(async move { kv.stats().await })
+        })
+        .collect();
+    let mut answered = 0;
+    for a in asks {
+        a.await.unwrap().unwrap();
+        answered += 1;
+    }
+    assert_eq!(answered, 30, "every queued message is answered");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(50),
+        "senders waited for the slow step"
+    );
+    let report = stepper.await.unwrap().unwrap();
+    assert_eq!(report.scheduled.len(), 1);
+    kv.inject_fault(0, DeviceFault::NoDelay).await.unwrap();
+    kv.shutdown().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn start_refuses_a_current_thread_runtime() {
+    let err = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .start()
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, RuntimeError::Runtime(ref m) if m.contains("multi-thread")),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_validates_the_configuration() {
+    let mut c = config(4096, false, false);
+    c.parallel.cp_mode = dsa_kv::config::CpMode::Star;
+    c.parallel.cp_size = 2;
+    let err = KvCacheBuilder::new().config(c).start().await.err().unwrap();
+    assert!(
+        matches!(err, RuntimeError::Config(ConfigError::Unsupported { .. })),
+        "{err}"
+    );
+    let mut c = config(4096, false, false);
+    c.kv_cache.max_tokens = None;
+    let err = KvCacheBuilder::new().config(c).start().await.err().unwrap();
+    assert!(err.to_string().contains("no GPU budget"), "{err}");
+    let mut c = config(4096, false, false);
+    c.kv_cache.tokens_per_block = 32;
+    let err = KvCacheBuilder::new().config(c).start().await.err().unwrap();
+    assert!(err.to_string().contains("must be 64 for DSA"), "{err}");
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .start()
+        .await
+        .unwrap();
+    // Bad requests are typed errors; the runtime keeps serving.
+    let bad = SubmitRequest {
+        id: RequestId(1),
+        scope: ReuseScope::SHARED,
+        prompt: vec![],
+        max_new_tokens: 1,
+        priority: 1,
+    };
+    assert!(matches!(
+        kv.submit(bad).await,
+        Err(RuntimeError::Scheduler(_))
+    ));
+    assert!(matches!(
+        kv.wait(RequestId(77)).await,
+        Err(RuntimeError::Kv(_))
+    ));
+    assert!(matches!(
+        kv.commit(vec![]).await,
+        Err(RuntimeError::Scheduler(_))
+    ));
+    assert!(matches!(
+        kv.cancel(RequestId(77)).await,
+        Err(RuntimeError::Scheduler(_))
+    ));
+    kv.shutdown().await;
+}
