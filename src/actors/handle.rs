@@ -9,7 +9,7 @@ use serde::Serialize;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 
-use super::backend::{DeviceSetup, HostDevice, VerifyLayers};
+use super::backend::{DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifyLayers};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
     Devices, FinishedReport, GetStats, Step, StepReport, Submit, TakeEvents, Watch,
@@ -26,6 +26,10 @@ use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
 use crate::ids::{RequestId, TokenId};
 use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
+
+/// Builds one device backend: `(device index, setup)`.
+pub type BackendFactory =
+    Arc<dyn Fn(usize, DeviceSetup) -> Result<Box<dyn DeviceBackend>, DeviceError> + Send + Sync>;
 
 /// Builds and starts a runtime.
 ///
@@ -63,6 +67,7 @@ use crate::metadata::MetadataDims;
 /// # Ok(()) }
 /// ```
 pub struct KvCacheBuilder {
+    backend: Option<BackendFactory>,
     config: EngineConfig,
     model: Option<DsaModel>,
     devices: Option<usize>,
@@ -108,6 +113,7 @@ impl KvCacheBuilder {
     /// mailbox of 64 messages.
     pub fn new() -> Self {
         KvCacheBuilder {
+            backend: None,
             config: EngineConfig::default(),
             model: None,
             devices: None,
@@ -146,6 +152,13 @@ impl KvCacheBuilder {
     /// Which layers verification reads.
     pub fn verify_layers(mut self, v: VerifyLayers) -> Self {
         self.verify = v;
+        self
+    }
+
+    /// How device backends are built (default: [`HostDevice`]). The CUDA backend, or a
+    /// test double, plugs in here.
+    pub fn backend(mut self, factory: BackendFactory) -> Self {
+        self.backend = Some(factory);
         self
     }
 
@@ -271,9 +284,12 @@ impl KvCacheBuilder {
                 verify: self.verify.clone(),
                 fp8_tensor_scale: self.fp8_tensor_scale,
             };
-            let dev = HostDevice::new(i, setup)?;
+            let dev: Box<dyn DeviceBackend> = match &self.backend {
+                Some(f) => f(i, setup)?,
+                None => Box::new(HostDevice::new(i, setup)?),
+            };
             refs.push(DeviceActor::spawn_in_thread_with_mailbox(
-                Box::new(dev),
+                dev,
                 mailbox::bounded(self.device_mailbox),
             ));
         }

@@ -20,6 +20,6 @@ pub use coordinator::{CacheCounts, CommitReport, FinishedReport, ScheduledReques
 pub use device::DeviceFault;
 pub use draft::DraftReport;
 pub use error::RuntimeError;
-pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
+pub use handle::{BackendFactory, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use kv_source::{KvSource, SyntheticKv};
 pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};

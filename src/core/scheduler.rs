@@ -287,6 +287,8 @@ struct Req {
     reused: u64,
     preemptions: u32,
     pending: Option<Pending>,
+    /// Failed during this `schedule` call; removed at its end.
+    dead: bool,
 }
 
 impl Req {
@@ -415,6 +417,7 @@ impl Scheduler {
             reused: 0,
             preemptions: 0,
             pending: None,
+            dead: false,
         });
         self.stats.submitted += 1;
         Ok(probe)
@@ -536,7 +539,12 @@ impl Scheduler {
     /// step; lowest priority first, then the most recently admitted.
     fn victim(&self, for_idx: usize) -> Option<usize> {
         (0..self.reqs.len())
-            .filter(|&j| j != for_idx && !self.reqs[j].suspended && self.reqs[j].pending.is_none())
+            .filter(|&j| {
+                j != for_idx
+                    && !self.reqs[j].suspended
+                    && !self.reqs[j].dead
+                    && self.reqs[j].pending.is_none()
+            })
             .min_by_key(|&j| (self.reqs[j].priority, std::cmp::Reverse(j)))
     }
 
@@ -580,25 +588,16 @@ impl Scheduler {
         };
         // Decode first (they hold memory and latency matters), then prefill; admission
         // order within each.
-        let mut order: Vec<RequestId> = self
-            .reqs
-            .iter()
-            .filter(|r| matches!(r.phase, Phase::Decode { .. }))
-            .map(|r| r.id)
+        let decoding = |r: &Req| matches!(r.phase, Phase::Decode { .. });
+        let mut order: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| decoding(&self.reqs[i]))
             .collect();
-        order.extend(
-            self.reqs
-                .iter()
-                .filter(|r| matches!(r.phase, Phase::Prefill { .. }))
-                .map(|r| r.id),
-        );
-        for id in order {
+        order.extend((0..self.reqs.len()).filter(|&i| !decoding(&self.reqs[i])));
+        for i in order {
             if seqs == self.limits.max_num_sequences || budget == 0 {
                 break;
             }
-            let Some(i) = self.reqs.iter().position(|r| r.id == id) else {
-                continue;
-            };
+            let id = self.reqs[i].id;
             if self.reqs[i].suspended {
                 if !self.activate(i)? {
                     continue;
@@ -656,7 +655,10 @@ impl Scheduler {
                         }
                     },
                     Err(e @ KvError::SequenceTooLong { .. }) => {
-                        self.fail(i, e.to_string(), &mut plan.failed)?;
+                        self.close_seqs(i)?;
+                        self.reqs[i].dead = true;
+                        self.stats.failed += 1;
+                        plan.failed.push((id, e.to_string()));
                         break false;
                     }
                     Err(e) => return Err(e.into()),

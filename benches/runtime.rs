@@ -1,0 +1,245 @@
+//! One scheduling step of 256 decoding sequences (1 + 3 draft tokens each) through the
+//! actor runtime, against the same step on the bare scheduler: the price of the actors.
+//! Devices are a no-op backend so that only the runtime's own work is measured.
+//! Results and the command: BENCHMARKS.md.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use dsa_kv::actors::{
+    DeviceBackend, DeviceError, DeviceStepReport, KvCacheBuilder, KvCacheHandle, Mismatch,
+    VerifySpec,
+};
+use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
+use dsa_kv::core::scheduler::{
+    PlannedKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
+};
+use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, TierSlots};
+use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::layout::{LayoutKind, PoolPlan};
+use dsa_kv::metadata::{DraftSnapshot, MetadataError};
+
+/// A device that does nothing but acknowledge.
+struct NullDevice(usize);
+
+impl DeviceBackend for NullDevice {
+    fn index(&self) -> usize {
+        self.0
+    }
+    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
+        Ok(DeviceStepReport {
+            device: self.0,
+            target_fence: plan.target_fence,
+            draft_fence: plan.draft_fence,
+            tokens_written: 0,
+            slot_copies: 0,
+            tokens_verified: 0,
+            mismatches: Vec::new(),
+            metadata_digest: 0,
+            elapsed_us: 0,
+        })
+    }
+    fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
+        Err(DeviceError::Metadata {
+            device: self.0,
+            source: MetadataError::NoDraftBuffers,
+        })
+    }
+    fn draft_forward(&mut self, _: &StepPlan) -> Result<u64, DeviceError> {
+        Ok(0)
+    }
+    fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn verify(&mut self, _: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
+        Ok((0, Vec::new()))
+    }
+}
+
+const SEQS: u64 = 256;
+
+fn requests() -> Vec<SubmitRequest> {
+    (0..SEQS)
+        .map(|i| SubmitRequest {
+            id: RequestId(i),
+            scope: ReuseScope::SHARED,
+            prompt: (0..1000 + (i as u32 * 7) % 2000)
+                .map(|t| TokenId(t + i as u32 * 3000))
+                .collect(),
+            max_new_tokens: 900_000,
+            priority: 35,
+        })
+        .collect()
+}
+
+fn drafts() -> HashMap<RequestId, Vec<TokenId>> {
+    (0..SEQS)
+        .map(|i| (RequestId(i), vec![TokenId(1), TokenId(2), TokenId(3)]))
+        .collect()
+}
+
+/// Outcomes of a step: `accepted` drafts each, and a sampled token.
+fn outcomes<'a>(reqs: impl Iterator<Item = (RequestId, u32)> + 'a) -> Vec<RequestOutcome> {
+    reqs.map(|(id, drafts)| RequestOutcome {
+        id,
+        accepted_drafts: drafts.min(1),
+        next_token: Some(TokenId(9)),
+    })
+    .collect()
+}
+
+fn config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.kv_cache.max_tokens = Some(12_000_000);
+    c.scheduler.max_num_sequences = 256;
+    c.scheduler.max_num_tokens = 8192;
+    c.scheduler.max_prefill_chunk = 8192;
+    c.scheduler.max_seq_len = 1_000_000;
+    c.spec_decode.mode = dsa_kv::config::SpecMode::Mtp;
+    c.spec_decode.draft_tokens = 3;
+    c.spec_decode.separate_draft_cache = false;
+    c
+}
+
+fn bare() -> Scheduler {
+    let plan = PoolPlan::for_model(
+        &DsaModel::deepseek_v32(),
+        LayerSet::TargetAndMtp,
+        LayoutKind::V2,
+        64,
+    )
+    .unwrap();
+    let m = KvCacheManager::new(
+        plan,
+        TierSlots {
+            gpu: vec![190_000],
+            host: vec![],
+        },
+        ManagerOptions::default(),
+    )
+    .unwrap();
+    let mut s = Scheduler::new(
+        m,
+        None,
+        SchedulerLimits {
+            max_num_sequences: 256,
+            max_num_tokens: 8192,
+            max_prefill_chunk: 8192,
+            max_seq_len: 1_000_000,
+            draft_tokens: 3,
+            livelock_steps: 1000,
+            max_context_kv_tokens: 1 << 20,
+        },
+    );
+    for r in requests() {
+        s.submit(r).unwrap();
+    }
+    // Prefill everything.
+    while s.stats().prefill_tokens
+        < requests()
+            .iter()
+            .map(|r| r.prompt.len() as u64)
+            .sum::<u64>()
+    {
+        let p = s.schedule(&HashMap::new()).unwrap();
+        s.complete(p.target_fence, p.draft_fence).unwrap();
+        s.commit(&outcomes(p.requests.iter().map(|r| (r.id, r.num_drafts))))
+            .unwrap();
+    }
+    s
+}
+
+async fn runtime() -> KvCacheHandle {
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .backend(Arc::new(|i, _| {
+            Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
+        }))
+        .start()
+        .await
+        .unwrap();
+    for r in requests() {
+        kv.submit(r).await.unwrap();
+    }
+    loop {
+        let rep = kv.step(drafts()).await.unwrap();
+        kv.commit(outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))))
+            .await
+            .unwrap();
+        if rep.scheduled.len() == SEQS as usize
+            && rep
+                .scheduled
+                .iter()
+                .all(|r| r.kind == PlannedKind::Generation)
+        {
+            return kv;
+        }
+    }
+}
+
+/// Sequences grow by 2 tokens per step; the state is rebuilt (untimed) every
+/// `REBUILD` steps so that every measured step sees 1,000–3,200-token sequences.
+const REBUILD: u64 = 100;
+
+fn step(c: &mut Criterion) {
+    let mut g = c.benchmark_group("scheduling_step_256_seqs_3_drafts");
+    g.throughput(Throughput::Elements(SEQS));
+    let d = drafts();
+    g.bench_function("bare_scheduler", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut s = bare();
+            for i in 0..iters {
+                if i > 0 && i % REBUILD == 0 {
+                    s = bare();
+                }
+                let t = Instant::now();
+                let p = s.schedule(&d).unwrap();
+                s.complete(p.target_fence, p.draft_fence).unwrap();
+                s.commit(&outcomes(p.requests.iter().map(|r| (r.id, r.num_drafts))))
+                    .unwrap();
+                total += t.elapsed();
+                assert_eq!(p.requests.len(), SEQS as usize);
+            }
+            total
+        })
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    g.bench_function("actors_one_device", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut total = Duration::ZERO;
+                let mut kv = runtime().await;
+                for i in 0..iters {
+                    if i > 0 && i % REBUILD == 0 {
+                        kv.shutdown().await;
+                        kv = runtime().await;
+                    }
+                    let t = Instant::now();
+                    let rep = kv.step(drafts()).await.unwrap();
+                    kv.commit(outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))))
+                        .await
+                        .unwrap();
+                    total += t.elapsed();
+                    assert_eq!(rep.scheduled.len(), SEQS as usize);
+                }
+                kv.shutdown().await;
+                total
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10);
+    targets = step
+}
+criterion_main!(benches);

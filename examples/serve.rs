@@ -1,0 +1,563 @@
+//! The main job: a seeded synthetic serving workload on the DeepSeek-V3.2 preset through
+//! the actor runtime, with every KV byte verified.
+//!
+//! Multi-turn chats over a few shared system prompts arrive as a Poisson process; the
+//! engine loop runs continuous batching with chunked prefill and MTP decoding (random
+//! draft acceptance); the pools are small enough that eviction, host offload and
+//! preemption happen. Every new token's indexer key and MLA row is generated from
+//! (token id, position, layer), written through the ops, and read back through the page
+//! tables after reuse, offload and onboarding, and once more when a request finishes.
+//!
+//! ```text
+//! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
+//!     [--conversations N] [--turns N] [--verify sample|all] [--config FILE.toml]
+//!     [--out DIR] [--backend host]
+//! ```
+//!
+//! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use dsa_kv::actors::{KvCacheBuilder, RuntimeError, RuntimeStats, VerifyLayers};
+use dsa_kv::config::{EngineConfig, SpecMode};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::ReuseScope;
+use dsa_kv::ids::{RequestId, TokenId};
+use serde_json::json;
+
+const VOCAB: u64 = 129_280;
+
+struct Args {
+    quick: bool,
+    json: bool,
+    seed: u64,
+    devices: usize,
+    conversations: Option<usize>,
+    turns: Option<usize>,
+    verify: VerifyLayers,
+    config: Option<PathBuf>,
+    out: PathBuf,
+}
+
+const USAGE: &str =
+    "usage: serve [--quick] [--json] [--seed N] [--devices N] [--conversations N] [--turns N] \
+[--verify sample|all] [--config FILE.toml] [--out DIR] [--backend host]";
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        json: false,
+        seed: 42,
+        devices: 1,
+        conversations: None,
+        turns: None,
+        verify: VerifyLayers::Sample,
+        config: None,
+        out: PathBuf::from("target/serve"),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
+        let mut val = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        let num = |name: &str, v: String| -> Result<u64, String> {
+            v.parse()
+                .map_err(|_| format!("{name} must be a non-negative integer (got {v:?})"))
+        };
+        match f.as_str() {
+            "--quick" => a.quick = true,
+            "--json" => a.json = true,
+            "--seed" => a.seed = num("--seed", val("--seed")?)?,
+            "--devices" => {
+                a.devices = num("--devices", val("--devices")?)? as usize;
+                if a.devices == 0 {
+                    return Err("--devices must be at least 1".into());
+                }
+            }
+            "--conversations" => a.conversations = Some(num("--conversations", val("--conversations")?)?.max(1) as usize),
+            "--turns" => a.turns = Some(num("--turns", val("--turns")?)?.max(1) as usize),
+            "--verify" => {
+                a.verify = match val("--verify")?.as_str() {
+                    "sample" => VerifyLayers::Sample,
+                    "all" => VerifyLayers::All,
+                    other => return Err(format!("--verify must be sample or all (got {other:?})")),
+                }
+            }
+            "--config" => a.config = Some(PathBuf::from(val("--config")?)),
+            "--out" => a.out = PathBuf::from(val("--out")?),
+            "--backend" => match val("--backend")?.as_str() {
+                "host" => {}
+                "cuda" => {
+                    return Err("--backend cuda: the CUDA backend is not part of this build yet; use --backend host".into())
+                }
+                other => return Err(format!("--backend must be host or cuda (got {other:?})")),
+            },
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(a)
+}
+
+/// SplitMix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+    fn exp(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.uniform()).ln()
+    }
+    fn tokens(&mut self, n: u64) -> Vec<TokenId> {
+        (0..n)
+            .map(|_| TokenId((self.next() % VOCAB) as u32))
+            .collect()
+    }
+}
+
+struct Workload {
+    conversations: usize,
+    turns: usize,
+    system_prompts: Vec<Vec<TokenId>>,
+    user_tokens: (u64, u64),
+    output_tokens: (u64, u64),
+    mean_arrival_steps: f64,
+    mean_think_steps: f64,
+}
+
+struct Conversation {
+    system: usize,
+    history: Vec<TokenId>,
+    turn: usize,
+    next_at: u64,
+    in_flight: Option<RequestId>,
+}
+
+fn engine_config(a: &Args) -> Result<EngineConfig, String> {
+    let mut c = match &a.config {
+        Some(p) => EngineConfig::from_file(p).map_err(|e| e.to_string())?,
+        None => {
+            let mut c = EngineConfig::default();
+            c.spec_decode.mode = SpecMode::Mtp;
+            c.spec_decode.draft_tokens = 3;
+            c.spec_decode.separate_draft_cache = true;
+            c.scheduler.max_num_sequences = 32;
+            c.scheduler.max_num_tokens = 2048;
+            c.scheduler.max_prefill_chunk = 1024;
+            c.scheduler.max_seq_len = 8192;
+            c
+        }
+    };
+    if a.config.is_none() {
+        // Small enough that eviction, offload and preemption happen.
+        let (gpu_tokens, host_tokens) = if a.quick {
+            (3_072u64, 2_048u64)
+        } else {
+            (6_144, 4_096)
+        };
+        c.kv_cache.max_tokens = Some(gpu_tokens);
+        c.kv_cache.host_cache_size = Some(host_tokens / 64 * 2_764_032);
+    }
+    c.parallel.tp_size = a.devices as u32;
+    Ok(c)
+}
+
+fn draft_acceptance(rng: &mut Rng, drafts: u32) -> u32 {
+    // Each draft is accepted with probability 0.7, until the first rejection.
+    (0..drafts).take_while(|_| rng.uniform() < 0.7).count() as u32
+}
+
+async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
+    let config = engine_config(&a).map_err(RuntimeError::Runtime)?;
+    let mut rng = Rng(a.seed);
+    let w = Workload {
+        conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 120 }),
+        turns: a.turns.unwrap_or(if a.quick { 2 } else { 3 }),
+        system_prompts: (0..3)
+            .map(|i| rng.tokens(if a.quick { 300 } else { 600 } + 200 * i))
+            .collect(),
+        user_tokens: if a.quick { (40, 200) } else { (60, 400) },
+        output_tokens: if a.quick { (16, 64) } else { (32, 160) },
+        mean_arrival_steps: if a.quick { 1.0 } else { 2.0 },
+        mean_think_steps: 6.0,
+    };
+    let kv = KvCacheBuilder::new()
+        .config(config.clone())
+        .host_devices(a.devices)
+        .verify_layers(a.verify.clone())
+        .start()
+        .await?;
+    let info = kv.info().clone();
+    if !a.json {
+        eprintln!(
+            "dsa-kv serve: {} ({} B/token), layout {:?}, {} GPU slots ({} tokens), {} host slots, {} device(s), MTP {} draft tokens{}",
+            info.model,
+            info.bytes_per_token,
+            info.layout,
+            info.budget.slots,
+            info.budget.tokens,
+            info.host_slots,
+            info.devices,
+            info.draft_tokens,
+            if info.draft_cache { " (separate draft cache)" } else { "" }
+        );
+    }
+    let mut convs: Vec<Conversation> = Vec::new();
+    let mut t = 0.0;
+    for _ in 0..w.conversations {
+        t += rng.exp(w.mean_arrival_steps);
+        convs.push(Conversation {
+            system: (rng.next() % w.system_prompts.len() as u64) as usize,
+            history: Vec::new(),
+            turn: 0,
+            next_at: t as u64,
+            in_flight: None,
+        });
+    }
+    let total_turns = w.conversations * w.turns;
+    let mut req_conv: HashMap<RequestId, usize> = HashMap::new();
+    let mut next_id = 1u64;
+    let mut turns_done = 0usize;
+    let mut failed = Vec::new();
+    let mut outputs = 0u64;
+    let mut mismatches = 0u64;
+    let started = Instant::now();
+    let mut step = 0u64;
+    let mut last_progress = Instant::now();
+    while turns_done + failed.len() < total_turns {
+        // Arrivals due now.
+        for (ci, c) in convs.iter_mut().enumerate() {
+            if c.in_flight.is_none() && c.turn < w.turns && c.next_at <= step {
+                let mut prompt = if c.turn == 0 {
+                    w.system_prompts[c.system].clone()
+                } else {
+                    c.history.clone()
+                };
+                let n = rng.range(w.user_tokens.0, w.user_tokens.1);
+                prompt.extend(rng.tokens(n));
+                let id = RequestId(next_id);
+                next_id += 1;
+                let max_new = rng.range(w.output_tokens.0, w.output_tokens.1) as u32;
+                kv.submit(SubmitRequest {
+                    id,
+                    scope: ReuseScope::SHARED,
+                    prompt,
+                    max_new_tokens: max_new,
+                    priority: 35,
+                })
+                .await?;
+                c.in_flight = Some(id);
+                req_conv.insert(id, ci);
+            }
+        }
+        let mut drafts = HashMap::new();
+        for &id in req_conv.keys() {
+            drafts.insert(id, rng.tokens(u64::from(info.draft_tokens)));
+        }
+        let report = kv.step(drafts).await?;
+        step += 1;
+        for (id, why) in &report.failed {
+            failed.push((*id, why.clone()));
+            if let Some(ci) = req_conv.remove(id) {
+                convs[ci].in_flight = None;
+                convs[ci].turn = w.turns;
+            }
+        }
+        if !report.scheduled.is_empty() {
+            let outcomes = report
+                .scheduled
+                .iter()
+                .map(|r| RequestOutcome {
+                    id: r.id,
+                    accepted_drafts: draft_acceptance(&mut rng, r.num_drafts),
+                    next_token: r
+                        .produces_token
+                        .then(|| TokenId((rng.next() % VOCAB) as u32)),
+                })
+                .collect();
+            let commit = kv.commit(outcomes).await?;
+            for f in commit.finished {
+                mismatches += f.mismatches.len() as u64;
+                outputs += u64::from(f.finished.generated);
+                if let Some(ci) = req_conv.remove(&f.finished.id) {
+                    let c = &mut convs[ci];
+                    c.history = f.finished.tokens;
+                    c.turn += 1;
+                    c.in_flight = None;
+                    c.next_at = step + rng.exp(w.mean_think_steps) as u64;
+                    turns_done += 1;
+                }
+            }
+        }
+        if !a.json && (last_progress.elapsed().as_millis() >= 250 || turns_done == total_turns) {
+            last_progress = Instant::now();
+            let done = (turns_done + failed.len()) as f64 / total_turns as f64;
+            let bar = (done * 30.0) as usize;
+            eprint!(
+                "\r[{}{}] {:>5.1}% | step {:>6} | turns {}/{} | running {:>3} | preempted {:>3}   ",
+                "#".repeat(bar),
+                " ".repeat(30 - bar),
+                100.0 * done,
+                step,
+                turns_done,
+                total_turns,
+                report.scheduled.len(),
+                report.preempted.len()
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    if !a.json {
+        eprintln!();
+    }
+    let st = kv.stats().await?;
+    let counts = kv.check_invariants().await?;
+    kv.shutdown().await;
+    let integrity_ok = st.mismatches == 0
+        && mismatches == 0
+        && st.tokens_verified > 0
+        && failed.is_empty()
+        && counts.live_sequences == 0;
+    let report = json!({
+        "integrity_ok": integrity_ok,
+        "requests_finished": st.finished,
+        "requests_failed": failed.len(),
+        "conversations": w.conversations,
+        "turns": w.turns,
+        "steps": st.steps,
+        "elapsed_s": elapsed,
+        "steps_per_s": st.steps as f64 / elapsed,
+        "prefill_tokens": st.prefill_tokens,
+        "decode_tokens": st.decode_tokens,
+        "output_tokens": outputs,
+        "prefix_hit_rate": st.prefix_hit_rate,
+        "rolling_hit_rate": st.rolling_hit_rate,
+        "offload_bytes": st.offload_bytes,
+        "onboard_bytes": st.onboard_bytes,
+        "preemptions": st.preemptions,
+        "draft_acceptance_rate": st.draft_acceptance_rate,
+        "drafts_proposed": st.drafts_proposed,
+        "drafts_accepted": st.drafts_accepted,
+        "draft_replays": st.draft_replays,
+        "manager_overhead_us_per_step": st.manager_us as f64 / st.steps.max(1) as f64,
+        "device_us_per_step": st.device_us as f64 / st.steps.max(1) as f64,
+        "tokens_verified": st.tokens_verified,
+        "mismatches": st.mismatches,
+        "kv_events": st.events,
+        "cache_at_end": counts,
+        "runtime": info,
+        "seed": a.seed,
+        "quick": a.quick,
+        "verify": format!("{:?}", a.verify).to_lowercase(),
+    });
+    std::fs::create_dir_all(&a.out)
+        .map_err(|e| RuntimeError::Runtime(format!("cannot create {}: {e}", a.out.display())))?;
+    let json_path = a.out.join("serve_report.json");
+    let mut full = report.clone();
+    full["history"] = serde_json::to_value(&st.history).unwrap_or_default();
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(&full).unwrap_or_default(),
+    )
+    .map_err(|e| RuntimeError::Runtime(format!("cannot write {}: {e}", json_path.display())))?;
+    let svg_path = a.out.join("serve_report.svg");
+    std::fs::write(&svg_path, plot(&st))
+        .map_err(|e| RuntimeError::Runtime(format!("cannot write {}: {e}", svg_path.display())))?;
+    if !a.json {
+        summary(&report, &st, &json_path, &svg_path);
+    }
+    Ok(report)
+}
+
+fn summary(
+    r: &serde_json::Value,
+    st: &RuntimeStats,
+    json_path: &std::path::Path,
+    svg_path: &std::path::Path,
+) {
+    let rows: BTreeMap<usize, (&str, String)> = [
+        (
+            "requests finished / failed",
+            format!("{} / {}", r["requests_finished"], r["requests_failed"]),
+        ),
+        (
+            "steps",
+            format!(
+                "{} ({:.1} steps/s)",
+                r["steps"],
+                r["steps_per_s"].as_f64().unwrap_or(0.0)
+            ),
+        ),
+        (
+            "tokens prefilled / decoded",
+            format!("{} / {}", st.prefill_tokens, st.decode_tokens),
+        ),
+        (
+            "manager overhead per step",
+            format!(
+                "{:.1} µs",
+                r["manager_overhead_us_per_step"].as_f64().unwrap_or(0.0)
+            ),
+        ),
+        (
+            "device time per step",
+            format!("{:.1} µs", r["device_us_per_step"].as_f64().unwrap_or(0.0)),
+        ),
+        (
+            "prefix hit rate",
+            format!("{:.1} %", 100.0 * st.prefix_hit_rate),
+        ),
+        (
+            "offloaded / onboarded",
+            format!(
+                "{:.1} MiB / {:.1} MiB",
+                st.offload_bytes as f64 / 1048576.0,
+                st.onboard_bytes as f64 / 1048576.0
+            ),
+        ),
+        ("preemptions", st.preemptions.to_string()),
+        (
+            "draft acceptance",
+            format!(
+                "{:.1} % of {}",
+                100.0 * st.draft_acceptance_rate,
+                st.drafts_proposed
+            ),
+        ),
+        (
+            "KV events stored / removed / moved",
+            format!(
+                "{} / {} / {}",
+                st.events.stored, st.events.removed, st.events.tier_updated
+            ),
+        ),
+        (
+            "positions verified (× layers)",
+            st.tokens_verified.to_string(),
+        ),
+        (
+            "integrity",
+            if r["integrity_ok"].as_bool() == Some(true) {
+                "OK: every byte read back matched".into()
+            } else {
+                format!("FAILED: {} mismatches", st.mismatches)
+            },
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    .collect();
+    println!("┌{:─<38}┬{:─<40}┐", "", "");
+    for (_, (k, v)) in rows {
+        println!("│ {k:<36} │ {v:<38} │");
+    }
+    println!("└{:─<38}┴{:─<40}┘", "", "");
+    println!(
+        "report: {}   plot: {}",
+        json_path.display(),
+        svg_path.display()
+    );
+}
+
+/// An SVG of GPU utilization and the rolling prefix hit rate over steps.
+fn plot(st: &RuntimeStats) -> String {
+    let (w, h, pad) = (900.0, 320.0, 40.0);
+    let n = st.history.len().max(2) as f64;
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (n - 1.0);
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * v.clamp(0.0, 1.0);
+    let line = |f: &dyn Fn(usize) -> f64| -> String {
+        st.history
+            .iter()
+            .enumerate()
+            .map(|(i, _)| format!("{:.1},{:.1}", x(i), y(f(i))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let util = line(&|i| st.history[i].gpu_utilization);
+    let host = line(&|i| st.history[i].host_utilization);
+    let hit = line(&|i| st.history[i].rolling_hit_rate);
+    format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{pad}" y="20">dsa-kv serve: GPU / host utilization and rolling prefix hit rate over {steps} steps</text>
+<line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="black"/>
+<text x="8" y="{t}">1.0</text><text x="8" y="{b}">0.0</text><text x="{r}" y="{lb}" text-anchor="end">step</text>
+<polyline fill="none" stroke="#d62728" stroke-width="1.2" points="{util}"/>
+<polyline fill="none" stroke="#ff7f0e" stroke-width="1" stroke-dasharray="4 2" points="{host}"/>
+<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{hit}"/>
+<text x="{l1}" y="36" fill="#d62728">GPU utilization</text><text x="{l2}" y="36" fill="#ff7f0e">host utilization</text><text x="{l3}" y="36" fill="#1f77b4">rolling hit rate</text>
+</svg>
+"##,
+        steps = st.history.len(),
+        b = h - pad,
+        r = w - pad,
+        t = pad + 4.0,
+        lb = h - 10.0,
+        l1 = pad + 10.0,
+        l2 = pad + 150.0,
+        l3 = pad + 290.0,
+    )
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let json = args.json;
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(report) => {
+            if json {
+                println!("{report}");
+            }
+            if report["integrity_ok"].as_bool() == Some(true) {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("integrity check FAILED");
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
