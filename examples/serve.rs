@@ -167,7 +167,7 @@ fn engine_config(a: &Args) -> Result<EngineConfig, String> {
     if a.config.is_none() {
         // Small enough that eviction, offload and preemption happen.
         let (gpu_tokens, host_tokens) = if a.quick {
-            (3_072u64, 2_048u64)
+            (2_304u64, 2_048u64)
         } else {
             (6_144, 4_096)
         };
@@ -187,14 +187,14 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
     let config = engine_config(&a).map_err(RuntimeError::Runtime)?;
     let mut rng = Rng(a.seed);
     let w = Workload {
-        conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 120 }),
+        conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 64 }),
         turns: a.turns.unwrap_or(if a.quick { 2 } else { 3 }),
         system_prompts: (0..3)
             .map(|i| rng.tokens(if a.quick { 300 } else { 600 } + 200 * i))
             .collect(),
         user_tokens: if a.quick { (40, 200) } else { (60, 400) },
         output_tokens: if a.quick { (16, 64) } else { (32, 160) },
-        mean_arrival_steps: if a.quick { 1.0 } else { 2.0 },
+        mean_arrival_steps: if a.quick { 1.0 } else { 4.0 },
         mean_think_steps: 6.0,
     };
     let kv = KvCacheBuilder::new()

@@ -47,3 +47,8 @@ pub mod layout;
 pub mod metadata;
 pub mod ops;
 pub mod storage;
+
+// The README's Rust examples run as doctests, so they cannot drift from the crate.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;

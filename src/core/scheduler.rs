@@ -15,7 +15,7 @@ use serde::Serialize;
 use super::error::{KvError, SeqStatus};
 use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
 use super::reuse_key::ReuseScope;
-use crate::ids::{Fence, LifeCycleId, RequestId, TokenId};
+use crate::ids::{Fence, LifeCycleId, RequestId, Tier, TokenId};
 use crate::ops::CopyPlan;
 
 /// Scheduler limits.
@@ -508,31 +508,84 @@ impl Scheduler {
     fn preempt(&mut self, i: usize) -> Result<(), SchedError> {
         self.reqs[i].preemptions += 1;
         self.stats.preemptions += 1;
-        if self.target.has_host_tier() {
+        if self.host_can_take(i)? {
             self.both(i, |m, h| m.suspend(h))?;
-        } else {
-            self.close_seqs(i)?;
             let r = &mut self.reqs[i];
-            match r.phase {
-                Phase::Decode { next, generated } => {
-                    r.prefill_len = r.tokens.len() as u32;
-                    r.resume_decode = Some((next, generated));
-                }
-                Phase::Prefill { .. } => {}
-            }
-            r.phase = Phase::Prefill { done: 0 };
+            r.suspended = true;
+            r.verify = true;
+            Ok(())
+        } else {
+            self.recompute(i)
         }
+    }
+
+    /// Whether suspending request `i` can free GPU memory: its pages must be able to
+    /// move to the host tier (free or evictable host slots for all of them).
+    fn host_can_take(&self, i: usize) -> Result<bool, KvError> {
+        if !self.target.has_host_tier() {
+            return Ok(false);
+        }
+        let Some(s) = &self.reqs[i].seq else {
+            return Ok(false);
+        };
+        let blocks = self.target.info_of(&s.target)?.num_blocks as u32;
+        Ok(self
+            .target
+            .usage(Tier::Host)
+            .iter()
+            .all(|u| u.free + u.evictable >= blocks))
+    }
+
+    /// Closes request `i`'s sequences (committed blocks stay cached) so that it prefills
+    /// again, from whatever is still cached, when it is next scheduled.
+    fn recompute(&mut self, i: usize) -> Result<(), SchedError> {
+        self.close_seqs(i)?;
         let r = &mut self.reqs[i];
+        if let Phase::Decode { next, generated } = r.phase {
+            r.prefill_len = r.tokens.len() as u32;
+            r.resume_decode = Some((next, generated));
+        }
+        r.phase = Phase::Prefill { done: 0 };
         r.suspended = true;
         r.verify = true;
         Ok(())
     }
 
+    /// Whether waiting request `i` could run its next step now: a decode step needs its
+    /// whole KV plus the step's tokens on the GPU, a prefill its first chunk; the blocks
+    /// must be free or evictable in every pool group.
+    fn fits_now(&self, i: usize) -> bool {
+        let r = &self.reqs[i];
+        let tokens = match r.phase {
+            Phase::Decode { .. } => r.tokens.len() as u64 + 1 + u64::from(self.limits.draft_tokens),
+            Phase::Prefill { .. } => u64::from(r.prefill_len.min(self.limits.max_prefill_chunk)),
+        };
+        let needed = tokens.div_ceil(self.target.tokens_per_block());
+        self.target
+            .usage(Tier::Gpu)
+            .iter()
+            .all(|u| u64::from(u.free + u.evictable) >= needed)
+    }
+
+    /// A waiting request that still holds pages (suspended with open sequences), to be
+    /// recomputed so that `for_idx` can resume: lowest priority, then most recently
+    /// admitted. Breaks the deadlock where every waiting request holds memory the others
+    /// need.
+    fn holding_waiter(&self, for_idx: usize) -> Option<usize> {
+        (0..self.reqs.len())
+            .filter(|&j| {
+                j != for_idx
+                    && self.reqs[j].suspended
+                    && self.reqs[j].seq.is_some()
+                    && !self.reqs[j].dead
+            })
+            .min_by_key(|&j| (self.reqs[j].priority, std::cmp::Reverse(j)))
+    }
+
     fn table(m: &KvCacheManager, h: &SeqHandle) -> Result<Vec<i32>, KvError> {
-        Ok(m.block_slots(h, LifeCycleId(0))?
-            .into_iter()
-            .map(|s| s.get() as i32)
-            .collect())
+        let mut row = vec![0i32; m.info_of(h)?.num_blocks as usize];
+        m.write_block_table(h, LifeCycleId(0), &mut row)?;
+        Ok(row)
     }
 
     /// The request to preempt to make room for `for_idx`: running, not scheduled this
@@ -598,8 +651,35 @@ impl Scheduler {
                 break;
             }
             let id = self.reqs[i].id;
+            // Only requests that were already running may take memory from others; a
+            // waiting request starts only when there is room (no thrashing between
+            // newcomers and the requests they would preempt).
+            let was_running = !self.reqs[i].suspended;
+            if self.reqs[i].suspended
+                && self.reqs.iter().any(|r| !r.suspended && !r.dead)
+                && !self.fits_now(i)
+            {
+                // Others are running and this one could not even take its next step:
+                // leave it waiting rather than activate it only to preempt it again.
+                continue;
+            }
             if self.reqs[i].suspended {
-                if !self.activate(i)? {
+                let mut active = self.activate(i)?;
+                if !active && !self.reqs.iter().any(|r| !r.suspended && !r.dead) {
+                    // Nothing runs and this request cannot resume: the memory is held by
+                    // other waiting requests. Recompute them, newest first, until it fits.
+                    while let Some(j) = self.holding_waiter(i) {
+                        self.reqs[j].preemptions += 1;
+                        self.stats.preemptions += 1;
+                        plan.preempted.push(self.reqs[j].id);
+                        self.recompute(j)?;
+                        active = self.activate(i)?;
+                        if active {
+                            break;
+                        }
+                    }
+                }
+                if !active {
                     continue;
                 }
                 plan.resumed.push(id);
@@ -642,10 +722,19 @@ impl Scheduler {
                     .resize(h, u64::from(cached + n), u64::from(cached))
                 {
                     Ok(true) => break true,
-                    Ok(false) => match self.victim(i) {
+                    Ok(false) => match self.victim(i).filter(|_| was_running) {
                         Some(v) => {
                             plan.preempted.push(self.reqs[v].id);
                             self.preempt(v)?;
+                        }
+                        // No running victim left: memory held by waiting requests goes to
+                        // the running one (they are recomputed later).
+                        None if was_running && self.holding_waiter(i).is_some() => {
+                            let j = self.holding_waiter(i).expect("invariant: just checked");
+                            self.reqs[j].preemptions += 1;
+                            self.stats.preemptions += 1;
+                            plan.preempted.push(self.reqs[j].id);
+                            self.recompute(j)?;
                         }
                         None => {
                             // Nothing left to preempt: this request waits.
