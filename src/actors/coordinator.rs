@@ -564,6 +564,22 @@ impl Message<Cancel> for Coordinator {
     }
 }
 
+/// Pause (`true`) or resume (`false`) a request.
+pub struct Pause(pub RequestId, pub bool);
+
+impl Message<Pause> for Coordinator {
+    type Reply = Result<(), RuntimeError>;
+
+    async fn handle(&mut self, msg: Pause, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if msg.1 {
+            self.sched.pause(msg.0)?;
+        } else {
+            self.sched.resume(msg.0)?;
+        }
+        Ok(())
+    }
+}
+
 /// Read the statistics.
 pub struct GetStats;
 

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use super::backend::{DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifyLayers};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
-    Devices, FinishedReport, GetStats, Step, StepReport, Submit, TakeEvents, Watch,
+    Devices, FinishedReport, GetStats, Pause, Step, StepReport, Submit, TakeEvents, Watch,
 };
 use super::device::{DeviceActor, DeviceFault, InjectFault};
 use super::draft::DraftReplayActor;
@@ -376,6 +376,17 @@ impl KvCacheHandle {
     /// Cancels a request that is not part of the step in flight.
     pub async fn cancel(&self, id: RequestId) -> Result<(), RuntimeError> {
         Ok(self.coordinator.ask(Cancel(id)).await?)
+    }
+
+    /// Suspends a request until [`resume`](Self::resume): its pages are held (and may be
+    /// offloaded) and it is not scheduled.
+    pub async fn suspend(&self, id: RequestId) -> Result<(), RuntimeError> {
+        Ok(self.coordinator.ask(Pause(id, true)).await?)
+    }
+
+    /// Lets a suspended request run again (as soon as there is room).
+    pub async fn resume(&self, id: RequestId) -> Result<(), RuntimeError> {
+        Ok(self.coordinator.ask(Pause(id, false)).await?)
     }
 
     /// Statistics.

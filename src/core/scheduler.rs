@@ -289,6 +289,8 @@ struct Req {
     pending: Option<Pending>,
     /// Failed during this `schedule` call; removed at its end.
     dead: bool,
+    /// Paused by the framework: not scheduled until resumed.
+    paused: bool,
 }
 
 impl Req {
@@ -418,6 +420,7 @@ impl Scheduler {
             preemptions: 0,
             pending: None,
             dead: false,
+            paused: false,
         });
         self.stats.submitted += 1;
         Ok(probe)
@@ -642,10 +645,13 @@ impl Scheduler {
         // Decode first (they hold memory and latency matters), then prefill; admission
         // order within each.
         let decoding = |r: &Req| matches!(r.phase, Phase::Decode { .. });
+        let runnable = |r: &Req| !r.paused;
         let mut order: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| decoding(&self.reqs[i]))
+            .filter(|&i| runnable(&self.reqs[i]) && decoding(&self.reqs[i]))
             .collect();
-        order.extend((0..self.reqs.len()).filter(|&i| !decoding(&self.reqs[i])));
+        order.extend(
+            (0..self.reqs.len()).filter(|&i| runnable(&self.reqs[i]) && !decoding(&self.reqs[i])),
+        );
         for i in order {
             if seqs == self.limits.max_num_sequences || budget == 0 {
                 break;
@@ -810,7 +816,7 @@ impl Scheduler {
         }
         self.step += 1;
         self.stats.steps += 1;
-        if plan.requests.is_empty() && !self.reqs.is_empty() {
+        if plan.requests.is_empty() && self.reqs.iter().any(|r| !r.paused) {
             self.stalled += 1;
             if self.stalled >= self.limits.livelock_steps {
                 let t = self.target.tokens_per_block();
@@ -976,6 +982,38 @@ impl Scheduler {
                 self.stats.finished += 1;
             }
         }
+        Ok(())
+    }
+
+    /// Pauses a request: it is suspended (or recomputed without room on the host) and not
+    /// scheduled until [`resume`](Self::resume). Not allowed during its step.
+    pub fn pause(&mut self, id: RequestId) -> Result<(), SchedError> {
+        let i = self
+            .reqs
+            .iter()
+            .position(|r| r.id == id)
+            .ok_or(KvError::UnknownRequest { id })?;
+        if self.reqs[i].pending.is_some() {
+            return Err(SchedError::BadOutcome {
+                id,
+                what: "it is part of the step in flight: pause after committing the step".into(),
+            });
+        }
+        if !self.reqs[i].suspended {
+            self.preempt(i)?;
+        }
+        self.reqs[i].paused = true;
+        Ok(())
+    }
+
+    /// Lets a paused request be scheduled again (it resumes when there is room).
+    pub fn resume(&mut self, id: RequestId) -> Result<(), SchedError> {
+        let r = self
+            .reqs
+            .iter_mut()
+            .find(|r| r.id == id)
+            .ok_or(KvError::UnknownRequest { id })?;
+        r.paused = false;
         Ok(())
     }
 

@@ -325,3 +325,39 @@ fn livelock_is_reported() {
         .to_string()
         .contains("no request could be scheduled for 5 consecutive steps"));
 }
+
+#[test]
+fn paused_requests_wait_until_resumed() {
+    let mut s = Scheduler::new(manager(16, 16), None, limits(0));
+    s.submit(req(1, vec![1, 2, 3], 3)).unwrap();
+    s.submit(req(2, vec![4, 5, 6], 3)).unwrap();
+    s.pause(RequestId(2)).unwrap();
+    let p = s.schedule(&HashMap::new()).unwrap();
+    assert_eq!(
+        p.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![RequestId(1)]
+    );
+    s.commit(&[RequestOutcome {
+        id: RequestId(1),
+        accepted_drafts: 0,
+        next_token: Some(TokenId(1)),
+    }])
+    .unwrap();
+    // Pausing a running request suspends it; its pages stay held.
+    s.pause(RequestId(1)).unwrap();
+    assert_eq!(s.status(RequestId(1)), Some(SeqStatus::Suspended));
+    assert!(s.schedule(&HashMap::new()).unwrap().requests.is_empty());
+    s.resume(RequestId(1)).unwrap();
+    s.resume(RequestId(2)).unwrap();
+    let p = s.schedule(&HashMap::new()).unwrap();
+    assert_eq!(p.requests.len(), 2);
+    assert!(p.resumed.contains(&RequestId(1)));
+    assert!(matches!(
+        s.pause(RequestId(1)),
+        Err(SchedError::BadOutcome { .. })
+    ));
+    assert!(matches!(
+        s.pause(RequestId(9)),
+        Err(SchedError::Kv(KvError::UnknownRequest { .. }))
+    ));
+}
