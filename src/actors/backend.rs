@@ -59,6 +59,15 @@ pub enum DeviceError {
         #[source]
         source: OpError,
     },
+    /// The GPU failed.
+    #[error("device {device}: {source}")]
+    Cuda {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: crate::cuda::CudaError,
+    },
     /// A draft replay without a draft cache.
     #[error("device {device}: the step has draft slots but the device has no draft cache")]
     NoDraftCache {
@@ -163,84 +172,123 @@ pub trait DeviceBackend: Send + 'static {
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError>;
 }
 
-struct Cache {
-    plan: PoolPlan,
-    layout: MetadataLayout,
-    store: HostStorage,
-    slot_bytes: Vec<Vec<u64>>,
+/// One cache (target or draft) as the host sees it: its plan, metadata layout, slot
+/// sizes and host pools (the pools themselves for [`HostDevice`]; a read-back mirror of
+/// the GPU pools for the CUDA backend).
+pub(crate) struct Cache {
+    pub(crate) plan: PoolPlan,
+    pub(crate) layout: MetadataLayout,
+    pub(crate) store: HostStorage,
+    pub(crate) slot_bytes: Vec<Vec<u64>>,
+}
+
+impl Cache {
+    /// Host pools for `plan` (GPU tier always; host tier when `host_slots` is given).
+    pub(crate) fn new(
+        index: usize,
+        plan: PoolPlan,
+        gpu_slots: &[u32],
+        host_slots: &[u32],
+    ) -> Result<Cache, DeviceError> {
+        let layout = MetadataLayout::from_plan(&plan).map_err(|e| DeviceError::Metadata {
+            device: index,
+            source: MetadataError::Layout(e),
+        })?;
+        let store = HostStorage::new(&plan, gpu_slots, host_slots).map_err(|source| {
+            DeviceError::Storage {
+                device: index,
+                source,
+            }
+        })?;
+        let slot_bytes = plan
+            .pool_groups()
+            .iter()
+            .map(|g| g.pools.iter().map(|p| p.slot_bytes).collect())
+            .collect();
+        Ok(Cache {
+            plan,
+            layout,
+            store,
+            slot_bytes,
+        })
+    }
+}
+
+/// What every backend shares: the step metadata, the KV source and the expected
+/// encodings used by verification.
+pub(crate) struct StepCore {
+    pub(crate) index: usize,
+    pub(crate) model: DsaModel,
+    pub(crate) meta: StepMetadata,
+    pub(crate) source: Arc<dyn KvSource>,
+    pub(crate) verify: VerifyLayers,
+    pub(crate) fp8_tensor_scale: f32,
 }
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
-    index: usize,
-    model: DsaModel,
+    core: StepCore,
     target: Cache,
     draft: Option<Cache>,
-    meta: StepMetadata,
-    source: Arc<dyn KvSource>,
-    verify: VerifyLayers,
-    fp8_tensor_scale: f32,
 }
 
 impl HostDevice {
     /// Allocates the pools and metadata buffers of device `index`.
     pub fn new(index: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
-        let storage = |source| DeviceError::Storage {
-            device: index,
-            source,
+        let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
+        let target = Cache::new(index, setup.target_plan.clone(), g, h)?;
+        let draft = match &setup.draft_plan {
+            Some(p) => Some(Cache::new(index, p.clone(), g, h)?),
+            None => None,
         };
-        let meta_err = |source| DeviceError::Metadata {
-            device: index,
-            source,
-        };
-        let cache = |plan: PoolPlan| -> Result<Cache, DeviceError> {
-            let layout =
-                MetadataLayout::from_plan(&plan).map_err(|e| meta_err(MetadataError::Layout(e)))?;
-            let store = HostStorage::new(&plan, &setup.target_slots.0, &setup.target_slots.1)
-                .map_err(storage)?;
-            let slot_bytes = plan
-                .pool_groups()
-                .iter()
-                .map(|g| g.pools.iter().map(|p| p.slot_bytes).collect())
-                .collect();
-            Ok(Cache {
-                plan,
-                layout,
-                store,
-                slot_bytes,
-            })
-        };
-        let target = cache(setup.target_plan)?;
-        let draft = setup.draft_plan.map(cache).transpose()?;
-        let meta =
-            StepMetadata::new(target.layout, setup.dims.0, setup.dims.1, true).map_err(meta_err)?;
+        let core = StepCore::new(index, &setup, target.layout)?;
         Ok(HostDevice {
-            index,
-            model: setup.model,
+            core,
             target,
             draft,
+        })
+    }
+}
+
+impl StepCore {
+    /// The shared state of device `index`, with metadata buffers for `layout`.
+    pub(crate) fn new(
+        index: usize,
+        setup: &DeviceSetup,
+        layout: MetadataLayout,
+    ) -> Result<Self, DeviceError> {
+        let meta =
+            StepMetadata::new(layout, setup.dims.0, setup.dims.1, true).map_err(|source| {
+                DeviceError::Metadata {
+                    device: index,
+                    source,
+                }
+            })?;
+        Ok(StepCore {
+            index,
+            model: setup.model.clone(),
             meta,
-            source: setup.source,
-            verify: setup.verify,
+            source: setup.source.clone(),
+            verify: setup.verify.clone(),
             fp8_tensor_scale: setup.fp8_tensor_scale,
         })
     }
 
-    fn op(&self, source: OpError) -> DeviceError {
+    pub(crate) fn op(&self, source: OpError) -> DeviceError {
         DeviceError::Op {
             device: self.index,
             source,
         }
     }
 
-    fn meta_err(&self, source: MetadataError) -> DeviceError {
+    pub(crate) fn meta_err(&self, source: MetadataError) -> DeviceError {
         DeviceError::Metadata {
             device: self.index,
             source,
         }
     }
 
-    fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
+    pub(crate) fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
         plan.requests
             .iter()
             .map(|r| StepRequest {
@@ -269,16 +317,7 @@ impl HostDevice {
         fp8_scale: f32,
         plan: &StepPlan,
     ) -> Result<u64, OpError> {
-        let toks: Vec<(TokenId, u32)> = plan
-            .requests
-            .iter()
-            .flat_map(|r| {
-                r.tokens
-                    .iter()
-                    .enumerate()
-                    .map(move |(j, &t)| (t, r.num_cached + j as u32))
-            })
-            .collect();
+        let toks = new_tokens(plan);
         let n = toks.len();
         let vm = &meta.slot_mapping_value()[..n];
         let sm = &meta.slot_mapping_scale()[..n];
@@ -382,7 +421,7 @@ impl HostDevice {
 
     /// Reads positions `[0, tokens.len())` of one request back through its block slots
     /// (no metadata involved) and compares every byte with the expected encoding.
-    fn verify_cache(
+    pub(crate) fn verify_cache(
         &self,
         cache: &Cache,
         id: RequestId,
@@ -465,7 +504,7 @@ impl HostDevice {
     }
 
     /// The stored bytes of one MLA row (and its NVFP4 block scales).
-    fn encode_mla(&self, row: &[bf16]) -> (Vec<u8>, Option<Vec<u8>>) {
+    pub(crate) fn encode_mla(&self, row: &[bf16]) -> (Vec<u8>, Option<Vec<u8>>) {
         match self.model.spec().kv_dtype {
             KvDtype::Bf16 => (
                 row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
@@ -491,7 +530,7 @@ impl HostDevice {
     }
 
     /// Hash of the bound page tables and slot mappings (FNV-1a).
-    fn metadata_digest(&self) -> u64 {
+    pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
             for b in x.to_le_bytes() {
@@ -516,7 +555,20 @@ impl HostDevice {
     }
 }
 
-fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mut [u8]) {
+/// `(token, position)` of every new token of the plan, in metadata order.
+pub(crate) fn new_tokens(plan: &StepPlan) -> Vec<(TokenId, u32)> {
+    plan.requests
+        .iter()
+        .flat_map(|r| {
+            r.tokens
+                .iter()
+                .enumerate()
+                .map(move |(j, &t)| (t, r.num_cached + j as u32))
+        })
+        .collect()
+}
+
+pub(crate) fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mut [u8]) {
     match dtype {
         IndexerDtype::Fp8 => quantize_fp8_token(key, ScaleFormat::Ue8m0, values, scale),
         IndexerDtype::Fp4 => quantize_fp4_token(key, values, scale),
@@ -525,12 +577,12 @@ fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mu
 
 impl DeviceBackend for HostDevice {
     fn index(&self) -> usize {
-        self.index
+        self.core.index
     }
 
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
         let start = Instant::now();
-        let dev = self.index;
+        let dev = self.core.index;
         let storage = |source| DeviceError::Storage {
             device: dev,
             source,
@@ -555,26 +607,34 @@ impl DeviceBackend for HostDevice {
         let mut verified = 0;
         for r in &plan.requests {
             if let Some(tokens) = &r.verify_tokens {
-                verified +=
-                    self.verify_cache(&self.target, r.id, tokens, &r.block_slots, &mut mismatches);
+                verified += self.core.verify_cache(
+                    &self.target,
+                    r.id,
+                    tokens,
+                    &r.block_slots,
+                    &mut mismatches,
+                );
                 if let (Some(d), Some(slots)) = (&self.draft, &r.draft_block_slots) {
-                    verified += self.verify_cache(d, r.id, tokens, slots, &mut mismatches);
+                    verified += self
+                        .core
+                        .verify_cache(d, r.id, tokens, slots, &mut mismatches);
                 }
             }
         }
-        let reqs = Self::step_requests(plan, false);
-        self.meta
+        let reqs = StepCore::step_requests(plan, false);
+        self.core
+            .meta
             .prepare(&self.target.layout, &reqs)
-            .map_err(|e| self.meta_err(e))?;
-        let written = Self::write_tokens(
-            &self.meta,
+            .map_err(|e| self.core.meta_err(e))?;
+        let written = StepCore::write_tokens(
+            &self.core.meta,
             &mut self.target,
-            &self.model,
-            &*self.source,
-            self.fp8_tensor_scale,
+            &self.core.model,
+            &*self.core.source,
+            self.core.fp8_tensor_scale,
             plan,
         )
-        .map_err(|e| self.op(e))?;
+        .map_err(|e| self.core.op(e))?;
         Ok(DeviceStepReport {
             device: dev,
             target_fence: plan.target_fence,
@@ -583,7 +643,7 @@ impl DeviceBackend for HostDevice {
             slot_copies,
             tokens_verified: verified,
             mismatches,
-            metadata_digest: self.metadata_digest(),
+            metadata_digest: self.core.metadata_digest(),
             elapsed_us: start.elapsed().as_micros() as u64,
         })
     }
@@ -592,32 +652,35 @@ impl DeviceBackend for HostDevice {
         let layout = self
             .draft
             .as_ref()
-            .ok_or(DeviceError::NoDraftCache { device: self.index })?
+            .ok_or(DeviceError::NoDraftCache {
+                device: self.core.index,
+            })?
             .layout;
-        let reqs = Self::step_requests(plan, true);
-        self.meta
+        let reqs = StepCore::step_requests(plan, true);
+        self.core
+            .meta
             .prepare_draft(&layout, &reqs)
-            .map_err(|e| self.meta_err(e))
+            .map_err(|e| self.core.meta_err(e))
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
-        let dev = self.index;
+        let dev = self.core.index;
         let draft = self
             .draft
             .as_mut()
             .ok_or(DeviceError::NoDraftCache { device: dev })?;
-        if !self.meta.in_draft_replay() {
+        if !self.core.meta.in_draft_replay() {
             return Err(DeviceError::Metadata {
                 device: dev,
                 source: MetadataError::NotInReplay,
             });
         }
-        Self::write_tokens(
-            &self.meta,
+        StepCore::write_tokens(
+            &self.core.meta,
             draft,
-            &self.model,
-            &*self.source,
-            self.fp8_tensor_scale,
+            &self.core.model,
+            &*self.core.source,
+            self.core.fp8_tensor_scale,
             plan,
         )
         .map_err(|source| DeviceError::Op {
@@ -627,14 +690,17 @@ impl DeviceBackend for HostDevice {
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
-        self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
+        self.core
+            .meta
+            .restore(snapshot)
+            .map_err(|e| self.core.meta_err(e))
     }
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
         let mut mismatches = Vec::new();
         let mut n = 0;
         for s in specs {
-            n += self.verify_cache(
+            n += self.core.verify_cache(
                 &self.target,
                 s.id,
                 &s.tokens,
@@ -642,7 +708,9 @@ impl DeviceBackend for HostDevice {
                 &mut mismatches,
             );
             if let (Some(d), Some(slots)) = (&self.draft, &s.draft_block_slots) {
-                n += self.verify_cache(d, s.id, &s.tokens, slots, &mut mismatches);
+                n += self
+                    .core
+                    .verify_cache(d, s.id, &s.tokens, slots, &mut mismatches);
             }
         }
         Ok((n, mismatches))

@@ -3,7 +3,7 @@
 //! actor per device (own thread) that owns pools and metadata and runs the ops, and a
 //! draft-replay actor for speculative decoding (kameo actors on tokio).
 
-mod backend;
+pub(crate) mod backend;
 mod coordinator;
 mod device;
 mod draft;

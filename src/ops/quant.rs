@@ -57,7 +57,9 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     let sign = ((bits >> 24) & 0x80) as u8;
     let abs = bits & 0x7FFF_FFFF;
     if abs > 0x7F80_0000 {
-        return sign | 0x7F; // NaN
+        // NaN → the positive NaN code whatever the input's sign bit: GPUs produce the
+        // canonical (positive) NaN from arithmetic, CPUs keep the operand's sign.
+        return 0x7F;
     }
     if abs >= 0x43E0_0000 {
         return sign | 0x7E; // ≥ 448 (and ±inf) saturate
@@ -99,13 +101,16 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     }
 }
 
-/// f32 → FP4 E2M1 code (low 4 bits; RNE, saturating to ±6, NaN → ±6). Integer-only.
+/// f32 → FP4 E2M1 code (low 4 bits; RNE, saturating to ±6, NaN → +6). Integer-only.
 pub fn f32_to_e2m1(x: f32) -> u8 {
     let bits = x.to_bits();
     let sign = ((bits >> 28) & 0x8) as u8;
     let abs = bits & 0x7FFF_FFFF;
-    if abs > 0x7F80_0000 || abs >= 0x40C0_0000 {
-        return sign | 0x7; // NaN, ≥ 6 and ±inf saturate
+    if abs > 0x7F80_0000 {
+        return 0x7; // NaN → +6 (sign dropped, as for E4M3)
+    }
+    if abs >= 0x40C0_0000 {
+        return sign | 0x7; // ≥ 6 and ±inf saturate
     }
     let exp = (abs >> 23) as i32 - 127;
     if exp < 0 {

@@ -1,7 +1,7 @@
 //! Host-memory storage: one byte vector per (tier, pool group, pool). Both tiers live in
 //! host memory; the "GPU" tier stands for device memory when no GPU is used.
 
-use super::{KvStorage, StorageError};
+use super::{check_plan_slots, KvStorage, StorageError};
 use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::{BufferPlacement, PoolPlan};
 use crate::ops::{copy_slots_between, copy_slots_within, CopyPlan};
@@ -158,33 +158,11 @@ impl HostStorage {
         };
         (value, scale)
     }
-
-    fn check_slot(&self, tier: Tier, group: PoolGroupId, slot: SlotId) -> Result<(), StorageError> {
-        let counts = &self.slots[tier.index()];
-        if counts.is_empty() {
-            return Err(StorageError::NoSuchTier { tier });
-        }
-        let slots = counts[group.index()];
-        if slot.get() >= slots {
-            return Err(StorageError::SlotOutOfRange {
-                tier,
-                group,
-                slot,
-                slots,
-            });
-        }
-        Ok(())
-    }
 }
 
 impl KvStorage for HostStorage {
     fn execute(&mut self, plan: &CopyPlan) -> Result<(), StorageError> {
-        for c in &plan.copies {
-            for &(s, d) in &c.pairs {
-                self.check_slot(c.src_tier, c.pool_group, s)?;
-                self.check_slot(c.dst_tier, c.pool_group, d)?;
-            }
-        }
+        check_plan_slots(&self.slots, plan)?;
         for c in &plan.copies {
             let g = c.pool_group.index();
             for (pool, &sb) in self.slot_bytes[g].iter().enumerate() {

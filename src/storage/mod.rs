@@ -3,7 +3,8 @@
 //!
 //! * [`HostStorage`]: pools in host memory for both tiers (the embedded default, CI,
 //!   laptops); copy plans run synchronously with the host reference ops.
-//! * The CUDA backend (VMM pools, streams, events) implements the same trait.
+//! * [`crate::cuda::CudaStorage`]: VMM pools on the GPU and a pinned host tier; copy
+//!   plans run as batched-copy kernels on the copy stream.
 
 mod host;
 
@@ -45,6 +46,9 @@ pub enum StorageError {
         /// Slots in the pool.
         slots: u32,
     },
+    /// The GPU failed a storage operation.
+    #[error("{0}")]
+    Cuda(#[from] crate::cuda::CudaError),
     /// The slot counts do not match the plan.
     #[error("{tier} slot counts {got:?} do not match the plan's {groups} pool groups")]
     Geometry {
@@ -61,4 +65,32 @@ pub enum StorageError {
 pub trait KvStorage {
     /// Runs `plan`'s copies in order, after all work submitted before it.
     fn execute(&mut self, plan: &CopyPlan) -> Result<(), StorageError>;
+}
+
+/// Checks every slot of `plan` against the slot counts `[tier][group]` (a tier with no
+/// counts does not exist) before anything moves.
+pub(crate) fn check_plan_slots(slots: &[Vec<u32>; 2], plan: &CopyPlan) -> Result<(), StorageError> {
+    let check = |tier: Tier, group: PoolGroupId, slot: SlotId| {
+        let counts = &slots[tier.index()];
+        if counts.is_empty() {
+            return Err(StorageError::NoSuchTier { tier });
+        }
+        let n = counts.get(group.index()).copied().unwrap_or(0);
+        if slot.get() >= n {
+            return Err(StorageError::SlotOutOfRange {
+                tier,
+                group,
+                slot,
+                slots: n,
+            });
+        }
+        Ok(())
+    };
+    for c in &plan.copies {
+        for &(s, d) in &c.pairs {
+            check(c.src_tier, c.pool_group, s)?;
+            check(c.dst_tier, c.pool_group, d)?;
+        }
+    }
+    Ok(())
 }

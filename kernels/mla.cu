@@ -1,0 +1,104 @@
+// MLA latent-row writes (host reference: src/ops/mla.rs). Rows are addressed by token
+// slot through a strided view: base + (slot / T) * block_stride + (slot % T) * row_bytes.
+// One warp per token. `rows` holds 576 BF16 values per token. A row that would end past
+// the pool (pool_len) is skipped; the host reference rejects such a batch up front.
+
+// BF16 rows: a plain 1152-byte move (72 x 16 B).
+extern "C" __global__ void mla_scatter_bf16(u8* __restrict__ pool, const u16* __restrict__ rows,
+                                            const i64* __restrict__ slots, int n, u64 base, u64 block_stride,
+                                            u32 tpb, u64 pool_len) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n) return;
+    i64 s = slots[warp];
+    if (s < 0) return;
+    u64 off = row_offset(s, base, block_stride, tpb, 1152);
+    if (off + 1152u > pool_len) return;
+    uint4* dst = reinterpret_cast<uint4*>(pool + off);
+    const uint4* src = reinterpret_cast<const uint4*>(rows + (u64)warp * 576);
+    for (int i = lane; i < 72; i += 32) dst[i] = src[i];
+}
+
+// FP8 rows with a per-tensor scale kept outside the cache: e4m3(x / tensor_scale).
+extern "C" __global__ void mla_scatter_fp8(u8* __restrict__ pool, const u16* __restrict__ rows,
+                                           const i64* __restrict__ slots, int n, u64 base, u64 block_stride,
+                                           u32 tpb, u64 pool_len, float tensor_scale) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n) return;
+    i64 s = slots[warp];
+    if (s < 0) return;
+    u64 off = row_offset(s, base, block_stride, tpb, 576);
+    if (off + 576u > pool_len) return;
+    u8* dst = pool + off;
+    const u16* src = rows + (u64)warp * 576;
+    for (int i = lane; i < 576; i += 32) dst[i] = f32_to_e4m3(bf16_to_f32(src[i]) / tensor_scale);
+}
+
+// fp8_ds_mla: 656-byte rows. Lanes 8t..8t+7 own tile t (16 nope values each); tile
+// scale max(amax, 1e-4) / 448 (power of two when ue8m0) at bytes 512 + 4t; the 64 BF16
+// rope values copied to bytes 528..656.
+extern "C" __global__ void mla_scatter_fp8_ds_mla(u8* __restrict__ pool, const u16* __restrict__ rows,
+                                                  const i64* __restrict__ slots, int n, u64 base,
+                                                  u64 block_stride, u32 tpb, u64 pool_len, int ue8m0) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n) return;
+    i64 s = slots[warp];
+    if (s < 0) return;
+    u64 off = row_offset(s, base, block_stride, tpb, 656);
+    if (off + 656u > pool_len) return;
+    u8* dst = pool + off;
+    const u16* src = rows + (u64)warp * 576;
+    float x[16];
+    float amax = 0.0f;
+    for (int i = 0; i < 16; ++i) {
+        x[i] = bf16_to_f32(src[lane * 16 + i]);
+        amax = fmaxf(amax, fabsf(x[i]));
+    }
+    amax = warp_max(amax, 8u);
+    float scale = block_scale(amax, FP8_MAX, ue8m0);
+    uint4 out;
+    u32* w = reinterpret_cast<u32*>(&out);
+    for (int q = 0; q < 4; ++q) {
+        u32 packed = 0;
+        for (int i = 0; i < 4; ++i) packed |= ((u32)f32_to_e4m3(x[q * 4 + i] / scale)) << (8 * i);
+        w[q] = packed;
+    }
+    *reinterpret_cast<uint4*>(dst + lane * 16) = out;
+    if ((lane & 7) == 0) *reinterpret_cast<float*>(dst + 512 + (lane >> 3) * 4) = scale;
+    // Rope: 128 bytes = 32 lanes x 4 bytes.
+    *reinterpret_cast<u32*>(dst + 528 + lane * 4) = *reinterpret_cast<const u32*>(src + 512 + lane * 2);
+}
+
+// NVFP4 rows: 36 blocks of 16 values; block scale code e4m3(max(amax, 1e-4) / 6), codes
+// e2m1(x / decode(scale)) two per byte -> 288-byte data row; scale codes -> 36-byte row
+// of the block-scale buffer (same token slot, its own view).
+extern "C" __global__ void mla_scatter_nvfp4(u8* __restrict__ data_pool, u8* __restrict__ scale_pool,
+                                             const u16* __restrict__ rows, const i64* __restrict__ slots, int n,
+                                             u64 data_base, u64 data_stride, u64 scale_base, u64 scale_stride,
+                                             u32 tpb, u64 data_len, u64 scale_len) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n) return;
+    i64 s = slots[warp];
+    if (s < 0) return;
+    u64 doff = row_offset(s, data_base, data_stride, tpb, 288);
+    u64 soff = row_offset(s, scale_base, scale_stride, tpb, 36);
+    if (doff + 288u > data_len || soff + 36u > scale_len) return;
+    u8* dd = data_pool + doff;
+    u8* sd = scale_pool + soff;
+    const u16* src = rows + (u64)warp * 576;
+    for (int b = lane; b < 36; b += 32) {
+        float x[16];
+        float amax = 0.0f;
+        for (int i = 0; i < 16; ++i) {
+            x[i] = bf16_to_f32(src[b * 16 + i]);
+            amax = fmaxf(amax, fabsf(x[i]));
+        }
+        u8 code = f32_to_e4m3(block_scale(amax, FP4_MAX, 0));
+        float sc = e4m3_to_f32(code);
+        sd[b] = code;
+        for (int i = 0; i < 8; ++i) dd[b * 8 + i] = f32_to_e2m1(x[2 * i] / sc) | (u8)(f32_to_e2m1(x[2 * i + 1] / sc) << 4);
+    }
+}

@@ -1,0 +1,407 @@
+//! [`CudaDevice`]: the [`DeviceBackend`] of one GPU. The step metadata is built on the
+//! host by the same [`StepMetadata`](crate::metadata::StepMetadata) as the host backend
+//! and uploaded; new tokens' KV (from the [`KvSource`](crate::actors::KvSource)) is
+//! uploaded as BF16 and quantized and scattered by our kernels on the compute stream;
+//! copy plans run on the copy stream ([`CudaStorage`]). Verification reads the verified
+//! slots back into a host mirror and compares every byte with the host encodings, so a
+//! kernel that disagrees with its host reference is caught by the serving run itself.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::bf16;
+
+use super::kernels::{DevRows, MlaEncoding};
+use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
+use crate::actors::backend::{new_tokens, Cache, StepCore};
+use crate::actors::{
+    BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
+};
+use crate::config::{IndexerDtype, KvDtype};
+use crate::core::scheduler::StepPlan;
+use crate::ids::{PoolGroupId, SlotId, Tier};
+use crate::layout::Role;
+use crate::metadata::{DraftSnapshot, MetadataError};
+use crate::storage::KvStorage;
+
+/// Address space reserved per GPU pool, as a multiple of its initial size.
+const RESERVE_FACTOR: usize = 2;
+
+struct GpuCache {
+    /// Plan, layout and a host mirror of the GPU pools (filled only for verification).
+    host: Cache,
+    dev: CudaStorage,
+}
+
+#[derive(Default)]
+struct Scratch {
+    maps: Option<DeviceBuffer>,
+    input: Option<DeviceBuffer>,
+    values: Option<DeviceBuffer>,
+    scales: Option<DeviceBuffer>,
+}
+
+/// A device actor's backend on one GPU. See the module docs.
+pub struct CudaDevice {
+    core: StepCore,
+    gpu: Arc<Gpu>,
+    target: GpuCache,
+    draft: Option<GpuCache>,
+    scratch: Scratch,
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` for device index `index` and allocates its pools (VMM), host
+    /// tier (pinned) and metadata buffers.
+    pub fn new(index: usize, ordinal: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
+        let cuda = |source| DeviceError::Cuda {
+            device: index,
+            source,
+        };
+        let storage = |source| DeviceError::Storage {
+            device: index,
+            source,
+        };
+        let gpu = Gpu::open(ordinal).map_err(cuda)?;
+        let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
+        let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
+            Ok(GpuCache {
+                host: Cache::new(index, plan.clone(), g, &[])?,
+                dev: CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?,
+            })
+        };
+        let target = cache(&setup.target_plan)?;
+        let draft = setup.draft_plan.as_ref().map(cache).transpose()?;
+        let core = StepCore::new(index, &setup, target.host.layout)?;
+        Ok(CudaDevice {
+            core,
+            gpu,
+            target,
+            draft,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// A [`BackendFactory`] that puts device index `i` on GPU `ordinals[i]`.
+    pub fn factory(ordinals: Vec<usize>) -> BackendFactory {
+        Arc::new(move |i, setup| {
+            let ordinal = *ordinals.get(i).ok_or_else(|| DeviceError::Cuda {
+                device: i,
+                source: CudaError::NoDevice {
+                    reason: format!(
+                        "device index {i} has no GPU: {} ordinal(s) were given",
+                        ordinals.len()
+                    ),
+                },
+            })?;
+            Ok(Box::new(CudaDevice::new(i, ordinal, setup)?) as Box<dyn DeviceBackend>)
+        })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The target cache's storage (pool addresses, read-back, peer access).
+    pub fn target_storage(&mut self) -> &mut CudaStorage {
+        &mut self.target.dev
+    }
+
+    fn cuda(&self, source: CudaError) -> DeviceError {
+        DeviceError::Cuda {
+            device: self.core.index,
+            source,
+        }
+    }
+
+    /// Verifies positions `[0, tokens.len())` of one request on the target cache (and
+    /// the draft cache when `draft_slots` is given).
+    fn verify_one(
+        &mut self,
+        id: crate::ids::RequestId,
+        tokens: &[crate::ids::TokenId],
+        slots: &[i32],
+        draft_slots: Option<&[i32]>,
+        out: &mut Vec<Mismatch>,
+    ) -> Result<u64, DeviceError> {
+        let dev = self.core.index;
+        let cuda = |source| DeviceError::Cuda {
+            device: dev,
+            source,
+        };
+        refresh(&mut self.target, slots, tokens.len()).map_err(cuda)?;
+        let mut n = self
+            .core
+            .verify_cache(&self.target.host, id, tokens, slots, out);
+        if let (Some(d), Some(ds)) = (self.draft.as_mut(), draft_slots) {
+            refresh(d, ds, tokens.len()).map_err(cuda)?;
+            n += self.core.verify_cache(&d.host, id, tokens, ds, out);
+        }
+        Ok(n)
+    }
+
+    /// Writes the KV of the plan's new tokens into `cache` through the bound metadata.
+    fn write_tokens(
+        core: &StepCore,
+        gpu: &Gpu,
+        scratch: &mut Scratch,
+        cache: &GpuCache,
+        plan: &StepPlan,
+    ) -> Result<u64, CudaError> {
+        let toks = new_tokens(plan);
+        let n = toks.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        let dev = gpu.ordinal();
+        let meta = &core.meta;
+        let mut maps: Vec<i64> = Vec::with_capacity(3 * n);
+        maps.extend_from_slice(&meta.slot_mapping_value()[..n]);
+        maps.extend_from_slice(&meta.slot_mapping_scale()[..n]);
+        maps.extend_from_slice(&meta.mla_slot_mapping()[..n]);
+        DeviceBuffer::ensure(&mut scratch.maps, gpu, maps.len() * 8, "slot mappings")?;
+        let map_buf = scratch.maps.as_ref().expect("invariant: ensured");
+        gpu.upload(map_buf, &maps)?;
+        let (vmap, smap, mla) = (
+            map_buf.ptr(),
+            map_buf.ptr() + n as u64 * 8,
+            map_buf.ptr() + 2 * n as u64 * 8,
+        );
+        let spec = core.model.spec();
+        let row_elems = core.model.mla_row_elems() as usize;
+        let key_elems = spec.index_head_dim as usize;
+        DeviceBuffer::ensure(
+            &mut scratch.input,
+            gpu,
+            n * row_elems.max(key_elems) * 2,
+            "KV input",
+        )?;
+        DeviceBuffer::ensure(&mut scratch.values, gpu, n * 128, "quantized keys")?;
+        DeviceBuffer::ensure(&mut scratch.scales, gpu, n * 4, "key scales")?;
+        let input = scratch.input.as_ref().expect("invariant: ensured");
+        let (values, scales) = (
+            scratch.values.as_ref().expect("invariant: ensured").ptr(),
+            scratch.scales.as_ref().expect("invariant: ensured").ptr(),
+        );
+        let plan_ref = &cache.host.plan;
+        let mut host_in: Vec<bf16> = Vec::with_capacity(n * row_elems.max(key_elems));
+        let mut one = vec![bf16::ZERO; row_elems.max(key_elems)];
+        let stream = gpu.compute();
+        let k = gpu.kernels();
+        for p in plan_ref.placements() {
+            let pool = cache.dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get());
+            let pool_len = cache.dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get());
+            match p.role {
+                Role::IndexKey => {
+                    host_in.clear();
+                    for &(t, pos) in &toks {
+                        core.source
+                            .indexer_key(t, pos, p.layer, &mut one[..key_elems]);
+                        host_in.extend_from_slice(&one[..key_elems]);
+                    }
+                    gpu.upload(input, &host_in)?;
+                    let width = core.model.indexer_data_bytes() as usize;
+                    let fp4 = spec.indexer_dtype == IndexerDtype::Fp4;
+                    // SAFETY: scratch buffers hold n keys / values / scales; the cache
+                    // view is this pool from the layer's offset to its end.
+                    unsafe {
+                        k.quantize_indexer(stream, dev, input.ptr(), values, scales, n, fp4, true)?;
+                        k.indexer_k_scatter(
+                            stream,
+                            dev,
+                            pool + p.offset_in_slot,
+                            pool_len.saturating_sub(p.offset_in_slot),
+                            values,
+                            scales,
+                            vmap,
+                            smap,
+                            n,
+                            width,
+                        )?;
+                    }
+                }
+                Role::Key => {
+                    host_in.clear();
+                    for &(t, pos) in &toks {
+                        core.source.mla_row(t, pos, p.layer, &mut one[..row_elems]);
+                        host_in.extend_from_slice(&one[..row_elems]);
+                    }
+                    gpu.upload(input, &host_in)?;
+                    let view = |pl: &crate::layout::BufferPlacement| DevRows {
+                        pool: cache.dev.pool_ptr(Tier::Gpu, pl.pool_group, pl.pool.get()),
+                        pool_len: cache.dev.pool_len(Tier::Gpu, pl.pool_group, pl.pool.get()),
+                        base: pl.offset_in_slot,
+                        block_stride: cache.host.slot_bytes[pl.pool_group.index()][pl.pool.index()],
+                        tokens_per_block: pl.tokens_per_page(),
+                    };
+                    let enc = match spec.kv_dtype {
+                        KvDtype::Bf16 => MlaEncoding::Bf16,
+                        KvDtype::Fp8 => MlaEncoding::Fp8 {
+                            tensor_scale: core.fp8_tensor_scale,
+                        },
+                        KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
+                        KvDtype::Nvfp4 => {
+                            let sp =
+                                plan_ref
+                                    .placement(p.layer, Role::KeyBlockScale)
+                                    .map_err(|e| CudaError::Invalid {
+                                        device: dev,
+                                        what: format!("NVFP4 layer without block scales: {e}"),
+                                    })?;
+                            MlaEncoding::Nvfp4 { scales: view(sp) }
+                        }
+                    };
+                    // SAFETY: `input` holds n rows; the views are this cache's pools.
+                    unsafe { k.mla_scatter(stream, dev, view(p), enc, input.ptr(), mla, n)? };
+                }
+                _ => {}
+            }
+        }
+        Ok(n as u64)
+    }
+}
+
+/// Reads the slots holding positions `[0, tokens)` (every pool group) back into the
+/// cache's host mirror.
+fn refresh(cache: &mut GpuCache, slots: &[i32], tokens: usize) -> Result<(), CudaError> {
+    let t = cache.host.layout.tokens_per_block as usize;
+    let ids: Vec<SlotId> = slots
+        .iter()
+        .take(tokens.div_ceil(t))
+        .filter(|&&s| s >= 0)
+        .map(|&s| SlotId(s as u32))
+        .collect();
+    for g in 0..cache.host.plan.pool_groups().len() {
+        cache
+            .dev
+            .read_slots_into(PoolGroupId(g as u16), &ids, &mut cache.host.store)?;
+    }
+    Ok(())
+}
+
+impl DeviceBackend for CudaDevice {
+    fn index(&self) -> usize {
+        self.core.index
+    }
+
+    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
+        let start = Instant::now();
+        let dev = self.core.index;
+        self.gpu.bind().map_err(|e| self.cuda(e))?;
+        let storage = |source| DeviceError::Storage {
+            device: dev,
+            source,
+        };
+        let mut slot_copies = 0;
+        for cp in &plan.copies {
+            self.target.dev.execute(cp).map_err(storage)?;
+            slot_copies += cp.num_slot_copies() as u64;
+        }
+        if !plan.draft_copies.is_empty() {
+            let draft = self
+                .draft
+                .as_mut()
+                .ok_or(DeviceError::NoDraftCache { device: dev })?;
+            for cp in &plan.draft_copies {
+                draft.dev.execute(cp).map_err(storage)?;
+                slot_copies += cp.num_slot_copies() as u64;
+            }
+        }
+        // Cached KV that was reused or moved is checked before anything new is written.
+        let mut mismatches = Vec::new();
+        let mut verified = 0;
+        for r in &plan.requests {
+            if let Some(tokens) = &r.verify_tokens {
+                verified += self.verify_one(
+                    r.id,
+                    tokens,
+                    &r.block_slots,
+                    r.draft_block_slots.as_deref(),
+                    &mut mismatches,
+                )?;
+            }
+        }
+        let reqs = StepCore::step_requests(plan, false);
+        self.core
+            .meta
+            .prepare(&self.target.host.layout, &reqs)
+            .map_err(|e| self.core.meta_err(e))?;
+        let written =
+            Self::write_tokens(&self.core, &self.gpu, &mut self.scratch, &self.target, plan)
+                .map_err(|e| self.cuda(e))?;
+        // The step is complete when its kernels are: errors surface here, per step.
+        self.gpu.synchronize().map_err(|e| self.cuda(e))?;
+        Ok(DeviceStepReport {
+            device: dev,
+            target_fence: plan.target_fence,
+            draft_fence: plan.draft_fence,
+            tokens_written: written,
+            slot_copies,
+            tokens_verified: verified,
+            mismatches,
+            metadata_digest: self.core.metadata_digest(),
+            elapsed_us: start.elapsed().as_micros() as u64,
+        })
+    }
+
+    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
+        let layout = self
+            .draft
+            .as_ref()
+            .ok_or(DeviceError::NoDraftCache {
+                device: self.core.index,
+            })?
+            .host
+            .layout;
+        let reqs = StepCore::step_requests(plan, true);
+        self.core
+            .meta
+            .prepare_draft(&layout, &reqs)
+            .map_err(|e| self.core.meta_err(e))
+    }
+
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
+        let dev = self.core.index;
+        self.gpu.bind().map_err(|e| self.cuda(e))?;
+        let draft = self
+            .draft
+            .as_ref()
+            .ok_or(DeviceError::NoDraftCache { device: dev })?;
+        if !self.core.meta.in_draft_replay() {
+            return Err(DeviceError::Metadata {
+                device: dev,
+                source: MetadataError::NotInReplay,
+            });
+        }
+        let n = Self::write_tokens(&self.core, &self.gpu, &mut self.scratch, draft, plan)
+            .and_then(|n| self.gpu.synchronize().map(|()| n));
+        n.map_err(|source| DeviceError::Cuda {
+            device: dev,
+            source,
+        })
+    }
+
+    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
+        self.core
+            .meta
+            .restore(snapshot)
+            .map_err(|e| self.core.meta_err(e))
+    }
+
+    fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
+        self.gpu.bind().map_err(|e| self.cuda(e))?;
+        let mut mismatches = Vec::new();
+        let mut n = 0;
+        for s in specs {
+            n += self.verify_one(
+                s.id,
+                &s.tokens,
+                &s.block_slots,
+                s.draft_block_slots.as_deref(),
+                &mut mismatches,
+            )?;
+        }
+        Ok((n, mismatches))
+    }
+}

@@ -1,0 +1,524 @@
+//! Launch wrappers of the kernels in `kernels/*.cu`. Each kernel's host reference is
+//! named on its wrapper; the GPU tests prove byte equality on random inputs.
+//!
+//! Launch geometry is chosen for bandwidth: a warp per token for the row kernels (16-byte
+//! vector moves, 8 tokens per 256-thread block), `width / 16` lanes per token for the
+//! indexer kernels, and a `(chunks, tasks)` grid of 64 KiB chunks for the batched copy,
+//! so a handful of large copies still fills every SM.
+//!
+//! The wrappers take raw device addresses (pools are VMM mappings, not `CudaSlice`s), so
+//! they are `unsafe`: the caller guarantees every address is valid for the sizes given.
+//! Kernels never write outside `cache_len` / `pool_len`.
+
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::{driver_error, CudaError};
+
+const BLOCK: u32 = 256;
+/// Bytes one CTA of the batched copy moves.
+pub const COPY_CHUNK: u64 = 64 << 10;
+
+/// The loaded kernel functions of one device.
+pub struct Kernels {
+    quantize_indexer_fp8: CudaFunction,
+    quantize_indexer_fp4: CudaFunction,
+    indexer_k_scatter: CudaFunction,
+    indexer_k_gather: CudaFunction,
+    mla_scatter_bf16: CudaFunction,
+    mla_scatter_fp8: CudaFunction,
+    mla_scatter_fp8_ds_mla: CudaFunction,
+    mla_scatter_nvfp4: CudaFunction,
+    topk_to_global: CudaFunction,
+    dense_topk: CudaFunction,
+    recompute_slot_mappings: CudaFunction,
+    batched_copy: CudaFunction,
+}
+
+/// Where a layer's rows sit in a pool: `pool + base + (slot / T) × block_stride +
+/// (slot mod T) × row_bytes` (see [`crate::ops::mla::RowView`]).
+#[derive(Clone, Copy, Debug)]
+pub struct DevRows {
+    /// Pool base address.
+    pub pool: u64,
+    /// Pool size in bytes (rows past it are skipped).
+    pub pool_len: u64,
+    /// Byte offset of the layer's first page in a slot.
+    pub base: u64,
+    /// Slot size in bytes.
+    pub block_stride: u64,
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+}
+
+/// An MLA row encoding to write.
+#[derive(Clone, Copy, Debug)]
+pub enum MlaEncoding {
+    /// 1152-byte BF16 rows.
+    Bf16,
+    /// 576-byte FP8 rows with a per-tensor scale.
+    Fp8 {
+        /// The scale.
+        tensor_scale: f32,
+    },
+    /// 656-byte `fp8_ds_mla` rows.
+    Fp8DsMla {
+        /// Power-of-two (UE8M0) tile scales.
+        ue8m0: bool,
+    },
+    /// 288-byte NVFP4 rows plus 36-byte block-scale rows in a second view.
+    Nvfp4 {
+        /// The block-scale view.
+        scales: DevRows,
+    },
+}
+
+fn cfg(threads: u64) -> LaunchConfig {
+    let blocks = threads.div_ceil(u64::from(BLOCK)).max(1);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn as_i32(device: usize, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Invalid {
+        device,
+        what: format!("{what} = {v} does not fit the kernels' int32 argument; split the batch"),
+    })
+}
+
+impl Kernels {
+    pub(super) fn load(
+        load: impl Fn(&'static str) -> Result<CudaFunction, CudaError>,
+    ) -> Result<Self, CudaError> {
+        Ok(Kernels {
+            quantize_indexer_fp8: load("quantize_indexer_fp8")?,
+            quantize_indexer_fp4: load("quantize_indexer_fp4")?,
+            indexer_k_scatter: load("indexer_k_scatter")?,
+            indexer_k_gather: load("indexer_k_gather")?,
+            mla_scatter_bf16: load("mla_scatter_bf16")?,
+            mla_scatter_fp8: load("mla_scatter_fp8")?,
+            mla_scatter_fp8_ds_mla: load("mla_scatter_fp8_ds_mla")?,
+            mla_scatter_nvfp4: load("mla_scatter_nvfp4")?,
+            topk_to_global: load("topk_to_global")?,
+            dense_topk: load("dense_topk")?,
+            recompute_slot_mappings: load("recompute_slot_mappings")?,
+            batched_copy: load("batched_copy")?,
+        })
+    }
+
+    /// Quantizes `n` indexer keys (128 BF16 each at `keys`) to FP8 (`fp4 = false`, 128
+    /// value bytes and a 4-byte f32 scale per token; `ue8m0`: power-of-two scales) or
+    /// FP4 (64 value bytes and four UE8M0 exponents). Reference:
+    /// [`crate::ops::quant::quantize_fp8_token`], [`crate::ops::quant::quantize_fp4_token`].
+    ///
+    /// # Safety
+    /// `keys` holds `n × 256` bytes, `values` `n × width`, `scales` `n × 4`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn quantize_indexer(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        keys: u64,
+        values: u64,
+        scales: u64,
+        n: usize,
+        fp4: bool,
+        ue8m0: bool,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = as_i32(device, "tokens", n)?;
+        let c = cfg(n as u64 * 32);
+        let r = if fp4 {
+            let mut b = stream.launch_builder(&self.quantize_indexer_fp4);
+            b.arg(&keys).arg(&values).arg(&scales).arg(&n32);
+            unsafe { b.launch(c) }
+        } else {
+            let ue = i32::from(ue8m0);
+            let mut b = stream.launch_builder(&self.quantize_indexer_fp8);
+            b.arg(&keys).arg(&values).arg(&scales).arg(&n32).arg(&ue);
+            unsafe { b.launch(c) }
+        };
+        r.map(|_| ())
+            .map_err(|e| driver_error(device, "quantize_indexer", e))
+    }
+
+    /// Writes `n` indexer tokens into one layer's cache view (`cache`, `cache_len`
+    /// bytes) at the byte offsets `vmap` / `smap` (negative: skip). Reference:
+    /// [`crate::ops::indexer_k::indexer_k_scatter`].
+    ///
+    /// # Safety
+    /// `values` holds `n × width` bytes, `scales` `n × 4`, the maps `n` i64 each, and
+    /// `cache .. cache + cache_len` is device memory.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn indexer_k_scatter(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        cache: u64,
+        cache_len: u64,
+        values: u64,
+        scales: u64,
+        vmap: u64,
+        smap: u64,
+        n: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        check_width(device, width)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n32, w32) = (as_i32(device, "tokens", n)?, width as i32);
+        let mut b = stream.launch_builder(&self.indexer_k_scatter);
+        b.arg(&cache)
+            .arg(&values)
+            .arg(&scales)
+            .arg(&vmap)
+            .arg(&smap)
+            .arg(&n32)
+            .arg(&w32)
+            .arg(&cache_len);
+        unsafe { b.launch(cfg(n as u64 * (width as u64 / 16))) }
+            .map(|_| ())
+            .map_err(|e| driver_error(device, "indexer_k_scatter", e))
+    }
+
+    /// Reads tokens `[start, start + n)` of the mappings into contiguous `values` /
+    /// `scales` (negative mapping: zeros). Reference:
+    /// [`crate::ops::indexer_k::indexer_k_gather`].
+    ///
+    /// # Safety
+    /// As for the scatter; the maps hold at least `start + n` entries.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn indexer_k_gather(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        cache: u64,
+        cache_len: u64,
+        vmap: u64,
+        smap: u64,
+        start: usize,
+        n: usize,
+        width: usize,
+        values: u64,
+        scales: u64,
+    ) -> Result<(), CudaError> {
+        check_width(device, width)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n32, w32, s64) = (as_i32(device, "tokens", n)?, width as i32, start as i64);
+        let mut b = stream.launch_builder(&self.indexer_k_gather);
+        b.arg(&cache)
+            .arg(&vmap)
+            .arg(&smap)
+            .arg(&s64)
+            .arg(&n32)
+            .arg(&w32)
+            .arg(&cache_len)
+            .arg(&values)
+            .arg(&scales);
+        unsafe { b.launch(cfg(n as u64 * (width as u64 / 16))) }
+            .map(|_| ())
+            .map_err(|e| driver_error(device, "indexer_k_gather", e))
+    }
+
+    /// Encodes `n` 576-element BF16 rows (`rows`) and writes them at token slots `slots`
+    /// (i64, negative: skip). Reference: [`crate::ops::mla`].
+    ///
+    /// # Safety
+    /// `rows` holds `n × 1152` bytes, `slots` `n` i64, and the views describe device
+    /// memory.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn mla_scatter(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        view: DevRows,
+        enc: MlaEncoding,
+        rows: u64,
+        slots: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = as_i32(device, "tokens", n)?;
+        let c = cfg(n as u64 * 32);
+        let (pool, len, base, stride, tpb) = (
+            view.pool,
+            view.pool_len,
+            view.base,
+            view.block_stride,
+            view.tokens_per_block,
+        );
+        let r = match enc {
+            MlaEncoding::Bf16 => {
+                let mut b = stream.launch_builder(&self.mla_scatter_bf16);
+                b.arg(&pool)
+                    .arg(&rows)
+                    .arg(&slots)
+                    .arg(&n32)
+                    .arg(&base)
+                    .arg(&stride)
+                    .arg(&tpb)
+                    .arg(&len);
+                unsafe { b.launch(c) }
+            }
+            MlaEncoding::Fp8 { tensor_scale } => {
+                let mut b = stream.launch_builder(&self.mla_scatter_fp8);
+                b.arg(&pool)
+                    .arg(&rows)
+                    .arg(&slots)
+                    .arg(&n32)
+                    .arg(&base)
+                    .arg(&stride)
+                    .arg(&tpb)
+                    .arg(&len)
+                    .arg(&tensor_scale);
+                unsafe { b.launch(c) }
+            }
+            MlaEncoding::Fp8DsMla { ue8m0 } => {
+                let ue = i32::from(ue8m0);
+                let mut b = stream.launch_builder(&self.mla_scatter_fp8_ds_mla);
+                b.arg(&pool)
+                    .arg(&rows)
+                    .arg(&slots)
+                    .arg(&n32)
+                    .arg(&base)
+                    .arg(&stride)
+                    .arg(&tpb)
+                    .arg(&len)
+                    .arg(&ue);
+                unsafe { b.launch(c) }
+            }
+            MlaEncoding::Nvfp4 { scales } => {
+                let mut b = stream.launch_builder(&self.mla_scatter_nvfp4);
+                b.arg(&pool)
+                    .arg(&scales.pool)
+                    .arg(&rows)
+                    .arg(&slots)
+                    .arg(&n32)
+                    .arg(&base)
+                    .arg(&stride)
+                    .arg(&scales.base)
+                    .arg(&scales.block_stride)
+                    .arg(&tpb)
+                    .arg(&len)
+                    .arg(&scales.pool_len);
+                unsafe { b.launch(c) }
+            }
+        };
+        r.map(|_| ())
+            .map_err(|e| driver_error(device, "mla_scatter", e))
+    }
+
+    /// Top-k → global row ids. Reference: [`crate::ops::topk::topk_to_global`] (a
+    /// `row_request` outside the table gives −1 here instead of an error).
+    ///
+    /// # Safety
+    /// `topk` and `out` hold `rows × k` i32, `row_request` `rows` i32, `block_table`
+    /// `table_rows × max_blocks` i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn topk_to_global(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        topk: u64,
+        k: usize,
+        row_request: u64,
+        rows: usize,
+        block_table: u64,
+        table_rows: usize,
+        max_blocks: usize,
+        params: crate::ops::topk::PrimaryPageParams,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if rows == 0 || k == 0 {
+            return Ok(());
+        }
+        let total = rows as u64 * k as u64;
+        as_i32(device, "top-k entries", total as usize)?;
+        let (k32, r32, tr32, mb32) = (
+            k as i32,
+            rows as i32,
+            as_i32(device, "table rows", table_rows)?,
+            as_i32(device, "max blocks", max_blocks)?,
+        );
+        let (t, s, o) = (
+            params.tokens_per_block as i32,
+            params.scale as i32,
+            params.layer_offset as i32,
+        );
+        let mut b = stream.launch_builder(&self.topk_to_global);
+        b.arg(&topk)
+            .arg(&k32)
+            .arg(&row_request)
+            .arg(&r32)
+            .arg(&block_table)
+            .arg(&tr32)
+            .arg(&mb32)
+            .arg(&t)
+            .arg(&s)
+            .arg(&o)
+            .arg(&out);
+        unsafe { b.launch(cfg(total)) }
+            .map(|_| ())
+            .map_err(|e| driver_error(device, "topk_to_global", e))
+    }
+
+    /// Dense short-sequence top-k. Reference: [`crate::ops::topk::dense_topk`].
+    ///
+    /// # Safety
+    /// `kv_lens` holds `rows` i32, `out` `rows × k` i32.
+    pub unsafe fn dense_topk(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        kv_lens: u64,
+        rows: usize,
+        k: usize,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if rows == 0 || k == 0 {
+            return Ok(());
+        }
+        let total = rows as u64 * k as u64;
+        as_i32(device, "top-k entries", total as usize)?;
+        let (r32, k32) = (rows as i32, k as i32);
+        let mut b = stream.launch_builder(&self.dense_topk);
+        b.arg(&kv_lens).arg(&r32).arg(&k32).arg(&out);
+        unsafe { b.launch(cfg(total)) }
+            .map(|_| ())
+            .map_err(|e| driver_error(device, "dense_topk", e))
+    }
+
+    /// Recomputes the slot mappings of `n` new tokens from per-request cached lengths on
+    /// the device. Reference: [`crate::metadata::StepMetadata::recompute_slot_mappings`].
+    ///
+    /// # Safety
+    /// Every address holds the entries its role needs (see `kernels/slots.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn recompute_slot_mappings(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        tables: RecomputeTables,
+        layout: &crate::metadata::MetadataLayout,
+        n: usize,
+        out_value: u64,
+        out_scale: u64,
+        out_mla: u64,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = as_i32(device, "tokens", n)?;
+        let mb = as_i32(device, "max blocks", tables.max_blocks)?;
+        let tpb = layout.tokens_per_block as i32;
+        let scale = layout.indexer_page_scale as i32;
+        let (page_bytes, data, sc, has) = match layout.indexer {
+            Some(ix) => (
+                i64::from(ix.tokens_per_block) * i64::from(ix.data_bytes + ix.scale_bytes),
+                ix.data_bytes as i32,
+                ix.scale_bytes as i32,
+                1i32,
+            ),
+            None => (0, 0, 0, 0),
+        };
+        let mut b = stream.launch_builder(&self.recompute_slot_mappings);
+        b.arg(&tables.indexer_table)
+            .arg(&mb)
+            .arg(&tables.num_cached)
+            .arg(&tables.req_idx)
+            .arg(&tables.token_start)
+            .arg(&n32)
+            .arg(&tpb)
+            .arg(&scale)
+            .arg(&page_bytes)
+            .arg(&data)
+            .arg(&sc)
+            .arg(&has)
+            .arg(&out_value)
+            .arg(&out_scale)
+            .arg(&out_mla);
+        unsafe { b.launch(cfg(n as u64)) }
+            .map(|_| ())
+            .map_err(|e| driver_error(device, "recompute_slot_mappings", e))
+    }
+
+    /// Runs `tasks` copies of `bytes` bytes each (a multiple of 16): task `i` moves
+    /// `src[i]` → `dst[i]`, where `dst` / `src` are device arrays of u64 addresses (any
+    /// mix of this GPU's memory, a peer's, and mapped pinned host memory). Reference:
+    /// [`crate::ops::copy_slots_between`].
+    ///
+    /// # Safety
+    /// Every address range is valid; destinations do not overlap each other or any
+    /// source of the same launch.
+    pub unsafe fn batched_copy(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        dst: u64,
+        src: u64,
+        tasks: usize,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        if !bytes.is_multiple_of(16) {
+            return Err(CudaError::Invalid {
+                device,
+                what: format!("batched copy of {bytes} bytes per task: must be a multiple of 16"),
+            });
+        }
+        if tasks == 0 || bytes == 0 {
+            return Ok(());
+        }
+        let chunks = bytes.div_ceil(COPY_CHUNK).clamp(1, 1 << 16) as i32;
+        let bytes64 = bytes as i64;
+        let mut at = 0;
+        // grid.y is limited to 65535 tasks per launch.
+        while at < tasks {
+            let now = (tasks - at).min(65_535);
+            let (d, s) = (dst + at as u64 * 8, src + at as u64 * 8);
+            let mut b = stream.launch_builder(&self.batched_copy);
+            b.arg(&d).arg(&s).arg(&bytes64).arg(&chunks);
+            let c = LaunchConfig {
+                grid_dim: (chunks as u32, now as u32, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe { b.launch(c) }.map_err(|e| driver_error(device, "batched_copy", e))?;
+            at += now;
+        }
+        Ok(())
+    }
+}
+
+/// Device inputs of [`Kernels::recompute_slot_mappings`].
+#[derive(Clone, Copy, Debug)]
+pub struct RecomputeTables {
+    /// Indexer page table, `[requests × max_blocks]` i32.
+    pub indexer_table: u64,
+    /// Columns of the table.
+    pub max_blocks: usize,
+    /// Cached length per request (i32).
+    pub num_cached: u64,
+    /// Request of each new token (i32).
+    pub req_idx: u64,
+    /// First new-token index of each request (i32).
+    pub token_start: u64,
+}
+
+fn check_width(device: usize, width: usize) -> Result<(), CudaError> {
+    if width != 128 && width != 64 {
+        return Err(CudaError::Invalid {
+            device,
+            what: format!("indexer payload width {width} B: use 128 (FP8) or 64 (FP4)"),
+        });
+    }
+    Ok(())
+}
