@@ -11,8 +11,12 @@
 //! ```text
 //! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
 //!     [--conversations N] [--turns N] [--verify sample|all] [--config FILE.toml]
-//!     [--out DIR] [--backend host]
+//!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..]
 //! ```
+//!
+//! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
+//! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
+//! CUDA kernels, and verification reads the GPU bytes back.
 //!
 //! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
 
@@ -26,6 +30,7 @@ use dsa_kv::actors::{KvCacheBuilder, RuntimeError, RuntimeStats, VerifyLayers};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
+use dsa_kv::cuda::CudaDevice;
 use dsa_kv::ids::{RequestId, TokenId};
 use serde_json::json;
 
@@ -41,11 +46,13 @@ struct Args {
     verify: VerifyLayers,
     config: Option<PathBuf>,
     out: PathBuf,
+    cuda: bool,
+    gpus: Option<Vec<usize>>,
 }
 
 const USAGE: &str =
     "usage: serve [--quick] [--json] [--seed N] [--devices N] [--conversations N] [--turns N] \
-[--verify sample|all] [--config FILE.toml] [--out DIR] [--backend host]";
+[--verify sample|all] [--config FILE.toml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -58,6 +65,8 @@ fn parse() -> Result<Args, String> {
         verify: VerifyLayers::Sample,
         config: None,
         out: PathBuf::from("target/serve"),
+        cuda: false,
+        gpus: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -79,7 +88,10 @@ fn parse() -> Result<Args, String> {
                     return Err("--devices must be at least 1".into());
                 }
             }
-            "--conversations" => a.conversations = Some(num("--conversations", val("--conversations")?)?.max(1) as usize),
+            "--conversations" => {
+                a.conversations =
+                    Some(num("--conversations", val("--conversations")?)?.max(1) as usize)
+            }
             "--turns" => a.turns = Some(num("--turns", val("--turns")?)?.max(1) as usize),
             "--verify" => {
                 a.verify = match val("--verify")?.as_str() {
@@ -91,15 +103,26 @@ fn parse() -> Result<Args, String> {
             "--config" => a.config = Some(PathBuf::from(val("--config")?)),
             "--out" => a.out = PathBuf::from(val("--out")?),
             "--backend" => match val("--backend")?.as_str() {
-                "host" => {}
-                "cuda" => {
-                    return Err("--backend cuda: the CUDA backend is not part of this build yet; use --backend host".into())
-                }
+                "host" => a.cuda = false,
+                "cuda" => a.cuda = true,
                 other => return Err(format!("--backend must be host or cuda (got {other:?})")),
             },
+            "--gpus" => {
+                let v = val("--gpus")?;
+                let ids: Result<Vec<usize>, _> = v.split(',').map(|x| x.trim().parse()).collect();
+                a.gpus = Some(ids.map_err(|_| {
+                    format!("--gpus takes comma-separated GPU ordinals like 0,1 (got {v:?})")
+                })?);
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
+    }
+    if let Some(g) = &a.gpus {
+        if !a.cuda {
+            return Err("--gpus needs --backend cuda".into());
+        }
+        a.devices = g.len().max(1);
     }
     Ok(a)
 }
@@ -197,12 +220,15 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         mean_arrival_steps: if a.quick { 1.0 } else { 4.0 },
         mean_think_steps: 6.0,
     };
-    let kv = KvCacheBuilder::new()
+    let mut builder = KvCacheBuilder::new()
         .config(config.clone())
         .host_devices(a.devices)
-        .verify_layers(a.verify.clone())
-        .start()
-        .await?;
+        .verify_layers(a.verify.clone());
+    if a.cuda {
+        let gpus = a.gpus.clone().unwrap_or_else(|| (0..a.devices).collect());
+        builder = builder.backend(CudaDevice::factory(gpus));
+    }
+    let kv = builder.start().await?;
     let info = kv.info().clone();
     if !a.json {
         eprintln!(
@@ -337,6 +363,7 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         && counts.live_sequences == 0;
     let report = json!({
         "integrity_ok": integrity_ok,
+        "backend": if a.cuda { "cuda" } else { "host" },
         "requests_finished": st.finished,
         "requests_failed": failed.len(),
         "conversations": w.conversations,

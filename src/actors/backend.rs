@@ -170,6 +170,31 @@ pub trait DeviceBackend: Send + 'static {
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError>;
     /// Verifies whole requests; returns (positions verified, mismatches).
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError>;
+    /// SHA-256 (hex) of every GPU-tier pool byte of the target and draft caches, in plan
+    /// order: tensor-parallel ranks holding replicated KV report the same digest.
+    fn cache_digest(&mut self) -> Result<String, DeviceError>;
+}
+
+/// SHA-256 over pools given in a fixed order.
+pub(crate) fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for p in pools {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `(group, pool)` of every pool of `plan`, in plan order.
+pub(crate) fn pool_ids(plan: &PoolPlan) -> Vec<(crate::ids::PoolGroupId, u16)> {
+    plan.pool_groups()
+        .iter()
+        .enumerate()
+        .flat_map(|(g, grp)| {
+            (0..grp.pools.len()).map(move |p| (crate::ids::PoolGroupId(g as u16), p as u16))
+        })
+        .collect()
 }
 
 /// One cache (target or draft) as the host sees it: its plan, metadata layout, slot
@@ -714,5 +739,17 @@ impl DeviceBackend for HostDevice {
             }
         }
         Ok((n, mismatches))
+    }
+
+    fn cache_digest(&mut self) -> Result<String, DeviceError> {
+        let caches = std::iter::once(&self.target).chain(self.draft.as_ref());
+        let pools: Vec<&[u8]> = caches
+            .flat_map(|c| {
+                pool_ids(&c.plan)
+                    .into_iter()
+                    .map(move |(g, p)| c.store.pool(Tier::Gpu, g, p))
+            })
+            .collect();
+        Ok(digest_pools(pools.into_iter()))
     }
 }

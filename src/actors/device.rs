@@ -121,6 +121,17 @@ impl Message<Verify> for DeviceActor {
     }
 }
 
+/// Digest of the device's cache contents.
+pub struct CacheDigest;
+
+impl Message<CacheDigest> for DeviceActor {
+    type Reply = Result<String, DeviceError>;
+
+    async fn handle(&mut self, _: CacheDigest, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.backend.cache_digest()
+    }
+}
+
 /// Fault injection for reliability tests and drills.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceFault {

@@ -14,7 +14,7 @@ use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
     Devices, FinishedReport, GetStats, Pause, Step, StepReport, Submit, TakeEvents, Watch,
 };
-use super::device::{DeviceActor, DeviceFault, InjectFault};
+use super::device::{CacheDigest, DeviceActor, DeviceFault, InjectFault};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 use super::kv_source::{KvSource, SyntheticKv};
@@ -410,6 +410,23 @@ impl KvCacheHandle {
                 }
                 other => RuntimeError::NotRunning(format!("{other:?}")),
             })
+    }
+
+    /// SHA-256 of every device's GPU-tier cache bytes (index order; `None` for a device
+    /// that is gone). Tensor-parallel ranks with replicated KV must agree.
+    pub async fn cache_digests(&self) -> Result<Vec<Option<String>>, RuntimeError> {
+        let devices = self.coordinator.ask(Devices).await?;
+        let mut out = Vec::with_capacity(devices.len());
+        for d in devices {
+            out.push(match d {
+                Some(d) => Some(d.ask(CacheDigest).await.map_err(|e| match e {
+                    kameo::error::SendError::HandlerError(err) => RuntimeError::from(err),
+                    other => RuntimeError::NotRunning(format!("{other:?}")),
+                })?),
+                None => None,
+            });
+        }
+        Ok(out)
     }
 
     /// Injects a fault into device `index` (reliability tests and drills).

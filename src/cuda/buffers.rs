@@ -60,10 +60,14 @@ impl DeviceBuffer {
                 });
             }
             check(gpu.ordinal(), "cuMemAlloc", r)?;
-            // SAFETY: just allocated `bytes` bytes.
+            // SAFETY: just allocated `bytes` bytes. The memset may run asynchronously on
+            // the legacy stream, which our non-blocking streams do not wait for: wait here.
             check(gpu.ordinal(), "cuMemsetD8", unsafe {
                 sys::cuMemsetD8_v2(ptr, 0, bytes)
             })?;
+            gpu.context()
+                .synchronize()
+                .map_err(|e| super::driver_error(gpu.ordinal(), "cuCtxSynchronize", e))?;
         }
         Ok(DeviceBuffer {
             ptr,

@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::kernels::{DevRows, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::actors::backend::{new_tokens, Cache, StepCore};
+use crate::actors::backend::{digest_pools, new_tokens, pool_ids, Cache, StepCore};
 use crate::actors::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
@@ -403,5 +403,16 @@ impl DeviceBackend for CudaDevice {
             )?;
         }
         Ok((n, mismatches))
+    }
+
+    fn cache_digest(&mut self) -> Result<String, DeviceError> {
+        self.gpu.bind().map_err(|e| self.cuda(e))?;
+        let mut pools = Vec::new();
+        for c in std::iter::once(&self.target).chain(self.draft.as_ref()) {
+            for (g, p) in pool_ids(&c.host.plan) {
+                pools.push(c.dev.read_pool(Tier::Gpu, g, p).map_err(|e| self.cuda(e))?);
+            }
+        }
+        Ok(digest_pools(pools.iter().map(|p| p.as_slice())))
     }
 }

@@ -109,6 +109,18 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// Compiles the kernels with NVRTC (needs only the NVRTC library, no GPU) and returns
+/// the PTX text. Devices compile once per process; this is for checks and tools.
+pub fn compile_kernels() -> Result<String, CudaError> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoDevice {
+            reason: "the NVRTC library cannot be loaded on this machine".into(),
+        });
+    }
+    Ok(ptx()?.to_src())
+}
+
 fn require_driver() -> Result<(), CudaError> {
     if !driver_present() {
         return Err(CudaError::NoDevice {

@@ -198,6 +198,12 @@ impl VmmPool {
             check(self.device, "cuMemsetD8", unsafe {
                 sys::cuMemsetD8_v2(at, 0, size)
             })
+        })
+        // The memset may run on the legacy stream, which our streams do not wait for.
+        .and_then(|()| {
+            self.ctx
+                .synchronize()
+                .map_err(|e| super::driver_error(self.device, "cuCtxSynchronize", e))
         });
         if let Err(e) = mapped {
             // SAFETY: undo what succeeded; the handle is ours.
