@@ -32,7 +32,13 @@ extern "C" __global__ void mla_scatter_fp8(u8* __restrict__ pool, const u16* __r
     if (off + 576u > pool_len) return;
     u8* dst = pool + off;
     const u16* src = rows + (u64)warp * 576;
-    for (int i = lane; i < 576; i += 32) dst[i] = f32_to_e4m3(bf16_to_f32(src[i]) / tensor_scale);
+    // 144 groups of 4 values, 4-byte stores.
+    for (int g = lane; g < 144; g += 32) {
+        u64 raw = *reinterpret_cast<const u64*>(src + g * 4);
+        float y[4];
+        for (int i = 0; i < 4; ++i) y[i] = bf16_to_f32((u16)(raw >> (16 * i))) / tensor_scale;
+        *reinterpret_cast<u32*>(dst + g * 4) = e4m3x4(y[0], y[1], y[2], y[3]);
+    }
 }
 
 // fp8_ds_mla: 656-byte rows. Lanes 8t..8t+7 own tile t (16 nope values each); tile
@@ -52,18 +58,25 @@ extern "C" __global__ void mla_scatter_fp8_ds_mla(u8* __restrict__ pool, const u
     const u16* src = rows + (u64)warp * 576;
     float x[16];
     float amax = 0.0f;
+    const uint4* sv = reinterpret_cast<const uint4*>(src + lane * 16);
+    uint4 r0 = sv[0], r1 = sv[1];
+    u32 words[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
     for (int i = 0; i < 16; ++i) {
-        x[i] = bf16_to_f32(src[lane * 16 + i]);
+        x[i] = bf16_to_f32((u16)(words[i >> 1] >> (16 * (i & 1))));
         amax = fmaxf(amax, fabsf(x[i]));
     }
     amax = warp_max(amax, 8u);
     float scale = block_scale(amax, FP8_MAX, ue8m0);
     uint4 out;
     u32* w = reinterpret_cast<u32*>(&out);
-    for (int q = 0; q < 4; ++q) {
-        u32 packed = 0;
-        for (int i = 0; i < 4; ++i) packed |= ((u32)f32_to_e4m3(x[q * 4 + i] / scale)) << (8 * i);
-        w[q] = packed;
+    if (ue8m0) {
+        float inv = __frcp_rn(scale);
+        for (int q = 0; q < 4; ++q)
+            w[q] = e4m3x4(div_pow2(x[q * 4], inv), div_pow2(x[q * 4 + 1], inv), div_pow2(x[q * 4 + 2], inv),
+                          div_pow2(x[q * 4 + 3], inv));
+    } else {
+        for (int q = 0; q < 4; ++q)
+            w[q] = e4m3x4(x[q * 4] / scale, x[q * 4 + 1] / scale, x[q * 4 + 2] / scale, x[q * 4 + 3] / scale);
     }
     *reinterpret_cast<uint4*>(dst + lane * 16) = out;
     if ((lane & 7) == 0) *reinterpret_cast<float*>(dst + 512 + (lane >> 3) * 4) = scale;
@@ -96,7 +109,7 @@ extern "C" __global__ void mla_scatter_nvfp4(u8* __restrict__ data_pool, u8* __r
             x[i] = bf16_to_f32(src[b * 16 + i]);
             amax = fmaxf(amax, fabsf(x[i]));
         }
-        u8 code = f32_to_e4m3(block_scale(amax, FP4_MAX, 0));
+        u8 code = (u8)(e4m3x4(block_scale(amax, FP4_MAX, 0), 0.0f, 0.0f, 0.0f) & 0xffu);
         float sc = e4m3_to_f32(code);
         sd[b] = code;
         for (int i = 0; i < 8; ++i) dd[b * 8 + i] = f32_to_e2m1(x[2 * i] / sc) | (u8)(f32_to_e2m1(x[2 * i + 1] / sc) << 4);

@@ -18,8 +18,14 @@ extern "C" __global__ void quantize_indexer_fp8(const u16* __restrict__ keys, u8
     }
     amax = warp_max(amax, 32u);
     float scale = block_scale(amax, FP8_MAX, ue8m0);
-    u32 packed = 0;
-    for (int i = 0; i < 4; ++i) packed |= ((u32)f32_to_e4m3(x[i] / scale)) << (8 * i);
+    float y[4];
+    if (ue8m0) {
+        float inv = __frcp_rn(scale);
+        for (int i = 0; i < 4; ++i) y[i] = div_pow2(x[i], inv);
+    } else {
+        for (int i = 0; i < 4; ++i) y[i] = x[i] / scale;
+    }
+    u32 packed = e4m3x4(y[0], y[1], y[2], y[3]);
     *reinterpret_cast<u32*>(values + (u64)warp * 128 + lane * 4) = packed;
     if (lane == 0) *reinterpret_cast<float*>(scales + (u64)warp * 4) = scale;
 }
@@ -42,8 +48,9 @@ extern "C" __global__ void quantize_indexer_fp4(const u16* __restrict__ keys, u8
     }
     amax = warp_max(amax, 8u);  // 8 lanes = one 32-element block
     float scale = block_scale(amax, FP4_MAX, 1);
-    u8 lo = f32_to_e2m1(x[0] / scale) | (u8)(f32_to_e2m1(x[1] / scale) << 4);
-    u8 hi = f32_to_e2m1(x[2] / scale) | (u8)(f32_to_e2m1(x[3] / scale) << 4);
+    float inv = __frcp_rn(scale);
+    u8 lo = f32_to_e2m1(div_pow2(x[0], inv)) | (u8)(f32_to_e2m1(div_pow2(x[1], inv)) << 4);
+    u8 hi = f32_to_e2m1(div_pow2(x[2], inv)) | (u8)(f32_to_e2m1(div_pow2(x[3], inv)) << 4);
     *reinterpret_cast<u16*>(values + (u64)warp * 64 + lane * 2) = (u16)lo | ((u16)hi << 8);
     if ((lane & 7) == 0) {
         u32 e = (__float_as_uint(scale) >> 23) & 0xffu;

@@ -32,6 +32,7 @@ pub struct Kernels {
     dense_topk: CudaFunction,
     recompute_slot_mappings: CudaFunction,
     batched_copy: CudaFunction,
+    selfcheck_e4m3: CudaFunction,
 }
 
 /// Where a layer's rows sit in a pool: `pool + base + (slot / T) × block_stride +
@@ -81,6 +82,19 @@ fn cfg(threads: u64) -> LaunchConfig {
     }
 }
 
+/// Vectors each thread of the indexer kernels moves (`VEC_PER_THREAD` in indexer.cu).
+const INDEXER_VEC_PER_THREAD: u64 = 2;
+
+fn indexer_cfg(device: usize, n: usize, width: usize) -> Result<LaunchConfig, CudaError> {
+    let vectors = n as u64 * (width as u64 / 16);
+    as_i32(
+        device,
+        "indexer vectors (tokens x width / 16)",
+        vectors as usize,
+    )?;
+    Ok(cfg(vectors.div_ceil(INDEXER_VEC_PER_THREAD)))
+}
+
 fn as_i32(device: usize, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Invalid {
         device,
@@ -105,6 +119,7 @@ impl Kernels {
             dense_topk: load("dense_topk")?,
             recompute_slot_mappings: load("recompute_slot_mappings")?,
             batched_copy: load("batched_copy")?,
+            selfcheck_e4m3: load("selfcheck_e4m3")?,
         })
     }
 
@@ -181,7 +196,7 @@ impl Kernels {
             .arg(&n32)
             .arg(&w32)
             .arg(&cache_len);
-        unsafe { b.launch(cfg(n as u64 * (width as u64 / 16))) }
+        unsafe { b.launch(indexer_cfg(device, n, width)?) }
             .map(|_| ())
             .map_err(|e| driver_error(device, "indexer_k_scatter", e))
     }
@@ -222,7 +237,7 @@ impl Kernels {
             .arg(&cache_len)
             .arg(&values)
             .arg(&scales);
-        unsafe { b.launch(cfg(n as u64 * (width as u64 / 16))) }
+        unsafe { b.launch(indexer_cfg(device, n, width)?) }
             .map(|_| ())
             .map_err(|e| driver_error(device, "indexer_k_gather", e))
     }
@@ -495,6 +510,29 @@ impl Kernels {
             at += now;
         }
         Ok(())
+    }
+}
+
+impl Kernels {
+    /// Compares the hardware E4M3 conversion the kernels use with the integer reference
+    /// (`f32_to_e4m3` in common.cuh, mirrored by [`crate::ops::quant::f32_to_e4m3`]) on
+    /// all 2^32 f32 bit patterns; returns `(mismatches, one mismatching pattern)`.
+    pub fn selfcheck_e4m3(&self, gpu: &super::Gpu) -> Result<(u64, u32), CudaError> {
+        let dev = gpu.ordinal();
+        let out = super::DeviceBuffer::zeroed(gpu, 16, "self-check counters")?;
+        let stream = gpu.compute();
+        for half in 0..2u32 {
+            let (base, count) = (half << 31, 1u32 << 31);
+            let (m, ex) = (out.ptr(), out.ptr() + 8);
+            let mut b = stream.launch_builder(&self.selfcheck_e4m3);
+            b.arg(&base).arg(&count).arg(&m).arg(&ex);
+            // SAFETY: the counters buffer holds a u64 and a u32.
+            unsafe { b.launch(cfg(u64::from(count))) }
+                .map_err(|e| driver_error(dev, "selfcheck_e4m3", e))?;
+        }
+        let mut v = [0u64; 2];
+        gpu.download(&out, &mut v)?;
+        Ok((v[0], v[1] as u32))
     }
 }
 

@@ -103,6 +103,7 @@ fn kernels_compile_with_nvrtc_when_available() {
                 "dense_topk",
                 "recompute_slot_mappings",
                 "batched_copy",
+                "selfcheck_e4m3",
             ] {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),
@@ -111,6 +112,19 @@ fn kernels_compile_with_nvrtc_when_available() {
             }
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn hardware_e4m3_conversion_equals_the_reference_on_every_f32() {
+    let g = gpu();
+    let (mismatches, example) = g.kernels().selfcheck_e4m3(&g).unwrap();
+    assert_eq!(
+        mismatches,
+        0,
+        "e.g. {example:#010x} ({}) converts differently",
+        f32::from_bits(example)
+    );
 }
 
 #[test]
@@ -170,11 +184,14 @@ fn indexer_maps(rng: &mut Rng, n: usize, pages: u64, width: u32) -> (Vec<i64>, V
     for i in (1..pos.len()).rev() {
         pos.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    pos.truncate(n);
-    if n >= 2 {
-        pos[0] = 63; // last token of page 0
-        pos[1] = 64; // first token of page 1
+    // Put the last token of page 0 and the first of page 1 first (swaps keep the
+    // positions distinct).
+    for (i, want) in [63u64, 64].into_iter().enumerate() {
+        if let Some(j) = pos.iter().position(|&p| p == want) {
+            pos.swap(i, j);
+        }
     }
+    pos.truncate(n);
     let mut v = Vec::with_capacity(n);
     let mut s = Vec::with_capacity(n);
     for &p in &pos {
