@@ -1,8 +1,10 @@
 // Indexer K cache scatter and gather (host reference: src/ops/indexer_k.rs). The cache is
 // one layer's view; mappings are 64-bit byte offsets (negative: skip). A token's payload
 // is width/16 16-byte vectors (8 for FP8, 4 for FP4); thread v moves vector v of the
-// flattened [tokens x vectors] payload, and each thread handles VEC_PER_THREAD vectors a
-// grid apart, loading all of them before storing any (more bytes in flight per thread).
+// flattened [tokens x vectors] payload (and lane 0 of a token its scale word). A thread
+// handles up to VEC_PER_THREAD vectors a grid apart and issues every load before any
+// store (more bytes in flight); the host picks the grid, so small batches run one vector
+// per thread for more parallelism.
 // A mapping whose bytes would fall outside the cache (cache_len) is skipped like a
 // negative one; the host reference rejects such a batch before writing anything.
 // The host wrapper guarantees n * width / 16 < 2^31.
@@ -18,29 +20,29 @@ extern "C" __global__ void indexer_k_scatter(u8* __restrict__ cache, const u8* _
     const u32 stride = gridDim.x * blockDim.x;
     const u32 first = blockIdx.x * blockDim.x + threadIdx.x;
     uint4 val[VEC_PER_THREAD];
-    i64 off[VEC_PER_THREAD];
+    i64 off[VEC_PER_THREAD], soff[VEC_PER_THREAD];
+    u32 sw[VEC_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < VEC_PER_THREAD; ++k) {
         u32 v = first + k * stride;
         off[k] = -1;
+        soff[k] = -1;
         if (v < total) {
-            off[k] = vmap[v >> shift];
+            u32 t = v >> shift;
+            off[k] = vmap[t];
             val[k] = reinterpret_cast<const uint4*>(values)[v];
+            if ((v & mask) == 0u) {
+                soff[k] = smap[t];
+                sw[k] = reinterpret_cast<const u32*>(scales)[t];
+            }
         }
     }
 #pragma unroll
     for (int k = 0; k < VEC_PER_THREAD; ++k) {
         u32 v = first + k * stride;
-        if (v >= total) continue;
-        u32 l = v & mask;
         if (off[k] >= 0 && (u64)off[k] + (u64)width <= cache_len)
-            *(reinterpret_cast<uint4*>(cache + off[k]) + l) = val[k];
-        if (l == 0u) {
-            u32 t = v >> shift;
-            i64 so = smap[t];
-            if (so >= 0 && (u64)so + 4u <= cache_len)
-                *reinterpret_cast<u32*>(cache + so) = reinterpret_cast<const u32*>(scales)[t];
-        }
+            *(reinterpret_cast<uint4*>(cache + off[k]) + (v & mask)) = val[k];
+        if (soff[k] >= 0 && (u64)soff[k] + 4u <= cache_len) *reinterpret_cast<u32*>(cache + soff[k]) = sw[k];
     }
 }
 
@@ -53,27 +55,33 @@ extern "C" __global__ void indexer_k_gather(const u8* __restrict__ cache, const 
     const u32 total = (u32)n << shift;
     const u32 stride = gridDim.x * blockDim.x;
     const u32 first = blockIdx.x * blockDim.x + threadIdx.x;
+    i64 vo[VEC_PER_THREAD], so[VEC_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < VEC_PER_THREAD; ++k) {
+        u32 v = first + k * stride;
+        vo[k] = -1;
+        so[k] = -1;
+        if (v < total) {
+            vo[k] = vmap[start + (v >> shift)];
+            if ((v & mask) == 0u) so[k] = smap[start + (v >> shift)];
+        }
+    }
     uint4 val[VEC_PER_THREAD];
+    u32 sw[VEC_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < VEC_PER_THREAD; ++k) {
         u32 v = first + k * stride;
         val[k].x = val[k].y = val[k].z = val[k].w = 0u;
-        if (v < total) {
-            i64 vo = vmap[start + (v >> shift)];
-            if (vo >= 0 && (u64)vo + (u64)width <= cache_len)
-                val[k] = *(reinterpret_cast<const uint4*>(cache + vo) + (v & mask));
-        }
+        sw[k] = 0u;
+        if (vo[k] >= 0 && (u64)vo[k] + (u64)width <= cache_len)
+            val[k] = *(reinterpret_cast<const uint4*>(cache + vo[k]) + (v & mask));
+        if (so[k] >= 0 && (u64)so[k] + 4u <= cache_len) sw[k] = *reinterpret_cast<const u32*>(cache + so[k]);
     }
 #pragma unroll
     for (int k = 0; k < VEC_PER_THREAD; ++k) {
         u32 v = first + k * stride;
         if (v >= total) continue;
         reinterpret_cast<uint4*>(values)[v] = val[k];
-        if ((v & mask) == 0u) {
-            u32 t = v >> shift;
-            i64 so = smap[start + t];
-            reinterpret_cast<u32*>(scales)[t] =
-                (so >= 0 && (u64)so + 4u <= cache_len) ? *reinterpret_cast<const u32*>(cache + so) : 0u;
-        }
+        if ((v & mask) == 0u) reinterpret_cast<u32*>(scales)[v >> shift] = sw[k];
     }
 }

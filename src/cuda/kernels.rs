@@ -85,6 +85,9 @@ fn cfg(threads: u64) -> LaunchConfig {
 /// Vectors each thread of the indexer kernels moves (`VEC_PER_THREAD` in indexer.cu).
 const INDEXER_VEC_PER_THREAD: u64 = 2;
 
+/// Below this many vectors a thread moves one (more threads for small batches).
+const INDEXER_ONE_VEC_BELOW: u64 = 1 << 20;
+
 fn indexer_cfg(device: usize, n: usize, width: usize) -> Result<LaunchConfig, CudaError> {
     let vectors = n as u64 * (width as u64 / 16);
     as_i32(
@@ -92,7 +95,12 @@ fn indexer_cfg(device: usize, n: usize, width: usize) -> Result<LaunchConfig, Cu
         "indexer vectors (tokens x width / 16)",
         vectors as usize,
     )?;
-    Ok(cfg(vectors.div_ceil(INDEXER_VEC_PER_THREAD)))
+    let per_thread = if vectors < INDEXER_ONE_VEC_BELOW {
+        1
+    } else {
+        INDEXER_VEC_PER_THREAD
+    };
+    Ok(cfg(vectors.div_ceil(per_thread)))
 }
 
 fn as_i32(device: usize, what: &str, v: usize) -> Result<i32, CudaError> {
