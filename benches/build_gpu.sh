@@ -1,0 +1,17 @@
+#!/bin/bash
+# Builds everything the GPU session needs on this (GPU-less) machine and copies the
+# stripped binaries into .gpu/ (ignored by git; carry it to the GPU machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --examples
+lib_tests=$(cargo test --release --lib --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["executable"])')
+mkdir -p .gpu
+cp "$lib_tests" .gpu/lib_tests
+cp target/release/examples/{serve,gpu_bench,tp} .gpu/
+strip .gpu/lib_tests .gpu/serve .gpu/gpu_bench .gpu/tp
+ls -la .gpu

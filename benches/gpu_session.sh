@@ -1,0 +1,22 @@
+#!/bin/bash
+# The GPU session (run on the GPU machine from the repository root, with .gpu/ built
+# by benches/build_gpu.sh and carried): GPU tests, serve on CUDA, TP on 2 GPUs, the
+# kernel benchmark, the PyTorch baseline. Results land in $OUT (default .gpu/out).
+set -u
+OUT=${OUT:-.gpu/out}; mkdir -p "$OUT"
+L=$OUT/logs.txt
+{ date -u; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > $OUT/env.txt 2>&1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+echo "== tests" >> $L
+timeout 180 .gpu/lib_tests --ignored --test-threads=1 cuda:: > $OUT/gpu_tests.txt 2>&1; echo "tests rc=$?" >> $L
+echo "== serve quick cuda" >> $L
+timeout 120 .gpu/serve --quick --backend cuda --json --out /tmp/sq > $OUT/serve_quick_cuda.json 2>>$L; echo "serve quick rc=$?" >> $L
+echo "== tp" >> $L
+timeout 150 .gpu/tp --gpus 0,1 --json > $OUT/tp.json 2>>$L; echo "tp rc=$?" >> $L
+echo "== bench" >> $L
+timeout 200 .gpu/gpu_bench > $OUT/gpu_bench.json 2>>$L; echo "bench rc=$?" >> $L
+echo "== torch" >> $L
+timeout 120 python3 benches/torch_scatter.py > $OUT/torch_scatter.json 2>>$L; echo "torch rc=$?" >> $L
+echo "== serve full cuda" >> $L
+timeout 150 .gpu/serve --backend cuda --json --out /tmp/sf > $OUT/serve_full_cuda.json 2>>$L; echo "serve full rc=$?" >> $L
+exit 0
