@@ -48,6 +48,7 @@ pub mod layout;
 pub mod metadata;
 pub mod ops;
 pub mod storage;
+pub mod sync;
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.
 #[cfg(doctest)]

@@ -173,6 +173,11 @@ pub trait DeviceBackend: Send + 'static {
     /// SHA-256 (hex) of every GPU-tier pool byte of the target and draft caches, in plan
     /// order: tensor-parallel ranks holding replicated KV report the same digest.
     fn cache_digest(&mut self) -> Result<String, DeviceError>;
+    /// The metadata set bound now (target, or draft during a replay); `None` for a
+    /// backend without step metadata.
+    fn bindings(&self) -> Option<crate::metadata::Bindings> {
+        None
+    }
 }
 
 /// SHA-256 over pools given in a fixed order.
@@ -603,6 +608,10 @@ pub(crate) fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8],
 impl DeviceBackend for HostDevice {
     fn index(&self) -> usize {
         self.core.index
+    }
+
+    fn bindings(&self) -> Option<crate::metadata::Bindings> {
+        Some(self.core.meta.bindings())
     }
 
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {

@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::backend::{DeviceStepReport, Mismatch, VerifySpec};
+use super::shared::RuntimeShared;
 use super::device::{DeviceActor, ExecuteStep, Verify};
 use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
 use super::error::RuntimeError;
@@ -29,7 +30,7 @@ use crate::core::scheduler::{
     Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
 };
 use crate::core::{KvEvent, ManagerStats};
-use crate::ids::{RequestId, Tier, TokenId};
+use crate::ids::{Fence, RequestId, Tier, TokenId};
 
 /// A finished request with the result of its final verification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -109,6 +110,7 @@ pub struct Coordinator {
     stats: RuntimeStats,
     history: VecDeque<StepSample>,
     pending_manager_us: u64,
+    shared: Arc<RuntimeShared>,
 }
 
 /// What the coordinator starts with.
@@ -119,6 +121,8 @@ pub struct CoordinatorArgs {
     pub devices: Vec<ActorRef<DeviceActor>>,
     /// The draft-replay actor (separate draft cache).
     pub draft: Option<ActorRef<DraftReplayActor>>,
+    /// State shared with the devices and handles.
+    pub shared: Arc<RuntimeShared>,
 }
 
 impl Actor for Coordinator {
@@ -147,6 +151,7 @@ impl Actor for Coordinator {
             stats,
             history: VecDeque::new(),
             pending_manager_us: 0,
+            shared: args.shared,
         })
     }
 
@@ -186,6 +191,18 @@ impl Actor for Coordinator {
 }
 
 impl Coordinator {
+    /// Publishes the live counters for lock-free readers (one consistent update).
+    fn publish_counters(&self) {
+        use super::shared::counter::*;
+        let st = self.sched.stats();
+        self.shared.counters.update(|c| {
+            c[SUBMITTED] = st.submitted;
+            c[FINISHED] = st.finished;
+            c[FAILED] = st.failed;
+            c[STEPS] = st.steps;
+        });
+    }
+
     fn alive(&self) -> Vec<ActorRef<DeviceActor>> {
         self.devices.iter().flatten().cloned().collect()
     }
@@ -193,6 +210,8 @@ impl Coordinator {
     /// Every request holds pages on every device (tensor parallelism): all of them fail.
     async fn device_lost(&mut self, index: usize, reason: String) {
         self.devices[index] = None;
+        // A dead device holds back no fence.
+        self.shared.fences.complete(index, Fence(u64::MAX));
         self.stats.devices_alive = self.devices.iter().flatten().count();
         let failed = self
             .sched
@@ -213,6 +232,7 @@ impl Coordinator {
             );
         }
         self.stats.failed = self.sched.stats().failed;
+        self.publish_counters();
         if let Some(d) = &self.draft {
             let _ = d.tell(SetDevices(self.alive())).await;
         }
@@ -341,6 +361,7 @@ impl Message<Submit> for Coordinator {
         self.done.remove(&id);
         let r = self.sched.submit(msg.0)?;
         self.stats.submitted = self.sched.stats().submitted;
+        self.publish_counters();
         tracing::debug!(request = %id, reused = r, "submitted");
         Ok(r)
     }
@@ -422,11 +443,15 @@ impl Message<Step> for Coordinator {
                 );
             }
             self.stats.failed = self.sched.stats().failed;
+            self.publish_counters();
             return Err(e);
         }
         let t1 = Instant::now();
-        // Completion of the slowest device completes the fence for all of them.
-        self.sched.complete(plan.target_fence, plan.draft_fence)?;
+        // The fence every device published completes the step's target fence (slots it
+        // released become ready only then); the draft fence completes with the replay.
+        let done = self.shared.fences.all_completed().min(plan.target_fence);
+        self.sched.complete(done, plan.draft_fence)?;
+        self.publish_counters();
         let device_us = reports.iter().map(|r| r.elapsed_us).max().unwrap_or(0);
         self.stats.device_us += device_us;
         let verified: u64 = reports.iter().map(|r| r.tokens_verified).sum();
@@ -510,6 +535,7 @@ impl Message<Commit> for Coordinator {
             manager_us += t1.elapsed().as_micros() as u64;
         }
         self.stats.finished = self.sched.stats().finished;
+        self.publish_counters();
         self.drain_events();
         self.stats.manager_us += self.pending_manager_us + manager_us;
         self.pending_manager_us = 0;
@@ -553,6 +579,7 @@ impl Message<Cancel> for Coordinator {
     async fn handle(&mut self, msg: Cancel, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.sched.cancel(msg.0)?;
         self.stats.failed = self.sched.stats().failed;
+        self.publish_counters();
         self.resolve(
             msg.0,
             Err(RuntimeError::RequestFailed {

@@ -11,29 +11,47 @@ use kameo::message::{Context, Message};
 use kameo::Actor;
 
 use super::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use super::shared::RuntimeShared;
 use crate::core::scheduler::StepPlan;
 use crate::metadata::DraftSnapshot;
 
 /// Owns one device. See the module docs.
 pub struct DeviceActor {
     backend: Box<dyn DeviceBackend>,
+    shared: Arc<RuntimeShared>,
     delay: Option<Duration>,
 }
 
+/// What a device actor starts with.
+pub struct DeviceArgs {
+    /// The device.
+    pub backend: Box<dyn DeviceBackend>,
+    /// State shared with the coordinator and handles.
+    pub shared: Arc<RuntimeShared>,
+}
+
 impl Actor for DeviceActor {
-    type Args = Box<dyn DeviceBackend>;
+    type Args = DeviceArgs;
     type Error = Infallible;
 
-    async fn on_start(backend: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
-        tracing::debug!(device = backend.index(), "device actor started");
+    async fn on_start(args: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
+        tracing::debug!(device = args.backend.index(), "device actor started");
         Ok(DeviceActor {
-            backend,
+            backend: args.backend,
+            shared: args.shared,
             delay: None,
         })
     }
 }
 
 impl DeviceActor {
+    /// Publishes the bound metadata set for concurrent readers.
+    fn publish_bindings(&self) {
+        if let Some(p) = self.shared.bindings.get(self.backend.index()) {
+            p.publish(self.backend.bindings());
+        }
+    }
+
     fn throttle(&self) {
         if let Some(d) = self.delay {
             // Own thread: blocking here stalls only this device, as a slow GPU would.
@@ -60,7 +78,15 @@ impl Message<ExecuteStep> for DeviceActor {
             step = msg.0.step
         )
         .entered();
-        self.backend.execute_step(&msg.0)
+        let r = self.backend.execute_step(&msg.0);
+        if r.is_ok() {
+            // The step's work is done: publish its fence (release) for the coordinator.
+            self.shared
+                .fences
+                .complete(self.backend.index(), msg.0.target_fence);
+        }
+        self.publish_bindings();
+        r
     }
 }
 
@@ -75,7 +101,9 @@ impl Message<DraftPrepare> for DeviceActor {
         msg: DraftPrepare,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        self.backend.draft_prepare(&msg.0)
+        let r = self.backend.draft_prepare(&msg.0);
+        self.publish_bindings();
+        r
     }
 }
 
@@ -106,7 +134,9 @@ impl Message<DraftRestore> for DeviceActor {
         msg: DraftRestore,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        self.backend.draft_restore(&msg.0)
+        let r = self.backend.draft_restore(&msg.0);
+        self.publish_bindings();
+        r
     }
 }
 

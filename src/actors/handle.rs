@@ -14,13 +14,14 @@ use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
     Devices, FinishedReport, GetStats, Pause, Step, StepReport, Submit, TakeEvents, Watch,
 };
-use super::device::{CacheDigest, DeviceActor, DeviceFault, InjectFault};
+use super::device::{CacheDigest, DeviceActor, DeviceArgs, DeviceFault, InjectFault};
+use super::shared::{LiveCounters, RuntimeShared};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 use super::kv_source::{KvSource, SyntheticKv};
 use super::stats::RuntimeStats;
 use crate::config::{DsaModel, EngineConfig};
-use crate::core::quota::{gpu_budget, slots_for_budget, GpuBudget, QuotaInputs};
+use crate::core::quota::{bytes_for_slots, gpu_budget, slots_for_budget, GpuBudget, QuotaInputs};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
 use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
 use crate::ids::{RequestId, TokenId};
@@ -272,6 +273,20 @@ impl KvCacheBuilder {
             max_num_tokens: s.max_num_tokens as usize,
             max_context_kv_tokens: max_context_kv as usize,
         };
+        // Each device holds the target pools and the draft pools: both count against
+        // max_gpu_total_bytes when it is set.
+        let quota_cap = c.kv_cache.max_gpu_total_bytes.unwrap_or(u64::MAX);
+        let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
+        shared
+            .quota
+            .try_reserve("the target cache", bytes_for_slots(&target_plan, u64::from(gpu)))
+            .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+        if let Some(p) = &draft_plan {
+            shared
+                .quota
+                .try_reserve("the separate draft cache", bytes_for_slots(p, u64::from(gpu)))
+                .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+        }
         let mut refs = Vec::with_capacity(devices);
         for i in 0..devices {
             let setup = DeviceSetup {
@@ -289,7 +304,10 @@ impl KvCacheBuilder {
                 None => Box::new(HostDevice::new(i, setup)?),
             };
             refs.push(DeviceActor::spawn_in_thread_with_mailbox(
-                dev,
+                DeviceArgs {
+                    backend: dev,
+                    shared: shared.clone(),
+                },
                 mailbox::bounded(self.device_mailbox),
             ));
         }
@@ -301,6 +319,7 @@ impl KvCacheBuilder {
                 sched,
                 devices: refs,
                 draft: draft_actor.clone(),
+                shared: shared.clone(),
             },
             mailbox::bounded(self.coordinator_mailbox),
         );
@@ -324,6 +343,7 @@ impl KvCacheBuilder {
             coordinator,
             draft: draft_actor,
             info: Arc::new(info),
+            shared,
         })
     }
 }
@@ -334,9 +354,37 @@ pub struct KvCacheHandle {
     coordinator: ActorRef<Coordinator>,
     draft: Option<ActorRef<DraftReplayActor>>,
     info: Arc<RuntimeInfo>,
+    shared: Arc<RuntimeShared>,
 }
 
 impl KvCacheHandle {
+    /// Live counters, read without a round trip through the coordinator's mailbox (a
+    /// consistent snapshot: `submitted = finished + failed + in_flight`).
+    pub fn counters(&self) -> LiveCounters {
+        use super::shared::counter::*;
+        let c = self.shared.counters.snapshot();
+        LiveCounters {
+            submitted: c[SUBMITTED],
+            finished: c[FINISHED],
+            failed: c[FAILED],
+            in_flight: c[SUBMITTED].saturating_sub(c[FINISHED] + c[FAILED]),
+            steps: c[STEPS],
+            completed_fence: self.shared.fences.all_completed(),
+        }
+    }
+
+    /// The metadata set device `index` has bound now (target, or draft during a
+    /// replay), as its kernel launcher sees it; `None` before its first step.
+    pub fn bindings(&self, index: usize) -> Option<crate::metadata::Bindings> {
+        self.shared.bindings.get(index).and_then(|p| *p.load())
+    }
+
+    /// GPU bytes per device reserved by the target and draft caches, and the budget
+    /// (`u64::MAX` when `max_gpu_total_bytes` is not set).
+    pub fn quota(&self) -> (u64, u64) {
+        (self.shared.quota.used(), self.shared.quota.capacity())
+    }
+
     /// What the runtime was started with.
     pub fn info(&self) -> &RuntimeInfo {
         &self.info

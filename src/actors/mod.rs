@@ -10,6 +10,7 @@ mod draft;
 mod error;
 mod handle;
 mod kv_source;
+mod shared;
 mod stats;
 
 pub use backend::{
@@ -22,4 +23,5 @@ pub use draft::DraftReport;
 pub use error::RuntimeError;
 pub use handle::{BackendFactory, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use kv_source::{KvSource, SyntheticKv};
+pub use shared::{LiveCounters, RuntimeShared};
 pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};

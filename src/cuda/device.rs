@@ -285,6 +285,10 @@ impl DeviceBackend for CudaDevice {
         self.core.index
     }
 
+    fn bindings(&self) -> Option<crate::metadata::Bindings> {
+        Some(self.core.meta.bindings())
+    }
+
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
         let start = Instant::now();
         let dev = self.core.index;

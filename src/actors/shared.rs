@@ -1,0 +1,58 @@
+//! State the actors share outside messages (built on `crate::sync`, loom-checked):
+//! completion fences published by the devices, each device's current metadata bindings,
+//! live counters the handle reads without a mailbox round trip, and the quota ledger.
+
+use serde::Serialize;
+
+use crate::ids::Fence;
+use crate::metadata::Bindings;
+use crate::sync::{FenceBoard, Published, QuotaLedger, SeqCounters};
+
+/// Index of each live counter in [`RuntimeShared::counters`].
+pub(crate) mod counter {
+    pub const SUBMITTED: usize = 0;
+    pub const FINISHED: usize = 1;
+    pub const FAILED: usize = 2;
+    pub const STEPS: usize = 3;
+}
+
+/// Shared by the coordinator, the device actors and every handle.
+#[derive(Debug)]
+pub struct RuntimeShared {
+    /// Target fences each device completed.
+    pub fences: FenceBoard,
+    /// Each device's bound metadata set (`None` before its first step).
+    pub bindings: Vec<Published<Option<Bindings>>>,
+    /// Submitted, finished, failed, steps.
+    pub(crate) counters: SeqCounters<4>,
+    /// GPU bytes reserved by the target and draft caches (per device).
+    pub quota: QuotaLedger,
+}
+
+impl RuntimeShared {
+    pub(crate) fn new(devices: usize, quota_capacity: u64) -> Self {
+        RuntimeShared {
+            fences: FenceBoard::new(devices),
+            bindings: (0..devices).map(|_| Published::new(None)).collect(),
+            counters: SeqCounters::new(),
+            quota: QuotaLedger::new(quota_capacity),
+        }
+    }
+}
+
+/// A consistent snapshot of the live counters (read without asking the coordinator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LiveCounters {
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Requests admitted and not yet finished or failed.
+    pub in_flight: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// The highest target fence every live device completed.
+    pub completed_fence: Fence,
+}
