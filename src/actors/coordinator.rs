@@ -21,10 +21,10 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::backend::{DeviceStepReport, Mismatch, VerifySpec};
-use super::shared::RuntimeShared;
 use super::device::{DeviceActor, ExecuteStep, Verify};
 use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
 use super::error::RuntimeError;
+use super::shared::RuntimeShared;
 use super::stats::{ratio, EventCounts, Rolling, RuntimeStats, StepSample, TierUsage, HISTORY};
 use crate::core::scheduler::{
     Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,

@@ -15,10 +15,10 @@ use super::coordinator::{
     Devices, FinishedReport, GetStats, Pause, Step, StepReport, Submit, TakeEvents, Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, DeviceFault, InjectFault};
-use super::shared::{LiveCounters, RuntimeShared};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 use super::kv_source::{KvSource, SyntheticKv};
+use super::shared::{LiveCounters, RuntimeShared};
 use super::stats::RuntimeStats;
 use crate::config::{DsaModel, EngineConfig};
 use crate::core::quota::{bytes_for_slots, gpu_budget, slots_for_budget, GpuBudget, QuotaInputs};
@@ -279,12 +279,18 @@ impl KvCacheBuilder {
         let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
         shared
             .quota
-            .try_reserve("the target cache", bytes_for_slots(&target_plan, u64::from(gpu)))
+            .try_reserve(
+                "the target cache",
+                bytes_for_slots(&target_plan, u64::from(gpu)),
+            )
             .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
         if let Some(p) = &draft_plan {
             shared
                 .quota
-                .try_reserve("the separate draft cache", bytes_for_slots(p, u64::from(gpu)))
+                .try_reserve(
+                    "the separate draft cache",
+                    bytes_for_slots(p, u64::from(gpu)),
+                )
                 .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
         }
         let mut refs = Vec::with_capacity(devices);

@@ -4,13 +4,15 @@ use super::{fence, lock, spin, AtomicU64, Mutex, Ordering};
 
 /// `N` counters that writers update together and readers snapshot without blocking
 /// them: a reader never sees half of an update (e.g. a request counted as finished but
-/// still running). Writers are serialized by a lock; readers retry while an update is in
-/// progress (the sequence number is odd) or happened while they read.
+/// still running). Writers are serialized by a lock that owns the current values; they
+/// publish into the atomics under a sequence number, and readers retry while an update
+/// is in progress (the number is odd) or happened while they read.
 #[derive(Debug)]
 pub struct SeqCounters<const N: usize> {
     seq: AtomicU64,
     vals: [AtomicU64; N],
-    writer: Mutex<()>,
+    /// The current values and the sequence number (writers only).
+    writer: Mutex<([u64; N], u64)>,
 }
 
 impl<const N: usize> Default for SeqCounters<N> {
@@ -25,22 +27,23 @@ impl<const N: usize> SeqCounters<N> {
         SeqCounters {
             seq: AtomicU64::new(0),
             vals: std::array::from_fn(|_| AtomicU64::new(0)),
-            writer: Mutex::new(()),
+            writer: Mutex::new(([0; N], 0)),
         }
     }
 
     /// Applies `f` to the counters as one update.
     pub fn update(&self, f: impl FnOnce(&mut [u64; N])) {
-        let _w = lock(&self.writer);
-        let mut cur: [u64; N] = std::array::from_fn(|i| self.vals[i].load(Ordering::Relaxed));
-        f(&mut cur);
-        let s = self.seq.load(Ordering::Relaxed);
-        self.seq.store(s + 1, Ordering::Relaxed);
+        let mut w = lock(&self.writer);
+        let (cur, seq) = &mut *w;
+        f(cur);
+        // Writers never read the atomics back: the lock owns the truth.
+        self.seq.store(*seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
-        for (v, &x) in self.vals.iter().zip(&cur) {
+        for (v, &x) in self.vals.iter().zip(cur.iter()) {
             v.store(x, Ordering::Relaxed);
         }
-        self.seq.store(s + 2, Ordering::Release);
+        *seq += 2;
+        self.seq.store(*seq, Ordering::Release);
     }
 
     /// A consistent snapshot.

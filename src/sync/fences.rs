@@ -31,19 +31,19 @@ impl FenceBoard {
         let Some(slot) = self.done.get(device) else {
             return false;
         };
-        let mut cur = slot.load(Ordering::Relaxed);
-        while cur < fence.0 {
-            match slot.compare_exchange_weak(cur, fence.0, Ordering::Release, Ordering::Relaxed) {
-                Ok(_) => break,
-                Err(now) => cur = now,
-            }
-        }
+        // One read-modify-write (no separate load): monotonic, and release-ordered after
+        // the device's work.
+        slot.fetch_max(fence.0, Ordering::Release);
         true
     }
 
     /// The highest fence device `device` completed (`Fence(0)` for an unknown device).
     pub fn completed(&self, device: usize) -> Fence {
-        Fence(self.done.get(device).map_or(0, |d| d.load(Ordering::Acquire)))
+        Fence(
+            self.done
+                .get(device)
+                .map_or(0, |d| d.load(Ordering::Acquire)),
+        )
     }
 
     /// The highest fence every device completed.

@@ -1,0 +1,247 @@
+//! loom models of the actor protocols: each actor is a loom thread, each mailbox a
+//! channel, `ask` a request plus a reply channel. The state machines inside are the real
+//! ones where they exist (`StepMetadata`, `FenceBoard`); every model has a broken twin
+//! the checker must catch.
+//!
+//! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+//!       cargo test --release --test 'loom_*'`
+#![cfg(loom)]
+
+use dsa_kv::ids::Fence;
+use dsa_kv::layout::IndexerPageLayout;
+use dsa_kv::metadata::{
+    Bindings, DraftSnapshot, MetadataDims, MetadataError, MetadataLayout, RequestKind,
+    StepMetadata, StepRequest,
+};
+use dsa_kv::sync::FenceBoard;
+use loom::cell::UnsafeCell;
+use loom::sync::mpsc::{channel, Sender};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Outcomes observed across interleavings (std, invisible to loom): evidence that the
+/// model explored more than one order.
+type Seen<T> = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<T>>>;
+
+struct SlotBytes(UnsafeCell<u64>);
+
+// SAFETY: loom's UnsafeCell checks every access.
+unsafe impl Sync for SlotBytes {}
+
+impl SlotBytes {
+    fn write(&self, v: u64) {
+        self.0.with_mut(|p| unsafe { *p = v });
+    }
+}
+
+/// One step broadcast to two device actors. Each device writes the KV of the step into
+/// the slot being released, publishes the step's fence, and replies. The coordinator
+/// hands the slot to a new owner once it has every reply and the board shows the fence
+/// (`replies_needed` = 1 is the broken twin: it trusts the first device).
+fn broadcast_model(replies_needed: usize, first_reply: &Seen<usize>) {
+    let board = Arc::new(FenceBoard::new(2));
+    let slot = Arc::new([SlotBytes(UnsafeCell::new(0)), SlotBytes(UnsafeCell::new(0))]);
+    let (reply_tx, reply_rx) = channel::<usize>();
+    let mut mailboxes = Vec::new();
+    let mut devices = Vec::new();
+    for d in 0..2 {
+        let (tx, rx) = channel::<(Fence, Sender<usize>)>();
+        mailboxes.push(tx);
+        let (board, slot) = (board.clone(), slot.clone());
+        devices.push(thread::spawn(move || {
+            let (fence, reply) = rx.recv().unwrap();
+            slot[d].write(1); // the step's kernels
+            board.complete(d, fence);
+            reply.send(d).unwrap();
+        }));
+    }
+    for m in &mailboxes {
+        m.send((Fence(1), reply_tx.clone())).unwrap();
+    }
+    for i in 0..replies_needed {
+        let d = reply_rx.recv().unwrap();
+        if i == 0 {
+            first_reply.lock().unwrap().insert(d);
+        }
+    }
+    if replies_needed == 2 {
+        assert!(board.is_complete(Fence(1)), "every reply implies the fence");
+    }
+    // The slot's new owner writes it on both devices.
+    slot[0].write(2);
+    slot[1].write(2);
+    for d in devices {
+        d.join().unwrap();
+    }
+}
+
+#[test]
+fn a_step_broadcast_completes_its_fence_on_every_device() {
+    let first = Seen::default();
+    let f = first.clone();
+    loom::model(move || broadcast_model(2, &f));
+    assert_eq!(
+        first.lock().unwrap().len(),
+        2,
+        "either device can answer first"
+    );
+}
+
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn broken_twin_trusting_the_first_device_races() {
+    loom::model(|| broadcast_model(1, &Seen::default()));
+}
+
+fn layout() -> MetadataLayout {
+    MetadataLayout {
+        tokens_per_block: 64,
+        indexer_page_scale: 1,
+        indexer: Some(IndexerPageLayout {
+            tokens_per_block: 64,
+            data_bytes: 128,
+            scale_bytes: 4,
+        }),
+    }
+}
+
+fn dims() -> MetadataDims {
+    MetadataDims {
+        max_num_sequences: 2,
+        max_blocks_per_seq: 4,
+        max_num_tokens: 16,
+        max_context_kv_tokens: 256,
+    }
+}
+
+/// The device's mailbox: prepare a step (with the request list), prepare the draft
+/// replay, restore.
+enum DevMsg {
+    Prepare(Vec<(Vec<i32>, u32)>, Sender<Result<(), MetadataError>>),
+    DraftPrepare(Sender<Result<DraftSnapshot, MetadataError>>),
+    Restore(DraftSnapshot, Sender<Result<(), MetadataError>>),
+    Stop(Sender<(Bindings, usize, bool)>),
+}
+
+fn reqs(v: &[(Vec<i32>, u32)]) -> Vec<StepRequest<'_>> {
+    v.iter()
+        .map(|(slots, cached)| StepRequest {
+            kind: RequestKind::Generation,
+            block_slots: slots,
+            num_cached: *cached,
+            num_new: 1,
+            helix_inactive: false,
+        })
+        .collect()
+}
+
+/// A device actor: its mailbox drives the real `StepMetadata`.
+fn device(rx: loom::sync::mpsc::Receiver<DevMsg>) {
+    let mut m = StepMetadata::new(layout(), dims(), Some(dims()), true).unwrap();
+    let mut last = Vec::new();
+    while let Ok(msg) = rx.recv() {
+        match msg {
+            DevMsg::Prepare(v, reply) => {
+                let r = m.prepare(&layout(), &reqs(&v)).map(|_| ());
+                if r.is_ok() {
+                    last = v;
+                }
+                reply.send(r).unwrap();
+            }
+            DevMsg::DraftPrepare(reply) => {
+                reply
+                    .send(m.prepare_draft(&layout(), &reqs(&last)))
+                    .unwrap();
+            }
+            DevMsg::Restore(snap, reply) => reply.send(m.restore(&snap)).unwrap(),
+            DevMsg::Stop(reply) => {
+                let n = m.counts().num_requests;
+                reply.send((m.bindings(), n, m.in_draft_replay())).unwrap();
+                return;
+            }
+        }
+    }
+}
+
+/// The target bindings (the same buffers whatever the step holds).
+fn target_bindings() -> Bindings {
+    let mut m = StepMetadata::new(layout(), dims(), Some(dims()), true).unwrap();
+    m.prepare(&layout(), &reqs(&[(vec![3], 10)])).unwrap();
+    m.bindings()
+}
+
+/// Step 1 runs two requests; the draft-replay actor snapshots, replays and restores,
+/// while the coordinator preempts request 2 (frees it) and prepares step 2 with request 1
+/// alone. The device refuses a prepare while a replay holds the bindings, so the
+/// coordinator must look at the reply and retry (`retry` = false is the broken twin: a
+/// fire-and-forget prepare). At the end the device must be out of the replay, bound to
+/// the target set, with step 2 (one request) prepared.
+fn draft_vs_preemption_model(retry: bool, refused: &Seen<bool>) {
+    let target = target_bindings();
+    let (tx, rx) = channel::<DevMsg>();
+    let dev = thread::spawn(move || device(rx));
+    let (r_tx, r_rx) = channel();
+    tx.send(DevMsg::Prepare(vec![(vec![3], 10), (vec![7], 20)], r_tx))
+        .unwrap();
+    r_rx.recv().unwrap().unwrap();
+
+    let dtx = tx.clone();
+    let draft = thread::spawn(move || {
+        let (s_tx, s_rx) = channel();
+        dtx.send(DevMsg::DraftPrepare(s_tx)).unwrap();
+        if let Ok(snap) = s_rx.recv().unwrap() {
+            let (r_tx, r_rx) = channel();
+            dtx.send(DevMsg::Restore(snap, r_tx)).unwrap();
+            r_rx.recv().unwrap().unwrap();
+        }
+    });
+    let ctx = tx.clone();
+    let coordinator = thread::spawn(move || {
+        let mut was_refused = false;
+        loop {
+            let (r_tx, r_rx) = channel();
+            ctx.send(DevMsg::Prepare(vec![(vec![3], 11)], r_tx))
+                .unwrap();
+            match r_rx.recv().unwrap() {
+                Ok(()) => break,
+                Err(MetadataError::ReplayActive) if retry => {
+                    was_refused = true;
+                    thread::yield_now()
+                }
+                Err(MetadataError::ReplayActive) => break, // broken: assumes it landed
+                Err(e) => panic!("unexpected refusal: {e}"),
+            }
+        }
+        was_refused
+    });
+    draft.join().unwrap();
+    refused.lock().unwrap().insert(coordinator.join().unwrap());
+    let (s_tx, s_rx) = channel();
+    tx.send(DevMsg::Stop(s_tx)).unwrap();
+    let (bindings, requests, in_replay) = s_rx.recv().unwrap();
+    dev.join().unwrap();
+    assert!(!in_replay, "the replay was restored");
+    assert_eq!(bindings, target, "bound to the target set");
+    assert_eq!(
+        requests, 1,
+        "step 2 (request 2 preempted) is what is prepared"
+    );
+}
+
+#[test]
+fn draft_replay_racing_a_preemption_restores_exactly() {
+    let refused = Seen::default();
+    let r = refused.clone();
+    loom::model(move || draft_vs_preemption_model(true, &r));
+    assert_eq!(
+        refused.lock().unwrap().len(),
+        2,
+        "the prepare landed both during and outside the replay"
+    );
+}
+
+#[test]
+#[should_panic(expected = "step 2 (request 2 preempted) is what is prepared")]
+fn broken_twin_fire_and_forget_prepare_is_lost() {
+    loom::model(|| draft_vs_preemption_model(false, &Seen::default()));
+}

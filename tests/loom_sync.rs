@@ -1,0 +1,364 @@
+//! loom models of the shared-memory primitives in `dsa_kv::sync`, each next to a
+//! deliberately broken twin that the checker must catch (`#[should_panic]`).
+//!
+//! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+//!       cargo test --release --test 'loom_*'`
+#![cfg(loom)]
+
+use dsa_kv::ids::Fence;
+use dsa_kv::layout::IndexerPageLayout;
+use dsa_kv::metadata::{
+    Bindings, MetadataDims, MetadataLayout, RequestKind, StepMetadata, StepRequest,
+};
+use dsa_kv::sync::{FenceBoard, Published, QuotaLedger, SeqCounters};
+use loom::cell::UnsafeCell;
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Outcomes observed across all explored interleavings (std, invisible to loom): each
+/// model asserts it saw more than one, evidence that the interleavings were explored.
+type Seen<T> = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<T>>>;
+
+fn seen<T: Ord>() -> Seen<T> {
+    Default::default()
+}
+
+fn record<T: Ord>(s: &Seen<T>, v: T) {
+    s.lock().unwrap().insert(v);
+}
+
+fn distinct<T: Ord>(s: &Seen<T>) -> usize {
+    s.lock().unwrap().len()
+}
+
+/// A slot's bytes on one device: whoever touches it must own it (loom reports a data
+/// race on any concurrent access).
+struct SlotBytes(UnsafeCell<u64>);
+
+// SAFETY: access is what the models check; loom's UnsafeCell tracks it.
+unsafe impl Sync for SlotBytes {}
+
+impl SlotBytes {
+    fn new() -> Self {
+        SlotBytes(UnsafeCell::new(0))
+    }
+    fn write(&self, v: u64) {
+        self.0.with_mut(|p| unsafe { *p = v });
+    }
+    fn read(&self) -> u64 {
+        self.0.with(|p| unsafe { *p })
+    }
+}
+
+trait Board: Send + Sync + 'static {
+    fn complete(&self, device: usize, f: Fence);
+    fn is_complete(&self, f: Fence) -> bool;
+}
+
+impl Board for FenceBoard {
+    fn complete(&self, device: usize, f: Fence) {
+        FenceBoard::complete(self, device, f);
+    }
+    fn is_complete(&self, f: Fence) -> bool {
+        FenceBoard::is_complete(self, f)
+    }
+}
+
+/// Broken twin: the same board with relaxed orderings (no release/acquire pairing).
+struct RelaxedBoard(Vec<AtomicU64>);
+
+impl Board for RelaxedBoard {
+    fn complete(&self, device: usize, f: Fence) {
+        self.0[device].fetch_max(f.0, Ordering::Relaxed);
+    }
+    fn is_complete(&self, f: Fence) -> bool {
+        self.0.iter().all(|d| d.load(Ordering::Relaxed) >= f.0)
+    }
+}
+
+/// Two devices finish their last writes to a released slot and publish fence 1; the
+/// allocator hands the slot to a new owner (who writes it on both devices) once it
+/// observes the fence — or at once when `wait` is false (broken).
+fn released_slot_model<B: Board>(board: B, wait: bool, first_check: &Seen<bool>) {
+    let board = Arc::new(board);
+    let slot = Arc::new([SlotBytes::new(), SlotBytes::new()]);
+    let devices: Vec<_> = (0..2)
+        .map(|d| {
+            let (board, slot) = (board.clone(), slot.clone());
+            thread::spawn(move || {
+                slot[d].write(10 + d as u64); // the old owner's last kernel
+                board.complete(d, Fence(1));
+            })
+        })
+        .collect();
+    if wait {
+        record(first_check, board.is_complete(Fence(1)));
+        while !board.is_complete(Fence(1)) {
+            thread::yield_now();
+        }
+    }
+    // The new owner's first write.
+    slot[0].write(20);
+    slot[1].write(21);
+    for d in devices {
+        d.join().unwrap();
+    }
+    assert_eq!((slot[0].read(), slot[1].read()), (20, 21));
+}
+
+#[test]
+fn a_released_slot_is_not_reused_before_its_fence_completes() {
+    let first = seen();
+    let f = first.clone();
+    loom::model(move || released_slot_model(FenceBoard::new(2), true, &f));
+    assert_eq!(
+        distinct(&first),
+        2,
+        "explored both: fence done and not yet done"
+    );
+}
+
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn broken_twin_reusing_without_waiting_races() {
+    loom::model(|| released_slot_model(FenceBoard::new(2), false, &seen()));
+}
+
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn broken_twin_relaxed_fences_race() {
+    loom::model(|| {
+        let board = RelaxedBoard((0..2).map(|_| AtomicU64::new(0)).collect());
+        released_slot_model(board, true, &seen())
+    });
+}
+
+#[test]
+fn fences_are_monotonic_and_the_slowest_device_decides() {
+    let observed = seen();
+    let o = observed.clone();
+    loom::model(move || {
+        let board = Arc::new(FenceBoard::new(2));
+        let b = board.clone();
+        let t = thread::spawn(move || {
+            b.complete(0, Fence(2));
+            b.complete(0, Fence(1)); // an older fence changes nothing
+        });
+        board.complete(1, Fence(1));
+        let now = board.all_completed();
+        assert!(now <= Fence(1));
+        record(&o, now);
+        t.join().unwrap();
+        assert_eq!(board.completed(0), Fence(2));
+        assert_eq!(board.all_completed(), Fence(1));
+        assert!(!board.complete(5, Fence(1)), "an unknown device is refused");
+    });
+    assert_eq!(
+        distinct(&observed),
+        2,
+        "saw fence 0 and fence 1 as the minimum"
+    );
+}
+
+/// Real target and draft bindings of a step with one context request (std-only code,
+/// computed outside the model).
+fn target_and_draft_bindings() -> (Bindings, Bindings) {
+    let layout = MetadataLayout {
+        tokens_per_block: 64,
+        indexer_page_scale: 1,
+        indexer: Some(IndexerPageLayout {
+            tokens_per_block: 64,
+            data_bytes: 128,
+            scale_bytes: 4,
+        }),
+    };
+    let dims = MetadataDims {
+        max_num_sequences: 2,
+        max_blocks_per_seq: 4,
+        max_num_tokens: 64,
+        max_context_kv_tokens: 128,
+    };
+    let mut m = StepMetadata::new(layout, dims, Some(dims), true).unwrap();
+    let slots = [3, 5];
+    let req = [StepRequest {
+        kind: RequestKind::Context,
+        block_slots: &slots,
+        num_cached: 60,
+        num_new: 10,
+        helix_inactive: false,
+    }];
+    m.prepare(&layout, &req).unwrap();
+    let target = m.bindings();
+    let snap = m.prepare_draft(&layout, &req).unwrap();
+    let draft = m.bindings();
+    m.restore(&snap).unwrap();
+    assert_eq!(m.bindings(), target);
+    assert_ne!(target, draft);
+    (target, draft)
+}
+
+#[test]
+fn a_launcher_sees_the_whole_target_or_the_whole_draft_set() {
+    let (target, draft) = target_and_draft_bindings();
+    let epochs = seen();
+    let e = epochs.clone();
+    loom::model(move || {
+        let p = Arc::new(Published::new(target));
+        let w = p.clone();
+        let replay = thread::spawn(move || {
+            w.publish(draft); // prepare_draft
+            w.publish(target); // restore
+        });
+        let mut last_epoch = 0;
+        for _ in 0..2 {
+            let (b, epoch) = p.load_with_epoch();
+            assert!(*b == target || *b == draft, "a mixed set: {b:?}");
+            assert!(epoch >= last_epoch, "epochs go forward");
+            assert_eq!(*b == draft, epoch == 1, "the draft set is exactly epoch 1");
+            record(&e, epoch);
+            last_epoch = epoch;
+        }
+        replay.join().unwrap();
+        assert_eq!(*p.load(), target, "restore is exact");
+        assert_eq!(p.epoch(), 2);
+    });
+    assert_eq!(
+        distinct(&epochs),
+        3,
+        "a reader saw the start, the replay and the restore"
+    );
+}
+
+/// Broken twin: the bindings published field by field (two atomics).
+struct TornBindings {
+    page_table: AtomicU64,
+    slot_mapping: AtomicU64,
+}
+
+#[test]
+#[should_panic(expected = "a launcher saw a mixed set")]
+fn broken_twin_field_by_field_bindings_tear() {
+    loom::model(|| {
+        // 1 = target set, 2 = draft set, for each field.
+        let p = Arc::new(TornBindings {
+            page_table: AtomicU64::new(1),
+            slot_mapping: AtomicU64::new(1),
+        });
+        let w = p.clone();
+        let replay = thread::spawn(move || {
+            w.page_table.store(2, Ordering::SeqCst);
+            w.slot_mapping.store(2, Ordering::SeqCst);
+            w.page_table.store(1, Ordering::SeqCst);
+            w.slot_mapping.store(1, Ordering::SeqCst);
+        });
+        let a = p.page_table.load(Ordering::SeqCst);
+        let b = p.slot_mapping.load(Ordering::SeqCst);
+        assert_eq!(a, b, "a launcher saw a mixed set");
+        replay.join().unwrap();
+    });
+}
+
+const SUBMITTED: usize = 0;
+const FINISHED: usize = 1;
+const IN_FLIGHT: usize = 2;
+
+#[test]
+fn counter_snapshots_are_consistent() {
+    let snaps = seen();
+    let sn = snaps.clone();
+    loom::model(move || {
+        let c = Arc::new(SeqCounters::<3>::new());
+        let w = c.clone();
+        let coordinator = thread::spawn(move || {
+            w.update(|v| {
+                v[SUBMITTED] += 1;
+                v[IN_FLIGHT] += 1;
+            });
+            w.update(|v| {
+                v[IN_FLIGHT] -= 1;
+                v[FINISHED] += 1;
+            });
+        });
+        let s = c.snapshot();
+        assert_eq!(
+            s[SUBMITTED],
+            s[FINISHED] + s[IN_FLIGHT],
+            "torn snapshot {s:?}"
+        );
+        record(&sn, s);
+        coordinator.join().unwrap();
+        assert_eq!(c.snapshot(), [1, 1, 0]);
+    });
+    assert_eq!(
+        distinct(&snaps),
+        3,
+        "snapshots before, between and after the updates"
+    );
+}
+
+#[test]
+#[should_panic(expected = "torn snapshot")]
+fn broken_twin_counters_read_one_by_one_tear() {
+    loom::model(|| {
+        let c: Arc<[AtomicU64; 3]> = Arc::new(std::array::from_fn(|_| AtomicU64::new(0)));
+        let w = c.clone();
+        let coordinator = thread::spawn(move || {
+            w[SUBMITTED].fetch_add(1, Ordering::SeqCst);
+            w[IN_FLIGHT].fetch_add(1, Ordering::SeqCst);
+            w[IN_FLIGHT].fetch_sub(1, Ordering::SeqCst);
+            w[FINISHED].fetch_add(1, Ordering::SeqCst);
+        });
+        let s: Vec<u64> = c.iter().map(|x| x.load(Ordering::SeqCst)).collect();
+        assert_eq!(
+            s[SUBMITTED],
+            s[FINISHED] + s[IN_FLIGHT],
+            "torn snapshot {s:?}"
+        );
+        coordinator.join().unwrap();
+    });
+}
+
+#[test]
+fn the_quota_ledger_is_never_over_committed() {
+    let winners = seen();
+    let w = winners.clone();
+    loom::model(move || {
+        let q = Arc::new(QuotaLedger::new(100));
+        let q2 = q.clone();
+        let draft = thread::spawn(move || q2.try_reserve("draft", 60).is_ok());
+        let target_ok = q.try_reserve("target", 60).is_ok();
+        let draft_ok = draft.join().unwrap();
+        assert!(
+            target_ok ^ draft_ok,
+            "exactly one of two 60-byte reservations fits in 100"
+        );
+        record(&w, target_ok);
+        assert_eq!(q.used(), 60);
+        q.release(60).unwrap();
+        assert!(q.release(1).is_err(), "a double release is refused");
+        assert_eq!(q.used(), 0);
+    });
+    assert_eq!(distinct(&winners), 2, "either reservation can win");
+}
+
+#[test]
+#[should_panic(expected = "over-committed")]
+fn broken_twin_load_then_store_ledger_over_commits() {
+    loom::model(|| {
+        let used = Arc::new(AtomicU64::new(0));
+        let reserve = |u: &AtomicU64, n: u64| {
+            let cur = u.load(Ordering::SeqCst);
+            if cur + n > 100 {
+                return false;
+            }
+            u.store(cur + n, Ordering::SeqCst);
+            true
+        };
+        let u2 = used.clone();
+        let t = thread::spawn(move || reserve(&u2, 60));
+        let a = reserve(&used, 60);
+        let b = t.join().unwrap();
+        assert!(!(a && b), "over-committed: both reservations succeeded");
+    });
+}
