@@ -1,0 +1,471 @@
+//! Every kind of invalid input to the public API and the config loader, with the exact
+//! error it gets. Each row runs inside `catch_unwind`: a panic fails the table with the
+//! row's name, so "none panics" is checked row by row.
+//!
+//! The runtime rows (unknown request ids through the handle, oversized requests,
+//! commits that do not match the step) are at the end, on a live runtime.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use dsa_kv::actors::KvCacheBuilder;
+use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::{
+    quota, KvCacheManager, ManagerOptions, ReuseScope, SeqOptions, SlotAllocator, TierSlots,
+};
+use dsa_kv::ids::{Fence, RequestId, SlotId, TokenId};
+use dsa_kv::layout::{IndexerPageLayout, LayoutKind, PoolPlan};
+use dsa_kv::metadata::{MetadataDims, MetadataLayout, RequestKind, StepMetadata, StepRequest};
+use dsa_kv::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
+use dsa_kv::sync::QuotaLedger;
+
+type Row = (&'static str, Box<dyn FnOnce() -> String>, &'static str);
+
+/// The error of a call that must fail.
+fn err<T: std::fmt::Debug, E: std::fmt::Display>(r: Result<T, E>) -> String {
+    match r {
+        Ok(v) => format!("<accepted: {v:?}>"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn manager() -> KvCacheManager {
+    let model = DsaModel::deepseek_v32();
+    let plan = PoolPlan::for_model(&model, LayerSet::Target, LayoutKind::V2, 64).unwrap();
+    let slots = quota::slots_for_budget(&plan, 64 << 20) as u32;
+    KvCacheManager::new(
+        plan,
+        TierSlots {
+            gpu: vec![slots],
+            host: vec![],
+        },
+        ManagerOptions::default(),
+    )
+    .unwrap()
+}
+
+fn toks(n: u32) -> Vec<TokenId> {
+    (0..n).map(TokenId).collect()
+}
+
+fn layout() -> MetadataLayout {
+    MetadataLayout {
+        tokens_per_block: 64,
+        indexer_page_scale: 1,
+        indexer: Some(IndexerPageLayout {
+            tokens_per_block: 64,
+            data_bytes: 128,
+            scale_bytes: 4,
+        }),
+    }
+}
+
+fn dims() -> MetadataDims {
+    MetadataDims {
+        max_num_sequences: 2,
+        max_blocks_per_seq: 2,
+        max_num_tokens: 16,
+        max_context_kv_tokens: 128,
+    }
+}
+
+fn rows() -> Vec<Row> {
+    vec![
+        // ---- model specs and layouts -------------------------------------------------
+        (
+            "model: zero kv_lora_rank",
+            Box::new(|| {
+                let mut s = DsaModel::deepseek_v32().spec().clone();
+                s.kv_lora_rank = 0;
+                err(DsaModel::new(s))
+            }),
+            "kv_lora_rank = 0 is invalid: must be a positive multiple of 128 (FP8 tiles of 128 values)",
+        ),
+        (
+            "model: index_head_dim not 128",
+            Box::new(|| {
+                let mut s = DsaModel::deepseek_v32().spec().clone();
+                s.index_head_dim = 96;
+                err(DsaModel::new(s))
+            }),
+            "index_head_dim = 96 is invalid: the indexer scatter/gather kernels take 128-dim keys (128 B FP8 or 64 B FP4 payload plus a 4-byte scale)",
+        ),
+        (
+            "layout: tokens_per_block 32 for DSA",
+            Box::new(|| {
+                err(PoolPlan::for_model(
+                    &DsaModel::deepseek_v32(),
+                    LayerSet::Target,
+                    LayoutKind::V2,
+                    32,
+                ))
+            }),
+            "tokens_per_block must be 64 for DSA (got 32): the DeepGEMM paged indexer-logits kernel and FlashMLA read 64-token pages, and the MLA and indexer caches share one block table; set tokens_per_block: 64",
+        ),
+        // ---- config loader ------------------------------------------------------------
+        (
+            "config: malformed TOML",
+            Box::new(|| err(EngineConfig::from_toml_str("[kv_cache\nmax_tokens = 1"))),
+            "invalid config <toml>: TOML parse error at line 1, column 10",
+        ),
+        (
+            "config: unknown field",
+            Box::new(|| err(EngineConfig::from_toml_str("[kv_cache]\nmax_tokenz = 1\n"))),
+            "invalid config <toml>: TOML parse error at line 2, column 1",
+        ),
+        (
+            "config: wrong type",
+            Box::new(|| err(EngineConfig::from_toml_str("[kv_cache]\nmax_tokens = \"lots\"\n"))),
+            "invalid config <toml>: TOML parse error at line 2, column 14",
+        ),
+        (
+            "config: malformed JSON",
+            Box::new(|| err(EngineConfig::from_json_str("{\"kv_cache\": {"))),
+            "invalid config <json>: EOF while parsing an object at line 1 column 14",
+        ),
+        (
+            "config: tokens_per_block 16",
+            Box::new(|| {
+                let c = EngineConfig::from_toml_str("[kv_cache]\ntokens_per_block = 16\n").unwrap();
+                err(c.resolve())
+            }),
+            "kv_cache.tokens_per_block = 16 is invalid: must be 64 for DSA: the DeepGEMM paged indexer-logits kernel and FlashMLA read 64-token pages",
+        ),
+        (
+            "config: missing file",
+            Box::new(|| err(EngineConfig::from_file("/nonexistent/dsa-kv.toml"))),
+            "cannot read config file /nonexistent/dsa-kv.toml: No such file or directory (os error 2)",
+        ),
+        // ---- cache manager ------------------------------------------------------------
+        (
+            "manager: unknown request id",
+            Box::new(|| err(manager().sequence(RequestId(404)))),
+            "unknown request 404: it was never created here or has been closed",
+        ),
+        (
+            "manager: duplicate request id",
+            Box::new(|| {
+                let mut m = manager();
+                m.create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap();
+                err(m.create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default()))
+            }),
+            "request 1 already exists: close it first or use another id",
+        ),
+        (
+            "manager: out-of-range token id",
+            Box::new(|| {
+                let mut p = toks(4);
+                p[2] = TokenId(u32::MAX);
+                err(manager().create(RequestId(1), ReuseScope::SHARED, &p, SeqOptions::default()))
+            }),
+            "token 2 has id 4294967295, above the largest supported id 2147483647 (ids are encoded as 31-bit values)",
+        ),
+        (
+            "manager: priority above 100",
+            Box::new(|| {
+                err(manager().create(
+                    RequestId(1),
+                    ReuseScope::SHARED,
+                    &toks(4),
+                    SeqOptions { priority: 101 },
+                ))
+            }),
+            "priority = 101 is invalid: eviction priorities are 0..=100",
+        ),
+        (
+            "manager: history going backwards",
+            Box::new(|| {
+                let mut m = manager();
+                let s = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                m.resume(&s).unwrap();
+                m.resize(&s, 100, 50).unwrap();
+                err(m.resize(&s, 100, 40))
+            }),
+            "request 1: history may not go backwards (50 → 40)",
+        ),
+        (
+            "manager: capacity below history",
+            Box::new(|| {
+                let mut m = manager();
+                let s = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                m.resume(&s).unwrap();
+                err(m.resize(&s, 10, 20))
+            }),
+            "request 1: capacity 10 is below history 20; capacity must cover every token already processed",
+        ),
+        (
+            "manager: resize while suspended",
+            Box::new(|| {
+                let mut m = manager();
+                let s = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                err(m.resize(&s, 64, 0))
+            }),
+            "request 1 is Suspended: resume it before resizing",
+        ),
+        (
+            "manager: commit beyond capacity",
+            Box::new(|| {
+                let mut m = manager();
+                let s = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                m.resume(&s).unwrap();
+                m.resize(&s, 4, 0).unwrap();
+                err(m.commit(&s, &toks(8)))
+            }),
+            "request 1: committing 8 tokens would make 8 committed tokens, above capacity 4; resize first (only tokens whose KV was written can be committed)",
+        ),
+        (
+            "manager: request longer than the whole cache",
+            Box::new(|| {
+                let mut m = manager();
+                let s = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                m.resume(&s).unwrap();
+                err(m.resize(&s, 10_000_000, 0))
+            }),
+            "request 1 needs 156250 blocks (10000000 tokens) but pool group 0 holds only 24 blocks (1536 tokens) on the GPU: raise the KV budget or shorten the request",
+        ),
+        (
+            "manager: completing a fence never issued",
+            Box::new(|| err(manager().complete_fences(Fence(99)))),
+            "fence Fence(99) completed but only Fence(0) was issued",
+        ),
+        (
+            "manager: a handle used on another manager",
+            Box::new(|| {
+                let mut a = manager();
+                let mut b = manager();
+                let s = a
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap()
+                    .handle;
+                b.create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                    .unwrap();
+                err(b.resume(&s))
+            }),
+            "the handle of request 1 belongs to another cache manager",
+        ),
+        // ---- slots, quota --------------------------------------------------------------
+        (
+            "slots: double release",
+            Box::new(|| {
+                let mut a = SlotAllocator::new(4);
+                let s = a.allocate(Fence::NONE).unwrap().slot;
+                a.release(s, Fence::NONE).unwrap();
+                err(a.release(s, Fence::NONE))
+            }),
+            "slot 0 is not in use: it was released twice or never allocated",
+        ),
+        (
+            "slots: release of a slot outside the pool",
+            Box::new(|| err(SlotAllocator::new(4).release(SlotId(9), Fence::NONE))),
+            "slot 9 is out of range (capacity 4)",
+        ),
+        (
+            "quota: over-commit",
+            Box::new(|| {
+                let q = QuotaLedger::new(100);
+                q.try_reserve("target", 80).unwrap();
+                err(q.try_reserve("draft", 30))
+            }),
+            "draft needs 30 bytes but only 20 of the 100-byte KV budget are left: lower max_tokens or the draft cache size, or raise the budget",
+        ),
+        (
+            "quota: double release",
+            Box::new(|| {
+                let q = QuotaLedger::new(100);
+                q.try_reserve("target", 80).unwrap();
+                q.release(80).unwrap();
+                err(q.release(80))
+            }),
+            "releasing 80 bytes but only 0 are reserved (released twice?)",
+        ),
+        // ---- metadata and ops -------------------------------------------------------------
+        (
+            "metadata: more requests than max_num_sequences",
+            Box::new(|| {
+                let mut m = StepMetadata::new(layout(), dims(), None, true).unwrap();
+                let slots = [1];
+                let r = StepRequest {
+                    kind: RequestKind::Generation,
+                    block_slots: &slots,
+                    num_cached: 3,
+                    num_new: 1,
+                    helix_inactive: false,
+                };
+                err(m.prepare(&layout(), &[r, r, r]))
+            }),
+            "3 requests in one step, but the buffers hold 2: raise max_num_sequences",
+        ),
+        (
+            "metadata: stale draft snapshot",
+            Box::new(|| {
+                let mut m = StepMetadata::new(layout(), dims(), Some(dims()), true).unwrap();
+                let slots = [1];
+                let r = [StepRequest {
+                    kind: RequestKind::Generation,
+                    block_slots: &slots,
+                    num_cached: 3,
+                    num_new: 1,
+                    helix_inactive: false,
+                }];
+                m.prepare(&layout(), &r).unwrap();
+                let old = m.prepare_draft(&layout(), &r).unwrap();
+                m.restore(&old).unwrap();
+                m.prepare_draft(&layout(), &r).unwrap();
+                err(m.restore(&old))
+            }),
+            "stale draft snapshot (replay 1, active replay 3): restore with the snapshot of the active replay",
+        ),
+        (
+            "metadata: restore outside a replay",
+            Box::new(|| {
+                let mut m = StepMetadata::new(layout(), dims(), Some(dims()), true).unwrap();
+                let slots = [1];
+                let r = [StepRequest {
+                    kind: RequestKind::Generation,
+                    block_slots: &slots,
+                    num_cached: 3,
+                    num_new: 1,
+                    helix_inactive: false,
+                }];
+                m.prepare(&layout(), &r).unwrap();
+                let snap = m.prepare_draft(&layout(), &r).unwrap();
+                m.restore(&snap).unwrap();
+                err(m.restore(&snap))
+            }),
+            "no draft replay is active: nothing to restore",
+        ),
+        (
+            "ops: mapping past the cache",
+            Box::new(|| {
+                let mut cache = vec![0u8; 8448];
+                let maps = IndexerMappings {
+                    value: &[8400],
+                    scale: &[0],
+                };
+                err(indexer_k_scatter(&mut cache, &[0; 128], &[0; 4], maps, 128))
+            }),
+            "token 0: bytes [8400, 8528) are outside the cache (8448 B)",
+        ),
+        (
+            "ops: unsupported payload width",
+            Box::new(|| {
+                let mut cache = vec![0u8; 8448];
+                let maps = IndexerMappings {
+                    value: &[0],
+                    scale: &[0],
+                };
+                err(indexer_k_scatter(&mut cache, &[0; 96], &[0; 4], maps, 96))
+            }),
+            "indexer payload width 96 B is not supported: use 128 (FP8) or 64 (FP4)",
+        ),
+    ]
+}
+
+#[test]
+fn every_invalid_input_gets_its_error_and_nothing_panics() {
+    let mut failures = Vec::new();
+    let mut n = 0;
+    for (name, f, want) in rows() {
+        assert!(!want.is_empty(), "{name}: no expected error");
+        n += 1;
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Err(_) => failures.push(format!("{name}: PANICKED")),
+            Ok(got) if got.starts_with("<accepted") => {
+                failures.push(format!("{name}: accepted ({got})"))
+            }
+            // Multi-line errors (parse errors quote the input) are compared on their
+            // first line.
+            Ok(got) if got.lines().next() != Some(want) => {
+                failures.push(format!("{name}:\n    got  {got:?}\n    want {want:?}"))
+            }
+            Ok(got) => eprintln!("{name}: {got}"),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {n} rows:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn runtime_config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.kv_cache.max_tokens = Some(4096);
+    c.scheduler.max_seq_len = 1024;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runtime_refuses_bad_requests_with_errors() {
+    let kv = KvCacheBuilder::new()
+        .config(runtime_config())
+        .host_devices(1)
+        .start()
+        .await
+        .unwrap();
+    let submit = |id: u64, prompt: Vec<TokenId>, max_new: u32| SubmitRequest {
+        id: RequestId(id),
+        scope: ReuseScope::SHARED,
+        prompt,
+        max_new_tokens: max_new,
+        priority: 35,
+    };
+    let mut got = Vec::new();
+    got.push(err(kv.submit(submit(1, vec![], 4)).await));
+    got.push(err(kv.submit(submit(2, toks(8), 0)).await));
+    got.push(err(kv.submit(submit(3, toks(2000), 4)).await));
+    got.push(err(kv.submit(submit(4, vec![TokenId(u32::MAX)], 4)).await));
+    kv.submit(submit(5, toks(8), 4)).await.unwrap();
+    got.push(err(kv.submit(submit(5, toks(8), 4)).await));
+    got.push(err(kv.cancel(RequestId(404)).await));
+    got.push(err(kv.suspend(RequestId(404)).await));
+    got.push(err(kv.commit(vec![]).await));
+    let step = kv.step(Default::default()).await.unwrap();
+    assert_eq!(step.scheduled.len(), 1);
+    got.push(err(kv
+        .commit(vec![RequestOutcome {
+            id: RequestId(404),
+            accepted_drafts: 0,
+            next_token: Some(TokenId(1)),
+        }])
+        .await));
+    got.push(err(kv.step(Default::default()).await));
+    for g in &got {
+        eprintln!("{g}");
+        assert!(!g.starts_with("<accepted"), "accepted: {g}");
+    }
+    let want = [
+        "request 1 has an empty prompt",
+        "request 2: max_new_tokens must be at least 1",
+        "request 3: prompt 2000 + 4 new tokens exceeds max_seq_len 1024",
+        "token 0 has id 4294967295, above the largest supported id 2147483647 (ids are encoded as 31-bit values)",
+        "request 5 already exists: close it first or use another id",
+        "unknown request 404: it was never created here or has been closed",
+        "unknown request 404: it was never created here or has been closed",
+        "no step to commit",
+        "request 404 was not part of step 1",
+        "step 1 is not committed yet: commit its outcome before scheduling the next step",
+    ];
+    assert_eq!(got, want);
+    // The runtime keeps serving after every refusal.
+    let counts = kv.check_invariants().await.unwrap();
+    assert!(counts.live_sequences <= 1);
+    kv.shutdown().await;
+}
