@@ -167,10 +167,36 @@ fn scope_seed(scope: usize) -> u64 {
     0xD5A0_0000 + scope as u64
 }
 
+/// Where the workload's choices come from: a seeded generator, or a tape of choices that
+/// proptest generates and shrinks (an exhausted tape answers 0).
+enum Dice {
+    Seeded(Rng),
+    Tape(Vec<u64>, usize),
+}
+
+impl Dice {
+    fn next_u64(&mut self) -> u64 {
+        match self {
+            Dice::Seeded(r) => r.next_u64(),
+            Dice::Tape(t, i) => {
+                let v = t.get(*i).copied().unwrap_or(0);
+                *i += 1;
+                v
+            }
+        }
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
 struct World {
     m: KvCacheManager,
     st: HostStorage,
-    rng: Rng,
+    rng: Dice,
     seqs: Vec<RefSeq>,
     trie: CommittedTrie,
     system_prompts: Vec<Vec<TokenId>>,
@@ -494,6 +520,12 @@ impl World {
 }
 
 fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
+    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true)
+}
+
+/// Runs `ops` operations from `rng`; `expect_traffic` asserts the workload exercised
+/// reuse, eviction and tier traffic (long seeded runs only).
+fn run_with(mut rng: Dice, seed: u64, cfg: &Config, ops: usize, expect_traffic: bool) -> usize {
     let plan = PoolPlan::v2(T, cfg.specs.clone()).unwrap();
     let m = KvCacheManager::new(
         plan.clone(),
@@ -505,7 +537,6 @@ fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
     )
     .unwrap();
     let st = HostStorage::new(&plan, &cfg.gpu, &cfg.host).unwrap();
-    let mut rng = Rng(seed);
     let system_prompts = (0..3)
         .map(|_| {
             let n = 4 + rng.below(16);
@@ -557,6 +588,9 @@ fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
         stats.resize_failures,
         stats.resume_refusals
     );
+    if !expect_traffic {
+        return ops;
+    }
     if cfg.opts.enable_block_reuse {
         assert!(
             stats.reused_tokens > 0,
@@ -592,5 +626,31 @@ fn randomized_against_reference_model() {
     }
     if seeds.len() > 1 {
         assert!(total >= 100_000, "ran {total} operations");
+    }
+}
+
+mod properties {
+    //! The same reference model driven by proptest: the workload's choices are a tape of
+    //! integers that proptest generates and, on failure, shrinks to a minimal sequence of
+    //! operations.
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 48,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn core_matches_the_reference_model(
+            cfg in 0..5usize,
+            tape in proptest::collection::vec(any::<u64>(), 0..1200),
+        ) {
+            let cfgs = configs();
+            let ops = tape.len() / 4 + 1;
+            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false);
+        }
     }
 }
