@@ -520,12 +520,20 @@ impl World {
 }
 
 fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
-    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true)
+    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true, 0)
 }
 
 /// Runs `ops` operations from `rng`; `expect_traffic` asserts the workload exercised
 /// reuse, eviction and tier traffic (long seeded runs only).
-fn run_with(mut rng: Dice, seed: u64, cfg: &Config, ops: usize, expect_traffic: bool) -> usize {
+/// `faults`: percent of GPU-room requests refused by injection (storage failures).
+fn run_with(
+    mut rng: Dice,
+    seed: u64,
+    cfg: &Config,
+    ops: usize,
+    expect_traffic: bool,
+    faults: u8,
+) -> usize {
     let plan = PoolPlan::v2(T, cfg.specs.clone()).unwrap();
     let m = KvCacheManager::new(
         plan.clone(),
@@ -536,6 +544,8 @@ fn run_with(mut rng: Dice, seed: u64, cfg: &Config, ops: usize, expect_traffic: 
         cfg.opts.clone(),
     )
     .unwrap();
+    let mut m = m;
+    m.inject_room_failures(seed ^ 0xfa17, faults);
     let st = HostStorage::new(&plan, &cfg.gpu, &cfg.host).unwrap();
     let system_prompts = (0..3)
         .map(|_| {
@@ -574,6 +584,15 @@ fn run_with(mut rng: Dice, seed: u64, cfg: &Config, ops: usize, expect_traffic: 
             w.log.join("\n  ")
         );
         std::panic::resume_unwind(e);
+    }
+    if faults > 0 {
+        assert!(w.m.injected_room_failures() > 0, "no fault was injected");
+        eprintln!(
+            "seed {seed} {:?}: {} injected storage refusals, all rolled back",
+            cfg.name,
+            w.m.injected_room_failures()
+        );
+        return ops;
     }
     let stats = w.m.stats();
     eprintln!(
@@ -629,6 +648,15 @@ fn randomized_against_reference_model() {
     }
 }
 
+#[test]
+fn randomized_with_injected_storage_failures() {
+    for seed in [11, 12] {
+        for cfg in &configs() {
+            run_with(Dice::Seeded(Rng(seed)), seed, cfg, 3_200, false, 20);
+        }
+    }
+}
+
 mod properties {
     //! The same reference model driven by proptest: the workload's choices are a tape of
     //! integers that proptest generates and, on failure, shrinks to a minimal sequence of
@@ -650,7 +678,7 @@ mod properties {
         ) {
             let cfgs = configs();
             let ops = tape.len() / 4 + 1;
-            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false);
+            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false, 0);
         }
     }
 }

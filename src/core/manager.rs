@@ -226,6 +226,30 @@ pub struct KvCacheManager {
     pub(super) copy_plans: Vec<CopyPlan>,
     pub(super) events: Vec<KvEvent>,
     pub(super) stats: ManagerStats,
+    /// Injected refusals of GPU room (fault drills), see [`KvCacheManager::inject_room_failures`].
+    pub(super) faults: Option<RoomFaults>,
+}
+
+/// A seeded schedule of refused GPU-room requests.
+#[derive(Clone, Debug)]
+pub(super) struct RoomFaults {
+    state: u64,
+    percent: u8,
+    pub(super) injected: u64,
+}
+
+impl RoomFaults {
+    /// Whether this request is refused (SplitMix64 draw).
+    pub(super) fn fire(&mut self) -> bool {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let hit = z % 100 < u64::from(self.percent);
+        self.injected += u64::from(hit);
+        hit
+    }
 }
 
 impl KvCacheManager {
@@ -285,6 +309,7 @@ impl KvCacheManager {
             copy_plans: Vec::new(),
             events: Vec::new(),
             stats: ManagerStats::default(),
+            faults: None,
             plan,
             opts,
         })
@@ -340,6 +365,23 @@ impl KvCacheManager {
     /// The last fence issued.
     pub fn issued_fence(&self) -> Fence {
         self.clock.issued()
+    }
+
+    /// Fault drills: from now on each request for GPU room (a growing `resize`, a
+    /// `resume`) is refused with probability `percent` (seeded), exactly as if the
+    /// storage could not supply the memory: the call returns `Ok(false)` and must leave
+    /// every structure as it was. `percent = 0` turns injection off.
+    pub fn inject_room_failures(&mut self, seed: u64, percent: u8) {
+        self.faults = (percent > 0).then_some(RoomFaults {
+            state: seed,
+            percent: percent.min(100),
+            injected: 0,
+        });
+    }
+
+    /// Room requests refused by injection so far.
+    pub fn injected_room_failures(&self) -> u64 {
+        self.faults.as_ref().map_or(0, |f| f.injected)
     }
 
     /// The completion watermark.

@@ -227,6 +227,10 @@ impl KvCacheManager {
     /// makes them (offloading to the host tier, dropping from the last tier). Checks
     /// everything before moving anything: on `false` no structure has changed.
     pub(super) fn make_room_on_gpu(&mut self, needs: &[u32]) -> bool {
+        // An injected storage refusal comes first, before anything is looked at or moved.
+        if self.faults.as_mut().is_some_and(|f| f.fire()) {
+            return false;
+        }
         for (g, &need) in needs.iter().enumerate() {
             if !self.room_feasible(PoolGroupId(g as u16), need) {
                 return false;

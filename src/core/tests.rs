@@ -719,3 +719,90 @@ fn rejected_draft_tokens_shrink_capacity_and_never_enter_the_cache() {
     p.extend([TokenId(40), TokenId(41), TokenId(0)]);
     assert_eq!(m.probe_reuse(ReuseScope::SHARED, &p).unwrap(), 6);
 }
+
+/// Fault drill: GPU room is refused at random points (as if the storage could not supply
+/// memory) while a workload creates, grows, commits, suspends, resumes and closes
+/// sequences with reuse and host offload. Every refused `resize` / `resume` must leave
+/// every structure exactly as it was (fingerprint), and the manager must stay
+/// consistent and keep serving.
+#[test]
+fn injected_room_failures_roll_back_exactly() {
+    let mut m = mgr(6, 4);
+    m.inject_room_failures(0xfa17, 30);
+    let mut rng = 0x5eed_u64;
+    let mut next = || {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        rng >> 33
+    };
+    let mut live: Vec<(SeqHandle, u64, bool)> = Vec::new(); // (handle, capacity, active)
+    let (mut refused, mut id) = (0u64, 0u64);
+    for _ in 0..3000 {
+        match next() % 6 {
+            0 if live.len() < 5 => {
+                id += 1;
+                let prompt = toks((next() % 3) as u32 * 4..(next() % 3) as u32 * 4 + 6);
+                let c = m
+                    .create(RequestId(id), ReuseScope::SHARED, &prompt, SeqOptions::default())
+                    .unwrap();
+                live.push((c.handle, 0, false));
+            }
+            1 | 2 if !live.is_empty() => {
+                let i = (next() as usize) % live.len();
+                let (h, cap, active) = &mut live[i];
+                let before = m.fingerprint();
+                let ok = if *active {
+                    let info = m.info_of(h).unwrap();
+                    let want = (info.capacity + 1 + next() % 6).min(16);
+                    let r = m.resize(h, want, info.history).unwrap();
+                    if r {
+                        *cap = want;
+                    }
+                    r
+                } else {
+                    let r = m.resume(h).unwrap();
+                    *active |= r;
+                    r
+                };
+                if !ok {
+                    refused += 1;
+                    assert_eq!(m.fingerprint(), before, "a refused call changed state");
+                }
+            }
+            3 if !live.is_empty() => {
+                let i = (next() as usize) % live.len();
+                let (h, _, active) = &live[i];
+                if *active {
+                    let info = m.info_of(h).unwrap();
+                    let toks: Vec<TokenId> =
+                        (info.committed..info.capacity).map(|t| TokenId(t as u32 % 7)).collect();
+                    m.resize(h, info.capacity, info.capacity).unwrap();
+                    m.commit(h, &toks).unwrap();
+                }
+            }
+            4 if !live.is_empty() => {
+                let i = (next() as usize) % live.len();
+                if live[i].2 {
+                    m.suspend(&live[i].0).unwrap();
+                    live[i].2 = false;
+                }
+            }
+            _ if !live.is_empty() => {
+                let i = (next() as usize) % live.len();
+                let (mut h, _, _) = live.swap_remove(i);
+                m.close(&mut h).unwrap();
+            }
+            _ => {}
+        }
+        let _ = m.take_copy_plans();
+        let f = m.issue_fence();
+        m.complete_fences(f).unwrap();
+        m.check_invariants();
+    }
+    assert!(m.injected_room_failures() > 100, "{}", m.injected_room_failures());
+    assert!(refused >= m.injected_room_failures());
+    for (mut h, _, _) in live {
+        m.close(&mut h).unwrap();
+    }
+    m.inject_room_failures(0, 0);
+    m.check_invariants();
+}
