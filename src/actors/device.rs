@@ -20,6 +20,7 @@ pub struct DeviceActor {
     backend: Box<dyn DeviceBackend>,
     shared: Arc<RuntimeShared>,
     delay: Option<Duration>,
+    panic_in_step: bool,
 }
 
 /// What a device actor starts with.
@@ -40,6 +41,7 @@ impl Actor for DeviceActor {
             backend: args.backend,
             shared: args.shared,
             delay: None,
+            panic_in_step: false,
         })
     }
 }
@@ -79,6 +81,14 @@ impl Message<ExecuteStep> for DeviceActor {
         )
         .entered();
         let r = self.backend.execute_step(&msg.0);
+        if self.panic_in_step {
+            // After the work, before the reply and the fence: the worst moment.
+            panic!(
+                "device {}: injected fault in step {}",
+                self.backend.index(),
+                msg.0.step
+            );
+        }
         if r.is_ok() {
             // The step's work is done: publish its fence (release) for the coordinator.
             self.shared
@@ -171,6 +181,8 @@ pub enum DeviceFault {
     NoDelay,
     /// Panic while handling this message (a crashed device).
     Panic,
+    /// Panic in the middle of the next step, while the coordinator awaits it.
+    PanicInNextStep,
 }
 
 /// Apply a fault.
@@ -188,6 +200,7 @@ impl Message<InjectFault> for DeviceActor {
             DeviceFault::Delay(d) => self.delay = Some(d),
             DeviceFault::NoDelay => self.delay = None,
             DeviceFault::Panic => panic!("device {}: injected fault", self.backend.index()),
+            DeviceFault::PanicInNextStep => self.panic_in_step = true,
         }
     }
 }

@@ -293,7 +293,9 @@ impl KvCacheBuilder {
                 )
                 .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
         }
-        let mut refs = Vec::with_capacity(devices);
+        // Every backend is built (pools allocated) before any actor starts: a failure
+        // leaves nothing running.
+        let mut backends = Vec::with_capacity(devices);
         for i in 0..devices {
             let setup = DeviceSetup {
                 model: resolved.model.clone(),
@@ -309,14 +311,20 @@ impl KvCacheBuilder {
                 Some(f) => f(i, setup)?,
                 None => Box::new(HostDevice::new(i, setup)?),
             };
-            refs.push(DeviceActor::spawn_in_thread_with_mailbox(
-                DeviceArgs {
-                    backend: dev,
-                    shared: shared.clone(),
-                },
-                mailbox::bounded(self.device_mailbox),
-            ));
+            backends.push(dev);
         }
+        let refs: Vec<_> = backends
+            .into_iter()
+            .map(|backend| {
+                DeviceActor::spawn_in_thread_with_mailbox(
+                    DeviceArgs {
+                        backend,
+                        shared: shared.clone(),
+                    },
+                    mailbox::bounded(self.device_mailbox),
+                )
+            })
+            .collect();
         let draft_actor = draft_plan
             .as_ref()
             .map(|_| DraftReplayActor::spawn(refs.clone()));

@@ -731,7 +731,9 @@ fn injected_room_failures_roll_back_exactly() {
     m.inject_room_failures(0xfa17, 30);
     let mut rng = 0x5eed_u64;
     let mut next = || {
-        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         rng >> 33
     };
     let mut live: Vec<(SeqHandle, u64, bool)> = Vec::new(); // (handle, capacity, active)
@@ -742,7 +744,12 @@ fn injected_room_failures_roll_back_exactly() {
                 id += 1;
                 let prompt = toks((next() % 3) as u32 * 4..(next() % 3) as u32 * 4 + 6);
                 let c = m
-                    .create(RequestId(id), ReuseScope::SHARED, &prompt, SeqOptions::default())
+                    .create(
+                        RequestId(id),
+                        ReuseScope::SHARED,
+                        &prompt,
+                        SeqOptions::default(),
+                    )
                     .unwrap();
                 live.push((c.handle, 0, false));
             }
@@ -773,8 +780,9 @@ fn injected_room_failures_roll_back_exactly() {
                 let (h, _, active) = &live[i];
                 if *active {
                     let info = m.info_of(h).unwrap();
-                    let toks: Vec<TokenId> =
-                        (info.committed..info.capacity).map(|t| TokenId(t as u32 % 7)).collect();
+                    let toks: Vec<TokenId> = (info.committed..info.capacity)
+                        .map(|t| TokenId(t as u32 % 7))
+                        .collect();
                     m.resize(h, info.capacity, info.capacity).unwrap();
                     m.commit(h, &toks).unwrap();
                 }
@@ -798,7 +806,11 @@ fn injected_room_failures_roll_back_exactly() {
         m.complete_fences(f).unwrap();
         m.check_invariants();
     }
-    assert!(m.injected_room_failures() > 100, "{}", m.injected_room_failures());
+    assert!(
+        m.injected_room_failures() > 100,
+        "{}",
+        m.injected_room_failures()
+    );
     assert!(refused >= m.injected_room_failures());
     for (mut h, _, _) in live {
         m.close(&mut h).unwrap();

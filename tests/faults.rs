@@ -1,0 +1,277 @@
+//! Faults through the public handle: a device actor panicking in the middle of a step,
+//! client futures cancelled at every await point, and a backend that cannot allocate
+//! its pools at start. After each: the invariants hold, the other requests keep running,
+//! the lock-free counters add up, nothing leaks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsa_kv::actors::{
+    BackendFactory, DeviceError, DeviceFault, HostDevice, KvCacheBuilder, KvCacheHandle,
+    RuntimeError,
+};
+use dsa_kv::config::EngineConfig;
+use dsa_kv::core::scheduler::{RequestOutcome, SchedError, SubmitRequest};
+use dsa_kv::core::ReuseScope;
+use dsa_kv::ids::{PoolGroupId, RequestId, Tier, TokenId};
+use dsa_kv::storage::StorageError;
+
+fn config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(3);
+    c.kv_cache.max_tokens = Some(4096);
+    c.kv_cache.host_cache_size = Some(2048 * 3 * 708 + (8 << 20));
+    c.scheduler.max_num_sequences = 16;
+    c.scheduler.max_num_tokens = 512;
+    c.scheduler.max_prefill_chunk = 256;
+    c.scheduler.max_seq_len = 2048;
+    c
+}
+
+fn request(id: u64, len: u32) -> SubmitRequest {
+    SubmitRequest {
+        id: RequestId(id),
+        scope: ReuseScope::SHARED,
+        prompt: (0..len)
+            .map(|i| TokenId(if i < 100 { i } else { id as u32 * 1000 + i }))
+            .collect(),
+        max_new_tokens: 8,
+        priority: 35,
+    }
+}
+
+/// Steps and commits until `stop` (or no device is left).
+async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> u64 {
+    let mut steps = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let r = match kv.step(HashMap::new()).await {
+            Ok(r) => r,
+            Err(RuntimeError::NoDevices) => return steps,
+            // A step a device failed: its requests failed; the next step goes on.
+            Err(_) => continue,
+        };
+        steps += 1;
+        if r.scheduled.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        let outcomes = r
+            .scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: 0,
+                next_token: s.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        match kv.commit(outcomes).await {
+            Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
+            Err(e) => panic!("commit: {e}"),
+        }
+        assert!(steps < 50_000, "the engine did not drain");
+    }
+    steps
+}
+
+async fn wait_all(kv: &KvCacheHandle, ids: impl Iterator<Item = u64>) -> (u64, u64) {
+    let (mut ok, mut failed) = (0, 0);
+    for id in ids {
+        match tokio::time::timeout(Duration::from_secs(60), kv.wait(RequestId(id))).await {
+            Ok(Ok(_)) => ok += 1,
+            Ok(Err(_)) => failed += 1,
+            Err(_) => panic!("request {id} never resolved"),
+        }
+    }
+    (ok, failed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_device_panicking_mid_step_fails_its_requests_and_service_continues() {
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .host_devices(2)
+        .start()
+        .await
+        .unwrap();
+    for id in 1..=6 {
+        kv.submit(request(id, 300)).await.unwrap();
+    }
+    // A few steps with both devices, then device 1 dies inside the next step.
+    for _ in 0..2 {
+        let r = kv.step(HashMap::new()).await.unwrap();
+        let outcomes = r
+            .scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: 0,
+                next_token: s.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        kv.commit(outcomes).await.unwrap();
+    }
+    kv.inject_fault(1, DeviceFault::PanicInNextStep)
+        .await
+        .unwrap();
+    let failed_step = kv.step(HashMap::new()).await;
+    assert!(
+        failed_step.is_err(),
+        "the step a device died in is reported"
+    );
+    // Every request in flight on the lost device resolves (as failed), none hangs.
+    let (ok, failed) = wait_all(&kv, 1..=6).await;
+    assert_eq!(ok + failed, 6);
+    assert!(failed > 0);
+    // Service continues on device 0 with new requests.
+    let stop = Arc::new(AtomicBool::new(false));
+    let eng = tokio::spawn(engine(kv.clone(), stop.clone()));
+    for id in 10..=14 {
+        kv.submit(request(id, 200)).await.unwrap();
+    }
+    let (ok, failed) = wait_all(&kv, 10..=14).await;
+    stop.store(true, Ordering::Relaxed);
+    eng.await.unwrap();
+    assert_eq!(
+        (ok, failed),
+        (5, 0),
+        "the surviving device serves new requests"
+    );
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(stats.devices_alive, 1);
+    let counts = kv.check_invariants().await.unwrap();
+    assert_eq!(counts.live_sequences, 0, "no sequence leaked");
+    let c = kv.counters();
+    assert_eq!(c.in_flight, 0);
+    assert_eq!(c.submitted, c.finished + c.failed);
+    kv.shutdown().await;
+}
+
+/// Client futures dropped at every await point: submits, waits, cancels and stats
+/// calls are each wrapped in a timeout that fires at a random moment (often before the
+/// reply). Afterwards every request that was admitted resolves, the counters add up and
+/// nothing leaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_futures_cancelled_anywhere_lose_nothing() {
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .host_devices(1)
+        .start()
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let eng = tokio::spawn(engine(kv.clone(), stop.clone()));
+    let mut clients = Vec::new();
+    for c in 0..24u64 {
+        let kv = kv.clone();
+        clients.push(tokio::spawn(async move {
+            let mut x = c.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut draw = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let mut cancelled = 0u32;
+            for k in 0..6u64 {
+                let id = c * 100 + k + 1;
+                let budget = Duration::from_micros(draw(3000));
+                let sub =
+                    tokio::time::timeout(budget, kv.submit(request(id, 150 + draw(200) as u32)));
+                if sub.await.is_err() {
+                    cancelled += 1;
+                }
+                match draw(4) {
+                    0 => {
+                        let w = tokio::time::timeout(
+                            Duration::from_micros(draw(5000)),
+                            kv.wait(RequestId(id)),
+                        );
+                        cancelled += u32::from(w.await.is_err());
+                    }
+                    1 => {
+                        let cl = tokio::time::timeout(
+                            Duration::from_micros(draw(500)),
+                            kv.cancel(RequestId(id)),
+                        );
+                        cancelled += u32::from(cl.await.is_err());
+                    }
+                    2 => {
+                        let st = tokio::time::timeout(Duration::from_micros(draw(500)), kv.stats());
+                        cancelled += u32::from(st.await.is_err());
+                    }
+                    _ => {}
+                }
+            }
+            cancelled
+        }));
+    }
+    let mut cancelled = 0;
+    for c in clients {
+        cancelled += c.await.unwrap();
+    }
+    assert!(
+        cancelled > 0,
+        "no future was cancelled: the test tests nothing"
+    );
+    // Let everything admitted drain.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let c = kv.counters();
+        if c.in_flight == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "requests never drained: {c:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    eng.await.unwrap();
+    let c = kv.counters();
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(c.submitted, c.finished + c.failed);
+    assert_eq!(
+        (c.submitted, c.finished, c.failed),
+        (stats.submitted, stats.finished, stats.failed)
+    );
+    let counts = kv.check_invariants().await.unwrap();
+    assert_eq!(counts.live_sequences, 0, "no sequence leaked");
+    assert_eq!(counts.active_requests, 0);
+    eprintln!("{cancelled} client futures cancelled; {c:?}");
+    kv.shutdown().await;
+}
+
+/// A backend that cannot allocate its pools (device 1 of 2): start fails with the
+/// storage error; backends are all built before any actor starts, so none is left
+/// running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_allocation_failure_at_start_is_a_typed_error() {
+    let factory: BackendFactory = Arc::new(|i, setup| {
+        if i == 1 {
+            return Err(DeviceError::Storage {
+                device: i,
+                source: StorageError::OutOfMemory {
+                    tier: Tier::Gpu,
+                    group: PoolGroupId(0),
+                    pool: 0,
+                    bytes: 1 << 40,
+                },
+            });
+        }
+        Ok(Box::new(HostDevice::new(i, setup)?) as Box<_>)
+    });
+    let r = KvCacheBuilder::new()
+        .config(config())
+        .host_devices(2)
+        .backend(factory)
+        .start()
+        .await;
+    let e = r.err().expect("start must fail");
+    assert_eq!(
+        e.to_string(),
+        "device 1: storage: cannot allocate 1099511627776 bytes for gpu pool 0 of group 0: lower the KV budget"
+    );
+}
