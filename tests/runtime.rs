@@ -171,11 +171,20 @@ async fn many_concurrent_clients_lose_nothing() {
     // published fences caught up with every step.
     let live = kv.counters();
     assert_eq!(
-        (live.submitted, live.finished, live.failed, live.in_flight, live.steps),
+        (
+            live.submitted,
+            live.finished,
+            live.failed,
+            live.in_flight,
+            live.steps
+        ),
         (st.submitted, st.finished, st.failed, 0, st.steps)
     );
     assert!(live.completed_fence.0 >= st.steps, "{live:?}");
-    assert!(kv.bindings(0).is_some(), "the device published its bindings");
+    assert!(
+        kv.bindings(0).is_some(),
+        "the device published its bindings"
+    );
     let events = kv.take_events().await.unwrap();
     assert!(!events.is_empty());
     kv.shutdown().await;

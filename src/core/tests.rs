@@ -806,11 +806,11 @@ fn injected_room_failures_roll_back_exactly() {
         m.complete_fences(f).unwrap();
         m.check_invariants();
     }
-    assert!(
-        m.injected_room_failures() > 100,
-        "{}",
+    eprintln!(
+        "{} injected refusals, {refused} refused calls checked by fingerprint",
         m.injected_room_failures()
     );
+    assert!(m.injected_room_failures() > 100);
     assert!(refused >= m.injected_room_failures());
     for (mut h, _, _) in live {
         m.close(&mut h).unwrap();
