@@ -585,6 +585,30 @@ impl StepCore {
     }
 }
 
+/// Runs the plan's target and draft copy plans on their storages, in order; returns the
+/// slot copies executed.
+pub(crate) fn run_copies<S: KvStorage>(
+    device: usize,
+    plan: &StepPlan,
+    target: &mut S,
+    draft: Option<&mut S>,
+) -> Result<u64, DeviceError> {
+    let storage = |source| DeviceError::Storage { device, source };
+    let mut n = 0;
+    for cp in &plan.copies {
+        target.execute(cp).map_err(storage)?;
+        n += cp.num_slot_copies() as u64;
+    }
+    if !plan.draft_copies.is_empty() {
+        let draft = draft.ok_or(DeviceError::NoDraftCache { device })?;
+        for cp in &plan.draft_copies {
+            draft.execute(cp).map_err(storage)?;
+            n += cp.num_slot_copies() as u64;
+        }
+    }
+    Ok(n)
+}
+
 /// `(token, position)` of every new token of the plan, in metadata order.
 pub(crate) fn new_tokens(plan: &StepPlan) -> Vec<(TokenId, u32)> {
     plan.requests
@@ -617,25 +641,12 @@ impl DeviceBackend for HostDevice {
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
         let start = Instant::now();
         let dev = self.core.index;
-        let storage = |source| DeviceError::Storage {
-            device: dev,
-            source,
-        };
-        let mut slot_copies = 0;
-        for cp in &plan.copies {
-            self.target.store.execute(cp).map_err(storage)?;
-            slot_copies += cp.num_slot_copies() as u64;
-        }
-        if !plan.draft_copies.is_empty() {
-            let draft = self
-                .draft
-                .as_mut()
-                .ok_or(DeviceError::NoDraftCache { device: dev })?;
-            for cp in &plan.draft_copies {
-                draft.store.execute(cp).map_err(storage)?;
-                slot_copies += cp.num_slot_copies() as u64;
-            }
-        }
+        let slot_copies = run_copies(
+            dev,
+            plan,
+            &mut self.target.store,
+            self.draft.as_mut().map(|d| &mut d.store),
+        )?;
         // Cached KV that was reused or moved is checked before anything new is written.
         let mut mismatches = Vec::new();
         let mut verified = 0;

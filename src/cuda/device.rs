@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::kernels::{DevRows, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::actors::backend::{digest_pools, new_tokens, pool_ids, Cache, StepCore};
+use crate::actors::backend::{digest_pools, new_tokens, pool_ids, run_copies, Cache, StepCore};
 use crate::actors::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
@@ -22,7 +22,6 @@ use crate::core::scheduler::StepPlan;
 use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};
-use crate::storage::KvStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
 const RESERVE_FACTOR: usize = 2;
@@ -293,25 +292,12 @@ impl DeviceBackend for CudaDevice {
         let start = Instant::now();
         let dev = self.core.index;
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        let storage = |source| DeviceError::Storage {
-            device: dev,
-            source,
-        };
-        let mut slot_copies = 0;
-        for cp in &plan.copies {
-            self.target.dev.execute(cp).map_err(storage)?;
-            slot_copies += cp.num_slot_copies() as u64;
-        }
-        if !plan.draft_copies.is_empty() {
-            let draft = self
-                .draft
-                .as_mut()
-                .ok_or(DeviceError::NoDraftCache { device: dev })?;
-            for cp in &plan.draft_copies {
-                draft.dev.execute(cp).map_err(storage)?;
-                slot_copies += cp.num_slot_copies() as u64;
-            }
-        }
+        let slot_copies = run_copies(
+            dev,
+            plan,
+            &mut self.target.dev,
+            self.draft.as_mut().map(|d| &mut d.dev),
+        )?;
         // Cached KV that was reused or moved is checked before anything new is written.
         let mut mismatches = Vec::new();
         let mut verified = 0;
