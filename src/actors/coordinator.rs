@@ -402,12 +402,31 @@ impl Message<Step> for Coordinator {
         .await;
         let mut reports = Vec::with_capacity(results.len());
         let mut first_err = None;
-        for r in results {
+        let mut dead = Vec::new();
+        for (r, d) in results.into_iter().zip(&devices) {
             match r {
                 Ok(rep) => reports.push(rep),
                 Err(e) => {
+                    // A device that stopped (panicked) mid-step is lost now, not when its
+                    // link notification arrives: by then new requests may be running
+                    // and must not be failed for it.
+                    if !matches!(e, kameo::error::SendError::HandlerError(_)) {
+                        dead.push(d.id());
+                    }
                     first_err.get_or_insert(RuntimeError::from(e));
                 }
+            }
+        }
+        for id in dead {
+            if let Some(i) = self
+                .devices
+                .iter()
+                .position(|d| d.as_ref().is_some_and(|d| d.id() == id))
+            {
+                tracing::error!(device = i, step = plan.step, "device stopped during a step");
+                self.devices[i] = None;
+                self.shared.fences.complete(i, Fence(u64::MAX));
+                self.stats.devices_alive = self.devices.iter().flatten().count();
             }
         }
         let draft = match (
