@@ -114,25 +114,29 @@ async fn many_concurrent_clients_lose_nothing() {
         .unwrap();
     assert!(kv.info().draft_cache);
     let stop = Arc::new(AtomicBool::new(false));
-    let engine_task = tokio::spawn(engine(kv.clone(), stop.clone(), 7));
-    let mut clients = Vec::new();
+    // Every request is in before the engine's first step, in id order, so the memory
+    // pressure (and with it preemption and offload) is the same on every run and does
+    // not depend on how fast this machine runs the clients against the engine. The 40
+    // clients then wait concurrently while the engine steps.
     for c in 0..40u64 {
-        let kv = kv.clone();
-        clients.push(tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(c * 3)).await;
-            let id = RequestId(c);
-            let len = 160 + (c as usize * 37) % 300;
-            kv.submit(SubmitRequest {
-                id,
-                scope: ReuseScope::SHARED,
-                prompt: prompt(c, len),
-                max_new_tokens: 5 + (c as u32 % 20),
-                priority: [10, 35, 60][c as usize % 3],
-            })
-            .await?;
-            kv.wait(id).await
-        }));
+        let len = 160 + (c as usize * 37) % 300;
+        kv.submit(SubmitRequest {
+            id: RequestId(c),
+            scope: ReuseScope::SHARED,
+            prompt: prompt(c, len),
+            max_new_tokens: 5 + (c as u32 % 20),
+            priority: [10, 35, 60][c as usize % 3],
+        })
+        .await
+        .unwrap();
     }
+    let clients: Vec<_> = (0..40u64)
+        .map(|c| {
+            let kv = kv.clone();
+            tokio::spawn(async move { kv.wait(RequestId(c)).await })
+        })
+        .collect();
+    let engine_task = tokio::spawn(engine(kv.clone(), stop.clone(), 7));
     let mut finished = 0;
     for c in clients {
         let done = c.await.unwrap().expect("every request finishes");
@@ -288,13 +292,16 @@ async fn a_full_mailbox_slows_senders_and_loses_nothing() {
     })
     .await
     .unwrap();
-    // A step is in flight on the slow device; 30 clients ask for stats meanwhile.
-    let stepper = {
+    // A step is in flight on the slow device; 30 clients ask for stats meanwhile. The
+    // step future is polled once here, which puts the step in the coordinator's mailbox
+    // before any stats ask (no sleep to hope for that).
+    let mut step = {
         let kv = kv.clone();
-        tokio::spawn(async move { kv.step(HashMap::new()).await })
+        Box::pin(async move { kv.step(HashMap::new()).await })
     };
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(futures::poll!(&mut step).is_pending());
     let t0 = Instant::now();
+    let stepper = tokio::spawn(step);
     let asks: Vec<_> = (0..30)
         .map(|_| {
             let kv = kv.clone();
@@ -303,7 +310,11 @@ async fn a_full_mailbox_slows_senders_and_loses_nothing() {
         .collect();
     let mut answered = 0;
     for a in asks {
-        a.await.unwrap().unwrap();
+        let st = a.await.unwrap().unwrap();
+        assert_eq!(
+            st.steps, 1,
+            "a stats ask queued behind the step sees it done"
+        );
         answered += 1;
     }
     assert_eq!(answered, 30, "every queued message is answered");
