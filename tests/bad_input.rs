@@ -447,6 +447,8 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
         }])
         .await));
     got.push(err(kv.step(Default::default()).await));
+    // The refused step changed nothing: the pending one is still there to commit.
+    assert_eq!(kv.pending_step().await.unwrap(), Some(step));
     for g in &got {
         eprintln!("{g}");
         assert!(!g.starts_with("<accepted"), "accepted: {g}");
@@ -461,7 +463,8 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
         "unknown request 404: it was never created here or has been closed",
         "no step to commit",
         "request 404 was not part of step 1",
-        "step 1 is not committed yet: commit its outcome before scheduling the next step",
+        "step 1 is not committed yet: commit its outcome before scheduling the next step \
+         (a client that lost the step's report gets it again from `pending_step`)",
     ];
     assert_eq!(got, want);
     // The runtime keeps serving after every refusal.

@@ -148,6 +148,131 @@ async fn a_device_panicking_mid_step_fails_its_requests_and_service_continues() 
     kv.shutdown().await;
 }
 
+/// What the engine that drops its own futures saw.
+#[derive(Debug, Default)]
+struct Dropped {
+    steps_dropped: u64,
+    reports_recovered: u64,
+    commits_dropped: u64,
+    commits_retried: u64,
+}
+
+/// Like [`engine`], but every third `step` and `commit` future is dropped after a
+/// random 0–400 µs (often before the reply). A lost step report is fetched again with
+/// `pending_step` and committed; a dropped commit is retried only when `pending_step`
+/// says it did not land.
+async fn engine_dropping_futures(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> Dropped {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut draw = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut seen = Dropped::default();
+    let mut steps = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        steps += 1;
+        assert!(steps < 50_000, "the engine did not drain");
+        let step = if draw(3) == 0 {
+            let budget = Duration::from_micros(draw(400));
+            match tokio::time::timeout(budget, kv.step(HashMap::new())).await {
+                Ok(r) => r,
+                Err(_) => {
+                    seen.steps_dropped += 1;
+                    match kv.pending_step().await.unwrap() {
+                        Some(r) => {
+                            seen.reports_recovered += 1;
+                            Ok(r)
+                        }
+                        // The step never reached the coordinator, or scheduled nothing.
+                        None => continue,
+                    }
+                }
+            }
+        } else {
+            kv.step(HashMap::new()).await
+        };
+        let r = match step {
+            Ok(r) => r,
+            Err(RuntimeError::NoDevices) => break,
+            Err(e) => panic!("step: {e}"),
+        };
+        if r.scheduled.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        let outcomes: Vec<RequestOutcome> = r
+            .scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: 0,
+                next_token: s.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        if draw(3) == 0 {
+            let budget = Duration::from_micros(draw(400));
+            match tokio::time::timeout(budget, kv.commit(outcomes.clone())).await {
+                Ok(c) => {
+                    c.expect("commit");
+                    continue;
+                }
+                Err(_) => seen.commits_dropped += 1,
+            }
+            match kv.pending_step().await.unwrap() {
+                Some(p) => {
+                    assert_eq!(p.step, r.step, "no other step can have been scheduled");
+                    seen.commits_retried += 1;
+                }
+                None => continue,
+            }
+        }
+        kv.commit(outcomes).await.expect("commit");
+    }
+    seen
+}
+
+/// The engine's own `step` and `commit` futures dropped at random moments while
+/// clients submit and wait: no step report is lost (each is recovered and committed),
+/// no commit lands twice, every request finishes and nothing leaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_step_and_commit_futures_lose_no_report() {
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .host_devices(2)
+        .start()
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let eng = tokio::spawn(engine_dropping_futures(kv.clone(), stop.clone()));
+    for id in 1..=60 {
+        kv.submit(request(id, 120 + (id as u32 * 53) % 400))
+            .await
+            .unwrap();
+    }
+    let (ok, failed) = wait_all(&kv, 1..=60).await;
+    stop.store(true, Ordering::Relaxed);
+    let seen = eng.await.unwrap();
+    eprintln!("{seen:?}");
+    assert_eq!((ok, failed), (60, 0), "every request finishes");
+    assert!(
+        seen.reports_recovered > 0 && seen.commits_dropped > 0,
+        "the drill dropped nothing that mattered: {seen:?}"
+    );
+    assert_eq!(kv.pending_step().await.unwrap(), None);
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(stats.mismatches, 0);
+    let counts = kv.check_invariants().await.unwrap();
+    assert_eq!((counts.live_sequences, counts.active_requests), (0, 0));
+    let c = kv.counters();
+    assert_eq!(
+        (c.submitted, c.finished, c.failed, c.in_flight),
+        (60, 60, 0, 0)
+    );
+    kv.shutdown().await;
+}
+
 /// Client futures dropped at every await point: submits, waits, cancels and stats
 /// calls are each wrapped in a timeout that fires at a random moment (often before the
 /// reply). Afterwards every request that was admitted resolves, the counters add up and

@@ -110,6 +110,9 @@ pub struct Coordinator {
     stats: RuntimeStats,
     history: VecDeque<StepSample>,
     pending_manager_us: u64,
+    /// The report of the step scheduled and not committed yet: a client whose `step`
+    /// future was dropped gets it again (the step ran; its report must not be lost).
+    pending_report: Option<StepReport>,
     shared: Arc<RuntimeShared>,
 }
 
@@ -151,6 +154,7 @@ impl Actor for Coordinator {
             stats,
             history: VecDeque::new(),
             pending_manager_us: 0,
+            pending_report: None,
             shared: args.shared,
         })
     }
@@ -487,7 +491,7 @@ impl Message<Step> for Coordinator {
         let manager_us = manager_us + t1.elapsed().as_micros() as u64;
         self.pending_manager_us = manager_us;
         self.sample(&plan, manager_us);
-        Ok(StepReport {
+        let report = StepReport {
             step: plan.step,
             scheduled: plan
                 .requests
@@ -507,7 +511,25 @@ impl Message<Step> for Coordinator {
             devices: reports,
             draft,
             manager_us,
-        })
+        };
+        self.pending_report = self.sched.pending_step().map(|_| report.clone());
+        Ok(report)
+    }
+}
+
+/// The report of the step scheduled and not committed yet.
+pub struct PendingStep;
+
+impl Message<PendingStep> for Coordinator {
+    type Reply = Option<StepReport>;
+
+    async fn handle(&mut self, _: PendingStep, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        // The scheduler is the authority: a commit, or a device failure that abandoned
+        // the step, ends it.
+        match (self.sched.pending_step(), &self.pending_report) {
+            (Some(step), Some(r)) if r.step == step => Some(r.clone()),
+            _ => None,
+        }
     }
 }
 

@@ -12,7 +12,8 @@ use tokio::sync::oneshot;
 use super::backend::{DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifyLayers};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
-    Devices, FinishedReport, GetStats, Pause, Step, StepReport, Submit, TakeEvents, Watch,
+    Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
+    Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, DeviceFault, InjectFault};
 use super::draft::DraftReplayActor;
@@ -416,6 +417,14 @@ impl KvCacheHandle {
         drafts: HashMap<RequestId, Vec<TokenId>>,
     ) -> Result<StepReport, RuntimeError> {
         Ok(self.coordinator.ask(Step(drafts)).await?)
+    }
+
+    /// The report of the step scheduled and not committed yet (`None` when there is
+    /// none). Messages are handled in order, so called after a `step` or `commit`
+    /// future was dropped, it says whether that step ran (and what it scheduled) and
+    /// whether that commit landed: an engine that lost a report commits it from here.
+    pub async fn pending_step(&self) -> Result<Option<StepReport>, RuntimeError> {
+        Ok(self.coordinator.ask(PendingStep).await?)
     }
 
     /// Commits what the model sampled for the last step.

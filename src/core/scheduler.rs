@@ -196,7 +196,8 @@ pub enum SchedError {
     },
     /// `schedule` before the previous step was committed.
     #[error(
-        "step {step} is not committed yet: commit its outcome before scheduling the next step"
+        "step {step} is not committed yet: commit its outcome before scheduling the next step \
+         (a client that lost the step's report gets it again from `pending_step`)"
     )]
     StepNotCommitted {
         /// The pending step.
@@ -353,6 +354,11 @@ impl Scheduler {
     /// Counters.
     pub fn stats(&self) -> SchedulerStats {
         self.stats
+    }
+
+    /// The step scheduled and not committed yet, if any.
+    pub fn pending_step(&self) -> Option<u64> {
+        self.step_pending.then_some(self.step)
     }
 
     /// Requests admitted and not finished.
