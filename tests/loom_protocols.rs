@@ -245,3 +245,162 @@ fn draft_replay_racing_a_preemption_restores_exactly() {
 fn broken_twin_fire_and_forget_prepare_is_lost() {
     loom::model(|| draft_vs_preemption_model(false, &Seen::default()));
 }
+
+/// How the coordinator treats the draft replay's fence in [`free_during_snapshot_model`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DraftFence {
+    /// The step handler waits for the draft actor's reply (what the runtime does).
+    AwaitReply,
+    /// Fire-and-forget replay, but a slot granted with `wait_for` waits for the reply
+    /// before its new owner writes it (the fence alone is enough).
+    FenceOnly,
+    /// Broken twin: fire-and-forget, and the fence counted complete when issued.
+    CompleteAtIssue,
+}
+
+/// The coordinator's mailbox in [`free_during_snapshot_model`].
+enum CoordMsg {
+    /// Schedule a step with a draft replay; the reply carries the step's fence.
+    Step(Sender<Fence>),
+    /// Commit the step: every draft rejected, so the draft's block is rolled back.
+    Commit,
+    /// Free request B (a client cancelled it).
+    Free,
+}
+
+/// "Free while a snapshot is in flight", and "accept/rollback racing the replay", with
+/// the real `SlotAllocator` and `FenceClock`. Requests A (slot 0) and B (slot 1) run; a
+/// step gives A's draft a block (slot 2) and sends the draft-replay actor a snapshot of
+/// the live slots, which it writes. Meanwhile a client frees B and the engine commits
+/// with every draft rejected; each freed slot goes to a new owner at once, who writes
+/// it. The replay's late write must never land in a slot that has a new owner.
+fn free_during_snapshot_model(mode: DraftFence, order: &Seen<(bool, bool)>) {
+    use dsa_kv::core::{FenceClock, SlotAllocator};
+    use dsa_kv::ids::SlotId;
+    let slots = Arc::new([
+        SlotBytes(UnsafeCell::new(0)),
+        SlotBytes(UnsafeCell::new(0)),
+        SlotBytes(UnsafeCell::new(0)),
+    ]);
+    let (coord_tx, coord_rx) = channel::<CoordMsg>();
+    let (draft_tx, draft_rx) = channel::<Vec<SlotId>>();
+    let (draft_reply_tx, draft_reply_rx) = channel::<()>();
+    let draft = {
+        let slots = slots.clone();
+        thread::spawn(move || {
+            let snapshot = draft_rx.recv().unwrap();
+            for s in snapshot {
+                slots[s.index()].write(100 + u64::from(s.get())); // the replay's KV
+            }
+            draft_reply_tx.send(()).unwrap();
+        })
+    };
+    let engine = {
+        let tx = coord_tx.clone();
+        thread::spawn(move || {
+            let (f_tx, f_rx) = channel();
+            tx.send(CoordMsg::Step(f_tx)).unwrap();
+            f_rx.recv().unwrap();
+            tx.send(CoordMsg::Commit).unwrap();
+        })
+    };
+    let client = thread::spawn(move || coord_tx.send(CoordMsg::Free).unwrap());
+
+    // The coordinator (this thread).
+    let mut alloc = SlotAllocator::new(3);
+    let mut clock = FenceClock::new();
+    let a = alloc.allocate(clock.completed()).unwrap().slot;
+    let b = alloc.allocate(clock.completed()).unwrap().slot;
+    let mut b_live = true;
+    let mut a_draft = None;
+    let mut reply_pending = false;
+    let mut owners = Vec::new(); // (slot, value) written by new owners
+    let (mut freed_before_step, mut stepped) = (false, false);
+    for _ in 0..3 {
+        match coord_rx.recv().unwrap() {
+            CoordMsg::Step(reply) => {
+                stepped = true;
+                let f = clock.issue();
+                let d = alloc.allocate(clock.completed()).unwrap();
+                assert_eq!(d.wait_for, None, "a fresh slot for the draft");
+                a_draft = Some(d.slot);
+                let mut snapshot = vec![a, d.slot];
+                if b_live {
+                    snapshot.push(b);
+                }
+                // New owners join from the next step on: the snapshot is A, A's draft
+                // block and B while B lives.
+                draft_tx.send(snapshot).unwrap();
+                match mode {
+                    DraftFence::AwaitReply => {
+                        draft_reply_rx.recv().unwrap();
+                        clock.complete_up_to(f).unwrap();
+                    }
+                    DraftFence::FenceOnly => reply_pending = true,
+                    DraftFence::CompleteAtIssue => clock.complete_up_to(f).unwrap(),
+                }
+                reply.send(f).unwrap();
+            }
+            msg @ (CoordMsg::Free | CoordMsg::Commit) => {
+                let released = match msg {
+                    CoordMsg::Free => {
+                        freed_before_step = !stepped;
+                        b_live = false;
+                        b
+                    }
+                    _ => a_draft.take().expect("a commit follows its step"),
+                };
+                // Released with the last fence that may still touch it.
+                alloc.release(released, clock.issued()).unwrap();
+                let grant = alloc.allocate(clock.completed()).unwrap();
+                if let Some(f) = grant.wait_for {
+                    if !clock.is_complete(f) {
+                        // The new owner's stream waits for the replay's fence.
+                        assert!(reply_pending, "only the replay can hold a fence");
+                        draft_reply_rx.recv().unwrap();
+                        reply_pending = false;
+                        clock.complete_up_to(f).unwrap();
+                    }
+                }
+                let value = 200 + owners.len() as u64;
+                slots[grant.slot.index()].write(value);
+                owners.push((grant.slot, value));
+            }
+        }
+        alloc.check_invariants();
+    }
+    engine.join().unwrap();
+    client.join().unwrap();
+    draft.join().unwrap();
+    order
+        .lock()
+        .unwrap()
+        .insert((freed_before_step, reply_pending));
+    if mode != DraftFence::CompleteAtIssue {
+        for (s, v) in owners {
+            slots[s.index()]
+                .0
+                .with(|p| assert_eq!(unsafe { *p }, v, "slot {s}: the new owner's bytes survive"));
+        }
+    }
+}
+
+#[test]
+fn a_slot_freed_while_a_snapshot_is_in_flight_is_not_overwritten() {
+    for mode in [DraftFence::AwaitReply, DraftFence::FenceOnly] {
+        let order = Seen::default();
+        let o = order.clone();
+        loom::model(move || free_during_snapshot_model(mode, &o));
+        let seen = order.lock().unwrap();
+        assert!(
+            seen.iter().any(|o| o.0) && seen.iter().any(|o| !o.0),
+            "the free landed both before and after the step: {seen:?}"
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn broken_twin_fence_complete_at_issue_overwrites_a_new_owner() {
+    loom::model(|| free_during_snapshot_model(DraftFence::CompleteAtIssue, &Seen::default()));
+}
