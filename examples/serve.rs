@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
-//!     [--conversations N] [--turns N] [--verify sample|all] [--config FILE.toml]
+//!     [--conversations N] [--turns N] [--verify sample|all] [--config FILE.toml|.json|.yaml]
 //!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..]
 //! ```
 //!
@@ -52,7 +52,7 @@ struct Args {
 
 const USAGE: &str =
     "usage: serve [--quick] [--json] [--seed N] [--devices N] [--conversations N] [--turns N] \
-[--verify sample|all] [--config FILE.toml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..]";
+[--verify sample|all] [--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {

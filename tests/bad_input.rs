@@ -124,6 +124,21 @@ fn rows() -> Vec<Row> {
             "invalid config <json>: EOF while parsing an object at line 1 column 14",
         ),
         (
+            "config: malformed YAML",
+            Box::new(|| err(EngineConfig::from_yaml_str("kv_cache: {max_tokens: 1"))),
+            "invalid config <yaml>: did not find expected ',' or '}' at line 2 column 1, while parsing a flow mapping at line 1 column 11",
+        ),
+        (
+            "config: unknown field (YAML)",
+            Box::new(|| err(EngineConfig::from_yaml_str("kv_cache:\n  max_tokenz: 1\n"))),
+            "invalid config <yaml>: kv_cache: unknown field `max_tokenz`, expected one of `tokens_per_block`, `use_kv_cache_manager_v2`, `free_gpu_memory_fraction`, `max_tokens`, `max_gpu_total_bytes`, `host_cache_size`, `enable_block_reuse`, `enable_partial_reuse`, `max_util_for_resume` at line 2 column 3",
+        ),
+        (
+            "config: wrong type (YAML)",
+            Box::new(|| err(EngineConfig::from_yaml_str("kv_cache:\n  max_tokens: lots\n"))),
+            "invalid config <yaml>: kv_cache.max_tokens: invalid type: string \"lots\", expected u64 at line 2 column 15",
+        ),
+        (
             "config: tokens_per_block 16",
             Box::new(|| {
                 let c = EngineConfig::from_toml_str("[kv_cache]\ntokens_per_block = 16\n").unwrap();

@@ -1,4 +1,4 @@
-//! Engine configuration (TOML or JSON file, or code) and its resolution: which layout
+//! Engine configuration (TOML, JSON or YAML file, or code) and its resolution: which layout
 //! (V1 / V2) the cache uses, which layers each manager holds, and every incompatibility,
 //! checked up front (brief §3 "Validation").
 //!
@@ -334,7 +334,16 @@ impl EngineConfig {
         })
     }
 
-    /// Reads a `.toml` or `.json` file.
+    /// Parses YAML (the format TensorRT-LLM's `extra_llm_api_options` files use; the
+    /// keys are this crate's, not TensorRT-LLM's).
+    pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+            source_name: "<yaml>".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads a `.toml`, `.json`, `.yaml` or `.yml` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
@@ -345,10 +354,13 @@ impl EngineConfig {
         let parsed = match ext {
             "toml" => Self::from_toml_str(&text),
             "json" => Self::from_json_str(&text),
+            "yaml" | "yml" => Self::from_yaml_str(&text),
             other => {
                 return Err(ConfigError::Parse {
                     source_name: path.display().to_string(),
-                    message: format!("unknown extension {other:?}: use .toml or .json"),
+                    message: format!(
+                        "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
+                    ),
                 })
             }
         };

@@ -260,15 +260,51 @@ fn files_round_trip() {
     let json_path = dir.join("engine.json");
     std::fs::write(&json_path, serde_json::to_string(&c).unwrap()).unwrap();
     assert_eq!(EngineConfig::from_file(&json_path).unwrap(), c);
-    let yaml = dir.join("engine.yaml");
+    for ext in ["yaml", "yml"] {
+        let yaml_path = dir.join(format!("engine.{ext}"));
+        std::fs::write(&yaml_path, serde_yaml_ng::to_string(&c).unwrap()).unwrap();
+        assert_eq!(EngineConfig::from_file(&yaml_path).unwrap(), c);
+    }
+    let yaml = dir.join("bad.yaml");
     std::fs::write(&yaml, "x: 1").unwrap();
-    assert!(matches!(
-        EngineConfig::from_file(&yaml),
-        Err(ConfigError::Parse { .. })
-    ));
+    assert_eq!(
+        EngineConfig::from_file(&yaml).unwrap_err().to_string(),
+        format!(
+            "invalid config {}: unknown field `x`, expected one of `model`, `kv_cache`, \
+             `parallel`, `spec_decode`, `scheduler`",
+            yaml.display()
+        )
+    );
+    let ini = dir.join("engine.ini");
+    std::fs::write(&ini, "").unwrap();
+    assert_eq!(
+        EngineConfig::from_file(&ini).unwrap_err().to_string(),
+        format!(
+            "invalid config {}: unknown extension \"ini\": use .toml, .json, .yaml or .yml",
+            ini.display()
+        )
+    );
     assert!(matches!(
         EngineConfig::from_file(dir.join("missing.toml")),
         Err(ConfigError::Io { .. })
     ));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The README's TOML and YAML examples parse to the same configuration.
+#[test]
+fn readme_config_examples_agree() {
+    let readme = include_str!("../../README.md");
+    let block = |lang: &str| {
+        let start = readme
+            .find(&format!("```{lang}\n"))
+            .unwrap_or_else(|| panic!("a {lang} block in the README"))
+            + lang.len()
+            + 4;
+        &readme[start..start + readme[start..].find("```").unwrap()]
+    };
+    let toml = EngineConfig::from_toml_str(block("toml")).unwrap();
+    let yaml = EngineConfig::from_yaml_str(block("yaml")).unwrap();
+    assert_eq!(toml, yaml);
+    assert_eq!(toml.kv_cache.max_tokens, Some(200_000));
 }
