@@ -12,6 +12,6 @@ for l in sys.stdin:
         print(m["executable"])')
 mkdir -p .gpu
 cp "$lib_tests" .gpu/lib_tests
-cp target/release/examples/{serve,gpu_bench,tp} .gpu/
+cp "${CARGO_TARGET_DIR:-target}"/release/examples/{serve,gpu_bench,tp} .gpu/
 strip .gpu/lib_tests .gpu/serve .gpu/gpu_bench .gpu/tp
 ls -la .gpu

@@ -180,15 +180,39 @@ pub trait DeviceBackend: Send + 'static {
     }
 }
 
-/// SHA-256 over pools given in a fixed order.
-pub(crate) fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for p in pools {
-        h.update((p.len() as u64).to_le_bytes());
-        h.update(p);
+/// SHA-256 over pools in a fixed order: each pool's length, then its bytes (fed in
+/// any number of pieces, so a GPU pool can be hashed without a host copy of it).
+#[derive(Default)]
+pub(crate) struct PoolDigest(sha2::Sha256);
+
+impl PoolDigest {
+    /// Starts the next pool, of `len` bytes.
+    pub(crate) fn pool(&mut self, len: u64) {
+        sha2::Digest::update(&mut self.0, len.to_le_bytes());
     }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+
+    /// The next bytes of the current pool.
+    pub(crate) fn bytes(&mut self, b: &[u8]) {
+        sha2::Digest::update(&mut self.0, b);
+    }
+
+    /// The digest, in hex.
+    pub(crate) fn hex(self) -> String {
+        sha2::Digest::finalize(self.0)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
+/// [`PoolDigest`] of whole pools.
+pub(crate) fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
+    let mut d = PoolDigest::default();
+    for p in pools {
+        d.pool(p.len() as u64);
+        d.bytes(p);
+    }
+    d.hex()
 }
 
 /// `(group, pool)` of every pool of `plan`, in plan order.
@@ -203,8 +227,8 @@ pub(crate) fn pool_ids(plan: &PoolPlan) -> Vec<(crate::ids::PoolGroupId, u16)> {
 }
 
 /// One cache (target or draft) as the host sees it: its plan, metadata layout, slot
-/// sizes and host pools (the pools themselves for [`HostDevice`]; a read-back mirror of
-/// the GPU pools for the CUDA backend).
+/// sizes and host pools (the pools themselves for [`HostDevice`]; for the CUDA backend a
+/// small read-back mirror holding only the slots being verified, in block-table order).
 pub(crate) struct Cache {
     pub(crate) plan: PoolPlan,
     pub(crate) layout: MetadataLayout,

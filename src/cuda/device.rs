@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::kernels::{DevRows, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::actors::backend::{digest_pools, new_tokens, pool_ids, run_copies, Cache, StepCore};
+use crate::actors::backend::{new_tokens, pool_ids, run_copies, Cache, PoolDigest, StepCore};
 use crate::actors::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
@@ -22,15 +22,23 @@ use crate::core::scheduler::StepPlan;
 use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};
+use crate::storage::HostStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
 const RESERVE_FACTOR: usize = 2;
 
 struct GpuCache {
-    /// Plan, layout and a host mirror of the GPU pools (filled only for verification).
+    /// Plan, layout and a small host mirror: the slots being verified, read back in
+    /// block-table order (mirror slot `j` holds the request's block `j`). It grows to the
+    /// longest request verified, never to the pool's size.
     host: Cache,
+    /// Slots per pool group the mirror holds now.
+    mirror_slots: u32,
     dev: CudaStorage,
 }
+
+/// Bytes per piece when a whole GPU pool is read back for its digest.
+const DIGEST_PIECE: usize = 64 << 20;
 
 #[derive(Default)]
 struct Scratch {
@@ -65,7 +73,8 @@ impl CudaDevice {
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
         let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
             Ok(GpuCache {
-                host: Cache::new(index, plan.clone(), g, &[])?,
+                host: Cache::new(index, plan.clone(), &vec![0; g.len()], &[])?,
+                mirror_slots: 0,
                 dev: CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?,
             })
         };
@@ -125,17 +134,13 @@ impl CudaDevice {
         out: &mut Vec<Mismatch>,
     ) -> Result<u64, DeviceError> {
         let dev = self.core.index;
-        let cuda = |source| DeviceError::Cuda {
-            device: dev,
-            source,
-        };
-        refresh(&mut self.target, slots, tokens.len()).map_err(cuda)?;
+        let mirrored = refresh(dev, &mut self.target, slots, tokens.len())?;
         let mut n = self
             .core
-            .verify_cache(&self.target.host, id, tokens, slots, out);
+            .verify_cache(&self.target.host, id, tokens, &mirrored, out);
         if let (Some(d), Some(ds)) = (self.draft.as_mut(), draft_slots) {
-            refresh(d, ds, tokens.len()).map_err(cuda)?;
-            n += self.core.verify_cache(&d.host, id, tokens, ds, out);
+            let mirrored = refresh(dev, d, ds, tokens.len())?;
+            n += self.core.verify_cache(&d.host, id, tokens, &mirrored, out);
         }
         Ok(n)
     }
@@ -262,21 +267,41 @@ impl CudaDevice {
 }
 
 /// Reads the slots holding positions `[0, tokens)` (every pool group) back into the
-/// cache's host mirror.
-fn refresh(cache: &mut GpuCache, slots: &[i32], tokens: usize) -> Result<(), CudaError> {
+/// cache's host mirror, block `j` into mirror slot `j`; returns the block table that
+/// addresses the mirror (−1 where the request's table has −1).
+fn refresh(
+    device: usize,
+    cache: &mut GpuCache,
+    slots: &[i32],
+    tokens: usize,
+) -> Result<Vec<i32>, DeviceError> {
     let t = cache.host.layout.tokens_per_block as usize;
-    let ids: Vec<SlotId> = slots
+    let blocks = &slots[..tokens.div_ceil(t).min(slots.len())];
+    let need = blocks.len() as u32;
+    if need > cache.mirror_slots {
+        let groups = cache.host.plan.pool_groups().len();
+        let grow = need.next_power_of_two();
+        cache.host.store = HostStorage::new(&cache.host.plan, &vec![grow; groups], &[])
+            .map_err(|source| DeviceError::Storage { device, source })?;
+        cache.mirror_slots = grow;
+    }
+    let pairs: Vec<(SlotId, SlotId)> = blocks
         .iter()
-        .take(tokens.div_ceil(t))
-        .filter(|&&s| s >= 0)
-        .map(|&s| SlotId(s as u32))
+        .enumerate()
+        .filter(|(_, &s)| s >= 0)
+        .map(|(j, &s)| (SlotId(s as u32), SlotId(j as u32)))
         .collect();
     for g in 0..cache.host.plan.pool_groups().len() {
         cache
             .dev
-            .read_slots_into(PoolGroupId(g as u16), &ids, &mut cache.host.store)?;
+            .read_slots_into(PoolGroupId(g as u16), &pairs, &mut cache.host.store)
+            .map_err(|source| DeviceError::Cuda { device, source })?;
     }
-    Ok(())
+    Ok(blocks
+        .iter()
+        .enumerate()
+        .map(|(j, &s)| if s >= 0 { j as i32 } else { -1 })
+        .collect())
 }
 
 impl DeviceBackend for CudaDevice {
@@ -397,12 +422,16 @@ impl DeviceBackend for CudaDevice {
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        let mut pools = Vec::new();
+        // Streamed: a GPU pool is never copied to the host whole.
+        let mut digest = PoolDigest::default();
         for c in std::iter::once(&self.target).chain(self.draft.as_ref()) {
             for (g, p) in pool_ids(&c.host.plan) {
-                pools.push(c.dev.read_pool(Tier::Gpu, g, p).map_err(|e| self.cuda(e))?);
+                digest.pool(c.dev.pool_len(Tier::Gpu, g, p));
+                c.dev
+                    .read_pool_pieces(Tier::Gpu, g, p, DIGEST_PIECE, |b| digest.bytes(b))
+                    .map_err(|e| self.cuda(e))?;
             }
         }
-        Ok(digest_pools(pools.iter().map(|p| p.as_slice())))
+        Ok(digest.hex())
     }
 }

@@ -148,18 +148,25 @@ impl CudaStorage {
     pub fn read_slots_into(
         &self,
         group: PoolGroupId,
-        slots: &[SlotId],
+        slots: &[(SlotId, SlotId)],
         mirror: &mut HostStorage,
     ) -> Result<(), CudaError> {
         for (p, &sb) in self.slot_bytes[group.index()].iter().enumerate() {
             let base = self.gpu_pools[group.index()][p].base();
             let dst = mirror.pool_mut(Tier::Gpu, group, p as u16);
-            for &s in slots {
-                let off = s.index() * sb as usize;
-                let Some(chunk) = dst.get_mut(off..off + sb as usize) else {
+            for &(s, into) in slots {
+                if s.get() >= self.slots[Tier::Gpu.index()][group.index()] {
                     return Err(CudaError::Invalid {
                         device: self.gpu.ordinal(),
-                        what: format!("slot {s} is outside the read-back mirror"),
+                        what: format!("slot {s} is outside pool group {group}"),
+                    });
+                }
+                let off = s.index() * sb as usize;
+                let at = into.index() * sb as usize;
+                let Some(chunk) = dst.get_mut(at..at + sb as usize) else {
+                    return Err(CudaError::Invalid {
+                        device: self.gpu.ordinal(),
+                        what: format!("mirror slot {into} is outside the read-back mirror"),
                     });
                 };
                 self.gpu.bind()?;
@@ -178,6 +185,39 @@ impl CudaStorage {
             .compute()
             .synchronize()
             .map_err(|e| driver_error(self.gpu.ordinal(), "cuStreamSynchronize", e))
+    }
+
+    /// Reads a whole pool back in pieces of at most `piece` bytes, handing each to `f`
+    /// in order (waits for queued work; host memory stays at one piece).
+    pub fn read_pool_pieces(
+        &self,
+        tier: Tier,
+        group: PoolGroupId,
+        pool: u16,
+        piece: usize,
+        mut f: impl FnMut(&[u8]),
+    ) -> Result<(), CudaError> {
+        let len = self.pool_len(tier, group, pool) as usize;
+        self.gpu.synchronize()?;
+        match tier {
+            Tier::Host => {
+                let bytes = &self.host_pools[group.index()][pool as usize].as_slice()[..len];
+                bytes.chunks(piece.max(1)).for_each(f);
+            }
+            Tier::Gpu => {
+                let base = self.pool_ptr(tier, group, pool);
+                let mut buf = vec![0u8; piece.max(1).min(len)];
+                let mut at = 0;
+                while at < len {
+                    let n = buf.len().min(len - at);
+                    // SAFETY: `at + n <= len` bytes are mapped from the pool's base.
+                    unsafe { self.gpu.download_raw(base + at as u64, &mut buf[..n])? };
+                    f(&buf[..n]);
+                    at += n;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The bytes of a whole pool, read back (waits for queued work).

@@ -64,6 +64,26 @@ fn buf<T: Plain>(g: &Gpu, v: &[T]) -> DeviceBuffer {
     DeviceBuffer::from_slice(g, v, "test").unwrap()
 }
 
+/// Copies `bytes` from device address `src` to `dst` with the batched-copy kernel and
+/// waits.
+fn device_copy(g: &Gpu, dst: u64, src: u64, bytes: usize) {
+    let tasks = buf(g, &[dst, src]);
+    // SAFETY: the callers pass mapped ranges of at least `bytes` bytes.
+    unsafe {
+        g.kernels()
+            .batched_copy(
+                g.compute(),
+                0,
+                tasks.ptr(),
+                tasks.ptr() + 8,
+                1,
+                bytes as u64,
+            )
+            .unwrap();
+    }
+    g.synchronize().unwrap();
+}
+
 fn read<T: Plain>(g: &Gpu, b: &DeviceBuffer, n: usize) -> Vec<T> {
     let mut v = vec![T::default(); n];
     g.download(b, &mut v).unwrap();
@@ -609,21 +629,7 @@ fn vmm_pools_grow_and_shrink_in_place() {
     assert_eq!(pool.mapped(), 4 << 20);
     let pattern: Vec<u8> = (0..pool.mapped()).map(|i| (i * 7 % 251) as u8).collect();
     let staging = buf(&g, &pattern);
-    let copy = |dst: u64, src: u64, bytes: usize| unsafe {
-        let tasks = buf(&g, &[dst, src]);
-        g.kernels()
-            .batched_copy(
-                g.compute(),
-                0,
-                tasks.ptr(),
-                tasks.ptr() + 8,
-                1,
-                bytes as u64,
-            )
-            .unwrap();
-        g.synchronize().unwrap();
-    };
-    copy(base, staging.ptr(), pattern.len());
+    device_copy(&g, base, staging.ptr(), pattern.len());
     pool.grow_to(40 << 20).unwrap();
     assert_eq!(pool.base(), base, "growth keeps the base address");
     assert!(pool.mapped() >= 40 << 20);
@@ -643,6 +649,102 @@ fn vmm_pools_grow_and_shrink_in_place() {
         "growth past the reservation is refused"
     );
     assert_eq!(pool.base(), base);
+}
+
+/// A real driver failure, not an injected one: growing a pool past the GPU's physical
+/// memory makes `cuMemCreate` fail part-way; the growth rolls back to the size before
+/// the call (contents, base address and the device's free memory as they were) and the
+/// pool keeps working.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn vmm_growth_past_physical_memory_rolls_back() {
+    let g = gpu();
+    let (_, total) = g.mem_info().unwrap();
+    let mut pool = VmmPool::new(&g, total + (16 << 30), 8 << 20).unwrap();
+    let base = pool.base();
+    let before = pool.mapped();
+    let pattern: Vec<u8> = (0..before).map(|i| (i * 13 % 239) as u8).collect();
+    let staging = buf(&g, &pattern);
+    device_copy(&g, base, staging.ptr(), before);
+    let (free_before, _) = g.mem_info().unwrap();
+    let err = pool.grow_to(total + (8 << 30)).unwrap_err();
+    assert!(
+        matches!(err, CudaError::OutOfMemory { .. }),
+        "the driver ran out: {err}"
+    );
+    assert_eq!(
+        (pool.base(), pool.mapped()),
+        (base, before),
+        "rolled back exactly"
+    );
+    let (free_after, _) = g.mem_info().unwrap();
+    assert!(
+        free_after.abs_diff(free_before) <= 64 << 20,
+        "every chunk mapped on the way was released: {free_before} -> {free_after} bytes free"
+    );
+    let mut back = vec![0u8; before];
+    unsafe { g.download_raw(base, &mut back).unwrap() };
+    assert!(back == pattern, "the contents survive the failed growth");
+    pool.grow_to(before + (64 << 20)).unwrap();
+    assert_eq!(pool.base(), base);
+    eprintln!(
+        "growth to {} GiB failed with: {err}; free memory {free_before} -> {free_after}",
+        (total + (8 << 30)) >> 30
+    );
+}
+
+/// The runtime on a GPU asked for more KV than the GPU holds: `start` returns the
+/// out-of-memory error (no panic, no actor left running), every byte it mapped is
+/// released, and a runtime of a sensible size then starts and serves on the same GPU.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_runtime_larger_than_the_gpu_fails_to_start_and_frees_everything() {
+    use crate::actors::KvCacheBuilder;
+    use crate::config::EngineConfig;
+    let g = gpu();
+    let (free_before, total) = g.mem_info().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let config = |tokens: u64| {
+        let mut c = EngineConfig::default();
+        c.model.num_layers = Some(3);
+        c.kv_cache.max_tokens = Some(tokens);
+        c
+    };
+    // Three layers of DeepSeek-V3.2 FP8 take 2,124 bytes per token (`plan --layers 3`):
+    // `total / 1024` tokens is about twice the GPU's memory.
+    let too_many = total as u64 / 1024;
+    let err = rt
+        .block_on(
+            KvCacheBuilder::new()
+                .config(config(too_many))
+                .backend(CudaDevice::factory(vec![0]))
+                .start(),
+        )
+        .err()
+        .expect("a pool larger than the GPU cannot start");
+    let text = err.to_string();
+    assert!(text.contains("out of memory"), "{text}");
+    let (free_after, _) = g.mem_info().unwrap();
+    assert!(
+        free_after + (512 << 20) >= free_before,
+        "the failed start released its memory: {free_before} -> {free_after} bytes free"
+    );
+    let kv = rt
+        .block_on(
+            KvCacheBuilder::new()
+                .config(config(65_536))
+                .backend(CudaDevice::factory(vec![0]))
+                .start(),
+        )
+        .expect("a sensible size starts after the failure");
+    let counts = rt.block_on(kv.check_invariants()).unwrap();
+    assert_eq!(counts.live_sequences, 0);
+    rt.block_on(kv.shutdown());
+    eprintln!("{too_many} tokens refused with: {text}");
 }
 
 #[test]
