@@ -75,6 +75,16 @@ async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> u64 {
     steps
 }
 
+/// A runtime on `devices` host devices.
+async fn start(devices: usize) -> KvCacheHandle {
+    KvCacheBuilder::new()
+        .config(config())
+        .host_devices(devices)
+        .start()
+        .await
+        .unwrap()
+}
+
 async fn wait_all(kv: &KvCacheHandle, ids: impl Iterator<Item = u64>) -> (u64, u64) {
     let (mut ok, mut failed) = (0, 0);
     for id in ids {
@@ -89,12 +99,7 @@ async fn wait_all(kv: &KvCacheHandle, ids: impl Iterator<Item = u64>) -> (u64, u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_device_panicking_mid_step_fails_its_requests_and_service_continues() {
-    let kv = KvCacheBuilder::new()
-        .config(config())
-        .host_devices(2)
-        .start()
-        .await
-        .unwrap();
+    let kv = start(2).await;
     for id in 1..=6 {
         kv.submit(request(id, 300)).await.unwrap();
     }
@@ -238,12 +243,7 @@ async fn engine_dropping_futures(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> Dr
 /// no commit lands twice, every request finishes and nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dropped_step_and_commit_futures_lose_no_report() {
-    let kv = KvCacheBuilder::new()
-        .config(config())
-        .host_devices(2)
-        .start()
-        .await
-        .unwrap();
+    let kv = start(2).await;
     let stop = Arc::new(AtomicBool::new(false));
     let eng = tokio::spawn(engine_dropping_futures(kv.clone(), stop.clone()));
     for id in 1..=60 {
@@ -279,12 +279,7 @@ async fn dropped_step_and_commit_futures_lose_no_report() {
 /// nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_futures_cancelled_anywhere_lose_nothing() {
-    let kv = KvCacheBuilder::new()
-        .config(config())
-        .host_devices(1)
-        .start()
-        .await
-        .unwrap();
+    let kv = start(1).await;
     let stop = Arc::new(AtomicBool::new(false));
     let eng = tokio::spawn(engine(kv.clone(), stop.clone()));
     let mut clients = Vec::new();

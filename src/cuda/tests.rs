@@ -766,20 +766,12 @@ fn copy_plans_match_host_storage() {
             host.pool_mut(Tier::Gpu, grp, p as u16)
                 .copy_from_slice(&bytes);
             let stage = buf(&g, &bytes);
-            let tasks = buf(&g, &[dev.pool_ptr(Tier::Gpu, grp, p as u16), stage.ptr()]);
-            unsafe {
-                g.kernels()
-                    .batched_copy(
-                        g.compute(),
-                        0,
-                        tasks.ptr(),
-                        tasks.ptr() + 8,
-                        1,
-                        bytes.len() as u64,
-                    )
-                    .unwrap()
-            };
-            g.synchronize().unwrap();
+            device_copy(
+                &g,
+                dev.pool_ptr(Tier::Gpu, grp, p as u16),
+                stage.ptr(),
+                bytes.len(),
+            );
         }
     }
     let s = |i: u32| SlotId(i);
