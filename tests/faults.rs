@@ -395,3 +395,38 @@ async fn a_pool_allocation_failure_at_start_is_a_typed_error() {
         "device 1: storage: cannot allocate 1099511627776 bytes for gpu pool 0 of group 0: lower the KV budget"
     );
 }
+
+/// Shutdown with requests in flight: every waiter resolves (with a "not running" error,
+/// none hangs), and handles cloned before the shutdown get the same error afterwards
+/// instead of panicking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_requests_in_flight_resolves_every_waiter() {
+    let kv = start(2).await;
+    for id in 1..=4 {
+        kv.submit(request(id, 200)).await.unwrap();
+    }
+    let waiters: Vec<_> = (1..=4)
+        .map(|id| {
+            let kv = kv.clone();
+            tokio::spawn(async move { kv.wait(RequestId(id)).await })
+        })
+        .collect();
+    let r = kv.step(HashMap::new()).await.unwrap();
+    assert!(!r.scheduled.is_empty());
+    let later = kv.clone();
+    tokio::time::timeout(Duration::from_secs(30), kv.shutdown())
+        .await
+        .expect("shutdown does not wait for the uncommitted step");
+    for w in waiters {
+        let got = tokio::time::timeout(Duration::from_secs(30), w)
+            .await
+            .expect("a waiter hung after shutdown")
+            .unwrap();
+        assert!(matches!(got, Err(RuntimeError::NotRunning(_))), "{got:?}");
+    }
+    let err = later.submit(request(9, 100)).await.unwrap_err();
+    assert!(matches!(err, RuntimeError::NotRunning(_)), "{err}");
+    assert!(later.stats().await.is_err());
+    let c = later.counters();
+    assert_eq!(c.submitted, 4, "the lock-free counters stay readable");
+}
