@@ -11,8 +11,12 @@
 //! ```text
 //! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
 //!     [--conversations N] [--turns N] [--verify sample|all] [--config FILE.toml|.json|.yaml]
-//!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..]
+//!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]
 //! ```
+//!
+//! `--room-faults PCT` is a fault drill: that share of GPU-room requests is refused as
+//! if the storage could not supply the memory; the run must still finish every request
+//! with every byte verified.
 //!
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
@@ -48,11 +52,12 @@ struct Args {
     out: PathBuf,
     cuda: bool,
     gpus: Option<Vec<usize>>,
+    room_faults: u8,
 }
 
 const USAGE: &str =
     "usage: serve [--quick] [--json] [--seed N] [--devices N] [--conversations N] [--turns N] \
-[--verify sample|all] [--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..]";
+[--verify sample|all] [--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -67,6 +72,7 @@ fn parse() -> Result<Args, String> {
         out: PathBuf::from("target/serve"),
         cuda: false,
         gpus: None,
+        room_faults: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -113,6 +119,13 @@ fn parse() -> Result<Args, String> {
                 a.gpus = Some(ids.map_err(|_| {
                     format!("--gpus takes comma-separated GPU ordinals like 0,1 (got {v:?})")
                 })?);
+            }
+            "--room-faults" => {
+                let v = num("--room-faults", val("--room-faults")?)?;
+                if v > 100 {
+                    return Err(format!("--room-faults is a percentage, 0 to 100 (got {v})"));
+                }
+                a.room_faults = v as u8;
             }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -229,6 +242,10 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         builder = builder.backend(CudaDevice::factory(gpus));
     }
     let kv = builder.start().await?;
+    if a.room_faults > 0 {
+        kv.inject_room_failures(a.seed ^ 0xfa17, a.room_faults)
+            .await?;
+    }
     let info = kv.info().clone();
     if !a.json {
         eprintln!(
@@ -355,6 +372,7 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
     }
     let st = kv.stats().await?;
     let counts = kv.check_invariants().await?;
+    let room_refusals = kv.inject_room_failures(0, 0).await?;
     kv.shutdown().await;
     let integrity_ok = st.mismatches == 0
         && mismatches == 0
@@ -387,6 +405,8 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         "device_us_per_step": st.device_us as f64 / st.steps.max(1) as f64,
         "tokens_verified": st.tokens_verified,
         "mismatches": st.mismatches,
+        "room_faults_percent": a.room_faults,
+        "room_refusals_injected": room_refusals,
         "kv_events": st.events,
         "cache_at_end": counts,
         "runtime": info,
@@ -478,6 +498,13 @@ fn summary(
         (
             "positions verified (× layers)",
             st.tokens_verified.to_string(),
+        ),
+        (
+            "room requests refused (fault drill)",
+            format!(
+                "{} ({} %)",
+                r["room_refusals_injected"], r["room_faults_percent"]
+            ),
         ),
         (
             "integrity",

@@ -517,6 +517,27 @@ impl Message<Step> for Coordinator {
     }
 }
 
+/// Fault drill: refuse GPU-room requests with a probability (see
+/// [`Scheduler::inject_room_failures`](crate::core::scheduler::Scheduler::inject_room_failures)).
+pub struct InjectRoomFailures {
+    /// Seed of the refusals.
+    pub seed: u64,
+    /// Probability in percent; 0 turns the drill off.
+    pub percent: u8,
+}
+
+impl Message<InjectRoomFailures> for Coordinator {
+    type Reply = u64;
+
+    async fn handle(
+        &mut self,
+        msg: InjectRoomFailures,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.sched.inject_room_failures(msg.seed, msg.percent)
+    }
+}
+
 /// The report of the step scheduled and not committed yet.
 pub struct PendingStep;
 

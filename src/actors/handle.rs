@@ -12,8 +12,8 @@ use tokio::sync::oneshot;
 use super::backend::{DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifyLayers};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
-    Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
-    Watch,
+    Devices, FinishedReport, GetStats, InjectRoomFailures, Pause, PendingStep, Step, StepReport,
+    Submit, TakeEvents, Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, DeviceFault, InjectFault};
 use super::draft::DraftReplayActor;
@@ -505,6 +505,17 @@ impl KvCacheHandle {
         let dev = self.device(index).await?;
         dev.tell(InjectFault(fault)).await?;
         Ok(())
+    }
+
+    /// Fault drill: from now on each request for GPU room (admission, growth, resume)
+    /// is refused with probability `percent` (seeded), as if the storage could not
+    /// supply the memory; the scheduler sees memory pressure and must lose nothing.
+    /// Returns the refusals injected so far; `percent = 0` turns the drill off.
+    pub async fn inject_room_failures(&self, seed: u64, percent: u8) -> Result<u64, RuntimeError> {
+        Ok(self
+            .coordinator
+            .ask(InjectRoomFailures { seed, percent })
+            .await?)
     }
 
     /// Kills device `index` (its requests fail; the runtime keeps serving).

@@ -318,6 +318,8 @@ pub struct Scheduler {
     step: u64,
     step_pending: bool,
     stalled: u32,
+    /// Injected room refusals counted before the last `inject_room_failures` call.
+    injected_before: u64,
     stats: SchedulerStats,
 }
 
@@ -337,6 +339,7 @@ impl Scheduler {
             step: 0,
             step_pending: false,
             stalled: 0,
+            injected_before: 0,
             stats: SchedulerStats::default(),
         }
     }
@@ -354,6 +357,26 @@ impl Scheduler {
     /// Counters.
     pub fn stats(&self) -> SchedulerStats {
         self.stats
+    }
+
+    /// Fault drills: the target manager's GPU-room requests are refused with
+    /// probability `percent`, as if the storage could not supply the memory (see
+    /// [`KvCacheManager::inject_room_failures`]); the scheduler sees memory pressure.
+    /// The draft cache mirrors the target's decisions in lockstep (same slot counts,
+    /// same operations), so a refusal of the pair is modelled on the target: a draft
+    /// refusing what the target accepted is an invariant violation, reported as
+    /// [`SchedError::DraftDiverged`], not a fault to survive. Returns the refusals
+    /// injected before this call; `percent = 0` turns it off.
+    pub fn inject_room_failures(&mut self, seed: u64, percent: u8) -> u64 {
+        let before = self.injected_room_failures();
+        self.target.inject_room_failures(seed, percent);
+        self.injected_before = before;
+        before
+    }
+
+    /// Room requests refused by injection since the scheduler started.
+    pub fn injected_room_failures(&self) -> u64 {
+        self.injected_before + self.target.injected_room_failures()
     }
 
     /// The step scheduled and not committed yet, if any.
