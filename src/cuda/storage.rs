@@ -227,22 +227,9 @@ impl CudaStorage {
         group: PoolGroupId,
         pool: u16,
     ) -> Result<Vec<u8>, CudaError> {
-        let len = self.pool_len(tier, group, pool) as usize;
-        self.gpu.synchronize()?;
-        match tier {
-            Tier::Host => {
-                Ok(self.host_pools[group.index()][pool as usize].as_slice()[..len].to_vec())
-            }
-            Tier::Gpu => {
-                let mut out = vec![0u8; len];
-                // SAFETY: `len` bytes are mapped from the pool's base.
-                unsafe {
-                    self.gpu
-                        .download_raw(self.pool_ptr(tier, group, pool), &mut out)?
-                };
-                Ok(out)
-            }
-        }
+        let mut out = Vec::with_capacity(self.pool_len(tier, group, pool) as usize);
+        self.read_pool_pieces(tier, group, pool, 64 << 20, |b| out.extend_from_slice(b))?;
+        Ok(out)
     }
 
     /// Queues the copies of `plan` on the copy stream (see the module docs).
