@@ -268,6 +268,14 @@ impl Cache {
     }
 }
 
+/// What a step did on a device (the parts of its report the backend measures).
+pub(crate) struct StepWork {
+    pub(crate) written: u64,
+    pub(crate) slot_copies: u64,
+    pub(crate) verified: u64,
+    pub(crate) mismatches: Vec<Mismatch>,
+}
+
 /// What every backend shares: the step metadata, the KV source and the expected
 /// encodings used by verification.
 pub(crate) struct StepCore {
@@ -583,6 +591,45 @@ impl StepCore {
         }
     }
 
+    /// The step's report once its work is done.
+    pub(crate) fn step_report(
+        &self,
+        plan: &StepPlan,
+        work: StepWork,
+        start: std::time::Instant,
+    ) -> DeviceStepReport {
+        DeviceStepReport {
+            device: self.index,
+            target_fence: plan.target_fence,
+            draft_fence: plan.draft_fence,
+            tokens_written: work.written,
+            slot_copies: work.slot_copies,
+            tokens_verified: work.verified,
+            mismatches: work.mismatches,
+            metadata_digest: self.metadata_digest(),
+            elapsed_us: start.elapsed().as_micros() as u64,
+        }
+    }
+
+    /// Binds the draft set for the plan's replay (`layout`: the draft cache's, `None`
+    /// when this device has no draft cache).
+    pub(crate) fn prepare_draft(
+        &mut self,
+        layout: Option<MetadataLayout>,
+        plan: &StepPlan,
+    ) -> Result<DraftSnapshot, DeviceError> {
+        let layout = layout.ok_or(DeviceError::NoDraftCache { device: self.index })?;
+        let reqs = Self::step_requests(plan, true);
+        self.meta
+            .prepare_draft(&layout, &reqs)
+            .map_err(|e| self.meta_err(e))
+    }
+
+    /// Restores the target set after a replay.
+    pub(crate) fn restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
+        self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
+    }
+
     /// Hash of the bound page tables and slot mappings (FNV-1a).
     pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -704,32 +751,18 @@ impl DeviceBackend for HostDevice {
             plan,
         )
         .map_err(|e| self.core.op(e))?;
-        Ok(DeviceStepReport {
-            device: dev,
-            target_fence: plan.target_fence,
-            draft_fence: plan.draft_fence,
-            tokens_written: written,
+        let work = StepWork {
+            written,
             slot_copies,
-            tokens_verified: verified,
+            verified,
             mismatches,
-            metadata_digest: self.core.metadata_digest(),
-            elapsed_us: start.elapsed().as_micros() as u64,
-        })
+        };
+        Ok(self.core.step_report(plan, work, start))
     }
 
     fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        let layout = self
-            .draft
-            .as_ref()
-            .ok_or(DeviceError::NoDraftCache {
-                device: self.core.index,
-            })?
-            .layout;
-        let reqs = StepCore::step_requests(plan, true);
-        self.core
-            .meta
-            .prepare_draft(&layout, &reqs)
-            .map_err(|e| self.core.meta_err(e))
+        let layout = self.draft.as_ref().map(|d| d.layout);
+        self.core.prepare_draft(layout, plan)
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
@@ -759,10 +792,7 @@ impl DeviceBackend for HostDevice {
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
-        self.core
-            .meta
-            .restore(snapshot)
-            .map_err(|e| self.core.meta_err(e))
+        self.core.restore(snapshot)
     }
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {

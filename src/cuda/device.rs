@@ -13,7 +13,9 @@ use half::bf16;
 
 use super::kernels::{DevRows, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::actors::backend::{new_tokens, pool_ids, run_copies, Cache, PoolDigest, StepCore};
+use crate::actors::backend::{
+    new_tokens, pool_ids, run_copies, Cache, PoolDigest, StepCore, StepWork,
+};
 use crate::actors::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
@@ -347,33 +349,18 @@ impl DeviceBackend for CudaDevice {
                 .map_err(|e| self.cuda(e))?;
         // The step is complete when its kernels are: errors surface here, per step.
         self.gpu.synchronize().map_err(|e| self.cuda(e))?;
-        Ok(DeviceStepReport {
-            device: dev,
-            target_fence: plan.target_fence,
-            draft_fence: plan.draft_fence,
-            tokens_written: written,
+        let work = StepWork {
+            written,
             slot_copies,
-            tokens_verified: verified,
+            verified,
             mismatches,
-            metadata_digest: self.core.metadata_digest(),
-            elapsed_us: start.elapsed().as_micros() as u64,
-        })
+        };
+        Ok(self.core.step_report(plan, work, start))
     }
 
     fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        let layout = self
-            .draft
-            .as_ref()
-            .ok_or(DeviceError::NoDraftCache {
-                device: self.core.index,
-            })?
-            .host
-            .layout;
-        let reqs = StepCore::step_requests(plan, true);
-        self.core
-            .meta
-            .prepare_draft(&layout, &reqs)
-            .map_err(|e| self.core.meta_err(e))
+        let layout = self.draft.as_ref().map(|d| d.host.layout);
+        self.core.prepare_draft(layout, plan)
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
@@ -398,10 +385,7 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
-        self.core
-            .meta
-            .restore(snapshot)
-            .map_err(|e| self.core.meta_err(e))
+        self.core.restore(snapshot)
     }
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
