@@ -1014,9 +1014,9 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Pauses a request: it is suspended (or recomputed without room on the host) and not
-    /// scheduled until [`resume`](Self::resume). Not allowed during its step.
-    pub fn pause(&mut self, id: RequestId) -> Result<(), SchedError> {
+    /// The index of request `id`, refused (`what` it is for) while it is part of the
+    /// step in flight.
+    fn outside_step(&self, id: RequestId, what: &str) -> Result<usize, SchedError> {
         let i = self
             .reqs
             .iter()
@@ -1025,9 +1025,16 @@ impl Scheduler {
         if self.reqs[i].pending.is_some() {
             return Err(SchedError::BadOutcome {
                 id,
-                what: "it is part of the step in flight: pause after committing the step".into(),
+                what: format!("it is part of the step in flight: {what} after committing the step"),
             });
         }
+        Ok(i)
+    }
+
+    /// Pauses a request: it is suspended (or recomputed without room on the host) and not
+    /// scheduled until [`resume`](Self::resume). Not allowed during its step.
+    pub fn pause(&mut self, id: RequestId) -> Result<(), SchedError> {
+        let i = self.outside_step(id, "pause")?;
         if !self.reqs[i].suspended {
             self.preempt(i)?;
         }
@@ -1048,17 +1055,7 @@ impl Scheduler {
 
     /// Cancels a request (its sequences are closed; committed blocks stay cached).
     pub fn cancel(&mut self, id: RequestId) -> Result<(), SchedError> {
-        let i = self
-            .reqs
-            .iter()
-            .position(|r| r.id == id)
-            .ok_or(KvError::UnknownRequest { id })?;
-        if self.reqs[i].pending.is_some() {
-            return Err(SchedError::BadOutcome {
-                id,
-                what: "it is part of the step in flight: cancel after committing the step".into(),
-            });
-        }
+        let i = self.outside_step(id, "cancel")?;
         let mut failed = Vec::new();
         self.fail(i, "cancelled".into(), &mut failed)?;
         Ok(())
