@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use dsa_kv::actors::{
     BackendFactory, DeviceError, DeviceFault, HostDevice, KvCacheBuilder, KvCacheHandle,
-    RuntimeError,
+    RuntimeError, StepReport,
 };
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SchedError, SubmitRequest};
@@ -62,21 +62,24 @@ async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> (u64, u64) {
             tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
         }
-        let outcomes = r
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
-        match kv.commit(outcomes).await {
+        match kv.commit(outcomes(&r)).await {
             Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
             Err(e) => panic!("commit: {e}"),
         }
     }
     (steps, failed)
+}
+
+/// What the model "sampled" for a step: no draft accepted, token 7 where one is due.
+fn outcomes(r: &StepReport) -> Vec<RequestOutcome> {
+    r.scheduled
+        .iter()
+        .map(|s| RequestOutcome {
+            id: s.id,
+            accepted_drafts: 0,
+            next_token: s.produces_token.then_some(TokenId(7)),
+        })
+        .collect()
 }
 
 /// A runtime on `devices` host devices.
@@ -110,16 +113,7 @@ async fn a_device_panicking_mid_step_fails_its_requests_and_service_continues() 
     // A few steps with both devices, then device 1 dies inside the next step.
     for _ in 0..2 {
         let r = kv.step(HashMap::new()).await.unwrap();
-        let outcomes = r
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
-        kv.commit(outcomes).await.unwrap();
+        kv.commit(outcomes(&r)).await.unwrap();
     }
     kv.inject_fault(1, DeviceFault::PanicInNextStep)
         .await
@@ -211,15 +205,7 @@ async fn engine_dropping_futures(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> Dr
             tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
         }
-        let outcomes: Vec<RequestOutcome> = r
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
+        let outcomes = outcomes(&r);
         if draw(3) == 0 {
             let budget = Duration::from_micros(draw(400));
             match tokio::time::timeout(budget, kv.commit(outcomes.clone())).await {
