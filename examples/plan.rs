@@ -331,6 +331,13 @@ fn run(a: Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // A closed stdout (`... --json | head`) ends the program quietly, as it does any
+    // Unix tool, instead of a panic in `println!`.
+    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is valid.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     match parse().and_then(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
