@@ -119,6 +119,55 @@ pub struct VerifySpec {
     pub draft_block_slots: Option<Vec<i32>>,
 }
 
+/// One request to verify: positions `[0, tokens.len())` through its target (and draft)
+/// block tables.
+#[derive(Clone, Copy)]
+pub(crate) struct VerifyRef<'a> {
+    pub(crate) id: RequestId,
+    pub(crate) tokens: &'a [TokenId],
+    pub(crate) slots: &'a [i32],
+    pub(crate) draft_slots: Option<&'a [i32]>,
+}
+
+impl<'a> VerifyRef<'a> {
+    /// The step's requests whose cached KV (reused or moved) is checked before anything
+    /// new is written.
+    pub(crate) fn of_step(plan: &'a StepPlan) -> impl Iterator<Item = VerifyRef<'a>> {
+        plan.requests.iter().filter_map(|r| {
+            Some(VerifyRef {
+                id: r.id,
+                tokens: r.verify_tokens.as_deref()?,
+                slots: &r.block_slots,
+                draft_slots: r.draft_block_slots.as_deref(),
+            })
+        })
+    }
+
+    /// Whole requests asked for by the coordinator.
+    pub(crate) fn of_specs(specs: &'a [VerifySpec]) -> impl Iterator<Item = VerifyRef<'a>> {
+        specs.iter().map(|s| VerifyRef {
+            id: s.id,
+            tokens: &s.tokens,
+            slots: &s.block_slots,
+            draft_slots: s.draft_block_slots.as_deref(),
+        })
+    }
+}
+
+/// Verifies each request with `one` (a backend's check of one request); returns the
+/// positions verified and every mismatch.
+pub(crate) fn verify_all<'a>(
+    reqs: impl Iterator<Item = VerifyRef<'a>>,
+    mut one: impl FnMut(VerifyRef<'a>, &mut Vec<Mismatch>) -> Result<u64, DeviceError>,
+) -> Result<(u64, Vec<Mismatch>), DeviceError> {
+    let mut mismatches = Vec::new();
+    let mut n = 0;
+    for r in reqs {
+        n += one(r, &mut mismatches)?;
+    }
+    Ok((n, mismatches))
+}
+
 /// A byte mismatch found by verification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Mismatch {
@@ -309,6 +358,17 @@ impl HostDevice {
             target,
             draft,
         })
+    }
+
+    /// Verifies one request on the target cache (and the draft cache when it has one).
+    fn verify_one(&self, r: VerifyRef<'_>, out: &mut Vec<Mismatch>) -> u64 {
+        let mut n = self
+            .core
+            .verify_cache(&self.target, r.id, r.tokens, r.slots, out);
+        if let (Some(d), Some(slots)) = (&self.draft, r.draft_slots) {
+            n += self.core.verify_cache(d, r.id, r.tokens, slots, out);
+        }
+        n
     }
 }
 
@@ -719,24 +779,9 @@ impl DeviceBackend for HostDevice {
             self.draft.as_mut().map(|d| &mut d.store),
         )?;
         // Cached KV that was reused or moved is checked before anything new is written.
-        let mut mismatches = Vec::new();
-        let mut verified = 0;
-        for r in &plan.requests {
-            if let Some(tokens) = &r.verify_tokens {
-                verified += self.core.verify_cache(
-                    &self.target,
-                    r.id,
-                    tokens,
-                    &r.block_slots,
-                    &mut mismatches,
-                );
-                if let (Some(d), Some(slots)) = (&self.draft, &r.draft_block_slots) {
-                    verified += self
-                        .core
-                        .verify_cache(d, r.id, tokens, slots, &mut mismatches);
-                }
-            }
-        }
+        let (verified, mismatches) = verify_all(VerifyRef::of_step(plan), |r, out| {
+            Ok(self.verify_one(r, out))
+        })?;
         let reqs = StepCore::step_requests(plan, false);
         self.core
             .meta
@@ -796,23 +841,9 @@ impl DeviceBackend for HostDevice {
     }
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        let mut mismatches = Vec::new();
-        let mut n = 0;
-        for s in specs {
-            n += self.core.verify_cache(
-                &self.target,
-                s.id,
-                &s.tokens,
-                &s.block_slots,
-                &mut mismatches,
-            );
-            if let (Some(d), Some(slots)) = (&self.draft, &s.draft_block_slots) {
-                n += self
-                    .core
-                    .verify_cache(d, s.id, &s.tokens, slots, &mut mismatches);
-            }
-        }
-        Ok((n, mismatches))
+        verify_all(VerifyRef::of_specs(specs), |r, out| {
+            Ok(self.verify_one(r, out))
+        })
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {

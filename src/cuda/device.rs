@@ -14,7 +14,7 @@ use half::bf16;
 use super::kernels::{DevRows, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
 use crate::actors::backend::{
-    new_tokens, pool_ids, run_copies, Cache, PoolDigest, StepCore, StepWork,
+    new_tokens, pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
 };
 use crate::actors::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
@@ -125,24 +125,23 @@ impl CudaDevice {
         }
     }
 
-    /// Verifies positions `[0, tokens.len())` of one request on the target cache (and
-    /// the draft cache when `draft_slots` is given).
+    /// Verifies one request on the target cache (and the draft cache when it has one),
+    /// reading its slots back first.
     fn verify_one(
         &mut self,
-        id: crate::ids::RequestId,
-        tokens: &[crate::ids::TokenId],
-        slots: &[i32],
-        draft_slots: Option<&[i32]>,
+        r: VerifyRef<'_>,
         out: &mut Vec<Mismatch>,
     ) -> Result<u64, DeviceError> {
         let dev = self.core.index;
-        let mirrored = refresh(dev, &mut self.target, slots, tokens.len())?;
+        let mirrored = refresh(dev, &mut self.target, r.slots, r.tokens.len())?;
         let mut n = self
             .core
-            .verify_cache(&self.target.host, id, tokens, &mirrored, out);
-        if let (Some(d), Some(ds)) = (self.draft.as_mut(), draft_slots) {
-            let mirrored = refresh(dev, d, ds, tokens.len())?;
-            n += self.core.verify_cache(&d.host, id, tokens, &mirrored, out);
+            .verify_cache(&self.target.host, r.id, r.tokens, &mirrored, out);
+        if let (Some(d), Some(ds)) = (self.draft.as_mut(), r.draft_slots) {
+            let mirrored = refresh(dev, d, ds, r.tokens.len())?;
+            n += self
+                .core
+                .verify_cache(&d.host, r.id, r.tokens, &mirrored, out);
         }
         Ok(n)
     }
@@ -326,19 +325,8 @@ impl DeviceBackend for CudaDevice {
             self.draft.as_mut().map(|d| &mut d.dev),
         )?;
         // Cached KV that was reused or moved is checked before anything new is written.
-        let mut mismatches = Vec::new();
-        let mut verified = 0;
-        for r in &plan.requests {
-            if let Some(tokens) = &r.verify_tokens {
-                verified += self.verify_one(
-                    r.id,
-                    tokens,
-                    &r.block_slots,
-                    r.draft_block_slots.as_deref(),
-                    &mut mismatches,
-                )?;
-            }
-        }
+        let (verified, mismatches) =
+            verify_all(VerifyRef::of_step(plan), |r, out| self.verify_one(r, out))?;
         let reqs = StepCore::step_requests(plan, false);
         self.core
             .meta
@@ -390,18 +378,7 @@ impl DeviceBackend for CudaDevice {
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        let mut mismatches = Vec::new();
-        let mut n = 0;
-        for s in specs {
-            n += self.verify_one(
-                s.id,
-                &s.tokens,
-                &s.block_slots,
-                s.draft_block_slots.as_deref(),
-                &mut mismatches,
-            )?;
-        }
-        Ok((n, mismatches))
+        verify_all(VerifyRef::of_specs(specs), |r, out| self.verify_one(r, out))
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
