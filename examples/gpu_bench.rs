@@ -19,6 +19,7 @@ use dsa_kv::cuda::{CudaError, DeviceBuffer, Gpu, PinnedHost};
 use dsa_kv::layout::IndexerPageLayout;
 use dsa_kv::metadata::MetadataLayout;
 use dsa_kv::ops::topk::PrimaryPageParams;
+use dsa_kv::rng::SplitMix64;
 use half::bf16;
 use serde_json::{json, Value};
 
@@ -69,7 +70,7 @@ struct Bench {
     reps: usize,
     start: CudaEvent,
     end: CudaEvent,
-    rng: u64,
+    rng: SplitMix64,
 }
 
 type R<T> = Result<T, String>;
@@ -90,16 +91,12 @@ impl Bench {
             end: ev()?,
             gpu: gpu.clone(),
             reps,
-            rng: 0x5eed,
+            rng: SplitMix64(0x5eed),
         })
     }
 
     fn next(&mut self) -> u64 {
-        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.rng.next_u64()
     }
 
     /// Median device time of `f` in microseconds (two warm-up runs first).

@@ -36,6 +36,7 @@ use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::cuda::CudaDevice;
 use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::rng::SplitMix64;
 use serde_json::json;
 
 const VOCAB: u64 = 129_280;
@@ -140,22 +141,18 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-/// SplitMix64.
-struct Rng(u64);
+/// The crate's generator, with the workload's draws.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        self.0.uniform()
     }
     fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
+        self.0.range(lo, hi)
     }
     fn exp(&mut self, mean: f64) -> f64 {
         -mean * (1.0 - self.uniform()).ln()
@@ -221,7 +218,7 @@ fn draft_acceptance(rng: &mut Rng, drafts: u32) -> u32 {
 
 async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
     let config = engine_config(&a).map_err(RuntimeError::Runtime)?;
-    let mut rng = Rng(a.seed);
+    let mut rng = Rng(SplitMix64(a.seed));
     let w = Workload {
         conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 64 }),
         turns: a.turns.unwrap_or(if a.quick { 2 } else { 3 }),

@@ -24,6 +24,7 @@ use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::cuda::CudaDevice;
 use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::rng::SplitMix64;
 use serde_json::json;
 
 const USAGE: &str =
@@ -88,18 +89,15 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-struct Rng(u64);
+/// The crate's generator, with the workload's draws.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
+        self.0.range(lo, hi)
     }
     fn tokens(&mut self, n: u64) -> Vec<TokenId> {
         (0..n)
@@ -127,7 +125,7 @@ async fn run(a: &Args) -> Result<(bool, serde_json::Value), RuntimeError> {
     }
     let kv = b.start().await?;
     let info = kv.info().clone();
-    let mut rng = Rng(a.seed);
+    let mut rng = Rng(SplitMix64(a.seed));
     let systems: Vec<Vec<TokenId>> = (0..4).map(|i| rng.tokens(700 + 300 * i)).collect();
     for i in 0..a.requests {
         let mut prompt = systems[(rng.next() % 4) as usize].clone();

@@ -16,6 +16,7 @@ use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SchedError, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{PoolGroupId, RequestId, Tier, TokenId};
+use dsa_kv::rng::SplitMix64;
 use dsa_kv::storage::StorageError;
 
 fn config() -> EngineConfig {
@@ -165,13 +166,8 @@ struct Dropped {
 /// `pending_step` and committed; a dropped commit is retried only when `pending_step`
 /// says it did not land.
 async fn engine_dropping_futures(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> Dropped {
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let mut draw = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut rng = SplitMix64(0x2545_F491_4F6C_DD1D);
+    let mut draw = move |n: u64| rng.below(n);
     let mut seen = Dropped::default();
     let mut steps = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -276,13 +272,8 @@ async fn client_futures_cancelled_anywhere_lose_nothing() {
     for c in 0..24u64 {
         let kv = kv.clone();
         clients.push(tokio::spawn(async move {
-            let mut x = c.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            let mut draw = move |n: u64| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x % n
-            };
+            let mut rng = SplitMix64(c);
+            let mut draw = move |n: u64| rng.below(n);
             let mut cancelled = 0u32;
             for k in 0..6u64 {
                 let id = c * 100 + k + 1;

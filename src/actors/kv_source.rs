@@ -6,6 +6,7 @@
 use half::bf16;
 
 use crate::ids::{LayerId, TokenId};
+use crate::rng::mix;
 
 /// The BF16 values a forward pass would produce for one token on one layer.
 pub trait KvSource: Send + Sync + 'static {
@@ -20,13 +21,6 @@ pub trait KvSource: Send + Sync + 'static {
 pub struct SyntheticKv {
     /// Mixed into every value.
     pub seed: u64,
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl SyntheticKv {

@@ -19,6 +19,7 @@ use super::slot_allocator::SlotAllocator;
 use crate::ids::{Fence, LifeCycleId, PageId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use crate::layout::{PoolPlan, Role};
 use crate::ops::CopyPlan;
+use crate::rng::SplitMix64;
 
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -233,20 +234,15 @@ pub struct KvCacheManager {
 /// A seeded schedule of refused GPU-room requests.
 #[derive(Clone, Debug)]
 pub(super) struct RoomFaults {
-    state: u64,
+    rng: SplitMix64,
     percent: u8,
     pub(super) injected: u64,
 }
 
 impl RoomFaults {
-    /// Whether this request is refused (SplitMix64 draw).
+    /// Whether this request is refused.
     pub(super) fn fire(&mut self) -> bool {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        let hit = z % 100 < u64::from(self.percent);
+        let hit = self.rng.below(100) < u64::from(self.percent);
         self.injected += u64::from(hit);
         hit
     }
@@ -373,7 +369,7 @@ impl KvCacheManager {
     /// every structure as it was. `percent = 0` turns injection off.
     pub fn inject_room_failures(&mut self, seed: u64, percent: u8) {
         self.faults = (percent > 0).then_some(RoomFaults {
-            state: seed,
+            rng: SplitMix64(seed),
             percent: percent.min(100),
             injected: 0,
         });

@@ -21,21 +21,18 @@ use crate::ops::mla::{
 use crate::ops::quant::{quantize_fp4_token, quantize_fp8_token, ScaleFormat};
 use crate::ops::topk::{dense_topk, topk_to_global, PrimaryPageParams};
 use crate::ops::{CopyPlan, GroupCopy};
+use crate::rng::SplitMix64;
 use crate::storage::{HostStorage, KvStorage};
 
-/// SplitMix64.
-struct Rng(u64);
+/// The crate's generator with the test inputs built on it.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.0.below(n)
     }
     /// BF16 values: mostly normal numbers at a per-call magnitude, some arbitrary bit
     /// patterns (subnormals, huge values, ±inf, NaN of both signs).
@@ -151,7 +148,7 @@ fn hardware_e4m3_conversion_equals_the_reference_on_every_f32() {
 #[ignore = "needs a CUDA device"]
 fn quantize_indexer_matches_host() {
     let g = gpu();
-    let mut rng = Rng(1);
+    let mut rng = Rng(SplitMix64(1));
     for &n in &[0usize, 1, 7, 1000, 4097] {
         let keys = rng.bf16s(n * 128);
         let kb = buf(&g, &keys);
@@ -230,7 +227,7 @@ fn indexer_maps(rng: &mut Rng, n: usize, pages: u64, width: u32) -> (Vec<i64>, V
 #[ignore = "needs a CUDA device"]
 fn indexer_scatter_and_gather_match_host() {
     let g = gpu();
-    let mut rng = Rng(2);
+    let mut rng = Rng(SplitMix64(2));
     for &width in &[128u32, 64] {
         for &n in &[0usize, 1, 100, 3000] {
             let pages = (n as u64).div_ceil(64) + 2;
@@ -313,7 +310,7 @@ fn indexer_scatter_and_gather_match_host() {
 #[ignore = "needs a CUDA device"]
 fn out_of_range_mappings_are_skipped_on_the_device() {
     let g = gpu();
-    let mut rng = Rng(3);
+    let mut rng = Rng(SplitMix64(3));
     let n = 200;
     let pages = 5;
     let init = rng.bytes(pages * 64 * 132);
@@ -362,7 +359,7 @@ fn out_of_range_mappings_are_skipped_on_the_device() {
 #[ignore = "needs a CUDA device"]
 fn mla_scatters_match_host() {
     let g = gpu();
-    let mut rng = Rng(4);
+    let mut rng = Rng(SplitMix64(4));
     for &n in &[0usize, 1, 63, 64, 65, 2000] {
         let blocks = (n as u64).div_ceil(64) + 3;
         let rows = rng.bf16s(n * 576);
@@ -450,7 +447,7 @@ fn mla_scatters_match_host() {
 #[ignore = "needs a CUDA device"]
 fn topk_kernels_match_host() {
     let g = gpu();
-    let mut rng = Rng(5);
+    let mut rng = Rng(SplitMix64(5));
     let (reqs, max_blocks, k, rows) = (6usize, 9usize, 2048usize, 17usize);
     let table: Vec<i32> = (0..reqs * max_blocks)
         .map(|_| {
@@ -521,7 +518,7 @@ fn topk_kernels_match_host() {
 #[ignore = "needs a CUDA device"]
 fn slot_mapping_recompute_matches_host() {
     let g = gpu();
-    let mut rng = Rng(6);
+    let mut rng = Rng(SplitMix64(6));
     for scale in [1u32, 3] {
         let layout = MetadataLayout {
             tokens_per_block: 64,
@@ -751,7 +748,7 @@ fn a_runtime_larger_than_the_gpu_fails_to_start_and_frees_everything() {
 #[ignore = "needs a CUDA device"]
 fn copy_plans_match_host_storage() {
     let g = gpu();
-    let mut rng = Rng(7);
+    let mut rng = Rng(SplitMix64(7));
     let model = DsaModel::glm52();
     let plan = PoolPlan::for_model(&model, LayerSet::Target, LayoutKind::V2, 64).unwrap();
     let groups = plan.pool_groups().len();

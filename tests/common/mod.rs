@@ -7,28 +7,8 @@ use dsa_kv::ids::{LayerId, SlotId, Tier, TokenId};
 use dsa_kv::layout::{BufferPlacement, Role};
 use dsa_kv::storage::{HostStorage, KvStorage};
 
-/// SplitMix64: tiny, seedable, good enough for tests.
-#[derive(Clone, Debug)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
+/// The crate's seeded generator (SplitMix64).
+pub use dsa_kv::rng::SplitMix64 as Rng;
 
 /// Hash of a token prefix, extended one token at a time.
 pub fn extend_prefix_hash(h: u64, t: TokenId) -> u64 {
