@@ -3,6 +3,15 @@
 // One warp per token. `rows` holds 576 BF16 values per token. A row that would end past
 // the pool (pool_len) is skipped; the host reference rejects such a batch up front.
 
+// This warp's destination row in a strided view, or nullptr when the token is skipped
+// (negative slot, or a row that would end past the pool).
+__device__ __forceinline__ u8* token_row(u8* pool, i64 slot, u64 base, u64 block_stride, u32 tpb, u64 pool_len,
+                                         u32 row_bytes) {
+    if (slot < 0) return nullptr;
+    u64 off = row_offset(slot, base, block_stride, tpb, row_bytes);
+    return off + row_bytes > pool_len ? nullptr : pool + off;
+}
+
 // BF16 rows: a plain 1152-byte move (72 x 16 B).
 extern "C" __global__ void mla_scatter_bf16(u8* __restrict__ pool, const u16* __restrict__ rows,
                                             const i64* __restrict__ slots, int n, u64 base, u64 block_stride,
@@ -10,11 +19,9 @@ extern "C" __global__ void mla_scatter_bf16(u8* __restrict__ pool, const u16* __
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
-    i64 s = slots[warp];
-    if (s < 0) return;
-    u64 off = row_offset(s, base, block_stride, tpb, 1152);
-    if (off + 1152u > pool_len) return;
-    uint4* dst = reinterpret_cast<uint4*>(pool + off);
+    u8* row = token_row(pool, slots[warp], base, block_stride, tpb, pool_len, 1152);
+    if (!row) return;
+    uint4* dst = reinterpret_cast<uint4*>(row);
     const uint4* src = reinterpret_cast<const uint4*>(rows + (u64)warp * 576);
     for (int i = lane; i < 72; i += 32) dst[i] = src[i];
 }
@@ -26,11 +33,8 @@ extern "C" __global__ void mla_scatter_fp8(u8* __restrict__ pool, const u16* __r
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
-    i64 s = slots[warp];
-    if (s < 0) return;
-    u64 off = row_offset(s, base, block_stride, tpb, 576);
-    if (off + 576u > pool_len) return;
-    u8* dst = pool + off;
+    u8* dst = token_row(pool, slots[warp], base, block_stride, tpb, pool_len, 576);
+    if (!dst) return;
     const u16* src = rows + (u64)warp * 576;
     // 144 groups of 4 values, 4-byte stores.
     for (int g = lane; g < 144; g += 32) {
@@ -50,11 +54,8 @@ extern "C" __global__ void mla_scatter_fp8_ds_mla(u8* __restrict__ pool, const u
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
-    i64 s = slots[warp];
-    if (s < 0) return;
-    u64 off = row_offset(s, base, block_stride, tpb, 656);
-    if (off + 656u > pool_len) return;
-    u8* dst = pool + off;
+    u8* dst = token_row(pool, slots[warp], base, block_stride, tpb, pool_len, 656);
+    if (!dst) return;
     const u16* src = rows + (u64)warp * 576;
     float x[16];
     float amax = 0.0f;
@@ -95,12 +96,9 @@ extern "C" __global__ void mla_scatter_nvfp4(u8* __restrict__ data_pool, u8* __r
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
     i64 s = slots[warp];
-    if (s < 0) return;
-    u64 doff = row_offset(s, data_base, data_stride, tpb, 288);
-    u64 soff = row_offset(s, scale_base, scale_stride, tpb, 36);
-    if (doff + 288u > data_len || soff + 36u > scale_len) return;
-    u8* dd = data_pool + doff;
-    u8* sd = scale_pool + soff;
+    u8* dd = token_row(data_pool, s, data_base, data_stride, tpb, data_len, 288);
+    u8* sd = token_row(scale_pool, s, scale_base, scale_stride, tpb, scale_len, 36);
+    if (!dd || !sd) return;
     const u16* src = rows + (u64)warp * 576;
     for (int b = lane; b < 36; b += 32) {
         float x[16];

@@ -1,6 +1,18 @@
 // Indexer key quantization (host reference: quantize_fp8_token / quantize_fp4_token in
 // src/ops/quant.rs). One warp per token of 128 BF16 values; each lane owns 4 values.
 
+// Lane `lane`'s four values of token `t` (128 BF16 values per token) as floats; returns
+// their largest magnitude.
+__device__ __forceinline__ float load_key4(const u16* keys, int t, int lane, float x[4]) {
+    u64 raw = *reinterpret_cast<const u64*>(keys + (u64)t * 128 + lane * 4);
+    float amax = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+        x[i] = bf16_to_f32((u16)(raw >> (16 * i)));
+        amax = fmaxf(amax, fabsf(x[i]));
+    }
+    return amax;
+}
+
 // FP8: per-token scale max(amax, 1e-4) / 448 (a power of two when ue8m0), values
 // e4m3(x / scale) -> values[t * 128 ..], f32 scale word -> scales[t * 4 ..].
 extern "C" __global__ void quantize_indexer_fp8(const u16* __restrict__ keys, u8* __restrict__ values,
@@ -8,14 +20,8 @@ extern "C" __global__ void quantize_indexer_fp8(const u16* __restrict__ keys, u8
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
-    const u16* k = keys + (u64)warp * 128 + lane * 4;
-    u64 raw = *reinterpret_cast<const u64*>(k);
     float x[4];
-    float amax = 0.0f;
-    for (int i = 0; i < 4; ++i) {
-        x[i] = bf16_to_f32((u16)(raw >> (16 * i)));
-        amax = fmaxf(amax, fabsf(x[i]));
-    }
+    float amax = load_key4(keys, warp, lane, x);
     amax = warp_max(amax, 32u);
     float scale = block_scale(amax, FP8_MAX, ue8m0);
     float y[4];
@@ -38,14 +44,8 @@ extern "C" __global__ void quantize_indexer_fp4(const u16* __restrict__ keys, u8
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
-    const u16* k = keys + (u64)warp * 128 + lane * 4;
-    u64 raw = *reinterpret_cast<const u64*>(k);
     float x[4];
-    float amax = 0.0f;
-    for (int i = 0; i < 4; ++i) {
-        x[i] = bf16_to_f32((u16)(raw >> (16 * i)));
-        amax = fmaxf(amax, fabsf(x[i]));
-    }
+    float amax = load_key4(keys, warp, lane, x);
     amax = warp_max(amax, 8u);  // 8 lanes = one 32-element block
     float scale = block_scale(amax, FP4_MAX, 1);
     float inv = __frcp_rn(scale);
