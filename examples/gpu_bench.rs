@@ -10,6 +10,8 @@
 //! the same way the memcpy ceiling counts its reads and writes; host copies count the
 //! bytes crossing the bus once, like the pinned-copy ceilings they are compared to.
 
+mod common;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -497,13 +499,7 @@ fn run(a: &Args) -> R<Value> {
 }
 
 fn main() -> ExitCode {
-    // A closed stdout (`... --json | head`) ends the program quietly, as it does any
-    // Unix tool, instead of a panic in `println!`.
-    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is valid.
-    #[cfg(unix)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    common::quiet_on_closed_stdout();
     let a = match parse() {
         Ok(a) => a,
         Err(m) => {

@@ -11,6 +11,8 @@
 //! is `fraction` (default 0.9) of it. MTP layers are reported in their own fields; with
 //! `--with-mtp` they share the target manager (and its budget).
 
+mod common;
+
 use std::process::ExitCode;
 
 use dsa_kv::config::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelPreset};
@@ -331,13 +333,7 @@ fn run(a: Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    // A closed stdout (`... --json | head`) ends the program quietly, as it does any
-    // Unix tool, instead of a panic in `println!`.
-    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is valid.
-    #[cfg(unix)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    common::quiet_on_closed_stdout();
     match parse().and_then(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -24,6 +24,8 @@
 //!
 //! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::PathBuf;
@@ -568,13 +570,7 @@ fn plot(st: &RuntimeStats) -> String {
 }
 
 fn main() -> ExitCode {
-    // A closed stdout (`... --json | head`) ends the program quietly, as it does any
-    // Unix tool, instead of a panic in `println!`.
-    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is valid.
-    #[cfg(unix)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    common::quiet_on_closed_stdout();
     let args = match parse() {
         Ok(a) => a,
         Err(e) => {

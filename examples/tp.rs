@@ -14,6 +14,8 @@
 //! Exits 0 only when every rank agreed on every step and on the final cache bytes and
 //! verification found no mismatch.
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -239,13 +241,7 @@ async fn run(a: &Args) -> Result<(bool, serde_json::Value), RuntimeError> {
 }
 
 fn main() -> ExitCode {
-    // A closed stdout (`... --json | head`) ends the program quietly, as it does any
-    // Unix tool, instead of a panic in `println!`.
-    // SAFETY: first thing in `main`, before any other thread exists; SIG_DFL is valid.
-    #[cfg(unix)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    common::quiet_on_closed_stdout();
     let a = match parse() {
         Ok(a) => a,
         Err(e) => {
