@@ -4,19 +4,25 @@
 //! ```text
 //! cargo run --release --example plan -- --model deepseek-v3.2 [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4]
 //!     [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] [--fraction F] [--layout v1|v2]
-//!     [--layers N] [--tokens-per-block T] [--with-mtp] [--json]
+//!     [--layers N] [--tokens-per-block T] [--with-mtp [--mtp-in-target]]
+//!     [--max-gpu-total-bytes B] [--json]
 //! ```
 //!
 //! `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
-//! is `fraction` (default 0.9) of it. MTP layers are reported in their own fields; with
-//! `--with-mtp` they share the target manager (and its budget).
+//! is `fraction` (default 0.9) of it, or exactly `--max-gpu-total-bytes`. MTP layers are
+//! reported in their own fields; `--with-mtp` plans MTP speculative decoding as the engine
+//! does by default: a separate draft cache with the same slot count, paid from the same
+//! budget (`--mtp-in-target`: the MTP layers in the target manager instead). The figures
+//! come from `CapacityPlan`, the computation the runtime sizes its pools with.
 
 mod common;
 
 use std::process::ExitCode;
 
-use dsa_kv::config::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelPreset};
-use dsa_kv::core::quota::{gpu_budget, QuotaInputs};
+use dsa_kv::config::{
+    DsaModel, EngineConfig, IndexerDtype, KvDtype, LayerSet, ModelPreset, SpecMode, V2Choice,
+};
+use dsa_kv::core::quota::CapacityPlan;
 use dsa_kv::layout::{LayoutKind, PoolPlan, Role};
 use serde_json::json;
 
@@ -32,12 +38,15 @@ struct Args {
     layout: Option<LayoutKind>,
     tokens_per_block: u32,
     with_mtp: bool,
+    mtp_in_target: bool,
+    max_gpu_total_bytes: Option<u64>,
     json: bool,
 }
 
 const USAGE: &str = "usage: plan --model deepseek-v3.2|glm-5|glm-5.2|mistral-large-3 \
 [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] \
-[--fraction F] [--layout v1|v2] [--layers N] [--tokens-per-block T] [--with-mtp] [--json]";
+[--fraction F] [--layout v1|v2] [--layers N] [--tokens-per-block T] [--with-mtp [--mtp-in-target]] \
+[--max-gpu-total-bytes B] [--json]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -50,6 +59,8 @@ fn parse() -> Result<Args, String> {
         layout: None,
         tokens_per_block: 64,
         with_mtp: false,
+        mtp_in_target: false,
+        max_gpu_total_bytes: None,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -111,6 +122,13 @@ fn parse() -> Result<Args, String> {
                     .map_err(|_| format!("--tokens-per-block must be an integer (got {v:?})"))?;
             }
             "--with-mtp" => a.with_mtp = true,
+            "--mtp-in-target" => a.mtp_in_target = true,
+            "--max-gpu-total-bytes" => {
+                let v = value("--max-gpu-total-bytes")?;
+                a.max_gpu_total_bytes = Some(v.parse().map_err(|_| {
+                    format!("--max-gpu-total-bytes must be a byte count (got {v:?})")
+                })?);
+            }
             "--json" => a.json = true,
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -118,6 +136,9 @@ fn parse() -> Result<Args, String> {
     }
     if !model_given {
         return Err(format!("--model is required\n{USAGE}"));
+    }
+    if a.mtp_in_target && !a.with_mtp {
+        return Err(format!("--mtp-in-target needs --with-mtp\n{USAGE}"));
     }
     Ok(a)
 }
@@ -143,34 +164,34 @@ fn run(a: Args) -> Result<(), String> {
         spec.indexer_dtype = d;
     }
     let model = DsaModel::new(spec).map_err(|e| e.to_string())?;
-    let kind = a
-        .layout
-        .unwrap_or(if model.spec().default_kv_manager_v2 == Some(true) {
-            LayoutKind::V2
-        } else {
-            LayoutKind::V1
-        });
-    let set = if a.with_mtp {
-        LayerSet::TargetAndMtp
-    } else {
-        LayerSet::Target
-    };
-    let plan =
-        PoolPlan::for_model(&model, set, kind, a.tokens_per_block).map_err(|e| e.to_string())?;
+    // The same configuration path as the runtime: resolve, then plan the pools.
+    let mut config = EngineConfig::default();
+    config.kv_cache.tokens_per_block = a.tokens_per_block;
+    config.kv_cache.free_gpu_memory_fraction = a.fraction;
+    config.kv_cache.max_gpu_total_bytes = a.max_gpu_total_bytes;
+    if let Some(kind) = a.layout {
+        config.kv_cache.use_kv_cache_manager_v2 = V2Choice::Explicit(kind == LayoutKind::V2);
+    }
+    if a.with_mtp {
+        config.spec_decode.mode = SpecMode::Mtp;
+        config.spec_decode.draft_tokens = 1;
+        config.spec_decode.separate_draft_cache = !a.mtp_in_target;
+    }
+    let resolved = config
+        .resolve_with(model.clone())
+        .map_err(|e| e.to_string())?;
+    let free = (a.gpu_mem_gib * GIB) as u64;
+    let capacity = CapacityPlan::new(&resolved, Some(free)).map_err(|e| e.to_string())?;
+    let (kind, set, plan, budget) = (
+        resolved.layout,
+        resolved.target_layers,
+        &capacity.target,
+        capacity.gpu,
+    );
     let target = model.bytes_per_token(LayerSet::Target);
     let mtp = model.bytes_per_token(LayerSet::MtpOnly);
     let s = model.spec();
     let num_idx = model.num_indexer_layers();
-    let free = (a.gpu_mem_gib * GIB) as u64;
-    let budget = gpu_budget(
-        &plan,
-        &QuotaInputs {
-            free_gpu_memory: Some(free),
-            free_gpu_memory_fraction: a.fraction,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| e.to_string())?;
     assert_eq!(
         plan.cache_bytes_per_token(),
         model.bytes_per_token(set).total(),
@@ -216,13 +237,18 @@ fn run(a: Args) -> Result<(), String> {
         "mtp_bytes_per_token": mtp.total(),
         "mtp_mla_bytes_per_token": mtp.mla,
         "mtp_indexer_bytes_per_token": mtp.indexer,
-        "mtp_in_manager": a.with_mtp,
+        "mtp_in_manager": set == LayerSet::TargetAndMtp,
+        "separate_draft_cache": capacity.draft.is_some(),
         "manager_bytes_per_token": plan.cache_bytes_per_token(),
+        "draft_cache_bytes_per_token": capacity.draft.as_ref().map_or(0, PoolPlan::cache_bytes_per_token),
         "bytes_per_block": plan.bytes_per_block(),
         "pool_groups": groups,
         "gpu_mem_gib": a.gpu_mem_gib,
         "free_gpu_memory_fraction": a.fraction,
         "budget_bytes": budget.bytes,
+        "budget_source": budget.source,
+        "target_allocated_bytes": budget.target_bytes,
+        "draft_allocated_bytes": budget.draft_bytes,
         "allocated_bytes": budget.allocated_bytes,
         "blocks": budget.slots,
         "tokens_that_fit": budget.tokens,
@@ -277,10 +303,10 @@ fn run(a: Args) -> Result<(), String> {
             group_digits(mtp.total()),
             mtp.mla,
             mtp.indexer,
-            if a.with_mtp {
-                ", in this manager"
-            } else {
-                ", in a separate draft manager"
+            match (set, &capacity.draft) {
+                (LayerSet::TargetAndMtp, _) => ", in this manager",
+                (_, Some(_)) => ", in a separate draft cache with the same slot count",
+                _ => ", not planned (add --with-mtp)",
             }
         );
     }
@@ -320,15 +346,25 @@ fn run(a: Args) -> Result<(), String> {
         }
     }
     println!();
+    let source = match a.max_gpu_total_bytes {
+        Some(b) => format!("max_gpu_total_bytes {b}"),
+        None => format!("{:.1} GiB free × {}", a.gpu_mem_gib, a.fraction),
+    };
     println!(
-        "capacity: {:.1} GiB free × {} = {:.2} GiB budget → {} blocks = {} tokens ({:.2} GiB allocated in 2 MiB chunks)",
-        a.gpu_mem_gib,
-        a.fraction,
+        "capacity: {source} = {:.2} GiB budget → {} blocks = {} tokens ({:.2} GiB allocated in 2 MiB chunks)",
         budget.bytes as f64 / GIB,
         group_digits(budget.slots),
         group_digits(budget.tokens),
         budget.allocated_bytes as f64 / GIB
     );
+    if capacity.draft.is_some() {
+        println!(
+            "  target cache {:.2} GiB + draft cache {:.2} GiB (same {} slots per pool group)",
+            budget.target_bytes as f64 / GIB,
+            budget.draft_bytes as f64 / GIB,
+            group_digits(budget.slots),
+        );
+    }
     Ok(())
 }
 

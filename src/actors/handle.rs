@@ -22,11 +22,11 @@ use super::kv_source::{KvSource, SyntheticKv};
 use super::shared::{LiveCounters, RuntimeShared};
 use super::stats::RuntimeStats;
 use crate::config::{DsaModel, EngineConfig};
-use crate::core::quota::{bytes_for_slots, gpu_budget, slots_for_budget, GpuBudget, QuotaInputs};
+use crate::core::quota::{CapacityPlan, GpuBudget};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
 use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
 use crate::ids::{RequestId, TokenId};
-use crate::layout::{LayoutKind, PoolPlan};
+use crate::layout::LayoutKind;
 use crate::metadata::MetadataDims;
 
 /// Builds one device backend: `(device index, setup)`.
@@ -200,23 +200,15 @@ impl KvCacheBuilder {
             return Err(RuntimeError::NoDevices);
         }
         let t = c.kv_cache.tokens_per_block;
-        let target_plan =
-            PoolPlan::for_model(&resolved.model, resolved.target_layers, resolved.layout, t)?;
-        let draft_plan = resolved
-            .draft_layers
-            .map(|set| PoolPlan::for_model(&resolved.model, set, resolved.layout, t))
-            .transpose()?;
-        let budget = gpu_budget(
-            &target_plan,
-            &QuotaInputs {
-                max_gpu_total_bytes: c.kv_cache.max_gpu_total_bytes,
-                free_gpu_memory_fraction: c.kv_cache.free_gpu_memory_fraction,
-                // The host backend has no device memory to measure.
-                free_gpu_memory: None,
-                max_tokens: c.kv_cache.max_tokens,
-                max_util_for_resume: c.kv_cache.max_util_for_resume,
-            },
-        )?;
+        // One budget pays for the target and the separate draft cache (same slot counts);
+        // the host backend has no device memory to measure.
+        let capacity = CapacityPlan::new(&resolved, None)?;
+        let budget = capacity.gpu;
+        let CapacityPlan {
+            target: target_plan,
+            draft: draft_plan,
+            ..
+        } = capacity;
         let groups = target_plan.pool_groups().len();
         let gpu = u32::try_from(budget.slots).map_err(|_| {
             RuntimeError::Runtime(format!(
@@ -224,12 +216,7 @@ impl KvCacheBuilder {
                 budget.slots
             ))
         })?;
-        let host = c
-            .kv_cache
-            .host_cache_size
-            .map(|b| slots_for_budget(&target_plan, b))
-            .unwrap_or(0)
-            .min(u64::from(u32::MAX)) as u32;
+        let host = capacity.host_slots as u32;
         let slots = TierSlots {
             gpu: vec![gpu; groups],
             host: if host > 0 { vec![host; groups] } else { vec![] },
@@ -280,18 +267,12 @@ impl KvCacheBuilder {
         let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
         shared
             .quota
-            .try_reserve(
-                "the target cache",
-                bytes_for_slots(&target_plan, u64::from(gpu)),
-            )
+            .try_reserve("the target cache", budget.target_bytes)
             .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
-        if let Some(p) = &draft_plan {
+        if draft_plan.is_some() {
             shared
                 .quota
-                .try_reserve(
-                    "the separate draft cache",
-                    bytes_for_slots(p, u64::from(gpu)),
-                )
+                .try_reserve("the separate draft cache", budget.draft_bytes)
                 .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
         }
         // Every backend is built (pools allocated) before any actor starts: a failure

@@ -124,7 +124,8 @@ pub struct KvCacheConfig {
     pub max_tokens: Option<u64>,
     /// Explicit GPU budget in bytes.
     pub max_gpu_total_bytes: Option<u64>,
-    /// Host (offload) tier in bytes; 0 or absent: no host tier.
+    /// Host (offload) tier in bytes, for the target and any separate draft cache together
+    /// (both get the same slot count); 0 or absent: no host tier.
     pub host_cache_size: Option<u64>,
     /// Prefix reuse.
     pub enable_block_reuse: bool,

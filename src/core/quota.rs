@@ -4,7 +4,10 @@
 //!
 //! Every pool is rounded up to the 2 MiB physical-allocation granularity of the GPU
 //! pools (CUDA VMM chunks). All pool groups get the same slot count: DSA layers are full
-//! attention, so a token needs one block in every life cycle.
+//! attention, so a token needs one block in every life cycle. With speculative decoding
+//! and a separate draft cache ([`CachePlans`]), one budget pays for both caches and both
+//! get the same slot count (the scheduler mirrors every target decision in the draft
+//! cache), so a slot costs the target's block bytes plus the draft's.
 
 use serde::Serialize;
 
@@ -18,9 +21,54 @@ fn round_up(x: u64, g: u64) -> u64 {
     x.div_ceil(g) * g
 }
 
-/// Bytes the pools take with `slots` slots in every pool group, each pool rounded up
-/// to [`ALLOC_GRANULARITY`].
-pub fn bytes_for_slots(plan: &PoolPlan, slots: u64) -> u64 {
+/// The caches one GPU budget pays for: the target cache and, with MTP and a separate
+/// draft cache, the draft cache. Both get the same number of slots per pool group.
+///
+/// A plain `&PoolPlan` converts into a target-only set, so every function here takes
+/// either.
+#[derive(Clone, Copy, Debug)]
+pub struct CachePlans<'a> {
+    /// The target model's pools.
+    pub target: &'a PoolPlan,
+    /// The separate draft cache's pools, if any.
+    pub draft: Option<&'a PoolPlan>,
+}
+
+impl<'a> CachePlans<'a> {
+    /// The target cache and, when given, a separate draft cache.
+    pub fn new(target: &'a PoolPlan, draft: Option<&'a PoolPlan>) -> Self {
+        CachePlans { target, draft }
+    }
+
+    fn plans(&self) -> impl Iterator<Item = &'a PoolPlan> {
+        std::iter::once(self.target).chain(self.draft)
+    }
+
+    /// Tokens per block (the target's; a draft cache uses the same).
+    pub fn tokens_per_block(&self) -> u32 {
+        self.target.tokens_per_block()
+    }
+
+    /// Bytes of one slot in every pool group of every cache (before rounding).
+    pub fn bytes_per_block(&self) -> u64 {
+        self.plans().map(PoolPlan::bytes_per_block).sum()
+    }
+
+    /// Bytes of one token in every cache (`Role::All` over all layers of both).
+    pub fn cache_bytes_per_token(&self) -> u64 {
+        self.plans().map(PoolPlan::cache_bytes_per_token).sum()
+    }
+}
+
+impl<'a> From<&'a PoolPlan> for CachePlans<'a> {
+    fn from(target: &'a PoolPlan) -> Self {
+        CachePlans::new(target, None)
+    }
+}
+
+/// Bytes the pools of `plan` take with `slots` slots in every pool group, each pool
+/// rounded up to [`ALLOC_GRANULARITY`].
+fn plan_bytes_for_slots(plan: &PoolPlan, slots: u64) -> u64 {
     plan.pool_groups()
         .iter()
         .flat_map(|g| g.pools.iter())
@@ -28,14 +76,25 @@ pub fn bytes_for_slots(plan: &PoolPlan, slots: u64) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
+/// Bytes the pools take with `slots` slots in every pool group (of the target and, when
+/// there is one, of the draft cache), each pool rounded up to [`ALLOC_GRANULARITY`].
+pub fn bytes_for_slots<'a>(plans: impl Into<CachePlans<'a>>, slots: u64) -> u64 {
+    plans
+        .into()
+        .plans()
+        .map(|p| plan_bytes_for_slots(p, slots))
+        .fold(0u64, u64::saturating_add)
+}
+
 /// The largest slot count (per pool group) whose pools fit in `budget` bytes.
-pub fn slots_for_budget(plan: &PoolPlan, budget: u64) -> u64 {
-    let per_block = plan.bytes_per_block().max(1);
+pub fn slots_for_budget<'a>(plans: impl Into<CachePlans<'a>>, budget: u64) -> u64 {
+    let plans = plans.into();
+    let per_block = plans.bytes_per_block().max(1);
     let (mut lo, mut hi) = (0u64, budget / per_block + 1);
     // Invariant: bytes_for_slots(lo) ≤ budget < bytes_for_slots(hi).
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if bytes_for_slots(plan, mid) <= budget {
+        if bytes_for_slots(plans, mid) <= budget {
             lo = mid;
         } else {
             hi = mid;
@@ -45,35 +104,43 @@ pub fn slots_for_budget(plan: &PoolPlan, budget: u64) -> u64 {
 }
 
 /// Bytes needed to hold `tokens` tokens (whole blocks).
-pub fn bytes_for_tokens(plan: &PoolPlan, tokens: u64) -> u64 {
-    bytes_for_slots(plan, tokens.div_ceil(u64::from(plan.tokens_per_block())))
+pub fn bytes_for_tokens<'a>(plans: impl Into<CachePlans<'a>>, tokens: u64) -> u64 {
+    let plans = plans.into();
+    bytes_for_slots(plans, tokens.div_ceil(u64::from(plans.tokens_per_block())))
 }
 
 /// Tokens that fit in `budget` bytes.
-pub fn tokens_for_budget(plan: &PoolPlan, budget: u64) -> u64 {
-    slots_for_budget(plan, budget) * u64::from(plan.tokens_per_block())
+pub fn tokens_for_budget<'a>(plans: impl Into<CachePlans<'a>>, budget: u64) -> u64 {
+    let plans = plans.into();
+    slots_for_budget(plans, budget) * u64::from(plans.tokens_per_block())
 }
 
 /// The warm-up (static) estimate: tokens of `model` that fit in `budget` bytes, computed
-/// with the same plan and formula the allocation uses.
+/// with the same plans and formula the allocation uses (`draft`: the layers of a
+/// separate draft cache, which the same budget pays for).
 pub fn estimate_tokens(
     model: &DsaModel,
     set: LayerSet,
+    draft: Option<LayerSet>,
     kind: LayoutKind,
     tokens_per_block: u32,
     budget: u64,
 ) -> Result<u64, LayoutError> {
+    let target = PoolPlan::for_model(model, set, kind, tokens_per_block)?;
+    let draft = draft
+        .map(|d| PoolPlan::for_model(model, d, kind, tokens_per_block))
+        .transpose()?;
     Ok(tokens_for_budget(
-        &PoolPlan::for_model(model, set, kind, tokens_per_block)?,
+        CachePlans::new(&target, draft.as_ref()),
         budget,
     ))
 }
 
-/// Bytes per token of each buffer role, summed over layers (for "which component
-/// dominates").
-pub fn bytes_per_token_by_role(plan: &PoolPlan) -> Vec<(Role, u64)> {
+/// Bytes per token of each buffer role, summed over layers (and over both caches when
+/// there is a draft cache), largest first (for "which component dominates").
+pub fn bytes_per_token_by_role<'a>(plans: impl Into<CachePlans<'a>>) -> Vec<(Role, u64)> {
     let mut out: Vec<(Role, u64)> = Vec::new();
-    for p in plan.placements() {
+    for p in plans.into().plans().flat_map(|p| p.placements()) {
         let b = u64::from(p.row.bytes_per_token());
         match out.iter_mut().find(|(r, _)| *r == p.role) {
             Some(e) => e.1 += b,
@@ -134,7 +201,11 @@ pub struct GpuBudget {
     pub slots: u64,
     /// Tokens that fit (`slots × T`).
     pub tokens: u64,
-    /// Bytes the pools take (≤ `bytes`).
+    /// Bytes the target cache's pools take.
+    pub target_bytes: u64,
+    /// Bytes the separate draft cache's pools take (0 without one).
+    pub draft_bytes: u64,
+    /// Bytes all pools take: `target_bytes + draft_bytes` (≤ `bytes`).
     pub allocated_bytes: u64,
 }
 
@@ -187,16 +258,21 @@ pub enum QuotaError {
 
 /// Checks that `needed` tokens fit in `budget`; the error says which component dominates
 /// and how many tokens fit.
-pub fn check_fits(plan: &PoolPlan, budget: u64, needed: u64) -> Result<(), QuotaError> {
-    let fit = tokens_for_budget(plan, budget);
+pub fn check_fits<'a>(
+    plans: impl Into<CachePlans<'a>>,
+    budget: u64,
+    needed: u64,
+) -> Result<(), QuotaError> {
+    let plans = plans.into();
+    let fit = tokens_for_budget(plans, budget);
     if needed <= fit {
         return Ok(());
     }
-    let per_token = plan.cache_bytes_per_token();
-    let (role, bytes) = bytes_per_token_by_role(plan)[0];
+    let per_token = plans.cache_bytes_per_token();
+    let (role, bytes) = bytes_per_token_by_role(plans)[0];
     Err(QuotaError::DoesNotFit {
         needed,
-        needed_bytes: bytes_for_tokens(plan, needed),
+        needed_bytes: bytes_for_tokens(plans, needed),
         budget,
         fit,
         bytes_per_token: per_token,
@@ -208,8 +284,14 @@ pub fn check_fits(plan: &PoolPlan, budget: u64, needed: u64) -> Result<(), Quota
 
 /// Resolves the GPU budget: an explicit byte count, or `fraction × free memory`;
 /// capped by `ceil(bytes_for_tokens(max_tokens) / max_util_for_resume)`. At least one
-/// block must fit.
-pub fn gpu_budget(plan: &PoolPlan, q: &QuotaInputs) -> Result<GpuBudget, QuotaError> {
+/// block must fit. With a draft cache the budget pays for both caches: `max_tokens`
+/// counts tokens of the target (the draft cache holds the same tokens), and the slots
+/// are the largest count whose target and draft pools together fit.
+pub fn gpu_budget<'a>(
+    plans: impl Into<CachePlans<'a>>,
+    q: &QuotaInputs,
+) -> Result<GpuBudget, QuotaError> {
+    let plans = plans.into();
     for (field, value) in [
         ("free_gpu_memory_fraction", q.free_gpu_memory_fraction),
         ("max_util_for_resume", q.max_util_for_resume),
@@ -218,6 +300,8 @@ pub fn gpu_budget(plan: &PoolPlan, q: &QuotaInputs) -> Result<GpuBudget, QuotaEr
             return Err(QuotaError::BadFraction { field, value });
         }
     }
+    let cap_for =
+        |t: u64| (bytes_for_tokens(plans, t) as f64 / q.max_util_for_resume).ceil() as u64;
     let (mut bytes, mut source) = match (q.max_gpu_total_bytes, q.free_gpu_memory) {
         (Some(b), _) => (b, BudgetSource::Explicit),
         (None, Some(free)) => (
@@ -226,30 +310,98 @@ pub fn gpu_budget(plan: &PoolPlan, q: &QuotaInputs) -> Result<GpuBudget, QuotaEr
         ),
         (None, None) => match q.max_tokens {
             // No budget and no memory reading: the token cap alone sizes the cache.
-            Some(t) => (
-                (bytes_for_tokens(plan, t) as f64 / q.max_util_for_resume).ceil() as u64,
-                BudgetSource::MaxTokens,
-            ),
+            Some(t) => (cap_for(t), BudgetSource::MaxTokens),
             None => return Err(QuotaError::NoBudget),
         },
     };
     if let Some(t) = q.max_tokens {
-        let cap = (bytes_for_tokens(plan, t) as f64 / q.max_util_for_resume).ceil() as u64;
+        let cap = cap_for(t);
         if cap < bytes {
             bytes = cap;
             source = BudgetSource::MaxTokens;
         }
     }
-    check_fits(plan, bytes, u64::from(plan.tokens_per_block()))?;
-    let slots = slots_for_budget(plan, bytes);
-    plan.check_page_index_range(slots)?;
+    check_fits(plans, bytes, u64::from(plans.tokens_per_block()))?;
+    let slots = slots_for_budget(plans, bytes);
+    for p in plans.plans() {
+        p.check_page_index_range(slots)?;
+    }
+    let target_bytes = plan_bytes_for_slots(plans.target, slots);
+    let draft_bytes = plans.draft.map_or(0, |d| plan_bytes_for_slots(d, slots));
     Ok(GpuBudget {
         bytes,
         source,
         slots,
-        tokens: slots * u64::from(plan.tokens_per_block()),
-        allocated_bytes: bytes_for_slots(plan, slots),
+        tokens: slots * u64::from(plans.tokens_per_block()),
+        target_bytes,
+        draft_bytes,
+        allocated_bytes: target_bytes + draft_bytes,
     })
+}
+
+/// What one engine configuration allocates on each device: the target and draft pool
+/// plans, the GPU budget resolved to slots, and the host tier. Built once from a
+/// resolved configuration by [`CapacityPlan::new`]; the runtime sizes and reserves its
+/// pools from it and the `plan` example prints it, so planning, the warm-up estimate
+/// and allocation are one computation.
+#[derive(Clone, Debug)]
+pub struct CapacityPlan {
+    /// The target cache's pools.
+    pub target: PoolPlan,
+    /// The separate draft cache's pools (MTP with `separate_draft_cache`).
+    pub draft: Option<PoolPlan>,
+    /// The GPU budget and the slots per pool group of both caches.
+    pub gpu: GpuBudget,
+    /// Host-tier slots per pool group of both caches (0: no host tier).
+    pub host_slots: u64,
+    /// Host-tier bytes of the target and draft caches together (≤ `host_cache_size`).
+    pub host_bytes: u64,
+}
+
+impl CapacityPlan {
+    /// Plans the pools of `resolved` (`free_gpu_memory`: the device's free memory, when
+    /// measured, for `free_gpu_memory_fraction`).
+    pub fn new(
+        resolved: &crate::config::ResolvedConfig,
+        free_gpu_memory: Option<u64>,
+    ) -> Result<Self, QuotaError> {
+        let kv = &resolved.config.kv_cache;
+        let t = kv.tokens_per_block;
+        let target =
+            PoolPlan::for_model(&resolved.model, resolved.target_layers, resolved.layout, t)?;
+        let draft = resolved
+            .draft_layers
+            .map(|set| PoolPlan::for_model(&resolved.model, set, resolved.layout, t))
+            .transpose()?;
+        let plans = CachePlans::new(&target, draft.as_ref());
+        let gpu = gpu_budget(
+            plans,
+            &QuotaInputs {
+                max_gpu_total_bytes: kv.max_gpu_total_bytes,
+                free_gpu_memory_fraction: kv.free_gpu_memory_fraction,
+                free_gpu_memory,
+                max_tokens: kv.max_tokens,
+                max_util_for_resume: kv.max_util_for_resume,
+            },
+        )?;
+        let host_slots = kv
+            .host_cache_size
+            .map_or(0, |b| slots_for_budget(plans, b))
+            .min(u64::from(u32::MAX));
+        let host_bytes = bytes_for_slots(plans, host_slots);
+        Ok(CapacityPlan {
+            target,
+            draft,
+            gpu,
+            host_slots,
+            host_bytes,
+        })
+    }
+
+    /// The plans one budget pays for.
+    pub fn plans(&self) -> CachePlans<'_> {
+        CachePlans::new(&self.target, self.draft.as_ref())
+    }
 }
 
 #[cfg(test)]
@@ -285,6 +437,52 @@ mod tests {
         let v1 = v32(LayoutKind::V1);
         assert_eq!(bytes_for_slots(&v1, 1), 4 * MIB + 61 * 2 * MIB);
         assert!(slots_for_budget(&v1, 80 * GIB) <= s);
+    }
+
+    #[test]
+    fn a_draft_cache_shares_the_budget_with_equal_slots() {
+        let m = DsaModel::deepseek_v32();
+        let target = v32(LayoutKind::V2);
+        let draft = PoolPlan::for_model(&m, LayerSet::MtpOnly, LayoutKind::V2, 64).unwrap();
+        let both = CachePlans::new(&target, Some(&draft));
+        // Draft pools: 36,864 B (MLA) and 8,448 B (indexer) per slot, each rounded.
+        assert_eq!(
+            bytes_for_slots(both, 1),
+            4 * MIB + 2 * MIB + 2 * MIB + 2 * MIB
+        );
+        assert_eq!(slots_for_budget(both, 10 * MIB - 1), 0);
+        assert_eq!(slots_for_budget(both, 10 * MIB), 1);
+        let s = slots_for_budget(both, 72 * GIB);
+        assert_eq!(s, 27_518);
+        assert!(bytes_for_slots(both, s) <= 72 * GIB && bytes_for_slots(both, s + 1) > 72 * GIB);
+        let b = gpu_budget(
+            both,
+            &QuotaInputs {
+                max_gpu_total_bytes: Some(72 * GIB),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(b.slots, s);
+        assert_eq!(b.target_bytes, bytes_for_slots(&target, s));
+        assert_eq!(b.draft_bytes, bytes_for_slots(&draft, s));
+        assert_eq!(b.allocated_bytes, b.target_bytes + b.draft_bytes);
+        assert_eq!(
+            estimate_tokens(
+                &m,
+                LayerSet::Target,
+                Some(LayerSet::MtpOnly),
+                LayoutKind::V2,
+                64,
+                72 * GIB
+            ),
+            Ok(s * 64)
+        );
+        // The dominant component counts both caches' keys.
+        assert_eq!(
+            bytes_per_token_by_role(both),
+            vec![(Role::Key, 62 * 576), (Role::IndexKey, 62 * 132)]
+        );
     }
 
     #[test]
@@ -327,7 +525,7 @@ mod tests {
         let m = DsaModel::deepseek_v32();
         for kind in [LayoutKind::V1, LayoutKind::V2] {
             let p = v32(kind);
-            let est = estimate_tokens(&m, LayerSet::Target, kind, 64, 40 * GIB).unwrap();
+            let est = estimate_tokens(&m, LayerSet::Target, None, kind, 64, 40 * GIB).unwrap();
             assert_eq!(est, tokens_for_budget(&p, 40 * GIB));
             let b = gpu_budget(
                 &p,
@@ -341,7 +539,7 @@ mod tests {
             assert!(b.allocated_bytes <= 40 * GIB);
         }
         assert_eq!(
-            estimate_tokens(&m, LayerSet::Target, LayoutKind::V2, 32, GIB),
+            estimate_tokens(&m, LayerSet::Target, None, LayoutKind::V2, 32, GIB),
             Err(LayoutError::DsaTokensPerBlock { got: 32 })
         );
     }
