@@ -1,12 +1,16 @@
 //! The main job: a seeded synthetic serving workload on the DeepSeek-V3.2 preset through
-//! the actor runtime, with every KV byte verified.
+//! the actor runtime, with the KV read back and checked byte for byte.
 //!
 //! Multi-turn chats over a few shared system prompts arrive as a Poisson process; the
 //! engine loop runs continuous batching with chunked prefill and MTP decoding (random
 //! draft acceptance); the pools are small enough that eviction, host offload and
-//! preemption happen. Every new token's indexer key and MLA row is generated from
-//! (token id, position, layer), written through the ops, and read back through the page
-//! tables after reuse, offload and onboarding, and once more when a request finishes.
+//! preemption happen. Every new token's indexer key and MLA row is generated from its
+//! whole prefix (scope and tokens), position and layer, written through the ops, and
+//! read back through the block tables after reuse, offload and onboarding, and once
+//! more when a request finishes: every position of the request, on the verified layers
+//! (`--verify sample`, the default: the first, middle and last layer of each cache;
+//! `--verify all`: every layer). The report states which (`verified_layers`) and the
+//! count of position × layer reads (`tokens_verified`).
 //!
 //! ```text
 //! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
@@ -16,7 +20,7 @@
 //!
 //! `--room-faults PCT` is a fault drill: that share of GPU-room requests is refused as
 //! if the storage could not supply the memory; the run must still finish every request
-//! with every byte verified.
+//! with every byte it reads back matching.
 //!
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
@@ -403,6 +407,7 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         "manager_overhead_us_per_step": st.manager_us as f64 / st.steps.max(1) as f64,
         "device_us_per_step": st.device_us as f64 / st.steps.max(1) as f64,
         "tokens_verified": st.tokens_verified,
+        "verified_layers": info.verified_layers,
         "mismatches": st.mismatches,
         "room_faults_percent": a.room_faults,
         "room_refusals_injected": room_refusals,
@@ -495,8 +500,12 @@ fn summary(
             ),
         ),
         (
-            "positions verified (× layers)",
+            "position × layer reads verified",
             st.tokens_verified.to_string(),
+        ),
+        (
+            "layers verified",
+            verified_layers_text(&r["verified_layers"]),
         ),
         (
             "room requests refused (fault drill)",
@@ -614,4 +623,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// "3 of 61 target, 1 of 1 draft" (from the report's `verified_layers`).
+fn verified_layers_text(v: &serde_json::Value) -> String {
+    let mut s = format!("{} of {} target", v["target"][0], v["target"][1]);
+    if v["draft"].is_array() {
+        s += &format!(", {} of {} draft", v["draft"][0], v["draft"][1]);
+    }
+    s
 }

@@ -11,9 +11,10 @@ use std::time::Instant;
 use half::bf16;
 use serde::Serialize;
 
-use super::kv_source::KvSource;
+use super::kv_source::{KvPosition, KvSource};
 use crate::config::{DsaModel, IndexerDtype, KvDtype};
 use crate::core::scheduler::{PlannedKind, StepPlan};
+use crate::core::{PrefixHash, ReuseScope};
 use crate::ids::{Fence, LayerId, RequestId, Tier, TokenId};
 use crate::layout::{BufferPlacement, PoolPlan, Role};
 use crate::metadata::{
@@ -85,6 +86,34 @@ pub enum VerifyLayers {
     Sample,
 }
 
+impl VerifyLayers {
+    /// The layers of a cache (`layers`, ascending) that verification reads.
+    pub fn select(&self, layers: &[LayerId]) -> Vec<LayerId> {
+        match (self, layers) {
+            (VerifyLayers::All, _) | (_, []) => layers.to_vec(),
+            (VerifyLayers::Sample, _) => {
+                let mut v = vec![
+                    layers[0],
+                    layers[layers.len() / 2],
+                    layers[layers.len() - 1],
+                ];
+                v.dedup();
+                v
+            }
+        }
+    }
+}
+
+/// How many layers of each cache verification reads, out of how many: what a
+/// "positions × layers verified" count means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct VerifiedLayers {
+    /// Target layers read, and the target cache's layers.
+    pub target: (usize, usize),
+    /// Draft-cache layers read, and its layers (separate draft cache only).
+    pub draft: Option<(usize, usize)>,
+}
+
 /// How the device was set up.
 #[derive(Clone)]
 pub struct DeviceSetup {
@@ -113,6 +142,8 @@ pub struct VerifySpec {
     pub id: RequestId,
     /// Token of each position.
     pub tokens: Vec<TokenId>,
+    /// The request's reuse scope (the expected KV depends on it).
+    pub scope: ReuseScope,
     /// Target block slots.
     pub block_slots: Vec<i32>,
     /// Draft block slots (separate draft cache).
@@ -124,6 +155,7 @@ pub struct VerifySpec {
 #[derive(Clone, Copy)]
 pub(crate) struct VerifyRef<'a> {
     pub(crate) id: RequestId,
+    pub(crate) scope: ReuseScope,
     pub(crate) tokens: &'a [TokenId],
     pub(crate) slots: &'a [i32],
     pub(crate) draft_slots: Option<&'a [i32]>,
@@ -136,6 +168,7 @@ impl<'a> VerifyRef<'a> {
         plan.requests.iter().filter_map(|r| {
             Some(VerifyRef {
                 id: r.id,
+                scope: r.scope,
                 tokens: r.verify_tokens.as_deref()?,
                 slots: &r.block_slots,
                 draft_slots: r.draft_block_slots.as_deref(),
@@ -147,6 +180,7 @@ impl<'a> VerifyRef<'a> {
     pub(crate) fn of_specs(specs: &'a [VerifySpec]) -> impl Iterator<Item = VerifyRef<'a>> {
         specs.iter().map(|s| VerifyRef {
             id: s.id,
+            scope: s.scope,
             tokens: &s.tokens,
             slots: &s.block_slots,
             draft_slots: s.draft_block_slots.as_deref(),
@@ -362,11 +396,9 @@ impl HostDevice {
 
     /// Verifies one request on the target cache (and the draft cache when it has one).
     fn verify_one(&self, r: VerifyRef<'_>, out: &mut Vec<Mismatch>) -> u64 {
-        let mut n = self
-            .core
-            .verify_cache(&self.target, r.id, r.tokens, r.slots, out);
+        let mut n = self.core.verify_cache(&self.target, r, r.slots, out);
         if let (Some(d), Some(slots)) = (&self.draft, r.draft_slots) {
-            n += self.core.verify_cache(d, r.id, r.tokens, slots, out);
+            n += self.core.verify_cache(d, r, slots, out);
         }
         n
     }
@@ -454,8 +486,8 @@ impl StepCore {
                     let width = model.indexer_data_bytes() as usize;
                     let mut vals = vec![0u8; n * width];
                     let mut scales = vec![0u8; n * 4];
-                    for (i, &(t, pos)) in toks.iter().enumerate() {
-                        source.indexer_key(t, pos, p.layer, &mut key);
+                    for (i, &at) in toks.iter().enumerate() {
+                        source.indexer_key(at, p.layer, &mut key);
                         quantize_key(
                             spec.indexer_dtype,
                             &key,
@@ -478,8 +510,8 @@ impl StepCore {
                 }
                 Role::Key => {
                     let mut rows = Vec::with_capacity(n * row.len());
-                    for &(t, pos) in &toks {
-                        source.mla_row(t, pos, p.layer, &mut row);
+                    for &at in &toks {
+                        source.mla_row(at, p.layer, &mut row);
                         rows.extend_from_slice(&row);
                     }
                     let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
@@ -530,35 +562,37 @@ impl StepCore {
     }
 
     fn layers_to_verify(&self, plan: &PoolPlan) -> Vec<LayerId> {
-        let ids: Vec<LayerId> = plan.layer_ids().collect();
-        match self.verify {
-            VerifyLayers::All => ids,
-            VerifyLayers::Sample => {
-                let mut v = vec![ids[0], ids[ids.len() / 2], ids[ids.len() - 1]];
-                v.dedup();
-                v
-            }
-        }
+        self.verify.select(&plan.layer_ids().collect::<Vec<_>>())
     }
 
-    /// Reads positions `[0, tokens.len())` of one request back through its block slots
-    /// (no metadata involved) and compares every byte with the expected encoding.
+    /// Reads positions `[0, tokens.len())` of one request back through `slots` (its
+    /// block slots in this cache; no step metadata involved) and compares every byte with
+    /// the expected encoding. The expected KV is derived here from the request's scope
+    /// and its whole token list, independently of what the step plans told the writer.
     pub(crate) fn verify_cache(
         &self,
         cache: &Cache,
-        id: RequestId,
-        tokens: &[TokenId],
+        r: VerifyRef<'_>,
         slots: &[i32],
         out: &mut Vec<Mismatch>,
     ) -> u64 {
+        let (id, tokens) = (r.id, r.tokens);
+        let mut prefix = PrefixHash::root(r.scope);
+        let positions: Vec<KvPosition> = (0u32..)
+            .zip(tokens)
+            .map(|(pos, &token)| {
+                prefix = prefix.then(token);
+                KvPosition { token, pos, prefix }
+            })
+            .collect();
         let spec = self.model.spec();
         let t = cache.layout.tokens_per_block;
         let mut key = vec![bf16::ZERO; spec.index_head_dim as usize];
         let mut row = vec![bf16::ZERO; self.model.mla_row_elems() as usize];
         let layers = self.layers_to_verify(&cache.plan);
         for &layer in &layers {
-            for (pos, &tok) in tokens.iter().enumerate() {
-                let pos = pos as u32;
+            for &at in &positions {
+                let pos = at.pos;
                 let Some(&slot) = slots.get((pos / t) as usize) else {
                     out.push(Mismatch {
                         id,
@@ -572,7 +606,7 @@ impl StepCore {
                     cache.plan.placement(layer, Role::IndexKey),
                     cache.layout.indexer,
                 ) {
-                    self.source.indexer_key(tok, pos, layer, &mut key);
+                    self.source.indexer_key(at, layer, &mut key);
                     let width = ix.data_bytes as usize;
                     let (mut v, mut s) = (vec![0u8; width], [0u8; 4]);
                     quantize_key(spec.indexer_dtype, &key, &mut v, &mut s);
@@ -593,7 +627,7 @@ impl StepCore {
                     }
                 }
                 if let Ok(p) = cache.plan.placement(layer, Role::Key) {
-                    self.source.mla_row(tok, pos, layer, &mut row);
+                    self.source.mla_row(at, layer, &mut row);
                     let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
                     let slot_tok = i64::from(slot) * i64::from(t) + i64::from(pos % t);
                     let (data, scale) = self.encode_mla(&row);
@@ -740,17 +774,18 @@ pub(crate) fn run_copies<S: KvStorage>(
     Ok(n)
 }
 
-/// `(token, position)` of every new token of the plan, in metadata order.
-pub(crate) fn new_tokens(plan: &StepPlan) -> Vec<(TokenId, u32)> {
-    plan.requests
-        .iter()
-        .flat_map(|r| {
-            r.tokens
-                .iter()
-                .enumerate()
-                .map(move |(j, &t)| (t, r.num_cached + j as u32))
-        })
-        .collect()
+/// Every new token of the plan, in metadata order, with its prefix hash chained onto the
+/// request's (so the draft forward, writing the same tokens, writes the same values).
+pub(crate) fn new_tokens(plan: &StepPlan) -> Vec<KvPosition> {
+    let mut out = Vec::with_capacity(plan.requests.iter().map(|r| r.tokens.len()).sum());
+    for r in &plan.requests {
+        let mut prefix = r.prefix;
+        for (pos, &token) in (r.num_cached..).zip(&r.tokens) {
+            prefix = prefix.then(token);
+            out.push(KvPosition { token, pos, prefix });
+        }
+    }
+    out
 }
 
 pub(crate) fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mut [u8]) {

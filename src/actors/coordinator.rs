@@ -572,6 +572,7 @@ impl Message<Commit> for Coordinator {
                 .map(|f| VerifySpec {
                     id: f.id,
                     tokens: f.tokens.clone(),
+                    scope: f.scope,
                     block_slots: f.block_slots.clone(),
                     draft_block_slots: f.draft_block_slots.clone(),
                 })

@@ -21,6 +21,8 @@ pub struct DeviceActor {
     shared: Arc<RuntimeShared>,
     delay: Option<Duration>,
     panic_in_step: bool,
+    /// A deliberately wrong page-table entry (verifier drill).
+    misdirect: Option<Misdirect>,
 }
 
 /// What a device actor starts with.
@@ -42,6 +44,7 @@ impl Actor for DeviceActor {
             shared: args.shared,
             delay: None,
             panic_in_step: false,
+            misdirect: None,
         })
     }
 }
@@ -80,20 +83,30 @@ impl Message<ExecuteStep> for DeviceActor {
             step = msg.0.step
         )
         .entered();
-        let r = self.backend.execute_step(&msg.0);
+        let plan = match self.misdirect {
+            Some(m) if msg.0.requests.iter().any(|r| r.id == m.request) => {
+                let mut p = (*msg.0).clone();
+                for r in p.requests.iter_mut().filter(|r| r.id == m.request) {
+                    m.apply(&mut r.block_slots);
+                }
+                Arc::new(p)
+            }
+            _ => msg.0,
+        };
+        let r = self.backend.execute_step(&plan);
         if self.panic_in_step {
             // After the work, before the reply and the fence: the worst moment.
             panic!(
                 "device {}: injected fault in step {}",
                 self.backend.index(),
-                msg.0.step
+                plan.step
             );
         }
         if r.is_ok() {
             // The step's work is done: publish its fence (release) for the coordinator.
             self.shared
                 .fences
-                .complete(self.backend.index(), msg.0.target_fence);
+                .complete(self.backend.index(), plan.target_fence);
         }
         self.publish_bindings();
         r
@@ -157,7 +170,16 @@ impl Message<Verify> for DeviceActor {
     type Reply = Result<(u64, Vec<Mismatch>), DeviceError>;
 
     async fn handle(&mut self, msg: Verify, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        self.backend.verify(&msg.0)
+        match self.misdirect {
+            Some(m) if msg.0.iter().any(|s| s.id == m.request) => {
+                let mut specs = (*msg.0).clone();
+                for s in specs.iter_mut().filter(|s| s.id == m.request) {
+                    m.apply(&mut s.block_slots);
+                }
+                self.backend.verify(&specs)
+            }
+            _ => self.backend.verify(&msg.0),
+        }
     }
 }
 
@@ -183,6 +205,32 @@ pub enum DeviceFault {
     Panic,
     /// Panic in the middle of the next step, while the coordinator awaits it.
     PanicInNextStep,
+    /// From now on this device addresses one block of one request in a wrong slot, in
+    /// steps and in verification alike: a corrupted page-table entry, for proving that
+    /// verification catches a request reading another page (another prefix's, another
+    /// tenant's, or any wrong slot). `block` past the request's table changes nothing.
+    Misdirect(Misdirect),
+    /// Back to the correct page tables.
+    NoMisdirect,
+}
+
+/// One wrong block-table entry (see [`DeviceFault::Misdirect`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Misdirect {
+    /// The request.
+    pub request: crate::ids::RequestId,
+    /// Its block (ordinal in its block table).
+    pub block: usize,
+    /// The slot the device uses instead.
+    pub slot: i32,
+}
+
+impl Misdirect {
+    fn apply(&self, block_slots: &mut [i32]) {
+        if let Some(s) = block_slots.get_mut(self.block) {
+            *s = self.slot;
+        }
+    }
 }
 
 /// Apply a fault.
@@ -201,6 +249,8 @@ impl Message<InjectFault> for DeviceActor {
             DeviceFault::NoDelay => self.delay = None,
             DeviceFault::Panic => panic!("device {}: injected fault", self.backend.index()),
             DeviceFault::PanicInNextStep => self.panic_in_step = true,
+            DeviceFault::Misdirect(m) => self.misdirect = Some(m),
+            DeviceFault::NoMisdirect => self.misdirect = None,
         }
     }
 }

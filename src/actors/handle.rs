@@ -9,7 +9,9 @@ use serde::Serialize;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 
-use super::backend::{DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifyLayers};
+use super::backend::{
+    DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifiedLayers, VerifyLayers,
+};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
     Devices, FinishedReport, GetStats, InjectRoomFailures, Pause, PendingStep, Step, StepReport,
@@ -26,7 +28,7 @@ use crate::core::quota::{CapacityPlan, GpuBudget};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
 use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
 use crate::ids::{RequestId, TokenId};
-use crate::layout::LayoutKind;
+use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
 
 /// Builds one device backend: `(device index, setup)`.
@@ -105,6 +107,9 @@ pub struct RuntimeInfo {
     pub draft_cache: bool,
     /// Draft tokens per decode step.
     pub draft_tokens: u32,
+    /// Layers verification reads in each cache (a finished request is read back on
+    /// these layers at every position, on every device).
+    pub verified_layers: VerifiedLayers,
     /// Configuration warnings.
     pub warnings: Vec<String>,
 }
@@ -323,6 +328,14 @@ impl KvCacheBuilder {
             .wait_for_startup_result()
             .await
             .map_err(|e| RuntimeError::Runtime(format!("the coordinator did not start: {e:?}")))?;
+        let count = |p: &PoolPlan| {
+            let all: Vec<_> = p.layer_ids().collect();
+            (self.verify.select(&all).len(), all.len())
+        };
+        let verified_layers = VerifiedLayers {
+            target: count(&target_plan),
+            draft: draft_plan.as_ref().map(count),
+        };
         let info = RuntimeInfo {
             model: resolved.model.spec().name.clone(),
             layout: resolved.layout,
@@ -332,6 +345,7 @@ impl KvCacheBuilder {
             devices,
             draft_cache: draft_plan.is_some(),
             draft_tokens: resolved.draft_tokens,
+            verified_layers,
             warnings: resolved.warnings,
         };
         tracing::info!(?info, "dsa-kv runtime started");

@@ -14,14 +14,14 @@ mod shared;
 mod stats;
 
 pub use backend::{
-    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice, Mismatch, VerifyLayers,
-    VerifySpec,
+    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice, Mismatch,
+    VerifiedLayers, VerifyLayers, VerifySpec,
 };
 pub use coordinator::{CacheCounts, CommitReport, FinishedReport, ScheduledRequest, StepReport};
-pub use device::DeviceFault;
+pub use device::{DeviceFault, Misdirect};
 pub use draft::DraftReport;
 pub use error::RuntimeError;
 pub use handle::{BackendFactory, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
-pub use kv_source::{KvSource, SyntheticKv};
+pub use kv_source::{KvPosition, KvSource, SyntheticKv};
 pub use shared::{LiveCounters, RuntimeShared};
 pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};

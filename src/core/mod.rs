@@ -27,7 +27,7 @@ pub use manager::{
     SequenceInfo, TierSlots,
 };
 pub use pages::PageStatus;
-pub use reuse_key::{BlockKey, ReuseScope};
+pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
 
 #[cfg(test)]

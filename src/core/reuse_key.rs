@@ -71,6 +71,39 @@ impl ReuseScope {
     }
 }
 
+/// A running 64-bit hash of a reuse scope and every token of a prefix, extended one
+/// token at a time: `root(scope)` is the first 8 bytes of the scope's root key, and
+/// `then(t)` chains one token. Like a block key it names the whole prefix (and the
+/// scope), but per position, so the partial last block is covered too. Not
+/// cryptographic: it makes synthetic KV values depend on the whole prefix, so a page of
+/// another prefix or another tenant holding the same tokens reads back different bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct PrefixHash(pub u64);
+
+impl PrefixHash {
+    /// The hash of the empty prefix in `scope`.
+    pub fn root(scope: ReuseScope) -> Self {
+        let k = scope.root_key();
+        PrefixHash(u64::from_le_bytes(
+            k.0[..8]
+                .try_into()
+                .expect("invariant: a digest has 32 bytes"),
+        ))
+    }
+
+    /// The hash of this prefix followed by `t`.
+    pub fn then(self, t: TokenId) -> Self {
+        PrefixHash(crate::rng::mix(
+            self.0.rotate_left(23) ^ u64::from(t.get()).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        ))
+    }
+
+    /// The hash of `tokens` in `scope`.
+    pub fn of(scope: ReuseScope, tokens: &[TokenId]) -> Self {
+        tokens.iter().fold(Self::root(scope), |h, &t| h.then(t))
+    }
+}
+
 /// Computes chained block keys, reusing one byte buffer.
 #[derive(Default)]
 pub(crate) struct KeyHasher {

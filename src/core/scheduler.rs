@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::error::{KvError, SeqStatus};
 use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
-use super::reuse_key::ReuseScope;
+use super::reuse_key::{PrefixHash, ReuseScope};
 use crate::ids::{Fence, LifeCycleId, RequestId, Tier, TokenId};
 use crate::ops::CopyPlan;
 
@@ -82,6 +82,11 @@ pub struct PlannedRequest {
     /// Token ids of positions `[0, num_cached)` when the cached KV must be verified this
     /// step (after reuse or a preemption that may have moved it).
     pub verify_tokens: Option<Vec<TokenId>>,
+    /// The request's reuse scope.
+    pub scope: ReuseScope,
+    /// [`PrefixHash`] of the scope and tokens `[0, num_cached)`: a forward that derives
+    /// KV from the whole prefix (the synthetic source) chains the new tokens onto it.
+    pub prefix: PrefixHash,
     /// The step ends with a sampled token for this request (a decode step, or the last
     /// chunk of its prompt): its outcome needs `next_token`.
     pub produces_token: bool,
@@ -135,6 +140,8 @@ pub struct Finished {
     pub preemptions: u32,
     /// Every token with KV (prompt + committed outputs).
     pub tokens: Vec<TokenId>,
+    /// Its reuse scope.
+    pub scope: ReuseScope,
     /// Its block table at the end (for a final verification).
     pub block_slots: Vec<i32>,
     /// The draft manager's block table.
@@ -282,6 +289,8 @@ struct Req {
     priority: u8,
     /// Every token whose KV exists or is planned (prompt, then committed outputs).
     tokens: Vec<TokenId>,
+    /// `(n, PrefixHash of tokens[..n])`, extended as the request advances.
+    prefix: (u32, PrefixHash),
     phase: Phase,
     suspended: bool,
     verify: bool,
@@ -295,6 +304,20 @@ struct Req {
 }
 
 impl Req {
+    /// [`PrefixHash`] of `tokens[..n]`: extends the memo, or starts over when `n` went
+    /// back (a recompute). Committed tokens never change, so the memo stays valid.
+    fn prefix_hash(&mut self, n: u32) -> PrefixHash {
+        let (mut done, mut h) = self.prefix;
+        if n < done {
+            (done, h) = (0, PrefixHash::root(self.scope));
+        }
+        for &t in &self.tokens[done as usize..n as usize] {
+            h = h.then(t);
+        }
+        self.prefix = (n, h);
+        h
+    }
+
     fn kv_len(&self) -> u32 {
         match self.phase {
             Phase::Prefill { done } => done,
@@ -442,6 +465,7 @@ impl Scheduler {
             max_new_tokens: r.max_new_tokens,
             priority: r.priority,
             tokens: r.prompt,
+            prefix: (0, PrefixHash::root(r.scope)),
             phase: Phase::Prefill { done: 0 },
             suspended: true,
             verify: false,
@@ -800,6 +824,7 @@ impl Scheduler {
                     });
                 }
             }
+            let prefix = self.reqs[i].prefix_hash(cached);
             let r = &self.reqs[i];
             let block_slots = Self::table(&self.target, &r.seqs().target)?;
             let draft_block_slots = match (&self.draft, &r.seqs().draft) {
@@ -821,6 +846,8 @@ impl Scheduler {
                 block_slots,
                 draft_block_slots,
                 verify_tokens,
+                scope: r.scope,
+                prefix,
                 produces_token,
             });
             let r = &mut self.reqs[i];
@@ -989,6 +1016,7 @@ impl Scheduler {
                         reused_tokens: r.reused,
                         preemptions: r.preemptions,
                         tokens: r.tokens.clone(),
+                        scope: r.scope,
                         block_slots: Self::table(&self.target, &s.target)?,
                         draft_block_slots: match (&self.draft, &s.draft) {
                             (Some(d), Some(h)) => Some(Self::table(d, h)?),

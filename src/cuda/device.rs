@@ -134,14 +134,10 @@ impl CudaDevice {
     ) -> Result<u64, DeviceError> {
         let dev = self.core.index;
         let mirrored = refresh(dev, &mut self.target, r.slots, r.tokens.len())?;
-        let mut n = self
-            .core
-            .verify_cache(&self.target.host, r.id, r.tokens, &mirrored, out);
+        let mut n = self.core.verify_cache(&self.target.host, r, &mirrored, out);
         if let (Some(d), Some(ds)) = (self.draft.as_mut(), r.draft_slots) {
             let mirrored = refresh(dev, d, ds, r.tokens.len())?;
-            n += self
-                .core
-                .verify_cache(&d.host, r.id, r.tokens, &mirrored, out);
+            n += self.core.verify_cache(&d.host, r, &mirrored, out);
         }
         Ok(n)
     }
@@ -200,9 +196,8 @@ impl CudaDevice {
             match p.role {
                 Role::IndexKey => {
                     host_in.clear();
-                    for &(t, pos) in &toks {
-                        core.source
-                            .indexer_key(t, pos, p.layer, &mut one[..key_elems]);
+                    for &at in &toks {
+                        core.source.indexer_key(at, p.layer, &mut one[..key_elems]);
                         host_in.extend_from_slice(&one[..key_elems]);
                     }
                     gpu.upload(input, &host_in)?;
@@ -228,8 +223,8 @@ impl CudaDevice {
                 }
                 Role::Key => {
                     host_in.clear();
-                    for &(t, pos) in &toks {
-                        core.source.mla_row(t, pos, p.layer, &mut one[..row_elems]);
+                    for &at in &toks {
+                        core.source.mla_row(at, p.layer, &mut one[..row_elems]);
                         host_in.extend_from_slice(&one[..row_elems]);
                     }
                     gpu.upload(input, &host_in)?;
