@@ -296,6 +296,7 @@ fn run(a: &Args) -> R<Value> {
                 smb.ptr(),
                 nu,
                 128,
+                None,
             )
         })?;
         rows.push(row(
@@ -352,7 +353,7 @@ fn run(a: &Args) -> R<Value> {
                 tokens_per_block: T as u32,
             };
             let us = b.time(|| unsafe {
-                k.mla_scatter(&s, dev, view, enc, input.ptr(), slb.ptr(), nu)
+                k.mla_scatter(&s, dev, view, enc, input.ptr(), slb.ptr(), nu, None)
             })?;
             rows.push(row(name, n, n * (1152 + 8 + row_bytes), us, d2d, "d2d"));
         }

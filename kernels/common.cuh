@@ -3,7 +3,8 @@
 // mirrors the host reference in src/ops/quant.rs bit for bit.
 //
 // The kernel sources are concatenated in this order and compiled once per device by
-// NVRTC for sm_90a: common.cuh, quant.cu, indexer.cu, mla.cu, topk.cu, slots.cu, copy.cu.
+// NVRTC for sm_90a: common.cuh, quant.cu, guard.cu, indexer.cu, mla.cu, topk.cu, slots.cu,
+// copy.cu.
 
 typedef unsigned char u8;
 typedef unsigned short u16;

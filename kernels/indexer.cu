@@ -5,15 +5,19 @@
 // handles up to VEC_PER_THREAD vectors a grid apart and issues every load before any
 // store (more bytes in flight); the host picks the grid, so small batches run one vector
 // per thread for more parallelism.
-// A mapping whose bytes would fall outside the cache (cache_len) is skipped like a
-// negative one; the host reference rejects such a batch before writing anything.
+// A mapping whose bytes would fall outside the cache (cache_len) is never written. With a
+// fail flag (guard.cu), the guard kernel launched before the scatter has checked every
+// mapping and the scatter writes nothing once the flag is set: the batch is refused
+// whole, like the host reference does.
 // The host wrapper guarantees n * width / 16 < 2^31.
 
 #define VEC_PER_THREAD 2
 
 extern "C" __global__ void indexer_k_scatter(u8* __restrict__ cache, const u8* __restrict__ values,
                                              const u8* __restrict__ scales, const i64* __restrict__ vmap,
-                                             const i64* __restrict__ smap, int n, int width, u64 cache_len) {
+                                             const i64* __restrict__ smap, int n, int width, u64 cache_len,
+                                             const u64* __restrict__ fail) {
+    if (step_failed(fail)) return;
     const u32 shift = width == 128 ? 3u : 2u;
     const u32 mask = (1u << shift) - 1u;
     const u32 total = (u32)n << shift;

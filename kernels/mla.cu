@@ -1,7 +1,8 @@
 // MLA latent-row writes (host reference: src/ops/mla.rs). Rows are addressed by token
 // slot through a strided view: base + (slot / T) * block_stride + (slot % T) * row_bytes.
 // One warp per token. `rows` holds 576 BF16 values per token. A row that would end past
-// the pool (pool_len) is skipped; the host reference rejects such a batch up front.
+// the pool (pool_len) is never written; with a fail flag (guard.cu) the whole batch is
+// refused once the guard kernel found such a row, like the host reference does.
 
 // This warp's destination row in a strided view, or nullptr when the token is skipped
 // (negative slot, or a row that would end past the pool).
@@ -15,7 +16,8 @@ __device__ __forceinline__ u8* token_row(u8* pool, i64 slot, u64 base, u64 block
 // BF16 rows: a plain 1152-byte move (72 x 16 B).
 extern "C" __global__ void mla_scatter_bf16(u8* __restrict__ pool, const u16* __restrict__ rows,
                                             const i64* __restrict__ slots, int n, u64 base, u64 block_stride,
-                                            u32 tpb, u64 pool_len) {
+                                            u32 tpb, u64 pool_len, const u64* __restrict__ fail) {
+    if (step_failed(fail)) return;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
@@ -29,7 +31,9 @@ extern "C" __global__ void mla_scatter_bf16(u8* __restrict__ pool, const u16* __
 // FP8 rows with a per-tensor scale kept outside the cache: e4m3(x / tensor_scale).
 extern "C" __global__ void mla_scatter_fp8(u8* __restrict__ pool, const u16* __restrict__ rows,
                                            const i64* __restrict__ slots, int n, u64 base, u64 block_stride,
-                                           u32 tpb, u64 pool_len, float tensor_scale) {
+                                           u32 tpb, u64 pool_len, float tensor_scale,
+                                           const u64* __restrict__ fail) {
+    if (step_failed(fail)) return;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
@@ -50,7 +54,9 @@ extern "C" __global__ void mla_scatter_fp8(u8* __restrict__ pool, const u16* __r
 // rope values copied to bytes 528..656.
 extern "C" __global__ void mla_scatter_fp8_ds_mla(u8* __restrict__ pool, const u16* __restrict__ rows,
                                                   const i64* __restrict__ slots, int n, u64 base,
-                                                  u64 block_stride, u32 tpb, u64 pool_len, int ue8m0) {
+                                                  u64 block_stride, u32 tpb, u64 pool_len, int ue8m0,
+                                                  const u64* __restrict__ fail) {
+    if (step_failed(fail)) return;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;
@@ -91,7 +97,9 @@ extern "C" __global__ void mla_scatter_fp8_ds_mla(u8* __restrict__ pool, const u
 extern "C" __global__ void mla_scatter_nvfp4(u8* __restrict__ data_pool, u8* __restrict__ scale_pool,
                                              const u16* __restrict__ rows, const i64* __restrict__ slots, int n,
                                              u64 data_base, u64 data_stride, u64 scale_base, u64 scale_stride,
-                                             u32 tpb, u64 data_len, u64 scale_len) {
+                                             u32 tpb, u64 data_len, u64 scale_len,
+                                             const u64* __restrict__ fail) {
+    if (step_failed(fail)) return;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n) return;

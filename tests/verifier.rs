@@ -269,3 +269,60 @@ async fn every_misdirected_block_is_caught_on_the_gpu() {
         assert_eq!(caught[&kind], (4, 4), "{kind:?}");
     }
 }
+
+/// A page-table entry past the pool: the step's write must be refused whole with the
+/// host reference's typed error (never skipped), on every backend. Returns the error.
+async fn out_of_range_write(backend: Option<BackendFactory>) -> String {
+    let kv = start(Arc::new(SyntheticKv { seed: 3 }), backend).await;
+    // 100 prompt tokens: decoding writes into block 1.
+    kv.submit(submit(1, ReuseScope::SHARED, toks(100, 100), 20))
+        .await
+        .unwrap();
+    let past_the_pool = kv.info().budget.slots as i32 + 5;
+    let mut injected = false;
+    for _ in 0..100 {
+        let report = match kv.step(HashMap::new()).await {
+            Ok(r) => r,
+            Err(e) => {
+                assert!(injected, "a step failed before the fault: {e}");
+                kv.shutdown().await;
+                return e.to_string();
+            }
+        };
+        let outcomes = report
+            .scheduled
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: 0,
+                next_token: r.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        kv.commit(outcomes).await.unwrap();
+        if !injected {
+            injected = true;
+            let m = Misdirect {
+                request: RequestId(1),
+                block: 1,
+                slot: past_the_pool,
+            };
+            kv.inject_fault(0, DeviceFault::Misdirect(m)).await.unwrap();
+        }
+    }
+    panic!("the out-of-range write was not refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_range_write_fails_the_step() {
+    let e = out_of_range_write(None).await;
+    assert!(e.starts_with("device 0: op: token 0: bytes [") && e.contains("are outside the cache"), "{e}");
+}
+
+/// The CUDA backend refuses the same write with the same error (it used to skip it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn an_out_of_range_write_fails_the_step_on_the_gpu_like_on_the_host() {
+    let host = out_of_range_write(None).await;
+    let gpu = out_of_range_write(Some(dsa_kv::cuda::CudaDevice::factory(vec![0]))).await;
+    assert_eq!(gpu, host);
+}

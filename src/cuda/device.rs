@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use half::bf16;
 
-use super::kernels::{DevRows, MlaEncoding};
+use super::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
 use crate::actors::backend::{
     new_tokens, pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
@@ -24,6 +24,8 @@ use crate::core::scheduler::StepPlan;
 use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};
+use crate::ops::mla::RowView;
+use crate::ops::OpError;
 use crate::storage::HostStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
@@ -48,6 +50,22 @@ struct Scratch {
     input: Option<DeviceBuffer>,
     values: Option<DeviceBuffer>,
     scales: Option<DeviceBuffer>,
+    /// The step's fail flag (`kernels/guard.cu`).
+    fail: Option<DeviceBuffer>,
+}
+
+/// One guarded write of a step, by its op number: what the host reference would have
+/// named had its bounds check failed there.
+#[derive(Clone, Copy)]
+enum GuardedOp {
+    /// An indexer scatter into a layer view of `cache_len` bytes.
+    Indexer { cache_len: u64, width: u64 },
+    /// An MLA scatter through a row view (and an NVFP4 block-scale view).
+    Mla {
+        view: RowView,
+        cache_len: u64,
+        scales: Option<(RowView, u64)>,
+    },
 }
 
 /// A device actor's backend on one GPU. See the module docs.
@@ -142,13 +160,91 @@ impl CudaDevice {
         Ok(n)
     }
 
-    /// Writes the KV of the plan's new tokens into `cache` through the bound metadata.
+    /// Writes the KV of the plan's new tokens into `cache` through the bound metadata,
+    /// every scatter guarded by the step's fail flag, then waits for the step and reads
+    /// the flag back: a mapping out of range fails the step with the error the host
+    /// reference gives, and (like the host) neither that op nor any later one wrote.
+    fn write_and_check(
+        core: &StepCore,
+        gpu: &Gpu,
+        scratch: &mut Scratch,
+        cache: &GpuCache,
+        plan: &StepPlan,
+    ) -> Result<u64, DeviceError> {
+        let dev = core.index;
+        let cuda = |source| DeviceError::Cuda {
+            device: dev,
+            source,
+        };
+        DeviceBuffer::ensure(&mut scratch.fail, gpu, 8, "fail flag").map_err(cuda)?;
+        let flag = scratch.fail.as_ref().expect("invariant: ensured");
+        gpu.upload(flag, &[u64::MAX]).map_err(cuda)?;
+        let flag_ptr = flag.ptr();
+        let mut ops = Vec::new();
+        let n = Self::write_tokens(core, gpu, scratch, cache, plan, flag_ptr, &mut ops)
+            .map_err(cuda)?;
+        // The step is complete when its kernels are: errors surface here, per step.
+        gpu.synchronize().map_err(cuda)?;
+        let mut got = [0u64];
+        let flag = scratch.fail.as_ref().expect("invariant: ensured");
+        gpu.download(flag, &mut got).map_err(cuda)?;
+        let Some(f) = GuardFailure::decode(got[0]) else {
+            return Ok(n);
+        };
+        let meta = &core.meta;
+        let op = *ops.get(f.op as usize).ok_or_else(|| {
+            cuda(CudaError::Invalid {
+                device: gpu.ordinal(),
+                what: format!("fail flag names op {} of {}", f.op, ops.len()),
+            })
+        })?;
+        let (offset, bytes, cache_len) = match (op, f.which) {
+            (GuardedOp::Indexer { cache_len, width }, 0) => {
+                (meta.slot_mapping_value()[f.token], width, cache_len)
+            }
+            (GuardedOp::Indexer { cache_len, .. }, _) => {
+                (meta.slot_mapping_scale()[f.token], 4, cache_len)
+            }
+            (
+                GuardedOp::Mla {
+                    view, cache_len, ..
+                },
+                0,
+            ) => {
+                let off = view.offset(meta.mla_slot_mapping()[f.token]);
+                (off as i64, u64::from(view.row_bytes), cache_len)
+            }
+            (GuardedOp::Mla { scales, .. }, _) => {
+                let (view, len) = scales.ok_or_else(|| {
+                    cuda(CudaError::Invalid {
+                        device: gpu.ordinal(),
+                        what: "fail flag names the scale view of a row op without one".into(),
+                    })
+                })?;
+                let off = view.offset(meta.mla_slot_mapping()[f.token]);
+                (off as i64, u64::from(view.row_bytes), len)
+            }
+        };
+        Err(DeviceError::Op {
+            device: dev,
+            source: OpError::OutOfBounds {
+                token: f.token,
+                offset,
+                end: offset + bytes as i64,
+                cache_len: cache_len as usize,
+            },
+        })
+    }
+
+    /// Enqueues the writes of the plan's new tokens; `ops` receives each guarded op.
     fn write_tokens(
         core: &StepCore,
         gpu: &Gpu,
         scratch: &mut Scratch,
         cache: &GpuCache,
         plan: &StepPlan,
+        fail_flag: u64,
+        ops: &mut Vec<GuardedOp>,
     ) -> Result<u64, CudaError> {
         let toks = new_tokens(plan);
         let n = toks.len();
@@ -156,6 +252,13 @@ impl CudaDevice {
             return Ok(0);
         }
         let dev = gpu.ordinal();
+        let mut guard = |op: GuardedOp| {
+            ops.push(op);
+            Some(Guard {
+                flag: fail_flag,
+                op: ops.len() as u32 - 1,
+            })
+        };
         let meta = &core.meta;
         let mut maps: Vec<i64> = Vec::with_capacity(3 * n);
         maps.extend_from_slice(&meta.slot_mapping_value()[..n]);
@@ -203,6 +306,11 @@ impl CudaDevice {
                     gpu.upload(input, &host_in)?;
                     let width = core.model.indexer_data_bytes() as usize;
                     let fp4 = spec.indexer_dtype == IndexerDtype::Fp4;
+                    let cache_len = pool_len.saturating_sub(p.offset_in_slot);
+                    let g = guard(GuardedOp::Indexer {
+                        cache_len,
+                        width: width as u64,
+                    });
                     // SAFETY: scratch buffers hold n keys / values / scales; the cache
                     // view is this pool from the layer's offset to its end.
                     unsafe {
@@ -211,13 +319,14 @@ impl CudaDevice {
                             stream,
                             dev,
                             pool + p.offset_in_slot,
-                            pool_len.saturating_sub(p.offset_in_slot),
+                            cache_len,
                             values,
                             scales,
                             vmap,
                             smap,
                             n,
                             width,
+                            g,
                         )?;
                     }
                 }
@@ -253,7 +362,24 @@ impl CudaDevice {
                         }
                     };
                     // SAFETY: `input` holds n rows; the views are this cache's pools.
-                    unsafe { k.mla_scatter(stream, dev, view(p), enc, input.ptr(), mla, n)? };
+                    let rows = |v: &DevRows, row_bytes: u32| RowView {
+                        base: v.base,
+                        block_stride: v.block_stride,
+                        tokens_per_block: v.tokens_per_block,
+                        row_bytes,
+                    };
+                    let main = view(p);
+                    let g = guard(GuardedOp::Mla {
+                        view: rows(&main, enc.row_bytes()),
+                        cache_len: main.pool_len,
+                        scales: match enc {
+                            MlaEncoding::Nvfp4 { scales } => {
+                                Some((rows(&scales, 36), scales.pool_len))
+                            }
+                            _ => None,
+                        },
+                    });
+                    unsafe { k.mla_scatter(stream, dev, main, enc, input.ptr(), mla, n, g)? };
                 }
                 _ => {}
             }
@@ -328,10 +454,7 @@ impl DeviceBackend for CudaDevice {
             .prepare(&self.target.host.layout, &reqs)
             .map_err(|e| self.core.meta_err(e))?;
         let written =
-            Self::write_tokens(&self.core, &self.gpu, &mut self.scratch, &self.target, plan)
-                .map_err(|e| self.cuda(e))?;
-        // The step is complete when its kernels are: errors surface here, per step.
-        self.gpu.synchronize().map_err(|e| self.cuda(e))?;
+            Self::write_and_check(&self.core, &self.gpu, &mut self.scratch, &self.target, plan)?;
         let work = StepWork {
             written,
             slot_copies,
@@ -359,12 +482,7 @@ impl DeviceBackend for CudaDevice {
                 source: MetadataError::NotInReplay,
             });
         }
-        let n = Self::write_tokens(&self.core, &self.gpu, &mut self.scratch, draft, plan)
-            .and_then(|n| self.gpu.synchronize().map(|()| n));
-        n.map_err(|source| DeviceError::Cuda {
-            device: dev,
-            source,
-        })
+        Self::write_and_check(&self.core, &self.gpu, &mut self.scratch, draft, plan)
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {

@@ -24,6 +24,8 @@ pub struct Kernels {
     quantize_indexer_fp4: CudaFunction,
     indexer_k_scatter: CudaFunction,
     indexer_k_gather: CudaFunction,
+    guard_offsets: CudaFunction,
+    guard_rows: CudaFunction,
     mla_scatter_bf16: CudaFunction,
     mla_scatter_fp8: CudaFunction,
     mla_scatter_fp8_ds_mla: CudaFunction,
@@ -51,6 +53,39 @@ pub struct DevRows {
     pub tokens_per_block: u32,
 }
 
+/// A step's fail flag (`kernels/guard.cu`): a guarded scatter first checks every mapping
+/// of its batch and refuses the whole batch, and every later guarded op, once one is out
+/// of range. `op` numbers the guarded ops of a step in launch order.
+#[derive(Clone, Copy, Debug)]
+pub struct Guard {
+    /// Device address of the step's 64-bit flag (all ones: nothing failed).
+    pub flag: u64,
+    /// This op's number in the step.
+    pub op: u32,
+}
+
+/// What a set fail flag says: the first out-of-range token of the first failing op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuardFailure {
+    /// The op's number ([`Guard::op`]).
+    pub op: u32,
+    /// The token (index in the op's batch).
+    pub token: usize,
+    /// 0: the value / data row, 1: the scale word / scale row.
+    pub which: u32,
+}
+
+impl GuardFailure {
+    /// Decodes a flag read back from the device (`None`: nothing failed).
+    pub fn decode(flag: u64) -> Option<GuardFailure> {
+        (flag != u64::MAX).then_some(GuardFailure {
+            op: (flag >> 32) as u32,
+            token: ((flag as u32) >> 1) as usize,
+            which: flag as u32 & 1,
+        })
+    }
+}
+
 /// An MLA row encoding to write.
 #[derive(Clone, Copy, Debug)]
 pub enum MlaEncoding {
@@ -71,6 +106,18 @@ pub enum MlaEncoding {
         /// The block-scale view.
         scales: DevRows,
     },
+}
+
+impl MlaEncoding {
+    /// Bytes of one row in the main view.
+    pub fn row_bytes(&self) -> u32 {
+        match self {
+            MlaEncoding::Bf16 => 1152,
+            MlaEncoding::Fp8 { .. } => 576,
+            MlaEncoding::Fp8DsMla { .. } => 656,
+            MlaEncoding::Nvfp4 { .. } => 288,
+        }
+    }
 }
 
 fn cfg(threads: u64) -> LaunchConfig {
@@ -118,6 +165,8 @@ impl Kernels {
             quantize_indexer_fp8: load("quantize_indexer_fp8")?,
             quantize_indexer_fp4: load("quantize_indexer_fp4")?,
             indexer_k_scatter: load("indexer_k_scatter")?,
+            guard_offsets: load("guard_offsets")?,
+            guard_rows: load("guard_rows")?,
             indexer_k_gather: load("indexer_k_gather")?,
             mla_scatter_bf16: load("mla_scatter_bf16")?,
             mla_scatter_fp8: load("mla_scatter_fp8")?,
@@ -171,7 +220,8 @@ impl Kernels {
 
     /// Writes `n` indexer tokens into one layer's cache view (`cache`, `cache_len`
     /// bytes) at the byte offsets `vmap` / `smap` (negative: skip). Reference:
-    /// [`crate::ops::indexer_k::indexer_k_scatter`].
+    /// [`crate::ops::indexer_k::indexer_k_scatter`]. With a `guard`, a batch with an
+    /// out-of-range mapping writes nothing and sets the step's fail flag.
     ///
     /// # Safety
     /// `values` holds `n × width` bytes, `scales` `n × 4`, the maps `n` i64 each, and
@@ -189,12 +239,28 @@ impl Kernels {
         smap: u64,
         n: usize,
         width: usize,
+        guard: Option<Guard>,
     ) -> Result<(), CudaError> {
         check_width(device, width)?;
         if n == 0 {
             return Ok(());
         }
         let (n32, w32) = (as_i32(device, "tokens", n)?, width as i32);
+        if let Some(g) = guard {
+            for (map, bytes, which) in [(vmap, width as u32, 0u32), (smap, 4, 1)] {
+                let mut b = stream.launch_builder(&self.guard_offsets);
+                b.arg(&map)
+                    .arg(&n32)
+                    .arg(&bytes)
+                    .arg(&cache_len)
+                    .arg(&g.op)
+                    .arg(&which)
+                    .arg(&g.flag);
+                unsafe { b.launch(cfg(n as u64)) }
+                    .map_err(|e| driver_error(device, "guard_offsets", e))?;
+            }
+        }
+        let fail = guard.map_or(0u64, |g| g.flag);
         let mut b = stream.launch_builder(&self.indexer_k_scatter);
         b.arg(&cache)
             .arg(&values)
@@ -203,7 +269,8 @@ impl Kernels {
             .arg(&smap)
             .arg(&n32)
             .arg(&w32)
-            .arg(&cache_len);
+            .arg(&cache_len)
+            .arg(&fail);
         unsafe { b.launch(indexer_cfg(device, n, width)?) }
             .map(|_| ())
             .map_err(|e| driver_error(device, "indexer_k_scatter", e))
@@ -251,7 +318,8 @@ impl Kernels {
     }
 
     /// Encodes `n` 576-element BF16 rows (`rows`) and writes them at token slots `slots`
-    /// (i64, negative: skip). Reference: [`crate::ops::mla`].
+    /// (i64, negative: skip). Reference: [`crate::ops::mla`]. With a `guard`, a batch
+    /// with a row past its pool writes nothing and sets the step's fail flag.
     ///
     /// # Safety
     /// `rows` holds `n × 1152` bytes, `slots` `n` i64, and the views describe device
@@ -266,6 +334,7 @@ impl Kernels {
         rows: u64,
         slots: u64,
         n: usize,
+        guard: Option<Guard>,
     ) -> Result<(), CudaError> {
         if n == 0 {
             return Ok(());
@@ -279,6 +348,28 @@ impl Kernels {
             view.block_stride,
             view.tokens_per_block,
         );
+        if let Some(g) = guard {
+            let mut views = vec![(view, enc.row_bytes(), 0u32)];
+            if let MlaEncoding::Nvfp4 { scales } = enc {
+                views.push((scales, 36, 1));
+            }
+            for (v, row_bytes, which) in views {
+                let mut b = stream.launch_builder(&self.guard_rows);
+                b.arg(&slots)
+                    .arg(&n32)
+                    .arg(&v.base)
+                    .arg(&v.block_stride)
+                    .arg(&v.tokens_per_block)
+                    .arg(&row_bytes)
+                    .arg(&v.pool_len)
+                    .arg(&g.op)
+                    .arg(&which)
+                    .arg(&g.flag);
+                unsafe { b.launch(cfg(n as u64)) }
+                    .map_err(|e| driver_error(device, "guard_rows", e))?;
+            }
+        }
+        let fail = guard.map_or(0u64, |g| g.flag);
         let r = match enc {
             MlaEncoding::Bf16 => {
                 let mut b = stream.launch_builder(&self.mla_scatter_bf16);
@@ -289,7 +380,8 @@ impl Kernels {
                     .arg(&base)
                     .arg(&stride)
                     .arg(&tpb)
-                    .arg(&len);
+                    .arg(&len)
+                    .arg(&fail);
                 unsafe { b.launch(c) }
             }
             MlaEncoding::Fp8 { tensor_scale } => {
@@ -302,7 +394,8 @@ impl Kernels {
                     .arg(&stride)
                     .arg(&tpb)
                     .arg(&len)
-                    .arg(&tensor_scale);
+                    .arg(&tensor_scale)
+                    .arg(&fail);
                 unsafe { b.launch(c) }
             }
             MlaEncoding::Fp8DsMla { ue8m0 } => {
@@ -316,7 +409,8 @@ impl Kernels {
                     .arg(&stride)
                     .arg(&tpb)
                     .arg(&len)
-                    .arg(&ue);
+                    .arg(&ue)
+                    .arg(&fail);
                 unsafe { b.launch(c) }
             }
             MlaEncoding::Nvfp4 { scales } => {
@@ -332,7 +426,8 @@ impl Kernels {
                     .arg(&scales.block_stride)
                     .arg(&tpb)
                     .arg(&len)
-                    .arg(&scales.pool_len);
+                    .arg(&scales.pool_len)
+                    .arg(&fail);
                 unsafe { b.launch(c) }
             }
         };

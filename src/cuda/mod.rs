@@ -46,9 +46,10 @@ pub use vmm::VmmPool;
 pub const ARCH: &str = "sm_90a";
 
 /// The kernel sources, in compilation order.
-pub const KERNEL_SOURCES: [(&str, &str); 7] = [
+pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("quant.cu", include_str!("../../kernels/quant.cu")),
+    ("guard.cu", include_str!("../../kernels/guard.cu")),
     ("indexer.cu", include_str!("../../kernels/indexer.cu")),
     ("mla.cu", include_str!("../../kernels/mla.cu")),
     ("topk.cu", include_str!("../../kernels/topk.cu")),

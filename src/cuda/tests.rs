@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::kernels::{DevRows, MlaEncoding, RecomputeTables};
+use super::kernels::{DevRows, Guard, GuardFailure, MlaEncoding, RecomputeTables};
 use super::*;
 use crate::config::{DsaModel, LayerSet};
 use crate::ids::{Fence, PoolGroupId, SlotId, Tier};
@@ -20,7 +20,7 @@ use crate::ops::mla::{
 };
 use crate::ops::quant::{quantize_fp4_token, quantize_fp8_token, ScaleFormat};
 use crate::ops::topk::{dense_topk, topk_to_global, PrimaryPageParams};
-use crate::ops::{CopyPlan, GroupCopy};
+use crate::ops::{CopyPlan, GroupCopy, OpError};
 use crate::rng::SplitMix64;
 use crate::storage::{HostStorage, KvStorage};
 
@@ -262,6 +262,7 @@ fn indexer_scatter_and_gather_match_host() {
                         smb.ptr(),
                         n,
                         width as usize,
+                        None,
                     )
                     .unwrap()
             };
@@ -308,7 +309,7 @@ fn indexer_scatter_and_gather_match_host() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn out_of_range_mappings_are_skipped_on_the_device() {
+fn out_of_range_mappings_fail_closed_on_the_device() {
     let g = gpu();
     let mut rng = Rng(SplitMix64(3));
     let n = 200;
@@ -317,18 +318,75 @@ fn out_of_range_mappings_are_skipped_on_the_device() {
     let (mut vm, mut sm) = indexer_maps(&mut rng, n, pages as u64, 128);
     let values = rng.bytes(n * 128);
     let scales = rng.bytes(n * 4);
-    // Token 5 points past the cache: the host reference refuses the batch; the device
-    // skips that token and writes the rest.
-    vm[5] = init.len() as i64 - 64;
+    // Tokens 5 (scale word) and 9 (payload) point past the cache: the host reference
+    // refuses the batch, naming token 5, and writes nothing.
     sm[5] = init.len() as i64;
+    vm[9] = init.len() as i64 - 64;
     let maps = IndexerMappings {
         value: &vm,
         scale: &sm,
     };
     let mut host = init.clone();
-    assert!(indexer_k_scatter(&mut host, &values, &scales, maps, 128).is_err());
+    let err = indexer_k_scatter(&mut host, &values, &scales, maps, 128).unwrap_err();
+    assert_eq!(
+        err,
+        OpError::OutOfBounds {
+            token: 5,
+            offset: init.len() as i64,
+            end: init.len() as i64 + 4,
+            cache_len: init.len(),
+        }
+    );
     assert_eq!(host, init, "the host reference wrote nothing");
     let cache = buf(&g, &init);
+    let flag = buf(&g, &[u64::MAX]);
+    let (vb, sb, vmb, smb) = (
+        buf(&g, &values),
+        buf(&g, &scales),
+        buf(&g, &vm),
+        buf(&g, &sm),
+    );
+    let scatter = |guard: Option<Guard>| unsafe {
+        g.kernels()
+            .indexer_k_scatter(
+                g.compute(),
+                0,
+                cache.ptr(),
+                init.len() as u64,
+                vb.ptr(),
+                sb.ptr(),
+                vmb.ptr(),
+                smb.ptr(),
+                n,
+                128,
+                guard,
+            )
+            .unwrap()
+    };
+    // Guarded (op 3 of a step): nothing written, the flag names token 5's scale word.
+    scatter(Some(Guard {
+        flag: flag.ptr(),
+        op: 3,
+    }));
+    g.synchronize().unwrap();
+    assert!(
+        read::<u8>(&g, &cache, init.len()) == init,
+        "the device wrote nothing"
+    );
+    let f = GuardFailure::decode(read::<u64>(&g, &flag, 1)[0]);
+    assert_eq!(
+        f,
+        Some(GuardFailure {
+            op: 3,
+            token: 5,
+            which: 1
+        })
+    );
+    // A later guarded op of the same step writes nothing either (the host returned at
+    // its first error), and leaves the flag naming the first failure.
+    (vm[9], sm[5]) = (-1, -1);
+    let good = buf(&g, &vm);
+    let good_s = buf(&g, &sm);
     unsafe {
         g.kernels()
             .indexer_k_scatter(
@@ -336,23 +394,107 @@ fn out_of_range_mappings_are_skipped_on_the_device() {
                 0,
                 cache.ptr(),
                 init.len() as u64,
-                buf(&g, &values).ptr(),
-                buf(&g, &scales).ptr(),
-                buf(&g, &vm).ptr(),
-                buf(&g, &sm).ptr(),
+                vb.ptr(),
+                sb.ptr(),
+                good.ptr(),
+                good_s.ptr(),
                 n,
                 128,
+                Some(Guard {
+                    flag: flag.ptr(),
+                    op: 4,
+                }),
             )
             .unwrap()
     };
     g.synchronize().unwrap();
-    (vm[5], sm[5]) = (-1, -1);
+    assert!(
+        read::<u8>(&g, &cache, init.len()) == init,
+        "later ops wrote nothing"
+    );
+    assert_eq!(
+        GuardFailure::decode(read::<u64>(&g, &flag, 1)[0]).map(|f| f.op),
+        Some(3)
+    );
+    // Unguarded, the kernel only never writes out of range (the old, fail-open mode):
+    // the other tokens land.
+    scatter(None);
+    g.synchronize().unwrap();
     let maps = IndexerMappings {
         value: &vm,
         scale: &sm,
     };
-    indexer_k_scatter(&mut host, &values, &scales, maps, 128).unwrap();
-    assert!(read::<u8>(&g, &cache, init.len()) == host);
+    let mut expect = init.clone();
+    indexer_k_scatter(&mut expect, &values, &scales, maps, 128).unwrap();
+    assert!(read::<u8>(&g, &cache, init.len()) == expect);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn out_of_range_rows_fail_closed_on_the_device() {
+    let g = gpu();
+    let mut rng = Rng(SplitMix64(6));
+    let n = 100;
+    let blocks = 3u64;
+    let rows = rng.bf16s(n * 576);
+    let rv = RowView {
+        base: 0,
+        block_stride: 64 * 656,
+        tokens_per_block: 64,
+        row_bytes: 656,
+    };
+    let init = rng.bytes((blocks * rv.block_stride) as usize);
+    let mut slots: Vec<i64> = (0..n as i64)
+        .map(|i| (i * 7) % (blocks as i64 * 64))
+        .collect();
+    slots[40] = blocks as i64 * 64 + 1;
+    let mut host = init.clone();
+    let err =
+        mla_scatter_fp8_ds_mla(&mut host, &rv, &rows, &slots, ScaleFormat::Ue8m0).unwrap_err();
+    assert!(
+        matches!(err, OpError::OutOfBounds { token: 40, .. }),
+        "{err:?}"
+    );
+    assert_eq!(host, init);
+    let pool = buf(&g, &init);
+    let flag = buf(&g, &[u64::MAX]);
+    let (rb, slb) = (buf(&g, &rows), buf(&g, &slots));
+    unsafe {
+        g.kernels()
+            .mla_scatter(
+                g.compute(),
+                0,
+                DevRows {
+                    pool: pool.ptr(),
+                    pool_len: init.len() as u64,
+                    base: 0,
+                    block_stride: rv.block_stride,
+                    tokens_per_block: 64,
+                },
+                MlaEncoding::Fp8DsMla { ue8m0: true },
+                rb.ptr(),
+                slb.ptr(),
+                n,
+                Some(Guard {
+                    flag: flag.ptr(),
+                    op: 0,
+                }),
+            )
+            .unwrap()
+    };
+    g.synchronize().unwrap();
+    assert!(
+        read::<u8>(&g, &pool, init.len()) == init,
+        "the device wrote nothing"
+    );
+    assert_eq!(
+        GuardFailure::decode(read::<u64>(&g, &flag, 1)[0]),
+        Some(GuardFailure {
+            op: 0,
+            token: 40,
+            which: 0
+        })
+    );
 }
 
 #[test]
@@ -429,6 +571,7 @@ fn mla_scatters_match_host() {
                         rb.ptr(),
                         slb.ptr(),
                         n,
+                        None,
                     )
                     .unwrap()
             };
