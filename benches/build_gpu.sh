@@ -10,8 +10,15 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
         print(m["executable"])')
+verifier=$(cargo test --release --test verifier --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "verifier":
+        print(m["executable"])')
 mkdir -p .gpu
 cp "$lib_tests" .gpu/lib_tests
+cp "$verifier" .gpu/verifier_tests
 cp "${CARGO_TARGET_DIR:-target}"/release/examples/{serve,gpu_bench,tp} .gpu/
-strip .gpu/lib_tests .gpu/serve .gpu/gpu_bench .gpu/tp
+strip .gpu/lib_tests .gpu/verifier_tests .gpu/serve .gpu/gpu_bench .gpu/tp
 ls -la .gpu

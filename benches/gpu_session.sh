@@ -9,6 +9,8 @@ L=$OUT/logs.txt
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 echo "== tests" >> $L
 timeout 180 .gpu/lib_tests --ignored --test-threads=1 cuda:: > $OUT/gpu_tests.txt 2>&1; echo "tests rc=$?" >> $L
+echo "== verifier drills on the GPU" >> $L
+timeout 120 .gpu/verifier_tests --ignored --test-threads=1 > $OUT/gpu_verifier_tests.txt 2>&1; echo "verifier rc=$?" >> $L
 echo "== serve quick cuda" >> $L
 timeout 120 .gpu/serve --quick --backend cuda --json --out /tmp/sq > $OUT/serve_quick_cuda.json 2>>$L; echo "serve quick rc=$?" >> $L
 echo "== tp" >> $L
