@@ -264,6 +264,7 @@ impl Coordinator {
                 KvEvent::Stored { .. } => self.event_counts.stored += 1,
                 KvEvent::Removed { .. } => self.event_counts.removed += 1,
                 KvEvent::TierUpdated { .. } => self.event_counts.tier_updated += 1,
+                KvEvent::AllBlocksCleared => self.event_counts.cleared += 1,
             }
             if self.events.len() == EVENT_CAPACITY {
                 self.events.pop_front();

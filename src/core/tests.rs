@@ -951,3 +951,110 @@ fn dropped_handles_are_closed_at_the_next_mutation_and_only_forget_leaks() {
     drop(m);
     drop(d);
 }
+
+#[test]
+fn reset_prefix_cache_drops_every_block_on_every_tier() {
+    let mut m = mgr(4, 4);
+    cache(&mut m, 1, &toks(0..8), 35); // GPU slots 0, 1
+    cache(&mut m, 2, &toks(20..28), 35); // GPU slots 2, 3
+    cache(&mut m, 3, &toks(40..48), 35); // offloads request 1's blocks to the host
+    assert_eq!(m.num_cached_blocks(), 6);
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![4]);
+    assert_eq!(m.occupied_slots(Tier::Host), vec![2]);
+    let offload = m.take_copy_plans();
+    assert_eq!(offload.len(), 1, "the offload is decided, not run yet");
+    m.take_events();
+    let issued = m.issued_fence();
+    assert_eq!(
+        m.reset_prefix_cache(),
+        Ok(ResetReport {
+            blocks: 6,
+            gpu_pages: 4,
+            host_pages: 2
+        })
+    );
+    assert_eq!(
+        m.take_events(),
+        vec![KvEvent::AllBlocksCleared],
+        "one event, no Removed per block"
+    );
+    assert_eq!((m.num_cached_blocks(), m.num_pages()), (0, 0));
+    assert_eq!(m.tree.num_roots(), 0, "scope roots go too");
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![0]);
+    assert_eq!(m.occupied_slots(Tier::Host), vec![0]);
+    for tier in Tier::ALL {
+        let u = m.usage(tier)[0];
+        assert_eq!((u.free, u.evictable, u.utilization), (4, 0, 0.0), "{tier}");
+    }
+    m.check_invariants();
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(0..9)).unwrap(), 0);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(40..49)).unwrap(), 0);
+    // An empty cache resets again: nothing dropped, the event again (a router that missed
+    // the first one converges).
+    assert_eq!(m.reset_prefix_cache(), Ok(ResetReport::default()));
+    assert_eq!(m.take_events(), vec![KvEvent::AllBlocksCleared]);
+    // Freed slots wait for the work issued before the reset (the offload above): a new
+    // owner of all four GPU slots is told to wait for it.
+    let mut a = start(&mut m, 4, &toks(40..56), 35);
+    assert_eq!(m.info_of(&a).unwrap().reused_tokens, 0);
+    assert!(m.resize(&a, 16, 0).unwrap());
+    assert_eq!(m.info_of(&a).unwrap().ready_after, issued);
+    // The tree grows again from nothing.
+    m.commit(&a, &toks(40..56)).unwrap();
+    m.close(&mut a).unwrap();
+    assert_eq!(m.num_cached_blocks(), 4);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(40..49)).unwrap(), 8);
+    m.check_invariants();
+}
+
+#[test]
+fn reset_prefix_cache_is_refused_while_sequences_hold_pages() {
+    let mut m = mgr(8, 4);
+    cache(&mut m, 1, &toks(0..8), 35);
+    m.take_events();
+    // Active, then suspended (holding, not locking): refused either way, nothing changes.
+    let a = start(&mut m, 2, &toks(0..6), 35);
+    assert_eq!(m.info_of(&a).unwrap().reused_tokens, 5);
+    // A sequence that holds no page does not count.
+    let mut idle = m
+        .create(
+            RequestId(3),
+            ReuseScope::SHARED,
+            &toks(50..51),
+            SeqOptions::default(),
+        )
+        .unwrap()
+        .handle;
+    for suspend in [false, true] {
+        if suspend {
+            m.suspend(&a).unwrap();
+        }
+        let before = m.fingerprint();
+        let err = m.reset_prefix_cache().unwrap_err();
+        assert_eq!(err, KvError::PrefixCacheInUse { sequences: 1 });
+        assert_eq!(
+            err.to_string(),
+            "cannot reset the prefix cache: 1 sequence(s) still hold pages; finish or close \
+             them first (nothing was changed)"
+        );
+        assert_eq!(m.fingerprint(), before, "suspended: {suspend}");
+        assert_eq!(m.take_events(), vec![], "no event for a refusal");
+    }
+    // Its handle dropped, the sequence is closed first and the reset goes through.
+    drop(a);
+    assert_eq!(
+        m.reset_prefix_cache(),
+        Ok(ResetReport {
+            blocks: 2,
+            gpu_pages: 2,
+            host_pages: 0
+        })
+    );
+    // The idle sequence survived and works on the empty cache.
+    assert!(m.resume(&idle).unwrap());
+    assert!(m.resize(&idle, 4, 0).unwrap());
+    m.commit(&idle, &toks(50..54)).unwrap();
+    m.close(&mut idle).unwrap();
+    assert_eq!(m.num_cached_blocks(), 1);
+    m.check_invariants();
+}
