@@ -1,15 +1,16 @@
 //! The runtime through its public handle: many concurrent clients with nothing lost,
-//! supervision (a device dies mid-run), backpressure, and start-up validation.
+//! supervision (a device dies mid-run), backpressure, prefix-cache reset, and start-up
+//! validation.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsa_kv::actors::{DeviceFault, KvCacheBuilder, KvCacheHandle, RuntimeError};
+use dsa_kv::actors::{DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError};
 use dsa_kv::config::{ConfigError, EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
-use dsa_kv::core::ReuseScope;
+use dsa_kv::core::{KvEvent, ReuseScope};
 use dsa_kv::ids::{RequestId, TokenId};
 
 fn config(max_tokens: u64, host: bool, mtp: bool) -> EngineConfig {
@@ -268,6 +269,118 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
     assert_eq!(done.finished.generated, 3);
     let counts = kv.check_invariants().await.unwrap();
     assert_eq!(counts.live_sequences, 0);
+    kv.shutdown().await;
+}
+
+/// Steps and commits (token 7, no drafts accepted) until `n` requests finished.
+async fn run_until_finished(kv: &KvCacheHandle, n: usize) -> Vec<FinishedReport> {
+    let mut finished = Vec::new();
+    for _ in 0..200 {
+        let report = kv.step(HashMap::new()).await.unwrap();
+        let outcomes: Vec<RequestOutcome> = report
+            .scheduled
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: 0,
+                next_token: r.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        if !outcomes.is_empty() {
+            finished.extend(kv.commit(outcomes).await.unwrap().finished);
+        }
+        if finished.len() == n {
+            return finished;
+        }
+    }
+    panic!("{} of {n} requests finished", finished.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reset_prefix_cache_forgets_every_block_and_waits_for_requests_holding_pages() {
+    // A host tier and a separate MTP draft cache: both are reset.
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, true, true))
+        .start()
+        .await
+        .unwrap();
+    let submit = |id: u64| SubmitRequest {
+        id: RequestId(id),
+        scope: ReuseScope::SHARED,
+        prompt: prompt(1, 200),
+        max_new_tokens: 4,
+        priority: 35,
+    };
+    assert_eq!(kv.submit(submit(1)).await.unwrap(), 0);
+    let done = run_until_finished(&kv, 1).await;
+    assert_eq!(done[0].finished.reused_tokens, 0);
+    // 200 prompt tokens + 3 outputs with KV: 3 full blocks and a partial one of 11.
+    let cached = kv.check_invariants().await.unwrap();
+    assert_eq!((cached.cached_blocks, cached.pages), (4, 4));
+    // The same prompt reuses everything but its last token.
+    assert_eq!(kv.submit(submit(2)).await.unwrap(), 199);
+    let step = kv.step(HashMap::new()).await.unwrap();
+    assert_eq!(step.scheduled[0].num_cached, 199);
+    kv.take_events().await.unwrap();
+    // Request 2 holds pages in the step in flight: refused, nothing changes.
+    let holding = kv.check_invariants().await.unwrap();
+    let err = kv.reset_prefix_cache().await.unwrap_err();
+    assert_eq!(err, RuntimeError::PrefixCacheInUse { requests: 1 });
+    assert!(
+        err.to_string().contains("let them finish or cancel them"),
+        "{err}"
+    );
+    assert_eq!(kv.check_invariants().await.unwrap(), holding);
+    assert_eq!(kv.take_events().await.unwrap(), vec![]);
+    kv.commit(vec![RequestOutcome {
+        id: RequestId(2),
+        accepted_drafts: 0,
+        next_token: Some(TokenId(7)),
+    }])
+    .await
+    .unwrap();
+    let done = run_until_finished(&kv, 1).await;
+    assert_eq!(done[0].finished.reused_tokens, 199);
+    assert!(done[0].mismatches.is_empty());
+    // Everything finished: the reset drops every block, on the GPU and the host.
+    let before = kv.check_invariants().await.unwrap();
+    let report = kv.reset_prefix_cache().await.unwrap();
+    assert_eq!(
+        (report.blocks, report.gpu_pages + report.host_pages),
+        (before.cached_blocks as u64, before.pages as u64)
+    );
+    assert_eq!(
+        (report.gpu_pages, report.host_pages),
+        (
+            u64::from(before.gpu_slots_used),
+            u64::from(before.host_slots_used)
+        )
+    );
+    let after = kv.check_invariants().await.unwrap();
+    assert_eq!(
+        (
+            after.cached_blocks,
+            after.pages,
+            after.gpu_slots_used,
+            after.host_slots_used
+        ),
+        (0, 0, 0, 0)
+    );
+    let events = kv.take_events().await.unwrap();
+    assert_eq!(events.last(), Some(&KvEvent::AllBlocksCleared));
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| **e == KvEvent::AllBlocksCleared)
+            .count(),
+        1
+    );
+    assert_eq!(kv.stats().await.unwrap().events.cleared, 1);
+    // The same prompt now reuses nothing, and its KV verifies.
+    assert_eq!(kv.submit(submit(3)).await.unwrap(), 0);
+    let done = run_until_finished(&kv, 1).await;
+    assert_eq!(done[0].finished.reused_tokens, 0);
+    assert!(done[0].mismatches.is_empty() && done[0].tokens_verified > 0);
     kv.shutdown().await;
 }
 

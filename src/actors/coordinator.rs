@@ -264,6 +264,7 @@ impl Coordinator {
                 KvEvent::Stored { .. } => self.event_counts.stored += 1,
                 KvEvent::Removed { .. } => self.event_counts.removed += 1,
                 KvEvent::TierUpdated { .. } => self.event_counts.tier_updated += 1,
+                KvEvent::AllBlocksCleared => self.event_counts.cleared += 1,
             }
             if self.events.len() == EVENT_CAPACITY {
                 self.events.pop_front();
@@ -757,4 +758,29 @@ pub struct CacheCounts {
     pub gpu_slots_used: u32,
     /// Host slots in use.
     pub host_slots_used: u32,
+}
+
+/// Drop every cached block (after a weight update); refused while requests hold pages.
+pub struct ResetPrefixCache;
+
+impl Message<ResetPrefixCache> for Coordinator {
+    type Reply = Result<crate::core::ResetReport, RuntimeError>;
+
+    async fn handle(
+        &mut self,
+        _: ResetPrefixCache,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        use crate::core::scheduler::SchedError;
+        let report = self.sched.reset_prefix_cache().map_err(|e| match e {
+            SchedError::PrefixCacheInUse { requests } => {
+                RuntimeError::PrefixCacheInUse { requests }
+            }
+            other => other.into(),
+        })?;
+        // The clear event joins the stream (and the counts) in order with the others.
+        self.drain_events();
+        tracing::info!(?report, "prefix cache reset");
+        Ok(report)
+    }
 }

@@ -53,6 +53,16 @@ pub enum RuntimeError {
         /// Why.
         reason: String,
     },
+    /// `reset_prefix_cache` while requests hold KV pages; nothing was changed.
+    #[error(
+        "cannot reset the prefix cache: {requests} request(s) hold KV pages (running, in the \
+         step in flight, or preempted with their pages kept); let them finish or cancel them, \
+         then reset again (nothing was changed)"
+    )]
+    PrefixCacheInUse {
+        /// Requests holding pages.
+        requests: usize,
+    },
     /// The runtime is not running (shut down, or its coordinator stopped).
     #[error("the KV-cache runtime is not running: {0}")]
     NotRunning(String),

@@ -460,9 +460,24 @@ impl KvCacheHandle {
         Ok(self.coordinator.ask(GetStats).await?)
     }
 
-    /// KV events since the last call (stored / removed / tier-updated blocks).
+    /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
+    /// clears).
     pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
         Ok(self.coordinator.ask(TakeEvents).await?)
+    }
+
+    /// Drops every cached block of the target and the draft cache on every tier, e.g.
+    /// after a weight update (vLLM's and SGLang's `reset_prefix_cache`); the next request
+    /// reuses nothing. Routers get one [`KvEvent::AllBlocksCleared`] through
+    /// [`take_events`](Self::take_events) (again on every successful call). Refused with
+    /// [`RuntimeError::PrefixCacheInUse`], changing nothing, while any request holds KV
+    /// pages (running, in a step not committed yet, or suspended): let them finish or
+    /// cancel them first. Requests submitted and not started yet do not block it.
+    pub async fn reset_prefix_cache(&self) -> Result<crate::core::ResetReport, RuntimeError> {
+        Ok(self
+            .coordinator
+            .ask(super::coordinator::ResetPrefixCache)
+            .await?)
     }
 
     /// Checks the cache managers' invariants; returns the cache occupancy.

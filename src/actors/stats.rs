@@ -45,6 +45,8 @@ pub struct EventCounts {
     pub removed: u64,
     /// Tier moves.
     pub tier_updated: u64,
+    /// Whole-cache clears (`reset_prefix_cache`).
+    pub cleared: u64,
 }
 
 /// A snapshot of the runtime's statistics.

@@ -138,6 +138,15 @@ pub enum KvError {
         /// Last issued fence.
         issued: Fence,
     },
+    /// `reset_prefix_cache` while sequences hold pages.
+    #[error(
+        "cannot reset the prefix cache: {sequences} sequence(s) still hold pages; finish or \
+         close them first (nothing was changed)"
+    )]
+    PrefixCacheInUse {
+        /// Live sequences (active or suspended) holding at least one page.
+        sequences: usize,
+    },
     /// A layout query failed.
     #[error(transparent)]
     Layout(#[from] LayoutError),

@@ -1,5 +1,5 @@
-//! KV events for KV-aware routers: blocks stored in the reuse tree, removed from it, and
-//! moved between tiers.
+//! KV events for KV-aware routers: blocks stored in the reuse tree, removed from it,
+//! moved between tiers, and the whole tree cleared.
 
 use serde::Serialize;
 
@@ -39,4 +39,8 @@ pub enum KvEvent {
         /// New tier.
         to: Tier,
     },
+    /// Every block was removed ([`reset_prefix_cache`](super::KvCacheManager::reset_prefix_cache),
+    /// e.g. after a weight update): forget everything this cache stored. No `Removed`
+    /// event is sent for those blocks (vLLM's and SGLang's `AllBlocksCleared`).
+    AllBlocksCleared,
 }

@@ -5,7 +5,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
+use crossbeam::queue::SegQueue;
 use serde::Serialize;
 
 use super::error::{KvError, SeqStatus};
@@ -74,6 +76,17 @@ impl Default for SeqOptions {
 
 /// The right to drive one sequence. It cannot be cloned: only its owner can resize,
 /// commit, suspend, resume or close the sequence.
+///
+/// **Dropping a handle closes its sequence.** A handle dropped without
+/// [`close`](KvCacheManager::close) (an early return, a `?`, a panic unwinding the
+/// engine loop) reports its sequence to its manager, which closes it exactly as `close`
+/// would (same events, same pages freed, committed blocks stay cached) at the start of
+/// its next `&mut self` call, or when [`close_dropped`](KvCacheManager::close_dropped)
+/// is called. Until then read-only queries (`usage`, `num_sequences`,
+/// `check_invariants`, …) still count the sequence. A handle whose manager is gone
+/// reports to nobody, harmlessly. The one way to leak a sequence is to never drop its
+/// handle (`std::mem::forget`, a reference cycle): its pages then stay in use, as the
+/// invariants allow, until the manager is dropped.
 #[derive(Debug)]
 pub struct SeqHandle {
     pub(super) id: RequestId,
@@ -81,7 +94,21 @@ pub struct SeqHandle {
     pub(super) gen: u64,
     pub(super) manager: u64,
     pub(super) closed: bool,
+    /// Where `drop` reports the sequence when it was not closed.
+    pub(super) dropped: DroppedSeqs,
 }
+
+impl Drop for SeqHandle {
+    fn drop(&mut self) {
+        if !self.closed {
+            self.dropped.push((self.slot, self.gen));
+        }
+    }
+}
+
+/// Sequences whose handles were dropped without `close`, as `(slab index, generation)`:
+/// pushed by [`SeqHandle`]'s `drop`, drained by the manager that created them.
+pub(super) type DroppedSeqs = Arc<SegQueue<(u32, u64)>>;
 
 impl SeqHandle {
     /// The request id.
@@ -229,6 +256,8 @@ pub struct KvCacheManager {
     pub(super) stats: ManagerStats,
     /// Injected refusals of GPU room (fault drills), see [`KvCacheManager::inject_room_failures`].
     pub(super) faults: Option<RoomFaults>,
+    /// Sequences whose handles were dropped without `close` (every handle shares it).
+    pub(super) dropped: DroppedSeqs,
 }
 
 /// A seeded schedule of refused GPU-room requests.
@@ -306,6 +335,7 @@ impl KvCacheManager {
             events: Vec::new(),
             stats: ManagerStats::default(),
             faults: None,
+            dropped: DroppedSeqs::default(),
             plan,
             opts,
         })
@@ -355,6 +385,7 @@ impl KvCacheManager {
 
     /// Issues the fence of a step the caller is about to run on the devices.
     pub fn issue_fence(&mut self) -> Fence {
+        self.reap_dropped();
         self.clock.issue()
     }
 
@@ -368,6 +399,7 @@ impl KvCacheManager {
     /// storage could not supply the memory: the call returns `Ok(false)` and must leave
     /// every structure as it was. `percent = 0` turns injection off.
     pub fn inject_room_failures(&mut self, seed: u64, percent: u8) {
+        self.reap_dropped();
         self.faults = (percent > 0).then_some(RoomFaults {
             rng: SplitMix64(seed),
             percent: percent.min(100),
@@ -387,6 +419,7 @@ impl KvCacheManager {
 
     /// Records that all device work up to `f` has completed (minimum over devices).
     pub fn complete_fences(&mut self, f: Fence) -> Result<(), KvError> {
+        self.reap_dropped();
         self.clock
             .complete_up_to(f)
             .map_err(|issued| KvError::FenceNotIssued { fence: f, issued })
@@ -394,12 +427,14 @@ impl KvCacheManager {
 
     /// Copy plans decided since the last call, in the order they must run.
     pub fn take_copy_plans(&mut self) -> Vec<CopyPlan> {
+        self.reap_dropped();
         debug_assert!(self.current_plan.is_none());
         std::mem::take(&mut self.copy_plans)
     }
 
     /// KV events since the last call.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.reap_dropped();
         std::mem::take(&mut self.events)
     }
 
@@ -441,6 +476,7 @@ impl KvCacheManager {
     /// Tokens of `prompt` that would be served from the cache, without holding anything.
     /// The last prompt token is never served (its logits are needed).
     pub fn probe_reuse(&mut self, scope: ReuseScope, prompt: &[TokenId]) -> Result<u64, KvError> {
+        self.reap_dropped();
         Self::validate_tokens(prompt)?;
         if !self.opts.enable_block_reuse || prompt.len() < 2 {
             return Ok(0);
@@ -466,6 +502,7 @@ impl KvCacheManager {
         prompt: &[TokenId],
         opts: SeqOptions,
     ) -> Result<Created, KvError> {
+        self.reap_dropped();
         if self.by_id.contains_key(&id) {
             return Err(KvError::DuplicateRequest { id });
         }
@@ -531,13 +568,7 @@ impl KvCacheManager {
         }
         self.next_gen += 1;
         let reused_tokens = seq.reused;
-        let handle = SeqHandle {
-            id,
-            slot: 0,
-            gen: seq.gen,
-            manager: self.id,
-            closed: false,
-        };
+        let gen = seq.gen;
         let slot = match self.free_seq_slots.pop() {
             Some(s) => {
                 self.seqs[s as usize] = Some(seq);
@@ -551,7 +582,14 @@ impl KvCacheManager {
         self.by_id.insert(id, slot);
         self.debug_check();
         Ok(Created {
-            handle: SeqHandle { slot, ..handle },
+            handle: SeqHandle {
+                id,
+                slot,
+                gen,
+                manager: self.id,
+                closed: false,
+                dropped: self.dropped.clone(),
+            },
             reused_tokens,
         })
     }

@@ -12,6 +12,7 @@ mod manager;
 mod pages;
 pub mod quota;
 mod radix;
+mod reset;
 mod residency;
 mod reuse_key;
 pub mod scheduler;
@@ -27,6 +28,7 @@ pub use manager::{
     SequenceInfo, TierSlots,
 };
 pub use pages::PageStatus;
+pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
 

@@ -319,6 +319,26 @@ impl RadixTree {
         }
     }
 
+    /// Removes every block and every scope root. The blocks are reported in node order
+    /// (deterministic, so every rank frees the same slots in the same order). Freed nodes
+    /// keep their generations: a stale [`NodeRef`] stays stale.
+    pub fn clear(&mut self, removed: &mut Vec<Removed>) {
+        for (i, n) in self.nodes.iter_mut().enumerate().filter(|(_, n)| n.live) {
+            n.live = false;
+            n.children.clear();
+            if n.parent.is_some() {
+                removed.push(Removed {
+                    key: n.key,
+                    pages: std::mem::take(&mut n.pages),
+                });
+            }
+            n.tokens = Vec::new();
+            self.free.push(i as u32);
+        }
+        self.roots.clear();
+        self.num_blocks = 0;
+    }
+
     /// Every live block with its parent, for invariant checks.
     pub fn blocks(&self) -> impl Iterator<Item = (NodeRef, &Node)> + '_ {
         self.nodes

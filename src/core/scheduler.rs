@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::error::{KvError, SeqStatus};
 use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
+use super::reset::ResetReport;
 use super::reuse_key::{PrefixHash, ReuseScope};
 use crate::ids::{Fence, LifeCycleId, RequestId, Tier, TokenId};
 use crate::ops::CopyPlan;
@@ -251,6 +252,16 @@ pub enum SchedError {
         id: RequestId,
         /// What happened.
         what: &'static str,
+    },
+    /// `reset_prefix_cache` while requests hold pages.
+    #[error(
+        "cannot reset the prefix cache: {requests} request(s) hold KV pages (running, in the \
+         step in flight, or preempted with their pages kept); let them finish or cancel them \
+         first (nothing was changed)"
+    )]
+    PrefixCacheInUse {
+        /// Requests whose target or draft sequence holds at least one page.
+        requests: usize,
     },
 }
 
@@ -1110,5 +1121,50 @@ impl Scheduler {
                 SeqStatus::Active
             }
         })
+    }
+}
+
+impl Scheduler {
+    /// Drops every cached block of the target cache and of the mirrored draft cache, e.g.
+    /// after a weight update (see [`KvCacheManager::reset_prefix_cache`]); returns the
+    /// target's report (the draft cache mirrors it) and records one
+    /// [`KvEvent::AllBlocksCleared`](super::KvEvent::AllBlocksCleared) for
+    /// [`take_events`](Self::take_events).
+    ///
+    /// Refused with [`SchedError::PrefixCacheInUse`] while any request holds pages
+    /// (running, in the step in flight, or preempted with its pages kept), and with
+    /// [`KvError::PrefixCacheInUse`] should either cache hold pages of a sequence that is
+    /// not the scheduler's; both caches are checked before either changes, so a refusal
+    /// changes neither. Requests waiting without pages (not started yet, or preempted
+    /// by recomputation) stay queued and later prefill from the emptied cache.
+    pub fn reset_prefix_cache(&mut self) -> Result<ResetReport, SchedError> {
+        let holds = |m: &KvCacheManager, h: &SeqHandle| m.info_of(h).map(|i| i.num_blocks > 0);
+        let mut requests = 0;
+        for r in &self.reqs {
+            let Some(s) = &r.seq else { continue };
+            let mut held = holds(&self.target, &s.target)?;
+            if let (Some(d), Some(h)) = (&self.draft, &s.draft) {
+                held |= holds(d, h)?;
+            }
+            requests += usize::from(held);
+        }
+        if requests > 0 {
+            return Err(SchedError::PrefixCacheInUse { requests });
+        }
+        self.target.close_dropped();
+        if let Some(d) = &mut self.draft {
+            d.close_dropped();
+        }
+        for m in std::iter::once(&self.target).chain(&self.draft) {
+            let sequences = m.sequences_holding_pages();
+            if sequences > 0 {
+                return Err(KvError::PrefixCacheInUse { sequences }.into());
+            }
+        }
+        let report = self.target.reset_prefix_cache()?;
+        if let Some(d) = &mut self.draft {
+            d.reset_prefix_cache()?;
+        }
+        Ok(report)
     }
 }

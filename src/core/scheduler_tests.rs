@@ -361,3 +361,108 @@ fn paused_requests_wait_until_resumed() {
         Err(SchedError::Kv(KvError::UnknownRequest { .. }))
     ));
 }
+
+#[test]
+fn reset_prefix_cache_clears_both_caches_and_is_refused_while_requests_hold_pages() {
+    let mut s = Scheduler::new(manager(16, 16), Some(manager(16, 16)), limits(0));
+    let prompt: Vec<u32> = (0..9).collect();
+    s.submit(req(1, prompt.clone(), 3)).unwrap();
+    let (done, _) = drive(&mut s, 4, 100);
+    assert_eq!(done[0].reused_tokens, 0);
+    // Prompt + 2 committed outputs = 11 tokens: 2 full blocks + a partial one.
+    assert_eq!(s.target().num_cached_blocks(), 3);
+    assert_eq!(s.draft().unwrap().num_cached_blocks(), 3);
+    s.take_events();
+    // A request in the step in flight holds pages: refused, neither cache changes.
+    assert_eq!(s.submit(req(2, prompt.clone(), 3)).unwrap(), 8);
+    let plan = s.schedule(&HashMap::new()).unwrap();
+    assert_eq!(plan.requests[0].num_cached, 8);
+    let before = (s.target().fingerprint(), s.draft().unwrap().fingerprint());
+    let err = s.reset_prefix_cache().unwrap_err();
+    assert_eq!(err, SchedError::PrefixCacheInUse { requests: 1 });
+    assert!(err.to_string().starts_with(
+        "cannot reset the prefix cache: 1 request(s) hold KV pages (running, in the step in flight"
+    ));
+    assert_eq!(
+        (s.target().fingerprint(), s.draft().unwrap().fingerprint()),
+        before
+    );
+    s.complete(plan.target_fence, plan.draft_fence).unwrap();
+    s.commit(&[RequestOutcome {
+        id: RequestId(2),
+        accepted_drafts: 0,
+        next_token: Some(TokenId(3)),
+    }])
+    .unwrap();
+    let (done, _) = drive(&mut s, 5, 100);
+    assert_eq!(done[0].reused_tokens, 8);
+    // Request 2's partial tail differs from request 1's: 2 full blocks + 2 partial ones.
+    assert_eq!(s.target().num_cached_blocks(), 4);
+    s.take_events();
+    // A request waiting without pages does not block the reset.
+    s.submit(req(3, prompt.clone(), 3)).unwrap();
+    assert_eq!(
+        s.reset_prefix_cache(),
+        Ok(ResetReport {
+            blocks: 4,
+            gpu_pages: 4,
+            host_pages: 0
+        })
+    );
+    assert_eq!(s.take_events(), vec![KvEvent::AllBlocksCleared]);
+    for m in [s.target(), s.draft().unwrap()] {
+        assert_eq!((m.num_cached_blocks(), m.num_pages()), (0, 0));
+        assert_eq!(m.occupied_slots(Tier::Gpu), vec![0]);
+        assert_eq!(m.occupied_slots(Tier::Host), vec![0]);
+        m.check_invariants();
+    }
+    // The waiting request prefills from nothing.
+    let (done, _) = drive(&mut s, 6, 100);
+    assert_eq!((done[0].id, done[0].reused_tokens), (RequestId(3), 0));
+}
+
+#[test]
+fn reset_prefix_cache_changes_neither_cache_when_one_refuses() {
+    // The draft cache holds pages of a sequence the scheduler does not own (a stand-in
+    // for any divergence): the target must not be reset alone.
+    let mut target = manager(16, 0);
+    let mut draft = manager(16, 0);
+    for m in [&mut target, &mut draft] {
+        let mut h = m
+            .create(
+                RequestId(1),
+                ReuseScope::SHARED,
+                &[TokenId(1); 8],
+                SeqOptions::default(),
+            )
+            .unwrap()
+            .handle;
+        assert!(m.resume(&h).unwrap());
+        assert!(m.resize(&h, 8, 0).unwrap());
+        m.commit(&h, &[TokenId(1); 8]).unwrap();
+        m.close(&mut h).unwrap();
+    }
+    let stray = draft
+        .create(
+            RequestId(2),
+            ReuseScope::SHARED,
+            &[TokenId(1); 5],
+            SeqOptions::default(),
+        )
+        .unwrap()
+        .handle;
+    std::mem::forget(stray);
+    let mut s = Scheduler::new(target, Some(draft), limits(0));
+    s.take_events();
+    let before = (s.target().fingerprint(), s.draft().unwrap().fingerprint());
+    assert_eq!(
+        s.reset_prefix_cache(),
+        Err(SchedError::Kv(KvError::PrefixCacheInUse { sequences: 1 }))
+    );
+    assert_eq!(
+        (s.target().fingerprint(), s.draft().unwrap().fingerprint()),
+        before
+    );
+    assert_eq!(s.target().num_cached_blocks(), 2);
+    assert_eq!(s.take_events(), vec![]);
+}

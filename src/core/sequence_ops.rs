@@ -31,6 +31,7 @@ impl KvCacheManager {
     /// Shrinking frees the trailing pages (e.g. rejected draft tokens); they were never
     /// committed, so no cache entry can point at them.
     pub fn resize(&mut self, h: &SeqHandle, capacity: u64, history: u64) -> Result<bool, KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         self.require_active(idx, "resizing")?;
         let s = self.seq(idx);
@@ -120,6 +121,7 @@ impl KvCacheManager {
     /// page (or donates its own page when the tree's is off the GPU). History rises to the
     /// committed length when it was lower.
     pub fn commit(&mut self, h: &SeqHandle, tokens: &[TokenId]) -> Result<(), KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         Self::validate_tokens(tokens)?;
         let s = self.seq(idx);
@@ -248,6 +250,7 @@ impl KvCacheManager {
     /// frees the pages that only held rejected draft tokens. Rejected tokens are never
     /// committed, so the prefix cache can never serve them.
     pub fn accept_tokens(&mut self, h: &SeqHandle, accepted: &[TokenId]) -> Result<(), KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         self.require_active(idx, "accepting tokens")?;
         self.commit(h, accepted)?;
@@ -260,6 +263,7 @@ impl KvCacheManager {
     /// Stops adding blocks to the cache: a partial trailing block is committed as the
     /// sequence's last block (so a later request can reuse part of it). Idempotent.
     pub fn stop_committing(&mut self, h: &SeqHandle) -> Result<(), KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         self.stop_committing_idx(idx);
         self.debug_check();
@@ -282,6 +286,7 @@ impl KvCacheManager {
     /// Unlocks every page (they stay on the GPU but may be offloaded to make room).
     /// Idempotent on a suspended sequence.
     pub fn suspend(&mut self, h: &SeqHandle) -> Result<(), KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         if self.seq(idx).status == SeqStatus::Suspended {
             return Ok(());
@@ -303,6 +308,7 @@ impl KvCacheManager {
     /// nothing, when any pool group's GPU utilization is above `max_util_for_resume` or
     /// the pages do not fit. `Ok(true)` on an active sequence.
     pub fn resume(&mut self, h: &SeqHandle) -> Result<bool, KvError> {
+        self.reap_dropped();
         let idx = self.seq_index(h)?;
         if self.seq(idx).status == SeqStatus::Active {
             return Ok(true);
@@ -378,12 +384,21 @@ impl KvCacheManager {
     /// Ends the sequence: commits a partial trailing block (see
     /// [`stop_committing`](Self::stop_committing)), releases every page (committed
     /// pages stay cached until evicted, the rest is freed) and retires the id.
-    /// Idempotent: closing a closed handle does nothing.
+    /// Idempotent: closing a closed handle does nothing. Dropping the handle instead
+    /// closes the sequence too (see [`SeqHandle`]).
     pub fn close(&mut self, h: &mut SeqHandle) -> Result<(), KvError> {
+        self.reap_dropped();
         if h.closed && h.manager == self.id {
             return Ok(());
         }
         let idx = self.seq_index(h)?;
+        self.close_idx(idx);
+        h.closed = true;
+        self.debug_check();
+        Ok(())
+    }
+
+    fn close_idx(&mut self, idx: usize) {
         self.stop_committing_idx(idx);
         let s = self.seqs[idx].take().expect("invariant: live sequence");
         let locked = s.status == SeqStatus::Active;
@@ -394,8 +409,39 @@ impl KvCacheManager {
         }
         self.by_id.remove(&s.id);
         self.free_seq_slots.push(idx as u32);
-        h.closed = true;
-        self.debug_check();
-        Ok(())
+    }
+
+    /// Closes, exactly as [`close`](Self::close) would and in the order they were
+    /// dropped, the sequences whose [`SeqHandle`]s were dropped without `close`; returns
+    /// how many. Every `&mut self` method of the manager does this first; call it to make
+    /// read-only queries (`usage`, `num_sequences`, …) see the dropped handles now.
+    pub fn close_dropped(&mut self) -> usize {
+        let mut closed = 0;
+        while let Some((slot, gen)) = self.dropped.pop() {
+            let live = self
+                .seqs
+                .get(slot as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|s| s.gen == gen);
+            // A handle reports only a sequence it did not close, and nothing else ends
+            // a sequence: the check guards against a stale report all the same.
+            if live {
+                self.close_idx(slot as usize);
+                closed += 1;
+            }
+        }
+        if closed > 0 {
+            self.debug_check();
+        }
+        closed
+    }
+
+    /// The hot-path guard of [`close_dropped`](Self::close_dropped): one atomic check
+    /// when no handle was dropped.
+    #[inline]
+    pub(super) fn reap_dropped(&mut self) {
+        if !self.dropped.is_empty() {
+            self.close_dropped();
+        }
     }
 }

@@ -818,3 +818,243 @@ fn injected_room_failures_roll_back_exactly() {
     m.inject_room_failures(0, 0);
     m.check_invariants();
 }
+
+/// How a test ends a sequence.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum End {
+    /// `close` through the handle.
+    Close,
+    /// The handle is dropped without `close`.
+    Drop,
+    /// The handle is dropped while a panic unwinds the stack that owns it.
+    Panic,
+}
+
+/// Two sequences, one active with 3 blocks (10 committed tokens), one suspended holding
+/// 2 reused blocks and a reused partial block; both are ended `how`. Returns the manager
+/// and every event since creation.
+fn end_two_sequences(how: End) -> (KvCacheManager, Vec<KvEvent>) {
+    let mut m = mgr(8, 4);
+    cache(&mut m, 1, &toks(0..10), 35);
+    let mut events = m.take_events();
+    let run = |m: &mut KvCacheManager| {
+        let a = start(m, 2, &toks(20..30), 35);
+        assert!(m.resize(&a, 12, 0).unwrap());
+        m.commit(&a, &toks(20..30)).unwrap();
+        let b = m
+            .create(
+                RequestId(3),
+                ReuseScope::SHARED,
+                &toks(0..11),
+                SeqOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(b.reused_tokens, 10);
+        (a, b.handle)
+    };
+    match how {
+        End::Close => {
+            let (mut a, mut b) = run(&mut m);
+            m.close(&mut b).unwrap();
+            m.close(&mut a).unwrap();
+        }
+        End::Drop => {
+            let (a, b) = run(&mut m);
+            drop(b);
+            drop(a);
+        }
+        End::Panic => {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Unwinding drops `_b`, then `_a` (reverse declaration order).
+                let (_a, _b) = run(&mut m);
+                panic!("the engine loop failed while it owned both handles");
+            }));
+            assert!(r.is_err());
+        }
+    }
+    // Any `&mut self` call closes the sequences of dropped handles first.
+    events.extend(m.take_events());
+    (m, events)
+}
+
+#[test]
+fn a_dropped_handle_closes_its_sequence() {
+    let (closed, closed_events) = end_two_sequences(End::Close);
+    for how in [End::Drop, End::Panic] {
+        let (mut m, events) = end_two_sequences(how);
+        assert_eq!(m.num_sequences(), 0, "{how:?}: the sequences were closed");
+        // Exactly as `close`: 3 + 3 cached blocks (the partial tails were committed), all
+        // evictable; the other 2 GPU slots free; nothing on the host.
+        assert_eq!(m.num_cached_blocks(), 6, "{how:?}");
+        assert_eq!(m.occupied_slots(Tier::Gpu), vec![6], "{how:?}");
+        assert_eq!(m.occupied_slots(Tier::Host), vec![0], "{how:?}");
+        let u = m.usage(Tier::Gpu)[0];
+        assert_eq!((u.free, u.evictable, u.utilization), (2, 6, 0.0), "{how:?}");
+        assert_eq!(m.fingerprint(), closed.fingerprint(), "{how:?}");
+        assert_eq!(events, closed_events, "{how:?}");
+        assert_eq!(
+            m.sequence(RequestId(2)),
+            Err(KvError::UnknownRequest { id: RequestId(2) }),
+            "{how:?}: the id is retired"
+        );
+        m.check_invariants();
+        // The ids can be used again and the blocks are reused as after `close`.
+        let c = m
+            .create(
+                RequestId(2),
+                ReuseScope::SHARED,
+                &toks(20..31),
+                SeqOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(c.reused_tokens, 10, "{how:?}");
+    }
+}
+
+#[test]
+fn dropped_handles_are_closed_at_the_next_mutation_and_only_forget_leaks() {
+    let mut m = mgr(8, 0);
+    let a = start(&mut m, 1, &toks(0..6), 35);
+    assert!(m.resize(&a, 6, 0).unwrap());
+    drop(a);
+    // Read-only queries still see it; the next `&mut self` call (here `close_dropped`)
+    // closes it.
+    assert_eq!(
+        (m.num_sequences(), m.occupied_slots(Tier::Gpu)),
+        (1, vec![2])
+    );
+    m.check_invariants();
+    assert_eq!(m.close_dropped(), 1);
+    assert_eq!(m.close_dropped(), 0, "each dropped handle is closed once");
+    assert_eq!(
+        (m.num_sequences(), m.occupied_slots(Tier::Gpu)),
+        (0, vec![0])
+    );
+    // A closed handle reports nothing when dropped.
+    let mut b = start(&mut m, 2, &toks(0..6), 35);
+    m.close(&mut b).unwrap();
+    drop(b);
+    assert_eq!(m.close_dropped(), 0);
+    // `mem::forget` is the one way to leak: the sequence keeps its pages (a consistent
+    // state) until the manager goes.
+    let c = start(&mut m, 3, &toks(0..6), 35);
+    assert!(m.resize(&c, 6, 0).unwrap());
+    std::mem::forget(c);
+    assert_eq!(m.close_dropped(), 0);
+    assert_eq!(
+        (m.num_sequences(), m.occupied_slots(Tier::Gpu)),
+        (1, vec![2])
+    );
+    m.check_invariants();
+    // A handle that outlives its manager reports to nobody.
+    let d = start(&mut m, 4, &toks(0..6), 35);
+    drop(m);
+    drop(d);
+}
+
+#[test]
+fn reset_prefix_cache_drops_every_block_on_every_tier() {
+    let mut m = mgr(4, 4);
+    cache(&mut m, 1, &toks(0..8), 35); // GPU slots 0, 1
+    cache(&mut m, 2, &toks(20..28), 35); // GPU slots 2, 3
+    cache(&mut m, 3, &toks(40..48), 35); // offloads request 1's blocks to the host
+    assert_eq!(m.num_cached_blocks(), 6);
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![4]);
+    assert_eq!(m.occupied_slots(Tier::Host), vec![2]);
+    let offload = m.take_copy_plans();
+    assert_eq!(offload.len(), 1, "the offload is decided, not run yet");
+    m.take_events();
+    let issued = m.issued_fence();
+    assert_eq!(
+        m.reset_prefix_cache(),
+        Ok(ResetReport {
+            blocks: 6,
+            gpu_pages: 4,
+            host_pages: 2
+        })
+    );
+    assert_eq!(
+        m.take_events(),
+        vec![KvEvent::AllBlocksCleared],
+        "one event, no Removed per block"
+    );
+    assert_eq!((m.num_cached_blocks(), m.num_pages()), (0, 0));
+    assert_eq!(m.tree.num_roots(), 0, "scope roots go too");
+    assert_eq!(m.occupied_slots(Tier::Gpu), vec![0]);
+    assert_eq!(m.occupied_slots(Tier::Host), vec![0]);
+    for tier in Tier::ALL {
+        let u = m.usage(tier)[0];
+        assert_eq!((u.free, u.evictable, u.utilization), (4, 0, 0.0), "{tier}");
+    }
+    m.check_invariants();
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(0..9)).unwrap(), 0);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(40..49)).unwrap(), 0);
+    // An empty cache resets again: nothing dropped, the event again (a router that missed
+    // the first one converges).
+    assert_eq!(m.reset_prefix_cache(), Ok(ResetReport::default()));
+    assert_eq!(m.take_events(), vec![KvEvent::AllBlocksCleared]);
+    // Freed slots wait for the work issued before the reset (the offload above): a new
+    // owner of all four GPU slots is told to wait for it.
+    let mut a = start(&mut m, 4, &toks(40..56), 35);
+    assert_eq!(m.info_of(&a).unwrap().reused_tokens, 0);
+    assert!(m.resize(&a, 16, 0).unwrap());
+    assert_eq!(m.info_of(&a).unwrap().ready_after, issued);
+    // The tree grows again from nothing.
+    m.commit(&a, &toks(40..56)).unwrap();
+    m.close(&mut a).unwrap();
+    assert_eq!(m.num_cached_blocks(), 4);
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &toks(40..49)).unwrap(), 8);
+    m.check_invariants();
+}
+
+#[test]
+fn reset_prefix_cache_is_refused_while_sequences_hold_pages() {
+    let mut m = mgr(8, 4);
+    cache(&mut m, 1, &toks(0..8), 35);
+    m.take_events();
+    // Active, then suspended (holding, not locking): refused either way, nothing changes.
+    let a = start(&mut m, 2, &toks(0..6), 35);
+    assert_eq!(m.info_of(&a).unwrap().reused_tokens, 5);
+    // A sequence that holds no page does not count.
+    let mut idle = m
+        .create(
+            RequestId(3),
+            ReuseScope::SHARED,
+            &toks(50..51),
+            SeqOptions::default(),
+        )
+        .unwrap()
+        .handle;
+    for suspend in [false, true] {
+        if suspend {
+            m.suspend(&a).unwrap();
+        }
+        let before = m.fingerprint();
+        let err = m.reset_prefix_cache().unwrap_err();
+        assert_eq!(err, KvError::PrefixCacheInUse { sequences: 1 });
+        assert_eq!(
+            err.to_string(),
+            "cannot reset the prefix cache: 1 sequence(s) still hold pages; finish or close \
+             them first (nothing was changed)"
+        );
+        assert_eq!(m.fingerprint(), before, "suspended: {suspend}");
+        assert_eq!(m.take_events(), vec![], "no event for a refusal");
+    }
+    // Its handle dropped, the sequence is closed first and the reset goes through.
+    drop(a);
+    assert_eq!(
+        m.reset_prefix_cache(),
+        Ok(ResetReport {
+            blocks: 2,
+            gpu_pages: 2,
+            host_pages: 0
+        })
+    );
+    // The idle sequence survived and works on the empty cache.
+    assert!(m.resume(&idle).unwrap());
+    assert!(m.resize(&idle, 4, 0).unwrap());
+    m.commit(&idle, &toks(50..54)).unwrap();
+    m.close(&mut idle).unwrap();
+    assert_eq!(m.num_cached_blocks(), 1);
+    m.check_invariants();
+}
