@@ -161,7 +161,9 @@ fn rows() -> Vec<Row> {
             "manager: duplicate request id",
             Box::new(|| {
                 let mut m = manager();
-                m.create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
+                // Held: a dropped handle closes its sequence, and the id is free again.
+                let _first = m
+                    .create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default())
                     .unwrap();
                 err(m.create(RequestId(1), ReuseScope::SHARED, &toks(8), SeqOptions::default()))
             }),

@@ -315,7 +315,10 @@ async fn out_of_range_write(backend: Option<BackendFactory>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_out_of_range_write_fails_the_step() {
     let e = out_of_range_write(None).await;
-    assert!(e.starts_with("device 0: op: token 0: bytes [") && e.contains("are outside the cache"), "{e}");
+    assert!(
+        e.starts_with("device 0: op: token 0: bytes [") && e.contains("are outside the cache"),
+        "{e}"
+    );
 }
 
 /// The CUDA backend refuses the same write with the same error (it used to skip it).
