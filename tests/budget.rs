@@ -4,7 +4,9 @@
 //!
 //! The expected pool sizes are recomputed here from the pool plans' slot sizes (each
 //! pool `slots × slot_bytes` rounded up to 2 MiB), not with the crate's quota code.
+mod common;
 
+use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -14,7 +16,7 @@ use dsa_kv::actors::{
 };
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::quota::{BudgetSource, CapacityPlan, QuotaError};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::PoolPlan;
@@ -144,16 +146,7 @@ async fn mtp_with_a_byte_budget_starts_and_serves() {
     let mut finished = false;
     for _ in 0..100 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let outcomes = report
-            .scheduled
-            .iter()
-            .map(|r| RequestOutcome {
-                id: r.id,
-                accepted_drafts: 0,
-                next_token: r.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
-        let commit = kv.commit(outcomes).await.unwrap();
+        let commit = kv.commit(outcomes(&report, |_| TokenId(7))).await.unwrap();
         if !commit.finished.is_empty() {
             assert!(commit
                 .finished

@@ -2,6 +2,7 @@
 //! client futures cancelled at every await point, and a backend that cannot allocate
 //! its pools at start. After each: the invariants hold, the other requests keep running,
 //! the lock-free counters add up, nothing leaks.
+mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,14 +74,7 @@ async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> (u64, u64) {
 
 /// What the model "sampled" for a step: no draft accepted, token 7 where one is due.
 fn outcomes(r: &StepReport) -> Vec<RequestOutcome> {
-    r.scheduled
-        .iter()
-        .map(|s| RequestOutcome {
-            id: s.id,
-            accepted_drafts: 0,
-            next_token: s.produces_token.then_some(TokenId(7)),
-        })
-        .collect()
+    common::engine::outcomes(r, |_| TokenId(7))
 }
 
 /// A runtime on `devices` host devices.

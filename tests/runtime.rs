@@ -1,7 +1,9 @@
 //! The runtime through its public handle: many concurrent clients with nothing lost,
 //! supervision (a device dies mid-run), backpressure, prefix-cache reset, and start-up
 //! validation.
+mod common;
 
+use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -228,16 +230,7 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
             r.devices[0].metadata_digest, r.devices[1].metadata_digest,
             "identical page tables on every rank"
         );
-        let o = r
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s.produces_token.then_some(TokenId(1)),
-            })
-            .collect();
-        kv.commit(o).await.unwrap();
+        kv.commit(outcomes(&r, |_| TokenId(1))).await.unwrap();
     }
     kv.kill_device(1).await.unwrap();
     // The coordinator learns of the death and fails every request holding pages there.
@@ -277,15 +270,7 @@ async fn run_until_finished(kv: &KvCacheHandle, n: usize) -> Vec<FinishedReport>
     let mut finished = Vec::new();
     for _ in 0..200 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let outcomes: Vec<RequestOutcome> = report
-            .scheduled
-            .iter()
-            .map(|r| RequestOutcome {
-                id: r.id,
-                accepted_drafts: 0,
-                next_token: r.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
+        let outcomes = outcomes(&report, |_| TokenId(7));
         if !outcomes.is_empty() {
             finished.extend(kv.commit(outcomes).await.unwrap().finished);
         }

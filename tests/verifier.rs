@@ -10,7 +10,9 @@
 //! same-token pages of another prefix or tenant pass.
 //!
 //! The GPU variant (`#[ignore]`d without a device) runs the drill on the CUDA backend.
+mod common;
 
+use common::engine::outcomes;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -18,10 +20,10 @@ use half::bf16;
 
 use dsa_kv::actors::{
     BackendFactory, DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, KvPosition,
-    KvSource, Misdirect, SyntheticKv, VerifyLayers,
+    KvSource, Misdirect, ScheduledRequest, SyntheticKv, VerifyLayers,
 };
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
@@ -91,16 +93,8 @@ async fn run(
     let mut injected = false;
     for _ in 0..10_000 {
         let report = kv.step(HashMap::new()).await.expect("step");
-        let outcomes = report
-            .scheduled
-            .iter()
-            .map(|r| RequestOutcome {
-                id: r.id,
-                accepted_drafts: 0,
-                next_token: r.produces_token.then_some(TokenId(5000 + r.num_cached)),
-            })
-            .collect();
-        let commit = kv.commit(outcomes).await.expect("commit");
+        let next = |r: &ScheduledRequest| TokenId(5000 + r.num_cached);
+        let commit = kv.commit(outcomes(&report, next)).await.expect("commit");
         for f in commit.finished {
             done.insert(f.finished.id, f);
         }
@@ -289,16 +283,7 @@ async fn out_of_range_write(backend: Option<BackendFactory>) -> String {
                 return e.to_string();
             }
         };
-        let outcomes = report
-            .scheduled
-            .iter()
-            .map(|r| RequestOutcome {
-                id: r.id,
-                accepted_drafts: 0,
-                next_token: r.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
-        kv.commit(outcomes).await.unwrap();
+        kv.commit(outcomes(&report, |_| TokenId(7))).await.unwrap();
         if !injected {
             injected = true;
             let m = Misdirect {

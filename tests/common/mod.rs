@@ -120,3 +120,5 @@ pub fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> usize {
     }
     plans.len()
 }
+
+pub mod engine;
