@@ -400,46 +400,90 @@ fn broken_twin_counters_read_one_by_one_tear() {
     });
 }
 
-#[test]
-fn the_quota_ledger_is_never_over_committed() {
-    let winners = seen();
-    let w = winners.clone();
-    loom::model(move || {
-        let q = Arc::new(QuotaLedger::new(100));
-        let q2 = q.clone();
-        let draft = thread::spawn(move || q2.try_reserve("draft", 60).is_ok());
-        let target_ok = q.try_reserve("target", 60).is_ok();
-        let draft_ok = draft.join().unwrap();
+/// A quota ledger: the real one or a broken twin.
+trait Ledger: Send + Sync + 'static {
+    fn try_reserve(&self, what: &str, bytes: u64) -> bool;
+    fn used(&self) -> u64;
+}
+
+impl Ledger for QuotaLedger {
+    fn try_reserve(&self, what: &str, bytes: u64) -> bool {
+        QuotaLedger::try_reserve(self, what, bytes).is_ok()
+    }
+    fn used(&self) -> u64 {
+        QuotaLedger::used(self)
+    }
+}
+
+/// Broken twin: reserves optimistically (add, then take a refused reservation back). It
+/// settles right, and two racing reservers never both win, but a reader can see the
+/// refused bytes counted in between.
+struct AddThenRollBack {
+    capacity: u64,
+    used: AtomicU64,
+}
+
+impl Ledger for AddThenRollBack {
+    fn try_reserve(&self, _what: &str, bytes: u64) -> bool {
+        let before = self.used.fetch_add(bytes, Ordering::AcqRel);
+        if before + bytes > self.capacity {
+            self.used.fetch_sub(bytes, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+    fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+/// The ledger as the runtime uses it: one writer (`KvCacheBuilder::start`) reserves the
+/// target cache, then a separate draft cache that does not fit (start fails with the
+/// quota error), while a handle reads `KvCacheHandle::quota` lock-free on another thread.
+/// (The runtime hands out the handle only once `start` returns; letting it read during
+/// the reservations checks more than the runtime needs.) The reader must see only whole,
+/// accepted reservations: never a refused one, never more than the budget.
+fn quota_model<L: Ledger>(ledger: L, observed: &Seen<(u64, u64)>) {
+    let q = Arc::new(ledger);
+    let q2 = q.clone();
+    let handle = thread::spawn(move || (q2.used(), q2.used()));
+    assert!(q.try_reserve("the target cache", 60));
+    assert!(
+        !q.try_reserve("the separate draft cache", 50),
+        "110 bytes do not fit in 100"
+    );
+    let (first, second) = handle.join().unwrap();
+    for u in [first, second] {
         assert!(
-            target_ok ^ draft_ok,
-            "exactly one of two 60-byte reservations fits in 100"
+            u == 0 || u == 60,
+            "over-committed: a reader saw {u} of 100 bytes reserved"
         );
-        record(&w, target_ok);
-        assert_eq!(q.used(), 60);
-        q.release(60).unwrap();
-        assert!(q.release(1).is_err(), "a double release is refused");
-        assert_eq!(q.used(), 0);
-    });
-    assert_eq!(distinct(&winners), 2, "either reservation can win");
+    }
+    assert!(second >= first, "reservations go forward");
+    record(observed, (first, second));
+    assert_eq!(q.used(), 60, "a refused reservation changes nothing");
+}
+
+#[test]
+fn a_quota_reader_never_sees_a_refused_reservation() {
+    let observed = seen();
+    let o = observed.clone();
+    loom::model(move || quota_model(QuotaLedger::new(100), &o));
+    assert_eq!(
+        distinct(&observed),
+        3,
+        "the reader ran before, during and after the reservations"
+    );
 }
 
 #[test]
 #[should_panic(expected = "over-committed")]
-fn broken_twin_load_then_store_ledger_over_commits() {
+fn broken_twin_add_then_roll_back_ledger_shows_a_refused_reservation() {
     loom::model(|| {
-        let used = Arc::new(AtomicU64::new(0));
-        let reserve = |u: &AtomicU64, n: u64| {
-            let cur = u.load(Ordering::SeqCst);
-            if cur + n > 100 {
-                return false;
-            }
-            u.store(cur + n, Ordering::SeqCst);
-            true
+        let ledger = AddThenRollBack {
+            capacity: 100,
+            used: AtomicU64::new(0),
         };
-        let u2 = used.clone();
-        let t = thread::spawn(move || reserve(&u2, 60));
-        let a = reserve(&used, 60);
-        let b = t.join().unwrap();
-        assert!(!(a && b), "over-committed: both reservations succeeded");
+        quota_model(ledger, &seen())
     });
 }
