@@ -1,10 +1,13 @@
 //! loom models of the actor protocols: each actor is a loom thread, each mailbox a
 //! channel, `ask` a request plus a reply channel. The state machines inside are the real
-//! ones where they exist (`StepMetadata`, `FenceBoard`); every model has a broken twin
-//! the checker must catch.
+//! ones where they exist (`StepMetadata`, `SlotAllocator`, `FenceClock`, and `FenceBoard`
+//! as the step's fence value); every model has a broken twin the checker must catch.
+//! These models check the protocols, whose replies order the actors' memory; the
+//! primitives' own orderings are checked in `loom_sync.rs`.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
-//!       cargo test --release --test 'loom_*'`
+//!       cargo test --release --test 'loom_*'`; with `LOOM_LOG=info` and `--nocapture` loom
+//! prints each model's interleavings ("Completed in N iterations"), as in `RELIABILITY.md`.
 #![cfg(loom)]
 
 use dsa_kv::ids::Fence;
@@ -34,11 +37,31 @@ impl SlotBytes {
     }
 }
 
-/// One step broadcast to two device actors. Each device writes the KV of the step into
-/// the slot being released, publishes the step's fence, and replies. The coordinator
-/// hands the slot to a new owner once it has every reply and the board shows the fence
-/// (`replies_needed` = 1 is the broken twin: it trusts the first device).
-fn broadcast_model(replies_needed: usize, first_reply: &Seen<usize>) {
+/// How the step handlers in [`step_replies_model`] go wrong (or don't).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StepProtocol {
+    /// What the runtime does: a device publishes its fence, then replies
+    /// (`DeviceActor`'s `ExecuteStep`); the coordinator waits for every reply
+    /// (`join_all`) and completes what the board shows.
+    EveryReply,
+    /// Broken twin: the coordinator completes the step's fence on the first reply.
+    FirstReply,
+    /// Broken twin: a device replies before it publishes its fence.
+    ReplyBeforeFence,
+}
+
+/// One step broadcast to two device actors, as the coordinator's `Step` handler runs it.
+/// Each device writes the step's KV into a slot the step releases, publishes the step's
+/// fence on the board and replies. The coordinator waits for the replies, completes
+/// `done = all_completed().min(target)` and hands the slot to a new owner, who writes it
+/// on both devices, only if `done` covers the fence the slot was released behind.
+///
+/// What orders the devices' writes before the new owner's is the replies: this model
+/// passes with a relaxed board too. The board supplies the value (every reply implies the
+/// step's fence); its release/acquire is checked where it is the only signal, the
+/// released-slot model in `loom_sync.rs`.
+fn step_replies_model(protocol: StepProtocol, first_reply: &Seen<usize>) {
+    let target = Fence(1);
     let board = Arc::new(FenceBoard::new(2));
     let slot = Arc::new([SlotBytes(UnsafeCell::new(0)), SlotBytes(UnsafeCell::new(0))]);
     let (reply_tx, reply_rx) = channel::<usize>();
@@ -51,35 +74,43 @@ fn broadcast_model(replies_needed: usize, first_reply: &Seen<usize>) {
         devices.push(thread::spawn(move || {
             let (fence, reply) = rx.recv().unwrap();
             slot[d].write(1); // the step's kernels
-            board.complete(d, fence);
-            reply.send(d).unwrap();
+            if protocol == StepProtocol::ReplyBeforeFence {
+                reply.send(d).unwrap();
+                board.complete(d, fence);
+            } else {
+                board.complete(d, fence);
+                reply.send(d).unwrap();
+            }
         }));
     }
     for m in &mailboxes {
-        m.send((Fence(1), reply_tx.clone())).unwrap();
+        m.send((target, reply_tx.clone())).unwrap();
     }
-    for i in 0..replies_needed {
-        let d = reply_rx.recv().unwrap();
-        if i == 0 {
-            first_reply.lock().unwrap().insert(d);
-        }
+    let first = reply_rx.recv().unwrap();
+    first_reply.lock().unwrap().insert(first);
+    let done = if protocol == StepProtocol::FirstReply {
+        target
+    } else {
+        reply_rx.recv().unwrap();
+        let done = board.all_completed().min(target);
+        assert_eq!(done, target, "every reply implies the fence");
+        done
+    };
+    if done >= target {
+        // The slot's new owner writes it on both devices.
+        slot[0].write(2);
+        slot[1].write(2);
     }
-    if replies_needed == 2 {
-        assert!(board.is_complete(Fence(1)), "every reply implies the fence");
-    }
-    // The slot's new owner writes it on both devices.
-    slot[0].write(2);
-    slot[1].write(2);
     for d in devices {
         d.join().unwrap();
     }
 }
 
 #[test]
-fn a_step_broadcast_completes_its_fence_on_every_device() {
+fn a_step_reuses_its_slots_only_after_every_device_replied() {
     let first = Seen::default();
     let f = first.clone();
-    loom::model(move || broadcast_model(2, &f));
+    loom::model(move || step_replies_model(StepProtocol::EveryReply, &f));
     assert_eq!(
         first.lock().unwrap().len(),
         2,
@@ -89,8 +120,14 @@ fn a_step_broadcast_completes_its_fence_on_every_device() {
 
 #[test]
 #[should_panic(expected = "Causality violation")]
-fn broken_twin_trusting_the_first_device_races() {
-    loom::model(|| broadcast_model(1, &Seen::default()));
+fn broken_twin_trusting_the_first_reply_races() {
+    loom::model(|| step_replies_model(StepProtocol::FirstReply, &Seen::default()));
+}
+
+#[test]
+#[should_panic(expected = "every reply implies the fence")]
+fn broken_twin_replying_before_the_fence_completes_too_little() {
+    loom::model(|| step_replies_model(StepProtocol::ReplyBeforeFence, &Seen::default()));
 }
 
 fn layout() -> MetadataLayout {

@@ -27,8 +27,10 @@ pub enum QuotaError {
     },
 }
 
-/// Reserved bytes against a fixed capacity. Reservations are all-or-nothing and the
-/// total never exceeds the capacity, whatever the interleaving of reservers.
+/// Reserved bytes against a fixed capacity. Reservations are all-or-nothing, each landing
+/// as one compare-and-swap: a reader ([`used`](QuotaLedger::used)) never sees a refused
+/// reservation or more than the capacity, and concurrent reservers cannot over-commit
+/// (the runtime has none: it reserves at start, from one thread, and reads from any).
 #[derive(Debug)]
 pub struct QuotaLedger {
     capacity: u64,
