@@ -36,7 +36,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dsa_kv::actors::{KvCacheBuilder, RuntimeError, RuntimeStats, VerifyLayers};
+use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, VerifyLayers};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
@@ -222,8 +222,12 @@ fn draft_acceptance(rng: &mut Rng, drafts: u32) -> u32 {
     (0..drafts).take_while(|_| rng.uniform() < 0.7).count() as u32
 }
 
-async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
-    let config = engine_config(&a).map_err(RuntimeError::Runtime)?;
+/// What `serve` can fail with: the runtime's typed errors, or a message of its own
+/// (configuration file, report files).
+type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
+    let config = engine_config(&a)?;
     let mut rng = Rng(SplitMix64(a.seed));
     let w = Workload {
         conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 64 }),
@@ -419,7 +423,7 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         "verify": format!("{:?}", a.verify).to_lowercase(),
     });
     std::fs::create_dir_all(&a.out)
-        .map_err(|e| RuntimeError::Runtime(format!("cannot create {}: {e}", a.out.display())))?;
+        .map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let json_path = a.out.join("serve_report.json");
     let mut full = report.clone();
     full["history"] = serde_json::to_value(&st.history).unwrap_or_default();
@@ -427,10 +431,10 @@ async fn run(a: Args) -> Result<serde_json::Value, RuntimeError> {
         &json_path,
         serde_json::to_string_pretty(&full).unwrap_or_default(),
     )
-    .map_err(|e| RuntimeError::Runtime(format!("cannot write {}: {e}", json_path.display())))?;
+    .map_err(|e| format!("cannot write {}: {e}", json_path.display()))?;
     let svg_path = a.out.join("serve_report.svg");
     std::fs::write(&svg_path, plot(&st))
-        .map_err(|e| RuntimeError::Runtime(format!("cannot write {}: {e}", svg_path.display())))?;
+        .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
     if !a.json {
         summary(&report, &st, &json_path, &svg_path);
     }

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dsa_kv::actors::{KvCacheBuilder, RuntimeError};
+use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
@@ -108,7 +108,9 @@ impl Rng {
     }
 }
 
-async fn run(a: &Args) -> Result<(bool, serde_json::Value), RuntimeError> {
+async fn run(
+    a: &Args,
+) -> Result<(bool, serde_json::Value), Box<dyn std::error::Error + Send + Sync>> {
     let ranks = a.gpus.len();
     let mut c = EngineConfig::default();
     c.spec_decode.mode = SpecMode::Mtp;
@@ -170,9 +172,7 @@ async fn run(a: &Args) -> Result<(bool, serde_json::Value), RuntimeError> {
         }
         if r.scheduled.is_empty() {
             if steps > 100_000 {
-                return Err(RuntimeError::Runtime(
-                    "no progress after 100000 steps".into(),
-                ));
+                return Err("no progress after 100000 steps".into());
             }
             continue;
         }

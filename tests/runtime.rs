@@ -434,10 +434,7 @@ async fn start_refuses_a_current_thread_runtime() {
         .await
         .err()
         .unwrap();
-    assert!(
-        matches!(err, RuntimeError::Runtime(ref m) if m.contains("multi-thread")),
-        "{err}"
-    );
+    assert!(matches!(err, RuntimeError::CurrentThreadRuntime), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,7 @@ use super::backend::DeviceError;
 
 /// What a runtime call can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RuntimeError {
     /// The configuration cannot run.
     #[error(transparent)]
@@ -66,9 +67,48 @@ pub enum RuntimeError {
     /// The runtime is not running (shut down, or its coordinator stopped).
     #[error("the KV-cache runtime is not running: {0}")]
     NotRunning(String),
-    /// The caller's tokio runtime cannot host the actors.
-    #[error("{0}")]
-    Runtime(String),
+    /// `start` was called outside a tokio runtime.
+    #[error("KvCacheBuilder::start needs a tokio runtime (call it from async code)")]
+    NoTokioRuntime,
+    /// `start` was called on a current-thread tokio runtime.
+    #[error(
+        "KvCacheBuilder::start needs a multi-thread tokio runtime: device actors run on their \
+         own threads (use #[tokio::main] or #[tokio::test(flavor = \"multi_thread\")])"
+    )]
+    CurrentThreadRuntime,
+    /// The budget resolves to more slots per pool group than slot ids address.
+    #[error(
+        "{slots} slots per pool group is more than this crate addresses (at most {max}): lower \
+         the KV budget or max_tokens"
+    )]
+    TooManySlots {
+        /// Slots the budget resolved to.
+        slots: u64,
+        /// The most slot ids address.
+        max: u64,
+    },
+    /// A cache's pools do not fit in what is left of `max_gpu_total_bytes`.
+    #[error(transparent)]
+    Reservation(#[from] crate::sync::QuotaError),
+    /// An actor failed while starting.
+    #[error("the {actor} did not start: {reason}")]
+    StartFailed {
+        /// Which actor.
+        actor: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// `check_invariants` found the cache state inconsistent (a bug: please report it).
+    #[error("cache invariant violated: {0}")]
+    InvariantViolated(String),
+    /// A device index that this runtime does not have (or no longer has).
+    #[error("device {index} does not exist or is gone (this runtime has {devices} device(s))")]
+    NoSuchDevice {
+        /// The index asked for.
+        index: usize,
+        /// Devices the runtime started with.
+        devices: usize,
+    },
 }
 
 impl<M, E: Into<RuntimeError>> From<kameo::error::SendError<M, E>> for RuntimeError {

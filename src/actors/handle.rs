@@ -183,17 +183,9 @@ impl KvCacheBuilder {
 
     /// Validates everything, sizes the pools, spawns the actors.
     pub async fn start(self) -> Result<KvCacheHandle, RuntimeError> {
-        let rt = Handle::try_current().map_err(|_| {
-            RuntimeError::Runtime(
-                "KvCacheBuilder::start needs a tokio runtime (call it from async code)".into(),
-            )
-        })?;
+        let rt = Handle::try_current().map_err(|_| RuntimeError::NoTokioRuntime)?;
         if matches!(rt.runtime_flavor(), RuntimeFlavor::CurrentThread) {
-            return Err(RuntimeError::Runtime(
-                "KvCacheBuilder::start needs a multi-thread tokio runtime: device actors run on their own \
-                 threads (use #[tokio::main] or #[tokio::test(flavor = \"multi_thread\")])"
-                    .into(),
-            ));
+            return Err(RuntimeError::CurrentThreadRuntime);
         }
         let resolved = match self.model.clone() {
             Some(m) => self.config.resolve_with(m)?,
@@ -215,11 +207,9 @@ impl KvCacheBuilder {
             ..
         } = capacity;
         let groups = target_plan.pool_groups().len();
-        let gpu = u32::try_from(budget.slots).map_err(|_| {
-            RuntimeError::Runtime(format!(
-                "{} slots per pool group is more than this crate addresses",
-                budget.slots
-            ))
+        let gpu = u32::try_from(budget.slots).map_err(|_| RuntimeError::TooManySlots {
+            slots: budget.slots,
+            max: u64::from(u32::MAX),
         })?;
         let host = capacity.host_slots as u32;
         let slots = TierSlots {
@@ -272,13 +262,11 @@ impl KvCacheBuilder {
         let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
         shared
             .quota
-            .try_reserve("the target cache", budget.target_bytes)
-            .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+            .try_reserve("the target cache", budget.target_bytes)?;
         if draft_plan.is_some() {
             shared
                 .quota
-                .try_reserve("the separate draft cache", budget.draft_bytes)
-                .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+                .try_reserve("the separate draft cache", budget.draft_bytes)?;
         }
         // Every backend is built (pools allocated) before any actor starts: a failure
         // leaves nothing running.
@@ -327,7 +315,10 @@ impl KvCacheBuilder {
         coordinator
             .wait_for_startup_result()
             .await
-            .map_err(|e| RuntimeError::Runtime(format!("the coordinator did not start: {e:?}")))?;
+            .map_err(|e| RuntimeError::StartFailed {
+                actor: "coordinator",
+                reason: format!("{e:?}"),
+            })?;
         let count = |p: &PoolPlan| {
             let all: Vec<_> = p.layer_ids().collect();
             (self.verify.select(&all).len(), all.len())
@@ -487,7 +478,7 @@ impl KvCacheHandle {
             .await
             .map_err(|e| match e {
                 kameo::error::SendError::HandlerError(why) => {
-                    RuntimeError::Runtime(format!("cache invariant violated: {why}"))
+                    RuntimeError::InvariantViolated(why.to_string())
                 }
                 other => RuntimeError::NotRunning(format!("{other:?}")),
             })
@@ -542,9 +533,10 @@ impl KvCacheHandle {
             .get(index)
             .cloned()
             .flatten()
-            .ok_or(RuntimeError::Runtime(format!(
-                "device {index} does not exist or is gone"
-            )))
+            .ok_or(RuntimeError::NoSuchDevice {
+                index,
+                devices: self.info.devices,
+            })
     }
 
     /// Stops every actor. Pending requests are dropped.
