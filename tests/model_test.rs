@@ -160,6 +160,10 @@ struct Driver {
     scope: usize,
     stream: Vec<TokenId>,
     hashes: Vec<u64>,
+    /// Generates tokens as a function of its prefix (like greedy decoding): echo
+    /// sequences sharing a prefix keep producing the same blocks, so they commit
+    /// duplicates (rebasing, donation, across tiers).
+    echo: bool,
 }
 
 impl Driver {
@@ -178,6 +182,11 @@ const SCOPES: [ReuseScope; 2] = [
 
 fn scope_seed(scope: usize) -> u64 {
     0xD5A0_0000 + scope as u64
+}
+
+/// The token an echo request produces after a prefix with hash `prev`.
+fn echo_token(prev: u64) -> TokenId {
+    TokenId((prev >> 17) as u32 % 5)
 }
 
 /// Where the workload's choices come from: a seeded generator, or a tape of choices that
@@ -206,6 +215,31 @@ impl Dice {
     }
 }
 
+/// The workload's mix, in percent: new requests that follow a live one (its tokens so
+/// far, then what it will produce), requests that echo (see [`Driver::echo`]), and
+/// accepted tokens whose commit lands later (possibly after a preemption).
+#[derive(Clone, Copy)]
+struct Mix {
+    follow: u64,
+    echo: u64,
+    defer: u64,
+}
+
+const USUAL: Mix = Mix {
+    follow: 25,
+    echo: 50,
+    defer: 20,
+};
+
+/// Half the requests follow a live one and every request echoes, and most commits land
+/// late: many blocks are committed twice, by active and suspended requests whose pages
+/// sit on either tier.
+const DUPLICATES: Mix = Mix {
+    follow: 50,
+    echo: 100,
+    defer: 70,
+};
+
 /// Answers compared, for the end-of-run report.
 #[derive(Default)]
 struct Tally {
@@ -226,6 +260,7 @@ struct World {
     system_prompts: Vec<Vec<TokenId>>,
     next_id: u64,
     max_tokens: u64,
+    mix: Mix,
     tally: Tally,
     log: Vec<String>,
 }
@@ -237,9 +272,15 @@ impl World {
 
     fn extend_stream(&mut self, i: usize, upto: u64) {
         while (self.seqs[i].stream.len() as u64) < upto {
-            let t = self.token();
+            let s = &self.seqs[i];
+            let prev = *s.hashes.last().unwrap_or(&scope_seed(s.scope));
+            let t = if s.echo {
+                echo_token(prev)
+            } else {
+                self.token()
+            };
             let s = &mut self.seqs[i];
-            let h = extend_prefix_hash(*s.hashes.last().unwrap_or(&scope_seed(s.scope)), t);
+            let h = extend_prefix_hash(prev, t);
             s.stream.push(t);
             s.hashes.push(h);
         }
@@ -357,11 +398,6 @@ impl World {
                     self.log.push(format!("suspend {id}"));
                     self.m.suspend(&self.seqs[i].handle).unwrap();
                     self.reference.suspend(id);
-                    // The last step's commit lands after the preemption: blocks are
-                    // committed while their pages may be moving down a tier.
-                    if self.rng.chance(50) {
-                        self.commit_accepted(i);
-                    }
                 }
             }
             28..=49 => self.step(),
@@ -386,6 +422,14 @@ impl World {
                 }
             }
             86..=90 => self.probe(),
+            // A step's commit landing after a preemption: blocks are committed while
+            // their pages may sit on the host (duplicates, donation). Active requests
+            // commit what they deferred at their next accept.
+            91..=94 => {
+                if let Some(i) = self.pick(Some(SeqStatus::Suspended)) {
+                    self.commit_accepted(i);
+                }
+            }
             _ => {
                 if let Some(i) = self.pick(Some(SeqStatus::Active)) {
                     self.verify(i);
@@ -394,18 +438,21 @@ impl World {
         }
     }
 
-    fn new_prompt(&mut self, scope: usize) -> Vec<TokenId> {
+    /// A prompt, and whether the request must echo (it follows an echo request).
+    fn new_prompt(&mut self, scope: usize) -> (Vec<TokenId>, bool) {
         // Sometimes the same tokens another live request is still producing: both will
-        // commit the same blocks (rebasing, donation).
+        // commit the same blocks (rebasing, donation). Following an echo request, it
+        // goes on producing them.
         let live: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].scope == scope)
             .collect();
-        if !live.is_empty() && self.rng.chance(25) {
+        if !live.is_empty() && self.rng.chance(self.mix.follow) {
             let s = &self.seqs[live[self.rng.below(live.len() as u64) as usize]];
-            let mut p = s.stream.clone();
-            let t = self.token();
+            let (mut p, echo) = (s.stream.clone(), s.echo);
+            let prev = *s.hashes.last().unwrap_or(&scope_seed(scope));
+            let t = if echo { echo_token(prev) } else { self.token() };
             p.push(t);
-            return p;
+            return (p, echo);
         }
         let sp = self.rng.below(self.system_prompts.len() as u64) as usize;
         let mut p = if self.rng.chance(80) {
@@ -425,12 +472,12 @@ impl World {
         if scope == 1 && self.rng.chance(50) {
             p.reverse();
         }
-        p
+        (p, false)
     }
 
     fn create(&mut self) {
         let scope = self.rng.below(2) as usize;
-        let prompt = self.new_prompt(scope);
+        let (prompt, follows_echo) = self.new_prompt(scope);
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let priority = [10u8, 35, 60][self.rng.below(3) as usize];
@@ -451,11 +498,13 @@ impl World {
         self.tally.reuse_answers += 1;
         self.tally.reused_tokens += expected;
         let hashes = prefix_hashes(scope_seed(scope), &prompt);
+        let echo = follows_echo || self.rng.chance(self.mix.echo);
         self.seqs.push(Driver {
             handle: c.handle,
             scope,
             stream: prompt,
             hashes,
+            echo,
         });
         if self.rng.chance(70) {
             let i = self.seqs.len() - 1;
@@ -547,7 +596,7 @@ impl World {
             .m
             .resize(&self.seqs[i].handle, capacity, history)
             .unwrap());
-        if self.rng.chance(80) && !stopped {
+        if self.rng.chance(100 - self.mix.defer) && !stopped {
             let s = &self.seqs[i];
             let toks = s.stream[committed as usize..history as usize].to_vec();
             self.m.commit(&s.handle, &toks).unwrap();
@@ -581,7 +630,8 @@ impl World {
         self.log.push(format!("rollback {id} capacity {cap}"));
         assert_eq!(self.reference.resize(id, cap, history), Ok(true));
         assert!(self.m.resize(&self.seqs[i].handle, cap, history).unwrap());
-        // Rolled-back tokens are redrawn: a rejected draft never reappears as committed.
+        // Rolled-back tokens are drawn again; for a request that does not echo they
+        // differ, so KV left over from a rejected draft would fail the byte check.
         let s = &mut self.seqs[i];
         s.stream.truncate(cap as usize);
         s.hashes.truncate(cap as usize);
@@ -599,7 +649,7 @@ impl World {
 
     fn probe(&mut self) {
         let scope = self.rng.below(2) as usize;
-        let p = self.new_prompt(scope);
+        let (p, _) = self.new_prompt(scope);
         let got = self.m.probe_reuse(SCOPES[scope], &p).unwrap();
         let expected = self.reference.reusable(&SCOPES[scope].root_key(), &p);
         assert_eq!(got, expected, "probe_reuse vs the reference");
@@ -607,8 +657,16 @@ impl World {
     }
 }
 
+/// What a run did.
+struct Ran {
+    ops: usize,
+    /// Duplicate pages rebased while both copies were off the GPU.
+    rebased_off_gpu: u64,
+    donated: u64,
+}
+
 fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
-    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true, 0)
+    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true, 0, USUAL).ops
 }
 
 /// Runs `ops` operations from `rng`; `expect_traffic` asserts the workload exercised
@@ -622,7 +680,8 @@ fn run_with(
     ops: usize,
     expect_traffic: bool,
     faults: u8,
-) -> usize {
+    mix: Mix,
+) -> Ran {
     let plan = PoolPlan::v2(T, cfg.specs.clone()).unwrap();
     let mut m = KvCacheManager::new(
         plan.clone(),
@@ -671,6 +730,7 @@ fn run_with(
         system_prompts,
         next_id: 1,
         max_tokens,
+        mix,
         tally: Tally::default(),
         log: Vec::new(),
     };
@@ -699,7 +759,7 @@ fn run_with(
     );
     let (stats, t) = (w.m.stats(), &w.tally);
     eprintln!(
-        "seed {seed} {:?}: {ops} ops; equal answers: {} reuse ({} tokens), {} room ({} refused, {} injected); {} events mirrored; partial copies {}, rebased {}, offloaded {}, onboarded {}, dropped {}",
+        "seed {seed} {:?}: {ops} ops; equal answers: {} reuse ({} tokens), {} room ({} refused, {} injected); {} events mirrored; duplicate pages rebased {} + {} off the GPU, donated {}; partial copies {}, offloaded {}, onboarded {}, dropped {}",
         cfg.name,
         t.reuse_answers,
         t.reused_tokens,
@@ -707,8 +767,10 @@ fn run_with(
         t.refusals,
         w.m.injected_room_failures(),
         t.events,
+        w.reference.rebased_on_gpu,
+        w.reference.rebased_off_gpu,
+        w.reference.donated,
         stats.partial_copies,
-        stats.rebased_blocks,
         stats.offloaded_pages,
         stats.onboarded_pages,
         stats.dropped_pages,
@@ -716,8 +778,13 @@ fn run_with(
     if faults > 0 {
         assert!(w.m.injected_room_failures() > 0, "no fault was injected");
     }
+    let ran = Ran {
+        ops,
+        rebased_off_gpu: w.reference.rebased_off_gpu,
+        donated: w.reference.donated,
+    };
     if !expect_traffic {
-        return ops;
+        return ran;
     }
     if cfg.opts.enable_block_reuse {
         assert!(
@@ -733,7 +800,7 @@ fn run_with(
         );
     }
     assert!(t.refusals > 0, "the reference never had to refuse room");
-    ops
+    ran
 }
 
 #[test]
@@ -762,9 +829,39 @@ fn randomized_against_reference_model() {
 fn randomized_with_injected_storage_failures() {
     for seed in [11, 12] {
         for cfg in &configs() {
-            run_with(Dice::Seeded(Rng(seed)), seed, cfg, 3_200, false, 20);
+            run_with(Dice::Seeded(Rng(seed)), seed, cfg, 3_200, false, 20, USUAL);
         }
     }
+}
+
+/// The KV events against the real tree when most commits are duplicates: blocks
+/// rebased onto the GPU copy, rebased while both copies are on the host, or donated;
+/// with and without injected storage failures.
+#[test]
+fn duplicate_commits_across_tiers_keep_the_events_true() {
+    let (mut off_gpu, mut donated) = (0, 0);
+    for seed in [21, 22, 23, 24] {
+        for cfg in &configs() {
+            for faults in [0, 20] {
+                let ran = run_with(
+                    Dice::Seeded(Rng(seed)),
+                    seed,
+                    cfg,
+                    3_200,
+                    false,
+                    faults,
+                    DUPLICATES,
+                );
+                off_gpu += ran.rebased_off_gpu;
+                donated += ran.donated;
+            }
+        }
+    }
+    eprintln!("duplicate pages rebased off the GPU: {off_gpu}, donated: {donated}");
+    assert!(
+        off_gpu > 0 && donated > 0,
+        "the drill no longer commits duplicates of host pages"
+    );
 }
 
 mod properties {
@@ -788,7 +885,7 @@ mod properties {
         ) {
             let cfgs = configs();
             let ops = tape.len() / 4 + 1;
-            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false, 0);
+            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false, 0, USUAL);
         }
     }
 }

@@ -116,6 +116,11 @@ pub struct RefCache {
     /// for GPU room.
     faults: Option<(SplitMix64, u64)>,
     pub injected: u64,
+    /// Duplicate full-block pages committed: rebased onto a GPU page, rebased while both
+    /// were off the GPU, donated (ours on the GPU replaced the tree's).
+    pub rebased_on_gpu: u64,
+    pub rebased_off_gpu: u64,
+    pub donated: u64,
 }
 
 /// `SHA-256(parent ∥ tokens as 4-byte little-endian)`.
@@ -141,6 +146,9 @@ impl RefCache {
             clock: 0,
             faults: faults.map(|(seed, pct)| (SplitMix64(seed), u64::from(pct))),
             injected: 0,
+            rebased_on_gpu: 0,
+            rebased_off_gpu: 0,
+            donated: 0,
         }
     }
 
@@ -622,10 +630,16 @@ impl RefCache {
             for (lc, &our) in ours.iter().enumerate() {
                 let theirs = self.nodes[&existing].pages[lc];
                 if self.pages[&theirs].tier == Tier::Gpu || self.pages[&our].tier != Tier::Gpu {
+                    if self.pages[&theirs].tier == Tier::Gpu {
+                        self.rebased_on_gpu += 1;
+                    } else {
+                        self.rebased_off_gpu += 1;
+                    }
                     self.add_ref(theirs, lock);
                     self.seq_mut(id).pages[b * n + lc] = theirs;
                     self.unref(our, lock);
                 } else {
+                    self.donated += 1;
                     self.nodes.get_mut(&existing).expect("block").pages[lc] = our;
                     let p = self.pages.get_mut(&our).expect("live page");
                     (p.node, p.priority) = (Some(existing), priority);
