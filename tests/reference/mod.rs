@@ -21,7 +21,6 @@
 //!
 //! Only what decides an answer is modelled: page counts per (tier, pool group), not slot
 //! numbers or fences (a slot in flight is still handed out, with a fence to wait for).
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
 
