@@ -89,8 +89,18 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     assert!(m.resume(&cseq).unwrap());
     assert!(m.resize(&cseq, 256, 0).unwrap(), "{ctx}");
     assert!(run_copy_plans(&mut m, &mut st) >= 1);
-    // Victims in LRU order: A's cached partial block, then B's first block.
+    // Victims: B's private copy of the partial block (uncommitted, priority 0), then A's
+    // cached partial block (least recently used); B's shared blocks stay on the GPU.
     assert_eq!(m.stats().offloaded_pages, 2, "{ctx}: {:?}", m.stats());
+    let tiers: Vec<Tier> = m.cached_blocks().iter().map(|p| p.tier).collect();
+    assert_eq!(
+        (
+            tiers.iter().filter(|&&t| t == Tier::Host).count(),
+            tiers.len()
+        ),
+        (1, 3),
+        "{ctx}: A's partial block on the host, A's full blocks on the GPU"
+    );
     write_positions(&m, &mut st, &cseq, &c_hash, 0..256);
     verify_positions(&m, &st, &cseq, &c_hash, 0..256).unwrap();
     m.commit(&cseq, &c_tokens).unwrap();
@@ -118,7 +128,15 @@ fn scenario(spec: DsaModelSpec, kind: LayoutKind) {
     run_copy_plans(&mut m, &mut st);
     verify_positions(&m, &st, &d, &d_hash, 0..100)
         .unwrap_or_else(|e| panic!("{ctx}: reuse after movement {e:?}"));
-    assert_eq!(m.occupied_slots(Tier::Host).len(), 1);
+    // On the host: C's last two blocks (C closed tail first, so they were the least
+    // recently used when B and then D needed room); A's partial block there was replaced
+    // by B's longer one when B closed.
+    assert_eq!(
+        m.occupied_slots(Tier::Host),
+        vec![2],
+        "{ctx}: host slots in use"
+    );
+    assert_eq!(m.stats().offloaded_pages, 4, "{ctx}: {:?}", m.stats());
     m.check_invariants();
 }
 

@@ -1,25 +1,32 @@
 //! Seeded randomized model test of the core manager: ≥ 100,000 random operations
 //! (create with reuse, resume, suspend, resize up and down, commit, stop, close, fence
-//! completion, probes) under constant eviction pressure, against a simple reference
-//! model. After every operation: the manager's invariants, every sequence's lengths and
-//! status against the reference, reuse bounded by what was really committed, and the
-//! KV bytes of a random active sequence read back through its page table.
+//! completion, probes) under constant eviction pressure, against a reference cache
+//! (`reference/mod.rs`) that decides everything on its own. After every operation the
+//! manager's answer must EQUAL the reference's: whether each `resize` / `resume` fits,
+//! exactly how many tokens each `create` / `probe_reuse` serves; then the manager's
+//! invariants, every sequence's lengths, status, blocks and pending copy, pages per
+//! (tier, pool group), evictable pages, the cached blocks and their tiers against the
+//! reference; the KV events replayed into a mirror of (block, life cycle) → tier against
+//! the manager's real tree; and the KV bytes of a random active sequence read back
+//! through its page table.
 //!
 //! Replay one case with `DSA_KV_MODEL_SEED=<seed>` (and `DSA_KV_MODEL_OPS=<n>`).
 
 mod common;
+mod reference;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use common::*;
 use dsa_kv::core::{
-    KvCacheManager, KvError, ManagerOptions, ReuseScope, SeqHandle, SeqOptions, SeqStatus,
-    TierSlots,
+    BlockKey, KvCacheManager, KvError, KvEvent, ManagerOptions, ReuseScope, SeqHandle, SeqOptions,
+    SeqStatus, TierSlots,
 };
-use dsa_kv::ids::{LayerId, RequestId, TokenId};
+use dsa_kv::ids::{LayerId, LifeCycleId, RequestId, Tier, TokenId};
 use dsa_kv::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
 use dsa_kv::storage::HostStorage;
+use reference::{RefCache, Shape, TooLong};
 
 const T: u32 = 4;
 
@@ -102,57 +109,68 @@ fn configs() -> Vec<Config> {
     ]
 }
 
-/// Token-level trie of every prefix ever committed, per scope: an upper bound on reuse.
+/// What a router learns from the KV events: (block key, life cycle) → tier.
 #[derive(Default)]
-struct CommittedTrie {
-    next: HashMap<(u32, u32), u32>,
-    nodes: u32,
+struct EventMirror {
+    tiers: BTreeMap<(BlockKey, LifeCycleId), Tier>,
+    n_lc: usize,
 }
 
-impl CommittedTrie {
-    fn new(roots: u32) -> Self {
-        CommittedTrie {
-            next: HashMap::new(),
-            nodes: roots,
-        }
-    }
-
-    fn insert(&mut self, root: u32, tokens: &[TokenId]) {
-        let mut cur = root;
-        for t in tokens {
-            cur = match self.next.get(&(cur, t.get())) {
-                Some(&n) => n,
-                None => {
-                    self.nodes += 1;
-                    self.next.insert((cur, t.get()), self.nodes);
-                    self.nodes
+impl EventMirror {
+    /// Applies events in order; each must agree with what the mirror already knows.
+    fn apply(&mut self, events: &[KvEvent]) {
+        for e in events {
+            match *e {
+                KvEvent::Stored { key, tier, .. } => {
+                    for lc in 0..self.n_lc {
+                        let old = self.tiers.insert((key, LifeCycleId(lc as u16)), tier);
+                        assert_eq!(old, None, "{e:?}: the block was already stored");
+                    }
                 }
-            };
-        }
-    }
-
-    fn lcp(&self, root: u32, tokens: &[TokenId]) -> usize {
-        let mut cur = root;
-        for (i, t) in tokens.iter().enumerate() {
-            match self.next.get(&(cur, t.get())) {
-                Some(&n) => cur = n,
-                None => return i,
+                KvEvent::Removed { key } => {
+                    let before = self.tiers.len();
+                    self.tiers.retain(|k, _| k.0 != key);
+                    assert_eq!(before - self.tiers.len(), self.n_lc, "{e:?}: unknown block");
+                }
+                KvEvent::TierUpdated {
+                    key,
+                    life_cycle,
+                    from,
+                    to,
+                } => {
+                    let tier = self
+                        .tiers
+                        .get_mut(&(key, life_cycle))
+                        .unwrap_or_else(|| panic!("{e:?}: unknown block"));
+                    assert_eq!(*tier, from, "{e:?}: the events had it on {tier}");
+                    *tier = to;
+                }
+                KvEvent::AllBlocksCleared => self.tiers.clear(),
             }
         }
-        tokens.len()
+    }
+
+    fn pages(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
+        self.tiers.iter().map(|(k, &t)| (k.0, k.1, t)).collect()
     }
 }
 
-struct RefSeq {
+/// A sequence as the workload drives it: its handle and the tokens it produces.
+struct Driver {
     handle: SeqHandle,
     scope: usize,
     stream: Vec<TokenId>,
     hashes: Vec<u64>,
-    committed: u64,
-    history: u64,
-    capacity: u64,
-    status: SeqStatus,
-    stopped: bool,
+    /// Generates tokens as a function of its prefix (like greedy decoding): echo
+    /// sequences sharing a prefix keep producing the same blocks, so they commit
+    /// duplicates (rebasing, donation, across tiers).
+    echo: bool,
+}
+
+impl Driver {
+    fn id(&self) -> RequestId {
+        self.handle.id()
+    }
 }
 
 const SCOPES: [ReuseScope; 2] = [
@@ -165,6 +183,11 @@ const SCOPES: [ReuseScope; 2] = [
 
 fn scope_seed(scope: usize) -> u64 {
     0xD5A0_0000 + scope as u64
+}
+
+/// The token an echo request produces after a prefix with hash `prev`.
+fn echo_token(prev: u64) -> TokenId {
+    TokenId((prev >> 17) as u32 % 5)
 }
 
 /// Where the workload's choices come from: a seeded generator, or a tape of choices that
@@ -193,16 +216,55 @@ impl Dice {
     }
 }
 
+/// The workload's mix, in percent: new requests that follow a live one (its tokens so
+/// far, then what it will produce), requests that echo (see [`Driver::echo`]), and
+/// accepted tokens whose commit lands later (possibly after a preemption).
+#[derive(Clone, Copy)]
+struct Mix {
+    follow: u64,
+    echo: u64,
+    defer: u64,
+}
+
+const USUAL: Mix = Mix {
+    follow: 25,
+    echo: 50,
+    defer: 20,
+};
+
+/// Half the requests follow a live one and every request echoes, and most commits land
+/// late: many blocks are committed twice, by active and suspended requests whose pages
+/// sit on either tier.
+const DUPLICATES: Mix = Mix {
+    follow: 50,
+    echo: 100,
+    defer: 70,
+};
+
+/// Answers compared, for the end-of-run report.
+#[derive(Default)]
+struct Tally {
+    reuse_answers: u64,
+    reused_tokens: u64,
+    room_answers: u64,
+    refusals: u64,
+    events: u64,
+    resets: u64,
+    resets_refused: u64,
+}
+
 struct World {
     m: KvCacheManager,
     st: HostStorage,
     rng: Dice,
-    seqs: Vec<RefSeq>,
-    trie: CommittedTrie,
+    reference: RefCache,
+    mirror: EventMirror,
+    seqs: Vec<Driver>,
     system_prompts: Vec<Vec<TokenId>>,
     next_id: u64,
     max_tokens: u64,
-    reuse: bool,
+    mix: Mix,
+    tally: Tally,
     log: Vec<String>,
 }
 
@@ -213,17 +275,27 @@ impl World {
 
     fn extend_stream(&mut self, i: usize, upto: u64) {
         while (self.seqs[i].stream.len() as u64) < upto {
-            let t = self.token();
+            let s = &self.seqs[i];
+            let prev = *s.hashes.last().unwrap_or(&scope_seed(s.scope));
+            let t = if s.echo {
+                echo_token(prev)
+            } else {
+                self.token()
+            };
             let s = &mut self.seqs[i];
-            let h = extend_prefix_hash(*s.hashes.last().unwrap_or(&scope_seed(s.scope)), t);
+            let h = extend_prefix_hash(prev, t);
             s.stream.push(t);
             s.hashes.push(h);
         }
     }
 
+    fn status(&self, i: usize) -> SeqStatus {
+        self.reference.seq(self.seqs[i].id()).status
+    }
+
     fn pick(&mut self, status: Option<SeqStatus>) -> Option<usize> {
         let cands: Vec<usize> = (0..self.seqs.len())
-            .filter(|&i| status.is_none_or(|s| self.seqs[i].status == s))
+            .filter(|&i| status.is_none_or(|s| self.status(i) == s))
             .collect();
         if cands.is_empty() {
             None
@@ -234,37 +306,88 @@ impl World {
 
     fn verify(&self, i: usize) {
         let s = &self.seqs[i];
-        if let Err((pos, layer, role)) = verify_positions(
-            &self.m,
-            &self.st,
-            &s.handle,
-            &s.hashes,
-            0..s.history as usize,
-        ) {
+        let history = self.reference.seq(s.id()).history;
+        if let Err((pos, layer, role)) =
+            verify_positions(&self.m, &self.st, &s.handle, &s.hashes, 0..history as usize)
+        {
             panic!(
-                "KV mismatch for request {} at position {pos} (layer {layer}, {role}); history {}",
-                s.handle.id(),
-                s.history
+                "KV mismatch for request {} at position {pos} (layer {layer}, {role}); history {history}",
+                s.id()
             );
         }
     }
 
-    fn check(&self) {
+    /// After every operation: the manager's whole observable state against the reference,
+    /// and its events against its own tree.
+    fn check(&mut self) {
         self.m.check_invariants();
         assert_eq!(self.m.num_sequences(), self.seqs.len());
-        for s in &self.seqs {
-            let info = self.m.sequence(s.handle.id()).unwrap();
+        for d in &self.seqs {
+            let info = self.m.sequence(d.id()).unwrap();
+            let r = self.reference.seq(d.id());
             assert_eq!(
-                (info.status, info.committed, info.history, info.capacity),
-                (s.status, s.committed, s.history, s.capacity),
-                "request {} diverged from the reference",
-                s.handle.id()
+                (
+                    info.status,
+                    info.committed,
+                    info.history,
+                    info.capacity,
+                    info.num_blocks,
+                    info.reused_tokens,
+                    info.pending_copy
+                ),
+                (
+                    r.status,
+                    r.committed(),
+                    r.history,
+                    r.capacity,
+                    self.reference.num_seq_blocks(d.id()),
+                    r.reused,
+                    r.pending_copy()
+                ),
+                "request {}: (status, committed, history, capacity, blocks, reused, pending copy) diverged from the reference",
+                d.id()
             );
+            assert_eq!(self.m.committed_tokens(&d.handle).unwrap(), &r.tokens[..]);
+            assert_eq!(&r.tokens[..], &d.stream[..r.tokens.len()]);
+        }
+        for tier in Tier::ALL {
             assert_eq!(
-                self.m.committed_tokens(&s.handle).unwrap(),
-                &s.stream[..s.committed as usize]
+                self.m.occupied_slots(tier),
+                self.reference.occupied(tier),
+                "pages per pool group on {tier}"
+            );
+            let evictable: Vec<u32> = self.m.usage(tier).iter().map(|u| u.evictable).collect();
+            assert_eq!(
+                evictable,
+                self.reference.evictable_pages(tier),
+                "evictable pages per pool group on {tier}"
             );
         }
+        assert_eq!(self.m.num_pages(), self.reference.num_pages(), "live pages");
+        assert_eq!(
+            self.m.num_cached_blocks(),
+            self.reference.num_blocks(),
+            "cached blocks"
+        );
+        let real: Vec<(BlockKey, LifeCycleId, Tier)> = self
+            .m
+            .cached_blocks()
+            .into_iter()
+            .map(|p| (p.key, p.life_cycle, p.tier))
+            .collect();
+        assert_eq!(
+            real,
+            self.reference.cached(),
+            "cached blocks and their tiers"
+        );
+        let events = self.m.take_events();
+        self.tally.events += events.len() as u64;
+        self.mirror.apply(&events);
+        assert_eq!(
+            self.mirror.pages(),
+            real,
+            "the KV events describe another cache than the manager's (events of this operation: {events:?})"
+        );
     }
 
     fn op(&mut self) {
@@ -274,10 +397,10 @@ impl World {
             12..=21 => self.resume(),
             22..=27 => {
                 if let Some(i) = self.pick(Some(SeqStatus::Active)) {
-                    self.log
-                        .push(format!("suspend {}", self.seqs[i].handle.id()));
+                    let id = self.seqs[i].id();
+                    self.log.push(format!("suspend {id}"));
                     self.m.suspend(&self.seqs[i].handle).unwrap();
-                    self.seqs[i].status = SeqStatus::Suspended;
+                    self.reference.suspend(id);
                 }
             }
             28..=49 => self.step(),
@@ -286,15 +409,10 @@ impl World {
             71..=77 => self.close(),
             78..=80 => {
                 if let Some(i) = self.pick(None) {
-                    self.log.push(format!("stop {}", self.seqs[i].handle.id()));
+                    let id = self.seqs[i].id();
+                    self.log.push(format!("stop {id}"));
                     self.m.stop_committing(&self.seqs[i].handle).unwrap();
-                    let s = &mut self.seqs[i];
-                    if !s.stopped {
-                        s.stopped = true;
-                        let root = s.scope as u32;
-                        let c = s.committed as usize;
-                        self.trie.insert(root, &self.seqs[i].stream[..c]);
-                    }
+                    self.reference.stop(id);
                 }
             }
             81..=85 => {
@@ -307,6 +425,15 @@ impl World {
                 }
             }
             86..=90 => self.probe(),
+            // A step's commit landing after a preemption: blocks are committed while
+            // their pages may sit on the host (duplicates, donation). Active requests
+            // commit what they deferred at their next accept.
+            91..=94 => {
+                if let Some(i) = self.pick(Some(SeqStatus::Suspended)) {
+                    self.commit_accepted(i);
+                }
+            }
+            95 => self.reset(),
             _ => {
                 if let Some(i) = self.pick(Some(SeqStatus::Active)) {
                     self.verify(i);
@@ -315,18 +442,46 @@ impl World {
         }
     }
 
-    fn new_prompt(&mut self, scope: usize) -> Vec<TokenId> {
+    /// `reset_prefix_cache`, after half the time ending every sequence by dropping its
+    /// handle (no `close`: the manager closes them itself). The reference decides
+    /// whether it is refused and what it frees.
+    fn reset(&mut self) {
+        if self.rng.chance(50) {
+            for s in std::mem::take(&mut self.seqs) {
+                self.log.push(format!("drop {}", s.id()));
+                self.reference.close(s.id());
+            }
+        }
+        self.log.push("reset_prefix_cache".into());
+        let got = self.m.reset_prefix_cache();
+        match (got, self.reference.reset_prefix_cache()) {
+            (Ok(r), Ok(expected)) => {
+                assert_eq!((r.blocks, r.gpu_pages, r.host_pages), expected, "reset report");
+                self.tally.resets += 1;
+            }
+            (Err(KvError::PrefixCacheInUse { sequences }), Err(holding)) => {
+                assert_eq!(sequences, holding, "sequences holding pages");
+                self.tally.resets_refused += 1;
+            }
+            (got, expected) => panic!("reset_prefix_cache: {got:?}, the reference: {expected:?}"),
+        }
+    }
+
+    /// A prompt, and whether the request must echo (it follows an echo request).
+    fn new_prompt(&mut self, scope: usize) -> (Vec<TokenId>, bool) {
         // Sometimes the same tokens another live request is still producing: both will
-        // commit the same blocks (rebasing, donation).
+        // commit the same blocks (rebasing, donation). Following an echo request, it
+        // goes on producing them.
         let live: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].scope == scope)
             .collect();
-        if !live.is_empty() && self.rng.chance(25) {
+        if !live.is_empty() && self.rng.chance(self.mix.follow) {
             let s = &self.seqs[live[self.rng.below(live.len() as u64) as usize]];
-            let mut p = s.stream.clone();
-            let t = self.token();
+            let (mut p, echo) = (s.stream.clone(), s.echo);
+            let prev = *s.hashes.last().unwrap_or(&scope_seed(scope));
+            let t = if echo { echo_token(prev) } else { self.token() };
             p.push(t);
-            return p;
+            return (p, echo);
         }
         let sp = self.rng.below(self.system_prompts.len() as u64) as usize;
         let mut p = if self.rng.chance(80) {
@@ -346,12 +501,12 @@ impl World {
         if scope == 1 && self.rng.chance(50) {
             p.reverse();
         }
-        p
+        (p, false)
     }
 
     fn create(&mut self) {
         let scope = self.rng.below(2) as usize;
-        let prompt = self.new_prompt(scope);
+        let (prompt, follows_echo) = self.new_prompt(scope);
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let priority = [10u8, 35, 60][self.rng.below(3) as usize];
@@ -359,33 +514,26 @@ impl World {
             "create {id} scope {scope} prompt {} prio {priority}",
             prompt.len()
         ));
+        let root = SCOPES[scope].root_key();
+        let expected = self.reference.reusable(&root, &prompt);
         let probe = self.m.probe_reuse(SCOPES[scope], &prompt).unwrap();
+        assert_eq!(probe, expected, "probe_reuse vs the reference");
         let c = self
             .m
             .create(id, SCOPES[scope], &prompt, SeqOptions { priority })
             .unwrap();
-        let reused = c.reused_tokens;
-        assert_eq!(reused, probe, "probe_reuse and create disagree");
-        let lookup = &prompt[..prompt.len().saturating_sub(1)];
-        let bound = self.trie.lcp(scope as u32, lookup) as u64;
-        assert!(
-            reused <= bound,
-            "reused {reused} tokens but only {bound} were ever committed"
-        );
-        if !self.reuse {
-            assert_eq!(reused, 0);
-        }
+        assert_eq!(c.reused_tokens, expected, "create's reuse vs the reference");
+        assert_eq!(self.reference.create(id, root, &prompt, priority), expected);
+        self.tally.reuse_answers += 1;
+        self.tally.reused_tokens += expected;
         let hashes = prefix_hashes(scope_seed(scope), &prompt);
-        self.seqs.push(RefSeq {
+        let echo = follows_echo || self.rng.chance(self.mix.echo);
+        self.seqs.push(Driver {
             handle: c.handle,
             scope,
             stream: prompt,
             hashes,
-            committed: reused,
-            history: reused,
-            capacity: reused,
-            status: SeqStatus::Suspended,
-            stopped: false,
+            echo,
         });
         if self.rng.chance(70) {
             let i = self.seqs.len() - 1;
@@ -400,13 +548,17 @@ impl World {
     }
 
     fn resume_idx(&mut self, i: usize) {
-        self.log
-            .push(format!("resume {}", self.seqs[i].handle.id()));
-        if self.m.resume(&self.seqs[i].handle).unwrap() {
-            self.seqs[i].status = SeqStatus::Active;
+        let id = self.seqs[i].id();
+        self.log.push(format!("resume {id}"));
+        let expected = self.reference.resume(id);
+        let got = self.m.resume(&self.seqs[i].handle).unwrap();
+        assert_eq!(got, expected, "resume {id}: manager vs reference");
+        self.tally.room_answers += 1;
+        if got {
             run_copy_plans(&mut self.m, &mut self.st);
             self.verify(i);
         } else {
+            self.tally.refusals += 1;
             assert!(
                 self.m.take_copy_plans().is_empty(),
                 "a refused resume planned copies"
@@ -420,19 +572,20 @@ impl World {
         let Some(i) = self.pick(Some(SeqStatus::Active)) else {
             return;
         };
-        let s = &self.seqs[i];
-        let cap = (s.history + 1 + self.rng.below(7)).min(self.max_tokens);
-        if cap < s.history {
+        let id = self.seqs[i].id();
+        let history = self.reference.seq(id).history;
+        let cap = (history + 1 + self.rng.below(7)).min(self.max_tokens);
+        if cap < history {
             return;
         }
-        let (history, id) = (s.history, s.handle.id());
         self.log.push(format!("step {id} capacity {cap}"));
-        match self.m.resize(&self.seqs[i].handle, cap, history) {
-            Ok(true) => {
+        let expected = self.reference.resize(id, cap, history);
+        let got = self.m.resize(&self.seqs[i].handle, cap, history);
+        self.tally.room_answers += 1;
+        match (got, expected) {
+            (Ok(true), Ok(true)) => {
                 run_copy_plans(&mut self.m, &mut self.st);
                 self.extend_stream(i, cap);
-                let s = &mut self.seqs[i];
-                s.capacity = cap;
                 let s = &self.seqs[i];
                 write_positions(
                     &self.m,
@@ -442,12 +595,17 @@ impl World {
                     history as usize..cap as usize,
                 );
             }
-            Ok(false) => assert!(
-                self.m.take_copy_plans().is_empty(),
-                "a failed resize planned copies"
-            ),
-            Err(KvError::SequenceTooLong { .. }) => {}
-            Err(e) => panic!("resize: {e}"),
+            (Ok(false), Ok(false)) => {
+                self.tally.refusals += 1;
+                assert!(
+                    self.m.take_copy_plans().is_empty(),
+                    "a failed resize planned copies"
+                )
+            }
+            (Err(KvError::SequenceTooLong { .. }), Err(TooLong)) => {}
+            (got, expected) => {
+                panic!("resize {id} to {cap}: manager {got:?}, reference {expected:?}")
+            }
         }
     }
 
@@ -457,27 +615,36 @@ impl World {
         let Some(i) = self.pick(Some(SeqStatus::Active)) else {
             return;
         };
-        let s = &self.seqs[i];
-        let k = self.rng.below(s.capacity - s.history + 1);
-        let history = s.history + k;
-        let capacity = s.capacity;
-        self.log
-            .push(format!("accept {} history {history}", s.handle.id()));
+        let id = self.seqs[i].id();
+        let r = self.reference.seq(id);
+        let (capacity, committed, stopped) = (r.capacity, r.committed(), r.stopped);
+        let history = r.history + self.rng.below(capacity - r.history + 1);
+        self.log.push(format!("accept {id} history {history}"));
+        assert_eq!(self.reference.resize(id, capacity, history), Ok(true));
         assert!(self
             .m
             .resize(&self.seqs[i].handle, capacity, history)
             .unwrap());
-        self.seqs[i].history = history;
-        if self.rng.chance(80) && !self.seqs[i].stopped {
+        if self.rng.chance(100 - self.mix.defer) && !stopped {
             let s = &self.seqs[i];
-            let toks = s.stream[s.committed as usize..history as usize].to_vec();
+            let toks = s.stream[committed as usize..history as usize].to_vec();
             self.m.commit(&s.handle, &toks).unwrap();
-            let s = &mut self.seqs[i];
-            s.committed = history;
-            let root = s.scope as u32;
-            self.trie
-                .insert(root, &self.seqs[i].stream[..history as usize]);
+            self.reference.commit(id, &toks);
         }
+    }
+
+    /// Commits what was accepted but not committed yet (active or suspended).
+    fn commit_accepted(&mut self, i: usize) {
+        let id = self.seqs[i].id();
+        let r = self.reference.seq(id);
+        let (from, to) = (r.committed() as usize, r.history as usize);
+        if r.stopped || from == to {
+            return;
+        }
+        self.log.push(format!("commit {id} tokens {from}..{to}"));
+        let toks = self.seqs[i].stream[from..to].to_vec();
+        self.m.commit(&self.seqs[i].handle, &toks).unwrap();
+        self.reference.commit(id, &toks);
     }
 
     /// Rejected draft tokens: capacity shrinks back towards history.
@@ -485,13 +652,15 @@ impl World {
         let Some(i) = self.pick(Some(SeqStatus::Active)) else {
             return;
         };
-        let s = &self.seqs[i];
-        let cap = s.history + self.rng.below(s.capacity - s.history + 1);
-        self.log
-            .push(format!("rollback {} capacity {cap}", s.handle.id()));
-        assert!(self.m.resize(&s.handle, cap, s.history).unwrap());
-        self.seqs[i].capacity = cap;
-        // Rolled-back tokens are redrawn: a rejected draft never reappears as committed.
+        let id = self.seqs[i].id();
+        let r = self.reference.seq(id);
+        let history = r.history;
+        let cap = history + self.rng.below(r.capacity - history + 1);
+        self.log.push(format!("rollback {id} capacity {cap}"));
+        assert_eq!(self.reference.resize(id, cap, history), Ok(true));
+        assert!(self.m.resize(&self.seqs[i].handle, cap, history).unwrap());
+        // Rolled-back tokens are drawn again; for a request that does not echo they
+        // differ, so KV left over from a rejected draft would fail the byte check.
         let s = &mut self.seqs[i];
         s.stream.truncate(cap as usize);
         s.hashes.truncate(cap as usize);
@@ -500,32 +669,39 @@ impl World {
     fn close(&mut self) {
         let Some(i) = self.pick(None) else { return };
         let mut s = self.seqs.swap_remove(i);
-        self.log.push(format!("close {}", s.handle.id()));
+        self.log.push(format!("close {}", s.id()));
         self.m.close(&mut s.handle).unwrap();
         self.m.close(&mut s.handle).unwrap();
-        assert!(self.m.sequence(s.handle.id()).is_err());
-        if !s.stopped {
-            self.trie
-                .insert(s.scope as u32, &s.stream[..s.committed as usize]);
-        }
+        assert!(self.m.sequence(s.id()).is_err());
+        self.reference.close(s.id());
     }
 
     fn probe(&mut self) {
         let scope = self.rng.below(2) as usize;
-        let p = self.new_prompt(scope);
+        let (p, _) = self.new_prompt(scope);
         let got = self.m.probe_reuse(SCOPES[scope], &p).unwrap();
-        let bound = self.trie.lcp(scope as u32, &p[..p.len() - 1]) as u64;
-        assert!(got <= bound, "probe {got} > committed bound {bound}");
+        let expected = self.reference.reusable(&SCOPES[scope].root_key(), &p);
+        assert_eq!(got, expected, "probe_reuse vs the reference");
+        self.tally.reuse_answers += 1;
     }
 }
 
+/// What a run did.
+struct Ran {
+    ops: usize,
+    /// Duplicate pages rebased while both copies were off the GPU.
+    rebased_off_gpu: u64,
+    donated: u64,
+}
+
 fn run(seed: u64, cfg: &Config, ops: usize) -> usize {
-    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true, 0)
+    run_with(Dice::Seeded(Rng(seed)), seed, cfg, ops, true, 0, USUAL).ops
 }
 
 /// Runs `ops` operations from `rng`; `expect_traffic` asserts the workload exercised
 /// reuse, eviction and tier traffic (long seeded runs only).
-/// `faults`: percent of GPU-room requests refused by injection (storage failures).
+/// `faults`: percent of GPU-room requests refused by injection (storage failures); the
+/// reference draws the same seeded schedule.
 fn run_with(
     mut rng: Dice,
     seed: u64,
@@ -533,9 +709,10 @@ fn run_with(
     ops: usize,
     expect_traffic: bool,
     faults: u8,
-) -> usize {
+    mix: Mix,
+) -> Ran {
     let plan = PoolPlan::v2(T, cfg.specs.clone()).unwrap();
-    let m = KvCacheManager::new(
+    let mut m = KvCacheManager::new(
         plan.clone(),
         TierSlots {
             gpu: cfg.gpu.clone(),
@@ -544,8 +721,23 @@ fn run_with(
         cfg.opts.clone(),
     )
     .unwrap();
-    let mut m = m;
-    m.inject_room_failures(seed ^ 0xfa17, faults);
+    let fault_seed = seed ^ 0xfa17;
+    m.inject_room_failures(fault_seed, faults);
+    let n_lc = plan.num_life_cycles();
+    let reference = RefCache::new(
+        Shape {
+            tokens_per_block: T as usize,
+            life_cycle_group: (0..n_lc)
+                .map(|lc| plan.pool_group_of(LifeCycleId(lc as u16)).index())
+                .collect(),
+            gpu_slots: cfg.gpu.clone(),
+            host_slots: cfg.host.clone(),
+            reuse: cfg.opts.enable_block_reuse,
+            partial_reuse: cfg.opts.enable_partial_reuse,
+            max_util_for_resume: cfg.opts.max_util_for_resume,
+        },
+        (faults > 0).then_some((fault_seed, faults)),
+    );
     let st = HostStorage::new(&plan, &cfg.gpu, &cfg.host).unwrap();
     let system_prompts = (0..3)
         .map(|_| {
@@ -558,57 +750,70 @@ fn run_with(
         m,
         st,
         rng,
+        reference,
+        mirror: EventMirror {
+            n_lc,
+            ..Default::default()
+        },
         seqs: Vec::new(),
-        trie: CommittedTrie::new(SCOPES.len() as u32),
         system_prompts,
         next_id: 1,
         max_tokens,
-        reuse: cfg.opts.enable_block_reuse,
+        mix,
+        tally: Tally::default(),
         log: Vec::new(),
     };
     let result = catch_unwind(AssertUnwindSafe(|| {
-        for n in 0..ops {
+        for _ in 0..ops {
             w.op();
             w.check();
             if w.log.len() > 64 {
                 w.log.drain(..32);
             }
-            let _ = n;
         }
     }));
     if let Err(e) = result {
         eprintln!(
-            "\nmodel test FAILED: seed {seed} ({:#x}), config {:?}\nreplay: DSA_KV_MODEL_SEED={seed} cargo test --release --test model_test\nlast operations:\n  {}",
+            "\nmodel test FAILED: seed {seed} ({:#x}), config {:?}, faults {faults} %\nreplay: DSA_KV_MODEL_SEED={seed} cargo test --release --test model_test\nlast operations:\n  {}",
             seed,
             cfg.name,
             w.log.join("\n  ")
         );
         std::panic::resume_unwind(e);
     }
-    if faults > 0 {
-        assert!(w.m.injected_room_failures() > 0, "no fault was injected");
-        eprintln!(
-            "seed {seed} {:?}: {} injected storage refusals, all rolled back",
-            cfg.name,
-            w.m.injected_room_failures()
-        );
-        return ops;
-    }
-    let stats = w.m.stats();
+    assert_eq!(
+        w.m.injected_room_failures(),
+        w.reference.injected,
+        "injected refusals"
+    );
+    let (stats, t) = (w.m.stats(), &w.tally);
     eprintln!(
-        "seed {seed} {:?}: {ops} ops, reused {} tokens, partial copies {}, rebased {}, offloaded {}, onboarded {}, dropped {}, resize failures {}, resume refusals {}",
+        "seed {seed} {:?}: {ops} ops; equal answers: {} reuse ({} tokens), {} room ({} refused, {} injected); {} events mirrored; duplicate pages rebased {} + {} off the GPU, donated {}; partial copies {}, offloaded {}, onboarded {}, dropped {}",
         cfg.name,
-        stats.reused_tokens,
+        t.reuse_answers,
+        t.reused_tokens,
+        t.room_answers,
+        t.refusals,
+        w.m.injected_room_failures(),
+        t.events,
+        w.reference.rebased_on_gpu,
+        w.reference.rebased_off_gpu,
+        w.reference.donated,
         stats.partial_copies,
-        stats.rebased_blocks,
         stats.offloaded_pages,
         stats.onboarded_pages,
         stats.dropped_pages,
-        stats.resize_failures,
-        stats.resume_refusals
     );
+    if faults > 0 {
+        assert!(w.m.injected_room_failures() > 0, "no fault was injected");
+    }
+    let ran = Ran {
+        ops,
+        rebased_off_gpu: w.reference.rebased_off_gpu,
+        donated: w.reference.donated,
+    };
     if !expect_traffic {
-        return ops;
+        return ran;
     }
     if cfg.opts.enable_block_reuse {
         assert!(
@@ -623,7 +828,8 @@ fn run_with(
             "no tier traffic"
         );
     }
-    ops
+    assert!(t.refusals > 0, "the reference never had to refuse room");
+    ran
 }
 
 #[test]
@@ -652,9 +858,39 @@ fn randomized_against_reference_model() {
 fn randomized_with_injected_storage_failures() {
     for seed in [11, 12] {
         for cfg in &configs() {
-            run_with(Dice::Seeded(Rng(seed)), seed, cfg, 3_200, false, 20);
+            run_with(Dice::Seeded(Rng(seed)), seed, cfg, 3_200, false, 20, USUAL);
         }
     }
+}
+
+/// The KV events against the real tree when most commits are duplicates: blocks
+/// rebased onto the GPU copy, rebased while both copies are on the host, or donated;
+/// with and without injected storage failures.
+#[test]
+fn duplicate_commits_across_tiers_keep_the_events_true() {
+    let (mut off_gpu, mut donated) = (0, 0);
+    for seed in [21, 22, 23, 24] {
+        for cfg in &configs() {
+            for faults in [0, 20] {
+                let ran = run_with(
+                    Dice::Seeded(Rng(seed)),
+                    seed,
+                    cfg,
+                    3_200,
+                    false,
+                    faults,
+                    DUPLICATES,
+                );
+                off_gpu += ran.rebased_off_gpu;
+                donated += ran.donated;
+            }
+        }
+    }
+    eprintln!("duplicate pages rebased off the GPU: {off_gpu}, donated: {donated}");
+    assert!(
+        off_gpu > 0 && donated > 0,
+        "the drill no longer commits duplicates of host pages"
+    );
 }
 
 mod properties {
@@ -678,7 +914,7 @@ mod properties {
         ) {
             let cfgs = configs();
             let ops = tape.len() / 4 + 1;
-            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false, 0);
+            run_with(Dice::Tape(tape, 0), 0, &cfgs[cfg], ops, false, 0, USUAL);
         }
     }
 }

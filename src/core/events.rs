@@ -1,5 +1,7 @@
 //! KV events for KV-aware routers: blocks stored in the reuse tree, removed from it,
-//! moved between tiers, and the whole tree cleared.
+//! moved between tiers, and the whole tree cleared. Replayed in order, they describe
+//! exactly the tree's blocks and the tier of each of their pages
+//! ([`KvCacheManager::cached_blocks`](super::KvCacheManager::cached_blocks)).
 
 use serde::Serialize;
 
@@ -18,7 +20,9 @@ pub enum KvEvent {
         parent: BlockKey,
         /// Tokens in the block (fewer than a block for a partial last block).
         num_tokens: u32,
-        /// Where its pages are.
+        /// Where the page of life cycle 0 is. A life cycle whose page is on another tier
+        /// (possible for a block committed by a suspended sequence) follows at once as a
+        /// [`KvEvent::TierUpdated`] from this tier.
         tier: Tier,
         /// Eviction priority.
         priority: u8,

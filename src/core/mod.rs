@@ -3,6 +3,7 @@
 //! eviction across tiers, quota. Every byte that must move leaves as a
 //! [`CopyPlan`](crate::ops::CopyPlan).
 
+mod cached_blocks;
 mod error;
 mod events;
 mod eviction;
@@ -19,6 +20,7 @@ pub mod scheduler;
 mod sequence_ops;
 mod slot_allocator;
 
+pub use cached_blocks::CachedPage;
 pub use error::{KvError, SeqStatus};
 pub use events::KvEvent;
 pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY};

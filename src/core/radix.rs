@@ -283,8 +283,10 @@ impl RadixTree {
         std::mem::replace(&mut n.pages[lc], page)
     }
 
-    /// Removes `r` and its descendants (post-order, no recursion); prunes the scope root
-    /// when it loses its last child.
+    /// Removes `r` and its descendants (pre-order: a block before its descendants,
+    /// siblings in ascending key order; no recursion); prunes the scope root when it
+    /// loses its last child. The order is specified, not the hash map's, because the
+    /// manager re-queues the surviving pages in this order (their LRU order).
     pub fn remove_subtree(&mut self, r: NodeRef, removed: &mut Vec<Removed>) {
         let Some(top) = self.get(r) else { return };
         let parent = top.parent;
@@ -295,8 +297,13 @@ impl RadixTree {
         let top_key = top.key;
         let mut stack = vec![r.idx];
         while let Some(i) = stack.pop() {
+            let first_child = stack.len();
+            stack.extend(self.nodes[i as usize].children.values().copied());
+            // Largest key deepest in the stack: the smallest is popped first.
+            let nodes = &self.nodes;
+            stack[first_child..]
+                .sort_unstable_by(|&a, &b| nodes[b as usize].key.cmp(&nodes[a as usize].key));
             let n = &mut self.nodes[i as usize];
-            stack.extend(n.children.values().copied());
             n.children.clear();
             n.live = false;
             removed.push(Removed {
@@ -543,9 +550,8 @@ mod tests {
         assert_eq!(tree.num_blocks(), 3);
         removed.clear();
         tree.remove_subtree(a[0], &mut removed);
-        let mut pages: Vec<_> = removed.iter().flat_map(|r| r.pages.clone()).collect();
-        pages.sort();
-        assert_eq!(pages, vec![PageId(10), PageId(21), PageId(22)]);
+        let pages: Vec<_> = removed.iter().flat_map(|r| r.pages.clone()).collect();
+        assert_eq!(pages, vec![PageId(10), PageId(21), PageId(22)], "pre-order");
         assert_eq!((tree.num_blocks(), tree.num_roots()), (0, 0));
         assert!(tree.get(b[2]).is_none());
         // Slots are recycled with a new generation: old refs stay dead.
@@ -553,6 +559,45 @@ mod tests {
         assert!(tree.get(c[0]).is_some());
         assert!(tree.get(a[0]).is_none() && tree.get(b[1]).is_none());
         tree.check_invariants(T);
+    }
+
+    #[test]
+    fn subtree_removal_order_is_pre_order_by_key() {
+        let mut tree = RadixTree::default();
+        let mut h = KeyHasher::default();
+        let root = ReuseScope::SHARED.root_key();
+        // Block X with four child branches, one of them two blocks deep.
+        let x = insert_seq(&mut tree, &mut h, &root, &toks(&[1, 2, 3, 4]), 0)[0];
+        for (i, t) in [5u32, 6, 7, 8].into_iter().enumerate() {
+            let mut seq = toks(&[1, 2, 3, 4, t, t, t, t]);
+            if t == 6 {
+                seq.extend(toks(&[9, 9, 9, 9]));
+            }
+            insert_seq(&mut tree, &mut h, &root, &seq, 10 * (i as u32 + 1));
+        }
+        let kx = tree.node(x).key;
+        let mut key = |tokens: &[u32]| h.block_key(&kx, &toks(tokens));
+        let mut branches: Vec<(BlockKey, Vec<PageId>)> = [5u32, 6, 7, 8]
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let first = PageId(10 * (i as u32 + 1) + 1);
+                let pages = if t == 6 {
+                    vec![first, PageId(first.0 + 1)]
+                } else {
+                    vec![first]
+                };
+                (key(&[t, t, t, t]), pages)
+            })
+            .collect();
+        branches.sort();
+        let mut removed = vec![];
+        tree.remove_subtree(x, &mut removed);
+        let got: Vec<PageId> = removed.iter().flat_map(|r| r.pages.clone()).collect();
+        let mut want = vec![PageId(0)];
+        want.extend(branches.into_iter().flat_map(|b| b.1));
+        assert_eq!(got, want);
+        assert_eq!(tree.num_blocks(), 0);
     }
 
     #[test]

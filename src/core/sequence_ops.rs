@@ -118,8 +118,8 @@ impl KvCacheManager {
 
     /// Finalizes `tokens` (their KV is written). Every block that becomes full enters
     /// the reuse tree; a block equal to one already there is rebased onto the tree's
-    /// page (or donates its own page when the tree's is off the GPU). History rises to the
-    /// committed length when it was lower.
+    /// page (or donates its own page when that one is on the GPU and the tree's is not).
+    /// History rises to the committed length when it was lower.
     pub fn commit(&mut self, h: &SeqHandle, tokens: &[TokenId]) -> Result<(), KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
@@ -193,6 +193,9 @@ impl KvCacheManager {
                     self.refresh_queue(pid);
                 }
                 if self.opts.record_events {
+                    // A suspended sequence's pages may sit on different tiers (each pool
+                    // group is evicted on its own): the event names life cycle 0's tier
+                    // and every page elsewhere follows as a move from that tier.
                     let tier = self.pages[pages[0]].tier;
                     self.events.push(KvEvent::Stored {
                         key,
@@ -201,6 +204,17 @@ impl KvCacheManager {
                         tier,
                         priority,
                     });
+                    for (lc, &pid) in pages.iter().enumerate().skip(1) {
+                        let to = self.pages[pid].tier;
+                        if to != tier {
+                            self.events.push(KvEvent::TierUpdated {
+                                key,
+                                life_cycle: LifeCycleId(lc as u16),
+                                from: tier,
+                                to,
+                            });
+                        }
+                    }
                 }
                 self.seq_mut(idx).nodes.push(node);
             }
@@ -208,8 +222,10 @@ impl KvCacheManager {
                 self.stats.rebased_blocks += 1;
                 for (lc, &ours) in pages.iter().enumerate() {
                     let theirs = self.tree.node(node).pages[lc];
-                    if self.pages[theirs].tier == Tier::Gpu {
-                        // Rebase: use the tree's page, free our private copy.
+                    if self.pages[theirs].tier == Tier::Gpu || self.pages[ours].tier != Tier::Gpu {
+                        // Rebase: use the tree's page, free our private copy. Also when
+                        // ours is off the GPU too (a suspended sequence, offloaded):
+                        // donating it would gain nothing.
                         self.add_ref(theirs, locked);
                         self.seq_mut(idx).pages[b * n + lc] = theirs;
                         self.unref(ours, locked);
@@ -217,7 +233,7 @@ impl KvCacheManager {
                         // Donate: our GPU page becomes the block's page; the old one is
                         // unlinked (freed unless someone still holds it).
                         self.tree.set_page(node, lc, ours);
-                        let from = self.pages[theirs].tier;
+                        let (from, to) = (self.pages[theirs].tier, self.pages[ours].tier);
                         self.dequeue(ours);
                         let p = &mut self.pages[ours];
                         p.node = Some(node);
@@ -231,7 +247,7 @@ impl KvCacheManager {
                                 key,
                                 life_cycle: LifeCycleId(lc as u16),
                                 from,
-                                to: Tier::Gpu,
+                                to,
                             });
                         }
                     }

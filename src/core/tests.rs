@@ -2,11 +2,13 @@
 //! that every slot, reuse length and eviction victim can be written down.
 
 use super::*;
-use crate::ids::{Fence, LayerId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+use std::collections::BTreeMap;
+
+use crate::ids::{Fence, LayerId, LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use crate::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
 use crate::ops::{CopyPlan, GroupCopy};
 
-const LC0: crate::ids::LifeCycleId = crate::ids::LifeCycleId(0);
+const LC0: LifeCycleId = LifeCycleId(0);
 
 fn plan() -> PoolPlan {
     PoolPlan::v2(
@@ -1056,5 +1058,150 @@ fn reset_prefix_cache_is_refused_while_sequences_hold_pages() {
     m.commit(&idle, &toks(50..54)).unwrap();
     m.close(&mut idle).unwrap();
     assert_eq!(m.num_cached_blocks(), 1);
+}
+
+/// What a router learns from the events: (block key, life cycle) → tier.
+type TierMirror = BTreeMap<(BlockKey, LifeCycleId), Tier>;
+
+/// Replays KV events into `mirror`, checking that each event agrees with what the mirror
+/// already knows.
+fn replay_events(m: &mut KvCacheManager, mirror: &mut TierMirror) -> Vec<KvEvent> {
+    let events = m.take_events();
+    let n_lc = m.plan().num_life_cycles();
+    for e in &events {
+        match *e {
+            KvEvent::Stored { key, tier, .. } => {
+                for lc in 0..n_lc {
+                    let lc = LifeCycleId(lc as u16);
+                    assert_eq!(mirror.insert((key, lc), tier), None, "{e:?}: stored twice");
+                }
+            }
+            KvEvent::Removed { key } => mirror.retain(|k, _| k.0 != key),
+            KvEvent::TierUpdated {
+                key,
+                life_cycle,
+                from,
+                to,
+            } => {
+                let t = mirror
+                    .get_mut(&(key, life_cycle))
+                    .unwrap_or_else(|| panic!("{e:?}: unknown block"));
+                assert_eq!(*t, from, "{e:?}: the mirror has it on {t}");
+                *t = to;
+            }
+            KvEvent::AllBlocksCleared => mirror.clear(),
+        }
+    }
+    events
+}
+
+fn mirror_matches(m: &KvCacheManager, mirror: &TierMirror) {
+    let real: Vec<(BlockKey, LifeCycleId, Tier)> = m
+        .cached_blocks()
+        .into_iter()
+        .map(|p| (p.key, p.life_cycle, p.tier))
+        .collect();
+    let mirrored: Vec<(BlockKey, LifeCycleId, Tier)> =
+        mirror.iter().map(|(k, &t)| (k.0, k.1, t)).collect();
+    assert_eq!(mirrored, real, "the events describe another cache");
+}
+
+/// Issue: a suspended sequence whose duplicate block is on the host used to "donate" its
+/// own host page and announce `Host → Gpu`, and resuming it announced `Host → Gpu` a
+/// second time. Every event must state the true tier.
+#[test]
+fn duplicate_commit_of_an_offloaded_suspended_block_states_the_true_tier() {
+    let opts = ManagerOptions {
+        max_util_for_resume: 1.0,
+        ..Default::default()
+    };
+    let mut m = mgr_with(4, 8, opts);
+    let mut mirror = TierMirror::new();
+    // B writes a block and one token, and is suspended before committing.
+    let b = start(&mut m, 2, &toks(0..6), 35);
+    assert!(m.resize(&b, 5, 5).unwrap());
+    m.suspend(&b).unwrap();
+    // A commits the same first block and closes: it stays cached on the GPU.
+    cache(&mut m, 1, &toks(0..4), 35);
+    replay_events(&mut m, &mut mirror);
+    mirror_matches(&m, &mirror);
+    // X takes all four GPU slots: B's pages and A's cached block go to the host.
+    let mut x = start(&mut m, 3, &toks(100..117), 35);
+    assert!(m.resize(&x, 16, 0).unwrap());
+    assert_eq!(m.occupied_slots(Tier::Host), vec![3]);
+    replay_events(&mut m, &mut mirror);
+    mirror_matches(&m, &mirror);
+    // B commits while suspended: the block it duplicates is on the host, and so is B's.
+    m.commit(&b, &toks(0..5)).unwrap();
+    let events = replay_events(&mut m, &mut mirror);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, KvEvent::TierUpdated { .. })),
+        "nothing moved, yet: {events:?}"
+    );
+    mirror_matches(&m, &mirror);
+    assert_eq!(
+        m.cached_blocks().iter().map(|p| p.tier).collect::<Vec<_>>(),
+        vec![Tier::Host]
+    );
+    // X leaves; B resumes: its block comes back to the GPU, announced once.
+    m.close(&mut x).unwrap();
+    replay_events(&mut m, &mut mirror);
+    assert!(m.resume(&b).unwrap());
+    let events = replay_events(&mut m, &mut mirror);
+    let moves: Vec<(Tier, Tier)> = events
+        .iter()
+        .filter_map(|e| match *e {
+            KvEvent::TierUpdated { from, to, .. } => Some((from, to)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(moves, vec![(Tier::Host, Tier::Gpu)]);
+    mirror_matches(&m, &mirror);
+    m.check_invariants();
+}
+
+/// A block whose life cycles' pages sit on different tiers when it is stored (a suspended
+/// sequence, one pool group offloaded, the other not): the events must still say where
+/// each page is.
+#[test]
+fn a_block_stored_across_tiers_reports_each_page_tier() {
+    let key_layer = |layer: u32, row_bytes: u32| LayerSpec {
+        layer: LayerId(layer),
+        life_cycle: LifeCycleKey(layer),
+        buffers: vec![BufferSpec::new(
+            Role::Key,
+            RowLayout::Interleaved { row_bytes },
+        )],
+    };
+    // Different slot sizes: two pool groups, one life cycle each.
+    let plan = PoolPlan::v2(4, vec![key_layer(0, 2), key_layer(1, 4)]).unwrap();
+    assert_eq!(plan.pool_groups().len(), 2);
+    let mut m = KvCacheManager::new(
+        plan,
+        TierSlots {
+            gpu: vec![2, 4],
+            host: vec![4, 4],
+        },
+        ManagerOptions::default(),
+    )
+    .unwrap();
+    let mut mirror = TierMirror::new();
+    let s = start(&mut m, 1, &toks(0..5), 35);
+    assert!(m.resize(&s, 4, 4).unwrap());
+    m.suspend(&s).unwrap();
+    // Y needs both slots of group 0 (S's page there goes to the host) and two of the
+    // four of group 1 (S's page there stays).
+    let y = start(&mut m, 2, &toks(50..58), 35);
+    assert!(m.resize(&y, 8, 0).unwrap());
+    assert_eq!(m.occupied_slots(Tier::Host), vec![1, 0]);
+    m.commit(&s, &toks(0..4)).unwrap();
+    replay_events(&mut m, &mut mirror);
+    mirror_matches(&m, &mirror);
+    assert_eq!(
+        m.cached_blocks().iter().map(|p| p.tier).collect::<Vec<_>>(),
+        vec![Tier::Host, Tier::Gpu]
+    );
     m.check_invariants();
 }

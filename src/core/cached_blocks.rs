@@ -1,0 +1,41 @@
+//! A read-only view of the reuse tree's pages and their tiers: the state that
+//! [`KvEvent`](super::KvEvent)s describe, so a consumer of the events (a router, a test)
+//! can check its mirror against the truth.
+
+use serde::Serialize;
+
+use super::manager::KvCacheManager;
+use super::reuse_key::BlockKey;
+use crate::ids::{LifeCycleId, Tier};
+
+/// One life cycle's page of a block in the reuse tree.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
+pub struct CachedPage {
+    /// The block's chained key.
+    pub key: BlockKey,
+    /// The life cycle the page belongs to.
+    pub life_cycle: LifeCycleId,
+    /// Where the page is now.
+    pub tier: Tier,
+}
+
+impl KvCacheManager {
+    /// Every page of every block in the reuse tree, sorted by (key, life cycle).
+    /// O(blocks × life cycles) and allocating: meant for tests and diagnostics, not for
+    /// the step path.
+    pub fn cached_blocks(&self) -> Vec<CachedPage> {
+        let mut out: Vec<CachedPage> = self
+            .tree
+            .blocks()
+            .flat_map(|(_, node)| {
+                node.pages.iter().enumerate().map(|(lc, &pid)| CachedPage {
+                    key: node.key,
+                    life_cycle: LifeCycleId(lc as u16),
+                    tier: self.pages[pid].tier,
+                })
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+}
