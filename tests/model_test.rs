@@ -224,12 +224,15 @@ struct Mix {
     follow: u64,
     echo: u64,
     defer: u64,
+    /// Share (per mille of operations) of `reset_prefix_cache` calls.
+    reset_per_mille: u64,
 }
 
 const USUAL: Mix = Mix {
     follow: 25,
     echo: 50,
     defer: 20,
+    reset_per_mille: 1,
 };
 
 /// Half the requests follow a live one and every request echoes, and most commits land
@@ -239,6 +242,7 @@ const DUPLICATES: Mix = Mix {
     follow: 50,
     echo: 100,
     defer: 70,
+    reset_per_mille: 0,
 };
 
 /// Answers compared, for the end-of-run report.
@@ -433,7 +437,12 @@ impl World {
                     self.commit_accepted(i);
                 }
             }
-            95 => self.reset(),
+            // Rare, so that the cache fills again between resets.
+            95 if self.mix.reset_per_mille > 0
+                && self.rng.chance(10 * self.mix.reset_per_mille) =>
+            {
+                self.reset()
+            }
             _ => {
                 if let Some(i) = self.pick(Some(SeqStatus::Active)) {
                     self.verify(i);
@@ -456,7 +465,11 @@ impl World {
         let got = self.m.reset_prefix_cache();
         match (got, self.reference.reset_prefix_cache()) {
             (Ok(r), Ok(expected)) => {
-                assert_eq!((r.blocks, r.gpu_pages, r.host_pages), expected, "reset report");
+                assert_eq!(
+                    (r.blocks, r.gpu_pages, r.host_pages),
+                    expected,
+                    "reset report"
+                );
                 self.tally.resets += 1;
             }
             (Err(KvError::PrefixCacheInUse { sequences }), Err(holding)) => {
@@ -788,7 +801,7 @@ fn run_with(
     );
     let (stats, t) = (w.m.stats(), &w.tally);
     eprintln!(
-        "seed {seed} {:?}: {ops} ops; equal answers: {} reuse ({} tokens), {} room ({} refused, {} injected); {} events mirrored; duplicate pages rebased {} + {} off the GPU, donated {}; partial copies {}, offloaded {}, onboarded {}, dropped {}",
+        "seed {seed} {:?}: {ops} ops; equal answers: {} reuse ({} tokens), {} room ({} refused, {} injected); {} events mirrored; prefix-cache resets {} ({} refused); duplicate pages rebased {} + {} off the GPU, donated {}; partial copies {}, offloaded {}, onboarded {}, dropped {}",
         cfg.name,
         t.reuse_answers,
         t.reused_tokens,
@@ -796,6 +809,8 @@ fn run_with(
         t.refusals,
         w.m.injected_room_failures(),
         t.events,
+        t.resets,
+        t.resets_refused,
         w.reference.rebased_on_gpu,
         w.reference.rebased_off_gpu,
         w.reference.donated,
