@@ -47,6 +47,7 @@ pub mod ids;
 pub mod layout;
 pub mod metadata;
 pub mod ops;
+pub mod prelude;
 pub mod rng;
 pub mod storage;
 pub mod sync;

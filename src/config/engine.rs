@@ -18,7 +18,21 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::model::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelError, ModelPreset};
-use crate::layout::{LayoutKind, DSA_TOKENS_PER_BLOCK};
+
+/// The only page size DSA kernels accept (DeepGEMM's paged logits and FlashMLA read
+/// 64-token pages).
+pub const DSA_TOKENS_PER_BLOCK: u32 = 64;
+
+/// Which pool layout a configuration resolves to (the planner in [`crate::layout`]
+/// reads it).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayoutKind {
+    /// TensorRT-LLM V1: primary pool + one indexer pool per indexer layer.
+    V1,
+    /// TensorRT-LLM V2: coalesced buffers, pool groups, page-index converters.
+    V2,
+}
 
 /// `use_kv_cache_manager_v2`: `auto`, `true` or `false`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]

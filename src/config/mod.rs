@@ -6,8 +6,9 @@ mod engine;
 mod model;
 
 pub use engine::{
-    star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, ModelConfig,
+    star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind, ModelConfig,
     ParallelConfig, ResolvedConfig, SchedulerConfig, SpecDecodeConfig, SpecMode, V2Choice,
+    DSA_TOKENS_PER_BLOCK,
 };
 pub use model::{
     ComponentBytes, DsaModel, DsaModelSpec, IndexerDtype, IndexerLayers, KvDtype, LayerKind,

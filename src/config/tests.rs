@@ -2,7 +2,7 @@
 //! config error, with the exact error each gets.
 
 use super::*;
-use crate::layout::LayoutKind;
+use crate::config::LayoutKind;
 
 fn resolve_toml(text: &str) -> Result<ResolvedConfig, ConfigError> {
     EngineConfig::from_toml_str(text)?.resolve()

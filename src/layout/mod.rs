@@ -16,11 +16,12 @@ mod plan;
 mod v1;
 mod v2;
 
+pub use crate::config::DSA_TOKENS_PER_BLOCK;
 pub use bytes::{
     IndexerPageLayout, RowLayout, TokenRanges, FP8_DS_MLA_NOPE_BYTES, FP8_DS_MLA_ROPE_OFFSET,
     FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SCALE_OFFSET, FP8_DS_MLA_TILE, INDEXER_SCALE_BYTES,
 };
-pub use model_layers::{layer_specs_for_model, DSA_TOKENS_PER_BLOCK};
+pub use model_layers::layer_specs_for_model;
 pub use plan::{
     BufferPlacement, PageIndexConverter, PoolDesc, PoolGroupPlan, PoolPlan, PoolTableEntry,
     PrimaryPoolView,
@@ -65,15 +66,9 @@ impl fmt::Display for Role {
     }
 }
 
-/// Which layout a plan uses.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LayoutKind {
-    /// TensorRT-LLM V1: primary pool + one indexer pool per indexer layer.
-    V1,
-    /// TensorRT-LLM V2: coalesced buffers, pool groups, page-index converters.
-    V2,
-}
+/// Which layout a plan uses: a plain choice that the configuration resolves
+/// (`use_kv_cache_manager_v2`) and the planner reads.
+pub use crate::config::LayoutKind;
 
 /// Layers with equal keys share one allocation life cycle (their pages are allocated,
 /// reused, evicted and freed together). DSA layers are all full attention, so the key

@@ -5,10 +5,7 @@
 use super::{
     BufferSpec, LayerSpec, LayoutError, LayoutKind, LifeCycleKey, PoolPlan, Role, RowLayout,
 };
-use crate::config::{DsaModel, KvDtype, LayerSet};
-
-/// The only page size DSA kernels accept.
-pub const DSA_TOKENS_PER_BLOCK: u32 = 64;
+use crate::config::{DsaModel, KvDtype, LayerSet, DSA_TOKENS_PER_BLOCK};
 
 /// The layer specs of `model` for the layers of `set`.
 pub fn layer_specs_for_model(model: &DsaModel, set: LayerSet) -> Vec<LayerSpec> {

@@ -1,0 +1,11 @@
+//! What an engine embedding the runtime needs, in one import:
+//! `use dsa_kv::prelude::*;`.
+
+pub use crate::actors::{
+    CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError, RuntimeInfo,
+    RuntimeStats, ScheduledRequest, StepReport, VerifyLayers,
+};
+pub use crate::config::{EngineConfig, SpecMode};
+pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};
+pub use crate::core::ReuseScope;
+pub use crate::ids::{RequestId, TokenId};
