@@ -32,6 +32,7 @@ use crate::storage::{HostStorage, KvStorage, StorageError};
 
 /// A device failure.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// Pool memory or a copy failed.
     #[error("device {device}: storage: {source}")]

@@ -78,6 +78,7 @@ impl<'de> Deserialize<'de> for V2Choice {
 /// Which model, with optional overrides of the preset.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ModelConfig {
     /// `deepseek-v3.2`, `glm-5`, `glm-5.2` or `mistral-large-3`.
     pub preset: ModelPreset,
@@ -127,6 +128,7 @@ impl ModelConfig {
 /// KV-cache settings, named as in TensorRT-LLM's `KvCacheConfig`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
 pub struct KvCacheConfig {
     /// Tokens per block (must be 64 for DSA).
     pub tokens_per_block: u32,
@@ -181,6 +183,7 @@ pub enum CpMode {
 /// Parallelism of one model instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
 pub struct ParallelConfig {
     /// Tensor-parallel size (one device actor per rank; identical page tables).
     pub tp_size: u32,
@@ -219,6 +222,7 @@ pub enum SpecMode {
 /// Speculative decoding.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
 pub struct SpecDecodeConfig {
     /// Mode.
     pub mode: SpecMode,
@@ -241,6 +245,7 @@ impl Default for SpecDecodeConfig {
 /// Scheduler limits.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
 pub struct SchedulerConfig {
     /// Requests per step.
     pub max_num_sequences: u32,
@@ -272,6 +277,7 @@ impl Default for SchedulerConfig {
 /// Everything an engine is configured with.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// The model.
     pub model: ModelConfig,
@@ -287,6 +293,7 @@ pub struct EngineConfig {
 
 /// A configuration that cannot run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config file {path}: {message}")]

@@ -339,6 +339,7 @@ pub struct DsaModel {
 
 /// Invalid model dimensions. Every message names the field, the value and the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ModelError {
     /// A dimension outside what the DSA kernels accept.
     #[error("{field} = {value} is invalid: {why}")]

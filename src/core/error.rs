@@ -15,6 +15,7 @@ pub enum SeqStatus {
 
 /// Errors of [`KvCacheManager`](super::KvCacheManager) operations.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KvError {
     /// No live sequence has this id.
     #[error("unknown request {id}: it was never created here or has been closed")]

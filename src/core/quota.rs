@@ -211,6 +211,7 @@ pub struct GpuBudget {
 
 /// A budget that cannot work.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum QuotaError {
     /// Neither an explicit budget nor the free memory is known.
     #[error(

@@ -174,6 +174,7 @@ pub struct SchedulerStats {
 
 /// Scheduler errors.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SchedError {
     /// A request's own problem.
     #[error(transparent)]

@@ -22,6 +22,7 @@ pub struct SlotGrant {
 
 /// Misuse or exhaustion of a [`SlotAllocator`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SlotError {
     /// Not enough slots.
     #[error("out of slots: {requested} requested, {available} available")]

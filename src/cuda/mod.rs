@@ -59,6 +59,7 @@ pub const KERNEL_SOURCES: [(&str, &str); 8] = [
 
 /// A CUDA failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CudaError {
     /// No usable CUDA device (no driver library, no device, or the wrong architecture).
     #[error("no CUDA device: {reason}")]

@@ -114,6 +114,7 @@ pub struct LayerSpec {
 
 /// A layout that cannot be built or a query it cannot answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LayoutError {
     /// DSA needs 64-token pages.
     #[error(

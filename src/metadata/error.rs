@@ -5,6 +5,7 @@ use crate::layout::LayoutError;
 
 /// A step the persistent buffers cannot describe, or a misused draft replay.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MetadataError {
     /// Zero-sized or inconsistent buffer dimensions.
     #[error(

@@ -3,6 +3,7 @@
 
 /// A rejected op.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum OpError {
     /// The indexer kernels move 128-byte (FP8) or 64-byte (FP4) payloads.
     #[error("indexer payload width {got} B is not supported: use 128 (FP8) or 64 (FP4)")]

@@ -15,6 +15,7 @@ use crate::ops::CopyPlan;
 
 /// A storage failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StorageError {
     /// Memory for a pool could not be reserved.
     #[error("cannot allocate {bytes} bytes for {tier} pool {pool} of group {group}: lower the KV budget")]

@@ -4,6 +4,7 @@ use super::{AtomicU64, Ordering};
 
 /// A refused reservation or release.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum QuotaError {
     /// Not enough budget left.
     #[error("{what} needs {bytes} bytes but only {available} of the {capacity}-byte KV budget are left: lower max_tokens or the draft cache size, or raise the budget")]
