@@ -20,6 +20,8 @@ use dsa_kv::ids::{PoolGroupId, RequestId, Tier, TokenId};
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::storage::StorageError;
 
+use common::events::EventMirror;
+
 fn config() -> EngineConfig {
     let mut c = EngineConfig::default();
     c.model.num_layers = Some(3);
@@ -433,9 +435,36 @@ async fn injected_room_failures_through_the_runtime_lose_nothing() {
     }
     let stop = Arc::new(AtomicBool::new(false));
     let eng = tokio::spawn(engine(kv.clone(), stop.clone()));
+    // A router's view: every KV event replayed, checked against the target cache's tree
+    // (read atomically with the events) while the engine runs.
+    let router = tokio::spawn({
+        let (kv, stop) = (kv.clone(), stop.clone());
+        async move {
+            let mut mirror = EventMirror::new(1);
+            let mut checks = 0u64;
+            loop {
+                let done = stop.load(Ordering::Relaxed);
+                let (events, snapshot) = kv.take_events_with_snapshot().await.unwrap();
+                mirror.apply(&events);
+                let truth: Vec<_> = snapshot
+                    .iter()
+                    .map(|p| (p.key, p.life_cycle, p.tier))
+                    .collect();
+                assert_eq!(mirror.pages(), truth, "the events describe another cache");
+                checks += 1;
+                if done {
+                    return (checks, truth.len());
+                }
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        }
+    });
     let (ok, failed) = wait_all(&kv, 1..=40).await;
     stop.store(true, Ordering::Relaxed);
     let (_, failed_steps) = eng.await.unwrap();
+    let (checks, cached) = router.await.unwrap();
+    eprintln!("{checks} event-mirror checks, {cached} cached pages at the end");
+    assert!(checks > 10 && cached > 0, "the mirror was hardly checked");
     let injected = kv.inject_room_failures(0, 0).await.unwrap();
     eprintln!("{injected} room requests refused");
     assert_eq!(

@@ -15,12 +15,12 @@
 mod common;
 mod reference;
 
-use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use common::events::EventMirror;
 use common::*;
 use dsa_kv::core::{
-    BlockKey, KvCacheManager, KvError, KvEvent, ManagerOptions, ReuseScope, SeqHandle, SeqOptions,
+    BlockKey, KvCacheManager, KvError, ManagerOptions, ReuseScope, SeqHandle, SeqOptions,
     SeqStatus, TierSlots,
 };
 use dsa_kv::ids::{LayerId, LifeCycleId, RequestId, Tier, TokenId};
@@ -107,52 +107,6 @@ fn configs() -> Vec<Config> {
             },
         },
     ]
-}
-
-/// What a router learns from the KV events: (block key, life cycle) → tier.
-#[derive(Default)]
-struct EventMirror {
-    tiers: BTreeMap<(BlockKey, LifeCycleId), Tier>,
-    n_lc: usize,
-}
-
-impl EventMirror {
-    /// Applies events in order; each must agree with what the mirror already knows.
-    fn apply(&mut self, events: &[KvEvent]) {
-        for e in events {
-            match *e {
-                KvEvent::Stored { key, tier, .. } => {
-                    for lc in 0..self.n_lc {
-                        let old = self.tiers.insert((key, LifeCycleId(lc as u16)), tier);
-                        assert_eq!(old, None, "{e:?}: the block was already stored");
-                    }
-                }
-                KvEvent::Removed { key } => {
-                    let before = self.tiers.len();
-                    self.tiers.retain(|k, _| k.0 != key);
-                    assert_eq!(before - self.tiers.len(), self.n_lc, "{e:?}: unknown block");
-                }
-                KvEvent::TierUpdated {
-                    key,
-                    life_cycle,
-                    from,
-                    to,
-                } => {
-                    let tier = self
-                        .tiers
-                        .get_mut(&(key, life_cycle))
-                        .unwrap_or_else(|| panic!("{e:?}: unknown block"));
-                    assert_eq!(*tier, from, "{e:?}: the events had it on {tier}");
-                    *tier = to;
-                }
-                KvEvent::AllBlocksCleared => self.tiers.clear(),
-            }
-        }
-    }
-
-    fn pages(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
-        self.tiers.iter().map(|(k, &t)| (k.0, k.1, t)).collect()
-    }
 }
 
 /// A sequence as the workload drives it: its handle and the tokens it produces.
@@ -764,10 +718,7 @@ fn run_with(
         st,
         rng,
         reference,
-        mirror: EventMirror {
-            n_lc,
-            ..Default::default()
-        },
+        mirror: EventMirror::new(n_lc),
         seqs: Vec::new(),
         system_prompts,
         next_id: 1,

@@ -694,6 +694,26 @@ impl Message<TakeEvents> for Coordinator {
     }
 }
 
+/// The KV events not taken yet and the target cache's reuse tree they lead to, read in
+/// one message (nothing runs in between).
+pub struct TakeEventsWithSnapshot;
+
+impl Message<TakeEventsWithSnapshot> for Coordinator {
+    type Reply = (Vec<KvEvent>, Vec<crate::core::CachedPage>);
+
+    async fn handle(
+        &mut self,
+        _: TakeEventsWithSnapshot,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.drain_events();
+        (
+            self.events.drain(..).collect(),
+            self.sched.target().cached_blocks(),
+        )
+    }
+}
+
 /// The device actors (for fault injection and shutdown).
 pub struct Devices;
 

@@ -457,6 +457,20 @@ impl KvCacheHandle {
         Ok(self.coordinator.ask(TakeEvents).await?)
     }
 
+    /// The KV events not taken yet, and a snapshot of the target cache's reuse tree that
+    /// they lead to (every block's page per life cycle, with its tier), read atomically:
+    /// a consumer that replays every event it took in order holds exactly the snapshot.
+    /// For a router resynchronizing its view, and for checking an event consumer. The
+    /// snapshot walks the whole tree: not for every step.
+    pub async fn take_events_with_snapshot(
+        &self,
+    ) -> Result<(Vec<KvEvent>, Vec<crate::core::CachedPage>), RuntimeError> {
+        Ok(self
+            .coordinator
+            .ask(super::coordinator::TakeEventsWithSnapshot)
+            .await?)
+    }
+
     /// Drops every cached block of the target and the draft cache on every tier, e.g.
     /// after a weight update (vLLM's and SGLang's `reset_prefix_cache`); the next request
     /// reuses nothing. Routers get one [`KvEvent::AllBlocksCleared`] through

@@ -122,3 +122,4 @@ pub fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> usize {
 }
 
 pub mod engine;
+pub mod events;
