@@ -3,14 +3,14 @@
 # stripped binaries into .gpu/ (ignored by git; carry it to the GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --examples
-lib_tests=$(cargo test --release --lib --no-run --message-format=json 2>/dev/null |
+cargo build --release --all-features --examples
+lib_tests=$(cargo test --release --all-features --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
         print(m["executable"])')
-verifier=$(cargo test --release --test verifier --no-run --message-format=json 2>/dev/null |
+verifier=$(cargo test --release --all-features --test verifier --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)

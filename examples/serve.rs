@@ -18,9 +18,9 @@
 //!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]
 //! ```
 //!
-//! `--room-faults PCT` is a fault drill: that share of GPU-room requests is refused as
-//! if the storage could not supply the memory; the run must still finish every request
-//! with every byte it reads back matching.
+//! `--room-faults PCT` (built with `--features fault-injection`) is a fault drill: that
+//! share of GPU-room requests is refused as if the storage could not supply the memory;
+//! the run must still finish every request with every byte it reads back matching.
 //!
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
@@ -131,6 +131,12 @@ fn parse() -> Result<Args, String> {
                 let v = num("--room-faults", val("--room-faults")?)?;
                 if v > 100 {
                     return Err(format!("--room-faults is a percentage, 0 to 100 (got {v})"));
+                }
+                if !cfg!(feature = "fault-injection") && v > 0 {
+                    return Err(
+                        "--room-faults needs the fault drills: run with --features fault-injection"
+                            .into(),
+                    );
                 }
                 a.room_faults = v as u8;
             }
@@ -249,6 +255,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         builder = builder.backend(CudaDevice::factory(gpus));
     }
     let kv = builder.start().await?;
+    #[cfg(feature = "fault-injection")]
     if a.room_faults > 0 {
         kv.inject_room_failures(a.seed ^ 0xfa17, a.room_faults)
             .await?;
@@ -379,7 +386,10 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     }
     let st = kv.stats().await?;
     let counts = kv.check_invariants().await?;
+    #[cfg(feature = "fault-injection")]
     let room_refusals = kv.inject_room_failures(0, 0).await?;
+    #[cfg(not(feature = "fault-injection"))]
+    let room_refusals = 0u64;
     kv.shutdown().await;
     let integrity_ok = st.mismatches == 0
         && mismatches == 0

@@ -1,15 +1,20 @@
 //! The runtime through its public handle: many concurrent clients with nothing lost,
 //! supervision (a device dies mid-run), backpressure, prefix-cache reset, and start-up
-//! validation.
+//! validation. The supervision and backpressure tests inject faults (feature
+//! `fault-injection`).
 mod common;
 
 use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "fault-injection")]
+use std::time::Instant;
 
-use dsa_kv::actors::{DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError};
+#[cfg(feature = "fault-injection")]
+use dsa_kv::actors::DeviceFault;
+use dsa_kv::actors::{FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError};
 use dsa_kv::config::{ConfigError, EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::{KvEvent, ReuseScope};
@@ -197,6 +202,7 @@ async fn many_concurrent_clients_lose_nothing() {
     kv.shutdown().await;
 }
 
+#[cfg(feature = "fault-injection")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_device_fails_its_requests_and_service_continues() {
     let kv = KvCacheBuilder::new()
@@ -369,6 +375,7 @@ async fn reset_prefix_cache_forgets_every_block_and_waits_for_requests_holding_p
     kv.shutdown().await;
 }
 
+#[cfg(feature = "fault-injection")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_mailbox_slows_senders_and_loses_nothing() {
     let kv = KvCacheBuilder::new()

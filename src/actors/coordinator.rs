@@ -518,6 +518,7 @@ impl Message<Step> for Coordinator {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 /// Fault drill: refuse GPU-room requests with a probability (see
 /// [`Scheduler::inject_room_failures`](crate::core::scheduler::Scheduler::inject_room_failures)).
 pub struct InjectRoomFailures {
@@ -527,6 +528,7 @@ pub struct InjectRoomFailures {
     pub percent: u8,
 }
 
+#[cfg(feature = "fault-injection")]
 impl Message<InjectRoomFailures> for Coordinator {
     type Reply = u64;
 

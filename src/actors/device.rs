@@ -4,13 +4,13 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kameo::actor::ActorRef;
 use kameo::message::{Context, Message};
 use kameo::Actor;
 
 use super::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use super::faults::Faults;
 use super::shared::RuntimeShared;
 use crate::core::scheduler::StepPlan;
 use crate::metadata::DraftSnapshot;
@@ -19,10 +19,8 @@ use crate::metadata::DraftSnapshot;
 pub struct DeviceActor {
     backend: Box<dyn DeviceBackend>,
     shared: Arc<RuntimeShared>,
-    delay: Option<Duration>,
-    panic_in_step: bool,
-    /// A deliberately wrong page-table entry (verifier drill).
-    misdirect: Option<Misdirect>,
+    /// Injected faults (drills; nothing without the `fault-injection` feature).
+    faults: Faults,
 }
 
 /// What a device actor starts with.
@@ -42,25 +40,28 @@ impl Actor for DeviceActor {
         Ok(DeviceActor {
             backend: args.backend,
             shared: args.shared,
-            delay: None,
-            panic_in_step: false,
-            misdirect: None,
+            faults: Faults::default(),
         })
     }
 }
 
 impl DeviceActor {
+    /// The device index.
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    pub(crate) fn index(&self) -> usize {
+        self.backend.index()
+    }
+
+    /// The faults to inject (drills).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn faults_mut(&mut self) -> &mut Faults {
+        &mut self.faults
+    }
+
     /// Publishes the bound metadata set for concurrent readers.
     fn publish_bindings(&self) {
         if let Some(p) = self.shared.bindings.get(self.backend.index()) {
             p.publish(self.backend.bindings());
-        }
-    }
-
-    fn throttle(&self) {
-        if let Some(d) = self.delay {
-            // Own thread: blocking here stalls only this device, as a slow GPU would.
-            std::thread::sleep(d);
         }
     }
 }
@@ -76,32 +77,17 @@ impl Message<ExecuteStep> for DeviceActor {
         msg: ExecuteStep,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        self.throttle();
+        self.faults.throttle();
         let _span = tracing::debug_span!(
             "device_step",
             device = self.backend.index(),
             step = msg.0.step
         )
         .entered();
-        let plan = match self.misdirect {
-            Some(m) if msg.0.requests.iter().any(|r| r.id == m.request) => {
-                let mut p = (*msg.0).clone();
-                for r in p.requests.iter_mut().filter(|r| r.id == m.request) {
-                    m.apply(&mut r.block_slots);
-                }
-                Arc::new(p)
-            }
-            _ => msg.0,
-        };
+        let plan = self.faults.plan(msg.0);
         let r = self.backend.execute_step(&plan);
-        if self.panic_in_step {
-            // After the work, before the reply and the fence: the worst moment.
-            panic!(
-                "device {}: injected fault in step {}",
-                self.backend.index(),
-                plan.step
-            );
-        }
+        // After the work, before the reply and the fence: the worst moment.
+        self.faults.after_step(self.backend.index(), plan.step);
         if r.is_ok() {
             // The step's work is done: publish its fence (release) for the coordinator.
             self.shared
@@ -141,7 +127,7 @@ impl Message<DraftForward> for DeviceActor {
         msg: DraftForward,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        self.throttle();
+        self.faults.throttle();
         self.backend.draft_forward(&msg.0)
     }
 }
@@ -170,16 +156,8 @@ impl Message<Verify> for DeviceActor {
     type Reply = Result<(u64, Vec<Mismatch>), DeviceError>;
 
     async fn handle(&mut self, msg: Verify, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        match self.misdirect {
-            Some(m) if msg.0.iter().any(|s| s.id == m.request) => {
-                let mut specs = (*msg.0).clone();
-                for s in specs.iter_mut().filter(|s| s.id == m.request) {
-                    m.apply(&mut s.block_slots);
-                }
-                self.backend.verify(&specs)
-            }
-            _ => self.backend.verify(&msg.0),
-        }
+        let specs = self.faults.specs(msg.0);
+        self.backend.verify(&specs)
     }
 }
 
@@ -191,66 +169,5 @@ impl Message<CacheDigest> for DeviceActor {
 
     async fn handle(&mut self, _: CacheDigest, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.backend.cache_digest()
-    }
-}
-
-/// Fault injection for reliability tests and drills.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceFault {
-    /// Every following message waits this long first (a slow device).
-    Delay(Duration),
-    /// Back to full speed.
-    NoDelay,
-    /// Panic while handling this message (a crashed device).
-    Panic,
-    /// Panic in the middle of the next step, while the coordinator awaits it.
-    PanicInNextStep,
-    /// From now on this device addresses one block of one request in a wrong slot, in
-    /// steps and in verification alike: a corrupted page-table entry, for proving that
-    /// verification catches a request reading another page (another prefix's, another
-    /// tenant's, or any wrong slot). `block` past the request's table changes nothing.
-    Misdirect(Misdirect),
-    /// Back to the correct page tables.
-    NoMisdirect,
-}
-
-/// One wrong block-table entry (see [`DeviceFault::Misdirect`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Misdirect {
-    /// The request.
-    pub request: crate::ids::RequestId,
-    /// Its block (ordinal in its block table).
-    pub block: usize,
-    /// The slot the device uses instead.
-    pub slot: i32,
-}
-
-impl Misdirect {
-    fn apply(&self, block_slots: &mut [i32]) {
-        if let Some(s) = block_slots.get_mut(self.block) {
-            *s = self.slot;
-        }
-    }
-}
-
-/// Apply a fault.
-pub struct InjectFault(pub DeviceFault);
-
-impl Message<InjectFault> for DeviceActor {
-    type Reply = ();
-
-    async fn handle(
-        &mut self,
-        msg: InjectFault,
-        _: &mut Context<Self, Self::Reply>,
-    ) -> Self::Reply {
-        match msg.0 {
-            DeviceFault::Delay(d) => self.delay = Some(d),
-            DeviceFault::NoDelay => self.delay = None,
-            DeviceFault::Panic => panic!("device {}: injected fault", self.backend.index()),
-            DeviceFault::PanicInNextStep => self.panic_in_step = true,
-            DeviceFault::Misdirect(m) => self.misdirect = Some(m),
-            DeviceFault::NoMisdirect => self.misdirect = None,
-        }
     }
 }

@@ -14,12 +14,14 @@ use super::backend::{
 };
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
-    Devices, FinishedReport, GetStats, InjectRoomFailures, Pause, PendingStep, Step, StepReport,
-    Submit, TakeEvents, Watch,
+    Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
+    Watch,
 };
-use super::device::{CacheDigest, DeviceActor, DeviceArgs, DeviceFault, InjectFault};
+use super::device::{CacheDigest, DeviceActor, DeviceArgs};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
+#[cfg(feature = "fault-injection")]
+use super::faults::{DeviceFault, InjectFault};
 use super::kv_source::{KvSource, SyntheticKv};
 use super::shared::{LiveCounters, RuntimeShared};
 use super::stats::RuntimeStats;
@@ -515,6 +517,26 @@ impl KvCacheHandle {
         Ok(out)
     }
 
+    /// Stops every actor. Pending requests are dropped.
+    pub async fn shutdown(self) {
+        let devices = self.coordinator.ask(Devices).await.unwrap_or_default();
+        let _ = self.coordinator.stop_gracefully().await;
+        self.coordinator.wait_for_shutdown().await;
+        if let Some(d) = &self.draft {
+            let _ = d.stop_gracefully().await;
+            d.wait_for_shutdown().await;
+        }
+        for d in devices.into_iter().flatten() {
+            let _ = d.stop_gracefully().await;
+            d.wait_for_shutdown().await;
+        }
+    }
+}
+
+/// The fault drills (feature `fault-injection`): reliability tests inject device faults,
+/// GPU-room refusals and device deaths through these.
+#[cfg(feature = "fault-injection")]
+impl KvCacheHandle {
     /// Injects a fault into device `index` (reliability tests and drills).
     pub async fn inject_fault(&self, index: usize, fault: DeviceFault) -> Result<(), RuntimeError> {
         let dev = self.device(index).await?;
@@ -529,7 +551,7 @@ impl KvCacheHandle {
     pub async fn inject_room_failures(&self, seed: u64, percent: u8) -> Result<u64, RuntimeError> {
         Ok(self
             .coordinator
-            .ask(InjectRoomFailures { seed, percent })
+            .ask(super::coordinator::InjectRoomFailures { seed, percent })
             .await?)
     }
 
@@ -551,20 +573,5 @@ impl KvCacheHandle {
                 index,
                 devices: self.info.devices,
             })
-    }
-
-    /// Stops every actor. Pending requests are dropped.
-    pub async fn shutdown(self) {
-        let devices = self.coordinator.ask(Devices).await.unwrap_or_default();
-        let _ = self.coordinator.stop_gracefully().await;
-        self.coordinator.wait_for_shutdown().await;
-        if let Some(d) = &self.draft {
-            let _ = d.stop_gracefully().await;
-            d.wait_for_shutdown().await;
-        }
-        for d in devices.into_iter().flatten() {
-            let _ = d.stop_gracefully().await;
-            d.wait_for_shutdown().await;
-        }
     }
 }

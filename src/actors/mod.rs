@@ -8,6 +8,7 @@ mod coordinator;
 mod device;
 mod draft;
 mod error;
+mod faults;
 mod handle;
 mod kv_source;
 mod shared;
@@ -18,9 +19,10 @@ pub use backend::{
     VerifiedLayers, VerifyLayers, VerifySpec,
 };
 pub use coordinator::{CacheCounts, CommitReport, FinishedReport, ScheduledRequest, StepReport};
-pub use device::{DeviceFault, Misdirect};
 pub use draft::DraftReport;
 pub use error::RuntimeError;
+#[cfg(feature = "fault-injection")]
+pub use faults::{DeviceFault, Misdirect};
 pub use handle::{BackendFactory, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use kv_source::{KvPosition, KvSource, SyntheticKv};
 pub use shared::{LiveCounters, RuntimeShared};
