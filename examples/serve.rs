@@ -40,7 +40,6 @@ use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, VerifyLayers};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
-use dsa_kv::cuda::CudaDevice;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use serde_json::json;
@@ -252,7 +251,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         .verify_layers(a.verify.clone());
     if a.cuda {
         let gpus = a.gpus.clone().unwrap_or_else(|| (0..a.devices).collect());
-        builder = builder.backend(CudaDevice::factory(gpus));
+        builder = builder.backend(common::cuda_backend(gpus)?);
     }
     let kv = builder.start().await?;
     #[cfg(feature = "fault-injection")]

@@ -24,7 +24,6 @@ use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
-use dsa_kv::cuda::CudaDevice;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use serde_json::json;
@@ -125,7 +124,7 @@ async fn run(
     c.parallel.tp_size = ranks as u32;
     let mut b = KvCacheBuilder::new().config(c).host_devices(ranks);
     if a.cuda {
-        b = b.backend(CudaDevice::factory(a.gpus.clone()));
+        b = b.backend(common::cuda_backend(a.gpus.clone())?);
     }
     let kv = b.start().await?;
     let info = kv.info().clone();

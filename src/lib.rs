@@ -42,6 +42,7 @@
 pub mod actors;
 pub mod config;
 pub mod core;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ids;
 pub mod layout;

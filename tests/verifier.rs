@@ -246,6 +246,7 @@ async fn a_prefix_blind_source_misses_same_token_pages() {
     assert_eq!(caught[&Mutation::OtherTenant], (0, 2));
 }
 
+#[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA device"]
 async fn every_misdirected_block_is_caught_on_the_gpu() {
@@ -307,6 +308,7 @@ async fn an_out_of_range_write_fails_the_step() {
 }
 
 /// The CUDA backend refuses the same write with the same error (it used to skip it).
+#[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA device"]
 async fn an_out_of_range_write_fails_the_step_on_the_gpu_like_on_the_host() {

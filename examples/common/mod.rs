@@ -10,3 +10,15 @@ pub fn quiet_on_closed_stdout() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
+
+/// The CUDA backend on GPUs `gpus`, or why this build has none.
+#[allow(dead_code)] // Not every example offers a CUDA backend.
+pub fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::actors::BackendFactory, String> {
+    #[cfg(feature = "cuda")]
+    return Ok(dsa_kv::cuda::CudaDevice::factory(gpus));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = gpus;
+        Err("this build has no CUDA backend: build with the `cuda` feature (on by default)".into())
+    }
+}

@@ -62,6 +62,7 @@ pub enum DeviceError {
         source: OpError,
     },
     /// The GPU failed.
+    #[cfg(feature = "cuda")]
     #[error("device {device}: {source}")]
     Cuda {
         /// Device index.

@@ -3,7 +3,7 @@
 //!
 //! * [`HostStorage`]: pools in host memory for both tiers (the embedded default, CI,
 //!   laptops); copy plans run synchronously with the host reference ops.
-//! * [`crate::cuda::CudaStorage`]: VMM pools on the GPU and a pinned host tier; copy
+//! * `cuda::CudaStorage` (feature `cuda`): VMM pools on the GPU and a pinned host tier; copy
 //!   plans run as batched-copy kernels on the copy stream.
 
 mod host;
@@ -47,6 +47,7 @@ pub enum StorageError {
         /// Slots in the pool.
         slots: u32,
     },
+    #[cfg(feature = "cuda")]
     /// The GPU failed a storage operation.
     #[error("{0}")]
     Cuda(#[from] crate::cuda::CudaError),
