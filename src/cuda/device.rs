@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use half::bf16;
 
+use super::guard::{guard_error, GuardMaps, GuardedOp};
 use super::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
 use crate::actors::backend::{
@@ -25,7 +26,6 @@ use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};
 use crate::ops::mla::RowView;
-use crate::ops::OpError;
 use crate::storage::HostStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
@@ -54,20 +54,6 @@ struct Scratch {
     fail: Option<DeviceBuffer>,
 }
 
-/// One guarded write of a step, by its op number: what the host reference would have
-/// named had its bounds check failed there.
-#[derive(Clone, Copy)]
-enum GuardedOp {
-    /// An indexer scatter into a layer view of `cache_len` bytes.
-    Indexer { cache_len: u64, width: u64 },
-    /// An MLA scatter through a row view (and an NVFP4 block-scale view).
-    Mla {
-        view: RowView,
-        cache_len: u64,
-        scales: Option<(RowView, u64)>,
-    },
-}
-
 /// A device actor's backend on one GPU. See the module docs.
 pub struct CudaDevice {
     core: StepCore,
@@ -89,6 +75,17 @@ impl CudaDevice {
             device: index,
             source,
         };
+        let elems = setup.model.mla_row_elems();
+        if elems != 576 {
+            return Err(cuda(CudaError::Invalid {
+                device: ordinal,
+                what: format!(
+                    "the CUDA kernels write 576-element MLA rows (kv_lora_rank 512 + \
+                     qk_rope_head_dim 64, as every DSA preset); this model's rows have {elems}: \
+                     use the host backend"
+                ),
+            }));
+        }
         let gpu = Gpu::open(ordinal).map_err(cuda)?;
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
         let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
@@ -192,47 +189,20 @@ impl CudaDevice {
             return Ok(n);
         };
         let meta = &core.meta;
-        let op = *ops.get(f.op as usize).ok_or_else(|| {
+        let maps = GuardMaps {
+            value: meta.slot_mapping_value(),
+            scale: meta.slot_mapping_scale(),
+            rows: meta.mla_slot_mapping(),
+        };
+        let source = guard_error(&ops, f, maps).map_err(|what| {
             cuda(CudaError::Invalid {
                 device: gpu.ordinal(),
-                what: format!("fail flag names op {} of {}", f.op, ops.len()),
+                what,
             })
         })?;
-        let (offset, bytes, cache_len) = match (op, f.which) {
-            (GuardedOp::Indexer { cache_len, width }, 0) => {
-                (meta.slot_mapping_value()[f.token], width, cache_len)
-            }
-            (GuardedOp::Indexer { cache_len, .. }, _) => {
-                (meta.slot_mapping_scale()[f.token], 4, cache_len)
-            }
-            (
-                GuardedOp::Mla {
-                    view, cache_len, ..
-                },
-                0,
-            ) => {
-                let off = view.offset(meta.mla_slot_mapping()[f.token]);
-                (off as i64, u64::from(view.row_bytes), cache_len)
-            }
-            (GuardedOp::Mla { scales, .. }, _) => {
-                let (view, len) = scales.ok_or_else(|| {
-                    cuda(CudaError::Invalid {
-                        device: gpu.ordinal(),
-                        what: "fail flag names the scale view of a row op without one".into(),
-                    })
-                })?;
-                let off = view.offset(meta.mla_slot_mapping()[f.token]);
-                (off as i64, u64::from(view.row_bytes), len)
-            }
-        };
         Err(DeviceError::Op {
             device: dev,
-            source: OpError::OutOfBounds {
-                token: f.token,
-                offset,
-                end: offset + bytes as i64,
-                cache_len: cache_len as usize,
-            },
+            source,
         })
     }
 
@@ -362,19 +332,26 @@ impl CudaDevice {
                         }
                     };
                     // SAFETY: `input` holds n rows; the views are this cache's pools.
-                    let rows = |v: &DevRows, row_bytes: u32| RowView {
-                        base: v.base,
-                        block_stride: v.block_stride,
-                        tokens_per_block: v.tokens_per_block,
-                        row_bytes,
+                    // The host reference's views, from the layout: the guard checks
+                    // and the error names exactly what the host would.
+                    let rows = |pl: &crate::layout::BufferPlacement| {
+                        RowView::of(
+                            pl,
+                            cache.host.slot_bytes[pl.pool_group.index()][pl.pool.index()],
+                        )
                     };
                     let main = view(p);
+                    let data_view = rows(p);
+                    debug_assert_eq!(data_view.row_bytes, enc.row_bytes(), "kernel row size");
                     let g = guard(GuardedOp::Mla {
-                        view: rows(&main, enc.row_bytes()),
+                        view: data_view,
                         cache_len: main.pool_len,
                         scales: match enc {
                             MlaEncoding::Nvfp4 { scales } => {
-                                Some((rows(&scales, 36), scales.pool_len))
+                                let sp = plan_ref
+                                    .placement(p.layer, Role::KeyBlockScale)
+                                    .expect("invariant: the encoding was built from it");
+                                Some((rows(sp), scales.pool_len))
                             }
                             _ => None,
                         },

@@ -24,6 +24,7 @@
 
 mod buffers;
 mod device;
+mod guard;
 pub mod kernels;
 mod storage;
 mod vmm;
