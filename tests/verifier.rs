@@ -1,9 +1,9 @@
 //! The verifier can fail. A deliberately wrong page-table entry on the device
 //! (`DeviceFault::Misdirect`) makes one request read one of its blocks from another
-//! page: any wrong slot, a page holding the same tokens after another prefix, or a page
-//! holding the same tokens in another tenant's scope. Every such request must finish
-//! with mismatches at exactly the misdirected block's positions, on every layer, and a
-//! request without the fault with none.
+//! page: any wrong slot, a page holding the same tokens after another prefix, a page
+//! holding the same tokens in another tenant's scope, or a slot past the pool. Every
+//! such request must finish with mismatches at exactly the misdirected block's
+//! positions, on every layer, and a request without the fault with none.
 //!
 //! The same drill with a prefix-blind source (KV from token and position only, as the
 //! synthetic source was before) shows what the prefix dependence buys: there the
@@ -128,7 +128,17 @@ enum Mutation {
     OtherPrefix,
     /// The same tokens and prefix, in another tenant's scope.
     OtherTenant,
+    /// A slot past the pool for an early block (read back only: the block is not written
+    /// again).
+    PastThePool,
 }
+
+const MUTATIONS: [Mutation; 4] = [
+    Mutation::WrongSlot,
+    Mutation::OtherPrefix,
+    Mutation::OtherTenant,
+    Mutation::PastThePool,
+];
 
 /// Result of one drill: per mutation, how many rounds were caught (mismatches at exactly
 /// the misdirected block) out of how many.
@@ -161,12 +171,7 @@ async fn drill(
     let mut caught: HashMap<Mutation, (u64, u64)> = HashMap::new();
     let mut id = 10;
     for round in 0..rounds {
-        for mutation in [
-            None,
-            Some(Mutation::WrongSlot),
-            Some(Mutation::OtherPrefix),
-            Some(Mutation::OtherTenant),
-        ] {
+        for mutation in std::iter::once(None).chain(MUTATIONS.map(Some)) {
             id += 1;
             // A fresh tail each round, so A's tail blocks are its own.
             let tail = toks(2000 + 100 * id as u32, 5 + (rng.next_u64() % 50) as usize);
@@ -184,6 +189,10 @@ async fn drill(
                     let b = (rng.next_u64() % 2) as usize;
                     (b, c_slots[b])
                 }
+                Some(Mutation::PastThePool) => (
+                    (rng.next_u64() % 2) as usize,
+                    kv.info().budget.slots as i32 + 3,
+                ),
             };
             let m = Misdirect {
                 request: RequestId(id),
@@ -227,11 +236,7 @@ async fn drill(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_misdirected_block_is_caught() {
     let caught = drill(Arc::new(SyntheticKv { seed: 11 }), None, 4).await;
-    for kind in [
-        Mutation::WrongSlot,
-        Mutation::OtherPrefix,
-        Mutation::OtherTenant,
-    ] {
+    for kind in MUTATIONS {
         assert_eq!(caught[&kind], (4, 4), "{kind:?}");
     }
 }
@@ -244,6 +249,7 @@ async fn a_prefix_blind_source_misses_same_token_pages() {
     assert_eq!(caught[&Mutation::WrongSlot], (2, 2));
     assert_eq!(caught[&Mutation::OtherPrefix], (0, 2));
     assert_eq!(caught[&Mutation::OtherTenant], (0, 2));
+    assert_eq!(caught[&Mutation::PastThePool], (2, 2));
 }
 
 #[cfg(feature = "cuda")]
@@ -256,11 +262,7 @@ async fn every_misdirected_block_is_caught_on_the_gpu() {
         4,
     )
     .await;
-    for kind in [
-        Mutation::WrongSlot,
-        Mutation::OtherPrefix,
-        Mutation::OtherTenant,
-    ] {
+    for kind in MUTATIONS {
         assert_eq!(caught[&kind], (4, 4), "{kind:?}");
     }
 }
@@ -314,5 +316,66 @@ async fn an_out_of_range_write_fails_the_step() {
 async fn an_out_of_range_write_fails_the_step_on_the_gpu_like_on_the_host() {
     let host = out_of_range_write(None).await;
     let gpu = out_of_range_write(Some(dsa_kv::cuda::CudaDevice::factory(vec![0]))).await;
+    assert_eq!(gpu, host);
+}
+
+/// Verification through a block table with no page (−1) and a slot past the pool:
+/// every position of both blocks mismatches on every layer and buffer, and nothing
+/// panics (`DeviceBackend::verify` is public). Returns the mismatch count.
+fn verify_missing_and_foreign_pages(
+    make: impl FnOnce(dsa_kv::actors::DeviceSetup) -> Box<dyn dsa_kv::actors::DeviceBackend>,
+) -> (u64, usize) {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(LAYERS);
+    let r = c.resolve().unwrap();
+    let plan =
+        dsa_kv::layout::PoolPlan::for_model(&r.model, r.target_layers, r.layout, T as u32).unwrap();
+    let dims = dsa_kv::metadata::MetadataDims {
+        max_num_sequences: 4,
+        max_blocks_per_seq: 8,
+        max_num_tokens: 256,
+        max_context_kv_tokens: 512,
+    };
+    let setup = dsa_kv::actors::DeviceSetup {
+        model: r.model.clone(),
+        target_plan: plan,
+        target_slots: (vec![4], vec![]),
+        draft_plan: None,
+        dims: (dims, None),
+        source: Arc::new(SyntheticKv { seed: 1 }),
+        verify: VerifyLayers::All,
+        fp8_tensor_scale: 1.0,
+    };
+    let mut dev = make(setup);
+    let spec = dsa_kv::actors::VerifySpec {
+        id: RequestId(1),
+        tokens: toks(0, 2 * T),
+        scope: ReuseScope::SHARED,
+        block_slots: vec![-1, 1000],
+        draft_block_slots: None,
+    };
+    let (n, mismatches) = dev.verify(&[spec]).unwrap();
+    (n, mismatches.len())
+}
+
+#[test]
+fn missing_and_foreign_pages_mismatch_without_a_panic() {
+    let got = verify_missing_and_foreign_pages(|s| {
+        Box::new(dsa_kv::actors::HostDevice::new(0, s).unwrap())
+    });
+    // 128 positions × 3 layers read; each mismatches in its MLA row and indexer key.
+    assert_eq!(got, (128 * 3, 128 * 3 * 2));
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn missing_and_foreign_pages_mismatch_on_the_gpu_like_on_the_host() {
+    let host = verify_missing_and_foreign_pages(|s| {
+        Box::new(dsa_kv::actors::HostDevice::new(0, s).unwrap())
+    });
+    let gpu = verify_missing_and_foreign_pages(|s| {
+        Box::new(dsa_kv::cuda::CudaDevice::new(0, 0, s).unwrap())
+    });
     assert_eq!(gpu, host);
 }

@@ -595,14 +595,23 @@ impl StepCore {
         for &layer in &layers {
             for &at in &positions {
                 let pos = at.pos;
-                let Some(&slot) = slots.get((pos / t) as usize) else {
-                    out.push(Mismatch {
-                        id,
-                        position: pos,
-                        layer,
-                        role: Role::Key,
-                    });
-                    continue;
+                // No page for this position (a short or −1 table entry): every buffer
+                // of the layer mismatches, as a page past the pool does below.
+                let slot = match slots.get((pos / t) as usize) {
+                    Some(&slot) if slot >= 0 => slot,
+                    _ => {
+                        for role in [Role::IndexKey, Role::Key] {
+                            if cache.plan.placement(layer, role).is_ok() {
+                                out.push(Mismatch {
+                                    id,
+                                    position: pos,
+                                    layer,
+                                    role,
+                                });
+                            }
+                        }
+                        continue;
+                    }
                 };
                 if let (Ok(p), Some(ix)) = (
                     cache.plan.placement(layer, Role::IndexKey),

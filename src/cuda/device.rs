@@ -384,10 +384,16 @@ fn refresh(
             .map_err(|source| DeviceError::Storage { device, source })?;
         cache.mirror_slots = grow;
     }
+    // Every pool group has the same slot count. A slot outside the pool is not read
+    // back: the mirror table gets −1 there, which verification reports as a mismatch,
+    // as the host backend does for the same slot.
+    let pool_slots =
+        cache.dev.pool_len(Tier::Gpu, PoolGroupId(0), 0) / cache.host.slot_bytes[0][0].max(1);
+    let in_pool = |s: i32| s >= 0 && (s as u64) < pool_slots;
     let pairs: Vec<(SlotId, SlotId)> = blocks
         .iter()
         .enumerate()
-        .filter(|(_, &s)| s >= 0)
+        .filter(|(_, &s)| in_pool(s))
         .map(|(j, &s)| (SlotId(s as u32), SlotId(j as u32)))
         .collect();
     for g in 0..cache.host.plan.pool_groups().len() {
@@ -399,7 +405,7 @@ fn refresh(
     Ok(blocks
         .iter()
         .enumerate()
-        .map(|(j, &s)| if s >= 0 { j as i32 } else { -1 })
+        .map(|(j, &s)| if in_pool(s) { j as i32 } else { -1 })
         .collect())
 }
 
