@@ -444,9 +444,11 @@ async fn injected_room_failures_through_the_runtime_lose_nothing() {
             let mut checks = 0u64;
             loop {
                 let done = stop.load(Ordering::Relaxed);
-                let (events, snapshot) = kv.take_events_with_snapshot().await.unwrap();
-                mirror.apply(&events);
-                let truth: Vec<_> = snapshot
+                let snap = kv.take_events_with_snapshot().await.unwrap();
+                assert_eq!(snap.lost, 0, "events were dropped untaken");
+                mirror.apply(&snap.events);
+                let truth: Vec<_> = snap
+                    .blocks
                     .iter()
                     .map(|p| (p.key, p.life_cycle, p.tier))
                     .collect();

@@ -493,3 +493,42 @@ async fn start_validates_the_configuration() {
     ));
     kv.shutdown().await;
 }
+
+/// A consumer that falls behind learns it: with room for 3 untaken events, the events
+/// of 3 requests overflow, `lost` says how many were dropped, `stats` counts them, and
+/// the snapshot is the truth the consumer resynchronizes to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn events_dropped_untaken_are_counted_and_the_snapshot_resyncs() {
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .event_capacity(3)
+        .start()
+        .await
+        .unwrap();
+    for id in 1..=3u64 {
+        kv.submit(SubmitRequest {
+            id: RequestId(id),
+            scope: ReuseScope::SHARED,
+            prompt: prompt(id, 200),
+            max_new_tokens: 1,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+    }
+    run_until_finished(&kv, 3).await;
+    let snap = kv.take_events_with_snapshot().await.unwrap();
+    let counts = kv.stats().await.unwrap().events;
+    let emitted = counts.stored + counts.removed + counts.tier_updated + counts.cleared;
+    assert!(emitted > 3, "the workload emitted only {emitted} events");
+    assert_eq!(snap.events.len(), 3, "the newest 3 are kept");
+    assert_eq!(snap.lost, emitted - 3);
+    assert_eq!(counts.lost, emitted - 3);
+    // No host tier, nothing removed: the tree holds every stored block.
+    assert_eq!(snap.blocks.len() as u64, counts.stored - counts.removed);
+    // Taken: nothing is pending or lost any more.
+    let again = kv.take_events_with_snapshot().await.unwrap();
+    assert_eq!((again.events.len(), again.lost), (0, 0));
+    assert_eq!(again.blocks, snap.blocks);
+    kv.shutdown().await;
+}

@@ -93,7 +93,8 @@ pub struct CommitReport {
 type Waiter = oneshot::Sender<Result<FinishedReport, RuntimeError>>;
 
 const DONE_CAPACITY: usize = 100_000;
-const EVENT_CAPACITY: usize = 1 << 16;
+/// Default number of untaken KV events the coordinator keeps.
+pub const EVENT_CAPACITY: usize = 1 << 16;
 
 /// The coordinator. See the module docs.
 pub struct Coordinator {
@@ -105,6 +106,9 @@ pub struct Coordinator {
     done_order: VecDeque<RequestId>,
     events: VecDeque<KvEvent>,
     event_counts: EventCounts,
+    /// Events dropped from the full buffer since the last take.
+    events_lost_since_take: u64,
+    event_capacity: usize,
     rolling: Rolling,
     last_mgr: ManagerStats,
     stats: RuntimeStats,
@@ -126,6 +130,8 @@ pub struct CoordinatorArgs {
     pub draft: Option<ActorRef<DraftReplayActor>>,
     /// State shared with the devices and handles.
     pub shared: Arc<RuntimeShared>,
+    /// Untaken KV events kept (older ones are dropped and counted).
+    pub event_capacity: usize,
 }
 
 impl Actor for Coordinator {
@@ -149,6 +155,8 @@ impl Actor for Coordinator {
             done_order: VecDeque::new(),
             events: VecDeque::new(),
             event_counts: EventCounts::default(),
+            events_lost_since_take: 0,
+            event_capacity: args.event_capacity.max(1),
             rolling: Rolling::default(),
             last_mgr: ManagerStats::default(),
             stats,
@@ -266,8 +274,10 @@ impl Coordinator {
                 KvEvent::TierUpdated { .. } => self.event_counts.tier_updated += 1,
                 KvEvent::AllBlocksCleared => self.event_counts.cleared += 1,
             }
-            if self.events.len() == EVENT_CAPACITY {
+            if self.events.len() >= self.event_capacity {
                 self.events.pop_front();
+                self.event_counts.lost += 1;
+                self.events_lost_since_take += 1;
             }
             self.events.push_back(e);
         }
@@ -692,6 +702,7 @@ impl Message<TakeEvents> for Coordinator {
 
     async fn handle(&mut self, _: TakeEvents, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.drain_events();
+        self.events_lost_since_take = 0;
         self.events.drain(..).collect()
     }
 }
@@ -700,8 +711,23 @@ impl Message<TakeEvents> for Coordinator {
 /// one message (nothing runs in between).
 pub struct TakeEventsWithSnapshot;
 
+/// What [`KvCacheHandle::take_events_with_snapshot`](super::KvCacheHandle::take_events_with_snapshot)
+/// returns.
+#[derive(Clone, Debug, PartialEq, Serialize, kameo::Reply)]
+pub struct EventSnapshot {
+    /// The events not taken yet, oldest first.
+    pub events: Vec<KvEvent>,
+    /// Events dropped untaken since the last take (the buffer keeps the newest
+    /// [`KvCacheBuilder::event_capacity`](super::KvCacheBuilder::event_capacity), 65,536 by default):
+    /// when non-zero, `events` does not lead from the consumer's view to `blocks`, and
+    /// the consumer must replace its view with `blocks`.
+    pub lost: u64,
+    /// Every page of every block of the target cache's reuse tree, after `events`.
+    pub blocks: Vec<crate::core::CachedPage>,
+}
+
 impl Message<TakeEventsWithSnapshot> for Coordinator {
-    type Reply = (Vec<KvEvent>, Vec<crate::core::CachedPage>);
+    type Reply = EventSnapshot;
 
     async fn handle(
         &mut self,
@@ -709,10 +735,11 @@ impl Message<TakeEventsWithSnapshot> for Coordinator {
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
         self.drain_events();
-        (
-            self.events.drain(..).collect(),
-            self.sched.target().cached_blocks(),
-        )
+        EventSnapshot {
+            events: self.events.drain(..).collect(),
+            lost: std::mem::take(&mut self.events_lost_since_take),
+            blocks: self.sched.target().cached_blocks(),
+        }
     }
 }
 

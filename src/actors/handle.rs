@@ -81,6 +81,7 @@ pub struct KvCacheBuilder {
     verify: VerifyLayers,
     device_mailbox: usize,
     coordinator_mailbox: usize,
+    event_capacity: usize,
     fp8_tensor_scale: f32,
 }
 
@@ -130,6 +131,7 @@ impl KvCacheBuilder {
             verify: VerifyLayers::Sample,
             device_mailbox: 4,
             coordinator_mailbox: 64,
+            event_capacity: super::coordinator::EVENT_CAPACITY,
             fp8_tensor_scale: 1.0 / 32.0,
         }
     }
@@ -174,6 +176,13 @@ impl KvCacheBuilder {
     /// Mailbox capacity of each device actor, in steps (backpressure).
     pub fn device_mailbox(mut self, n: usize) -> Self {
         self.device_mailbox = n.max(1);
+        self
+    }
+
+    /// Untaken KV events the runtime keeps (default 65,536); older ones are dropped and
+    /// counted (`stats().events.lost`, `EventSnapshot::lost`).
+    pub fn event_capacity(mut self, n: usize) -> Self {
+        self.event_capacity = n.max(1);
         self
     }
 
@@ -311,6 +320,7 @@ impl KvCacheBuilder {
                 devices: refs,
                 draft: draft_actor.clone(),
                 shared: shared.clone(),
+                event_capacity: self.event_capacity,
             },
             mailbox::bounded(self.coordinator_mailbox),
         );
@@ -454,19 +464,22 @@ impl KvCacheHandle {
     }
 
     /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
-    /// clears).
+    /// clears), oldest first. The runtime keeps the newest
+    /// [`event_capacity`](KvCacheBuilder::event_capacity); older ones are dropped
+    /// and counted in `stats().events.lost` (a consumer that falls behind resynchronizes
+    /// with [`take_events_with_snapshot`](Self::take_events_with_snapshot)).
     pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
         Ok(self.coordinator.ask(TakeEvents).await?)
     }
 
     /// The KV events not taken yet, and a snapshot of the target cache's reuse tree that
     /// they lead to (every block's page per life cycle, with its tier), read atomically:
-    /// a consumer that replays every event it took in order holds exactly the snapshot.
-    /// For a router resynchronizing its view, and for checking an event consumer. The
-    /// snapshot walks the whole tree: not for every step.
-    pub async fn take_events_with_snapshot(
-        &self,
-    ) -> Result<(Vec<KvEvent>, Vec<crate::core::CachedPage>), RuntimeError> {
+    /// a consumer that replays every event it took in order holds exactly the snapshot,
+    /// unless events were dropped untaken (`lost > 0`: the runtime keeps the newest
+    /// [`event_capacity`](KvCacheBuilder::event_capacity)), in which case it replaces its view with the snapshot. For a router
+    /// resynchronizing its view, and for checking an event consumer. The snapshot walks
+    /// the whole tree: not for every step.
+    pub async fn take_events_with_snapshot(&self) -> Result<super::EventSnapshot, RuntimeError> {
         Ok(self
             .coordinator
             .ask(super::coordinator::TakeEventsWithSnapshot)

@@ -18,7 +18,9 @@ pub use backend::{
     DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice, Mismatch,
     VerifiedLayers, VerifyLayers, VerifySpec,
 };
-pub use coordinator::{CacheCounts, CommitReport, FinishedReport, ScheduledRequest, StepReport};
+pub use coordinator::{
+    CacheCounts, CommitReport, EventSnapshot, FinishedReport, ScheduledRequest, StepReport,
+};
 pub use draft::DraftReport;
 pub use error::RuntimeError;
 #[cfg(feature = "fault-injection")]

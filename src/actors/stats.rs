@@ -47,6 +47,9 @@ pub struct EventCounts {
     pub tier_updated: u64,
     /// Whole-cache clears (`reset_prefix_cache`).
     pub cleared: u64,
+    /// Events dropped untaken: the runtime keeps the newest `event_capacity` (a
+    /// consumer that falls behind resynchronizes with `take_events_with_snapshot`).
+    pub lost: u64,
 }
 
 /// A snapshot of the runtime's statistics.
