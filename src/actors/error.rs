@@ -87,7 +87,8 @@ pub enum RuntimeError {
         /// The most slot ids address.
         max: u64,
     },
-    /// A cache's pools do not fit in what is left of `max_gpu_total_bytes`.
+    /// A cache's pools do not fit in what is left of `max_gpu_total_bytes`. (`start`
+    /// sizes both caches inside the budget, so its reservations are a cross-check.)
     #[error(transparent)]
     Reservation(#[from] crate::sync::QuotaError),
     /// An actor failed while starting.

@@ -11,6 +11,7 @@ use crate::ids::{LifeCycleId, Tier};
 /// A change to the reusable contents of the cache.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum KvEvent {
     /// A block became reusable.
     Stored {
