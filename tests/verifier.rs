@@ -9,7 +9,7 @@
 //! synthetic source was before) shows what the prefix dependence buys: there the
 //! same-token pages of another prefix or tenant pass.
 //!
-//! The GPU variant (`#[ignore]`d without a device) runs the drill on the CUDA backend.
+//! The GPU variants (ignored without a device) run the drills on the CUDA backend.
 mod common;
 
 use common::engine::outcomes;
