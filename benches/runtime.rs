@@ -8,15 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use dsa_kv::actors::{
-    DeviceBackend, DeviceError, DeviceStepReport, KvCacheBuilder, KvCacheHandle, Mismatch,
-    VerifySpec,
-};
+use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle};
 use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
 use dsa_kv::core::scheduler::{
     PlannedKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
 };
 use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, TierSlots};
+use dsa_kv::device::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::{LayoutKind, PoolPlan};
 use dsa_kv::metadata::{DraftSnapshot, MetadataError};

@@ -36,10 +36,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, VerifyLayers};
+use dsa_kv::actors::{KvCacheBuilder, RuntimeStats};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::VerifyLayers;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use serde_json::json;

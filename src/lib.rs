@@ -44,6 +44,7 @@ pub mod config;
 pub mod core;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod ids;
 pub mod layout;
 pub mod metadata;

@@ -3,9 +3,10 @@
 
 pub use crate::actors::{
     CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError, RuntimeInfo,
-    RuntimeStats, ScheduledRequest, StepReport, VerifyLayers,
+    RuntimeStats, ScheduledRequest, StepReport,
 };
 pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};
 pub use crate::core::ReuseScope;
+pub use crate::device::VerifyLayers;
 pub use crate::ids::{RequestId, TokenId};

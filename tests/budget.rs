@@ -10,14 +10,14 @@ use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use dsa_kv::actors::{
-    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, KvCacheBuilder, Mismatch,
-    RuntimeError, VerifySpec,
-};
+use dsa_kv::actors::{KvCacheBuilder, RuntimeError};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::quota::{BudgetSource, CapacityPlan, QuotaError};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::{
+    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
+};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::PoolPlan;
 use dsa_kv::metadata::DraftSnapshot;

@@ -9,13 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dsa_kv::actors::{
-    BackendFactory, DeviceError, DeviceFault, HostDevice, KvCacheBuilder, KvCacheHandle,
-    RuntimeError, StepReport,
-};
+use dsa_kv::actors::{DeviceFault, KvCacheBuilder, KvCacheHandle, RuntimeError, StepReport};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SchedError, SubmitRequest};
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::{BackendFactory, DeviceError, HostDevice};
 use dsa_kv::ids::{PoolGroupId, RequestId, Tier, TokenId};
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::storage::StorageError;

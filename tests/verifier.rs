@@ -19,12 +19,12 @@ use std::sync::Arc;
 use half::bf16;
 
 use dsa_kv::actors::{
-    BackendFactory, DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, KvPosition,
-    KvSource, Misdirect, ScheduledRequest, SyntheticKv, VerifyLayers,
+    DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, Misdirect, ScheduledRequest,
 };
 use dsa_kv::config::EngineConfig;
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::{BackendFactory, KvPosition, KvSource, SyntheticKv, VerifyLayers};
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 
@@ -323,7 +323,7 @@ async fn an_out_of_range_write_fails_the_step_on_the_gpu_like_on_the_host() {
 /// every position of both blocks mismatches on every layer and buffer, and nothing
 /// panics (`DeviceBackend::verify` is public). Returns the mismatch count.
 fn verify_missing_and_foreign_pages(
-    make: impl FnOnce(dsa_kv::actors::DeviceSetup) -> Box<dyn dsa_kv::actors::DeviceBackend>,
+    make: impl FnOnce(dsa_kv::device::DeviceSetup) -> Box<dyn dsa_kv::device::DeviceBackend>,
 ) -> (u64, usize) {
     let mut c = EngineConfig::default();
     c.model.num_layers = Some(LAYERS);
@@ -336,7 +336,7 @@ fn verify_missing_and_foreign_pages(
         max_num_tokens: 256,
         max_context_kv_tokens: 512,
     };
-    let setup = dsa_kv::actors::DeviceSetup {
+    let setup = dsa_kv::device::DeviceSetup {
         model: r.model.clone(),
         target_plan: plan,
         target_slots: (vec![4], vec![]),
@@ -347,7 +347,7 @@ fn verify_missing_and_foreign_pages(
         fp8_tensor_scale: 1.0,
     };
     let mut dev = make(setup);
-    let spec = dsa_kv::actors::VerifySpec {
+    let spec = dsa_kv::device::VerifySpec {
         id: RequestId(1),
         tokens: toks(0, 2 * T),
         scope: ReuseScope::SHARED,
@@ -361,7 +361,7 @@ fn verify_missing_and_foreign_pages(
 #[test]
 fn missing_and_foreign_pages_mismatch_without_a_panic() {
     let got = verify_missing_and_foreign_pages(|s| {
-        Box::new(dsa_kv::actors::HostDevice::new(0, s).unwrap())
+        Box::new(dsa_kv::device::HostDevice::new(0, s).unwrap())
     });
     // 128 positions × 3 layers read; each mismatches in its MLA row and indexer key.
     assert_eq!(got, (128 * 3, 128 * 3 * 2));
@@ -372,7 +372,7 @@ fn missing_and_foreign_pages_mismatch_without_a_panic() {
 #[ignore = "needs a CUDA device"]
 fn missing_and_foreign_pages_mismatch_on_the_gpu_like_on_the_host() {
     let host = verify_missing_and_foreign_pages(|s| {
-        Box::new(dsa_kv::actors::HostDevice::new(0, s).unwrap())
+        Box::new(dsa_kv::device::HostDevice::new(0, s).unwrap())
     });
     let gpu = verify_missing_and_foreign_pages(|s| {
         Box::new(dsa_kv::cuda::CudaDevice::new(0, 0, s).unwrap())

@@ -13,7 +13,7 @@ pub fn quiet_on_closed_stdout() {
 
 /// The CUDA backend on GPUs `gpus`, or why this build has none.
 #[allow(dead_code)] // Not every example offers a CUDA backend.
-pub fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::actors::BackendFactory, String> {
+pub fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::device::BackendFactory, String> {
     #[cfg(feature = "cuda")]
     return Ok(dsa_kv::cuda::CudaDevice::factory(gpus));
     #[cfg(not(feature = "cuda"))]

@@ -20,7 +20,6 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::backend::{DeviceStepReport, Mismatch, VerifySpec};
 use super::device::{DeviceActor, ExecuteStep, Verify};
 use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
 use super::error::RuntimeError;
@@ -30,6 +29,7 @@ use crate::core::scheduler::{
     Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
 };
 use crate::core::{KvEvent, ManagerStats};
+use crate::device::backend::{DeviceStepReport, Mismatch, VerifySpec};
 use crate::ids::{Fence, RequestId, Tier, TokenId};
 
 /// A finished request with the result of its final verification.

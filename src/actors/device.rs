@@ -9,10 +9,10 @@ use kameo::actor::ActorRef;
 use kameo::message::{Context, Message};
 use kameo::Actor;
 
-use super::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
 use super::faults::Faults;
 use super::shared::RuntimeShared;
 use crate::core::scheduler::StepPlan;
+use crate::device::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
 use crate::metadata::DraftSnapshot;
 
 /// Owns one device. See the module docs.

@@ -7,7 +7,7 @@ use crate::core::KvError;
 use crate::ids::RequestId;
 use crate::layout::LayoutError;
 
-use super::backend::DeviceError;
+use crate::device::backend::DeviceError;
 
 /// What a runtime call can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -4,7 +4,7 @@
 //! zero-sized [`Faults`] whose hooks do nothing, and the handle has no drill methods.
 
 #[cfg(not(feature = "fault-injection"))]
-use {super::backend::VerifySpec, crate::core::scheduler::StepPlan, std::sync::Arc};
+use {crate::core::scheduler::StepPlan, crate::device::VerifySpec, std::sync::Arc};
 
 #[cfg(feature = "fault-injection")]
 pub(crate) use enabled::InjectFault;
@@ -49,9 +49,9 @@ mod enabled {
     use kameo::message::{Context, Message};
 
     use super::Faults;
-    use crate::actors::backend::VerifySpec;
     use crate::actors::device::DeviceActor;
     use crate::core::scheduler::StepPlan;
+    use crate::device::VerifySpec;
     use crate::ids::RequestId;
 
     /// A fault to inject into a device actor.

@@ -9,9 +9,6 @@ use serde::Serialize;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 
-use super::backend::{
-    DeviceBackend, DeviceError, DeviceSetup, HostDevice, VerifiedLayers, VerifyLayers,
-};
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
     Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
@@ -22,20 +19,19 @@ use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 #[cfg(feature = "fault-injection")]
 use super::faults::{DeviceFault, InjectFault};
-use super::kv_source::{KvSource, SyntheticKv};
 use super::shared::{LiveCounters, RuntimeShared};
 use super::stats::RuntimeStats;
 use crate::config::{DsaModel, EngineConfig};
 use crate::core::quota::{CapacityPlan, GpuBudget};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
 use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
+use crate::device::{
+    BackendFactory, DeviceBackend, DeviceSetup, HostDevice, VerifiedLayers, VerifyLayers,
+};
+use crate::device::{KvSource, SyntheticKv};
 use crate::ids::{RequestId, TokenId};
 use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
-
-/// Builds one device backend: `(device index, setup)`.
-pub type BackendFactory =
-    Arc<dyn Fn(usize, DeviceSetup) -> Result<Box<dyn DeviceBackend>, DeviceError> + Send + Sync>;
 
 /// Builds and starts a runtime.
 ///

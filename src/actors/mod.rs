@@ -3,21 +3,15 @@
 //! actor per device (own thread) that owns pools and metadata and runs the ops, and a
 //! draft-replay actor for speculative decoding (kameo actors on tokio).
 
-pub(crate) mod backend;
 mod coordinator;
 mod device;
 mod draft;
 mod error;
 mod faults;
 mod handle;
-mod kv_source;
 mod shared;
 mod stats;
 
-pub use backend::{
-    DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice, Mismatch,
-    VerifiedLayers, VerifyLayers, VerifySpec,
-};
 pub use coordinator::{
     CacheCounts, CommitReport, EventSnapshot, FinishedReport, ScheduledRequest, StepReport,
 };
@@ -25,7 +19,6 @@ pub use draft::DraftReport;
 pub use error::RuntimeError;
 #[cfg(feature = "fault-injection")]
 pub use faults::{DeviceFault, Misdirect};
-pub use handle::{BackendFactory, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
-pub use kv_source::{KvPosition, KvSource, SyntheticKv};
+pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use shared::{LiveCounters, RuntimeShared};
 pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};

@@ -14,14 +14,14 @@ use half::bf16;
 use super::guard::{guard_error, GuardMaps, GuardedOp};
 use super::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
 use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::actors::backend::{
-    new_tokens, pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
-};
-use crate::actors::{
-    BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
-};
 use crate::config::{IndexerDtype, KvDtype};
 use crate::core::scheduler::StepPlan;
+use crate::device::backend::{
+    new_tokens, pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
+};
+use crate::device::{
+    BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
+};
 use crate::ids::{PoolGroupId, SlotId, Tier};
 use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};

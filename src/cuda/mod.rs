@@ -18,8 +18,8 @@
 //!   run as batched-copy kernels on the copy stream, ordered against the compute stream
 //!   with events.
 //!
-//! [`DeviceBackend`]: crate::actors::DeviceBackend
-//! [`HostDevice`]: crate::actors::HostDevice
+//! [`DeviceBackend`]: crate::device::DeviceBackend
+//! [`HostDevice`]: crate::device::HostDevice
 //! [`KvStorage`]: crate::storage::KvStorage
 
 mod buffers;
