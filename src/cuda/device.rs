@@ -67,9 +67,9 @@ impl CudaDevice {
     /// Opens GPU `ordinal` for device index `index` and allocates its pools (VMM), host
     /// tier (pinned) and metadata buffers.
     pub fn new(index: usize, ordinal: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
-        let cuda = |source| DeviceError::Cuda {
+        let cuda = |source: CudaError| DeviceError::Backend {
             device: index,
-            source,
+            source: source.into(),
         };
         let storage = |source| DeviceError::Storage {
             device: index,
@@ -110,14 +110,15 @@ impl CudaDevice {
     /// A [`BackendFactory`] that puts device index `i` on GPU `ordinals[i]`.
     pub fn factory(ordinals: Vec<usize>) -> BackendFactory {
         Arc::new(move |i, setup| {
-            let ordinal = *ordinals.get(i).ok_or_else(|| DeviceError::Cuda {
+            let ordinal = *ordinals.get(i).ok_or_else(|| DeviceError::Backend {
                 device: i,
                 source: CudaError::NoDevice {
                     reason: format!(
                         "device index {i} has no GPU: {} ordinal(s) were given",
                         ordinals.len()
                     ),
-                },
+                }
+                .into(),
             })?;
             Ok(Box::new(CudaDevice::new(i, ordinal, setup)?) as Box<dyn DeviceBackend>)
         })
@@ -134,9 +135,9 @@ impl CudaDevice {
     }
 
     fn cuda(&self, source: CudaError) -> DeviceError {
-        DeviceError::Cuda {
+        DeviceError::Backend {
             device: self.core.index,
-            source,
+            source: source.into(),
         }
     }
 
@@ -169,9 +170,9 @@ impl CudaDevice {
         plan: &StepPlan,
     ) -> Result<u64, DeviceError> {
         let dev = core.index;
-        let cuda = |source| DeviceError::Cuda {
+        let cuda = |source: CudaError| DeviceError::Backend {
             device: dev,
-            source,
+            source: source.into(),
         };
         DeviceBuffer::ensure(&mut scratch.fail, gpu, 8, "fail flag").map_err(cuda)?;
         let flag = scratch.fail.as_ref().expect("invariant: ensured");
@@ -400,7 +401,10 @@ fn refresh(
         cache
             .dev
             .read_slots_into(PoolGroupId(g as u16), &pairs, &mut cache.host.store)
-            .map_err(|source| DeviceError::Cuda { device, source })?;
+            .map_err(|source| DeviceError::Backend {
+                device,
+                source: source.into(),
+            })?;
     }
     Ok(blocks
         .iter()

@@ -106,6 +106,18 @@ pub enum CudaError {
     },
 }
 
+impl From<CudaError> for crate::storage::BackendError {
+    fn from(e: CudaError) -> Self {
+        crate::storage::BackendError::new(e)
+    }
+}
+
+impl From<CudaError> for crate::storage::StorageError {
+    fn from(e: CudaError) -> Self {
+        crate::storage::StorageError::Backend(e.into())
+    }
+}
+
 /// Whether the CUDA driver and NVRTC libraries can be loaded on this machine.
 pub fn driver_present() -> bool {
     // SAFETY: only probes whether the shared libraries can be opened.

@@ -26,7 +26,7 @@ use crate::ops::mla::{
 };
 use crate::ops::quant::{f32_to_e4m3, quantize_fp4_token, quantize_fp8_token, ScaleFormat};
 use crate::ops::OpError;
-use crate::storage::{HostStorage, KvStorage, StorageError};
+use crate::storage::{BackendError, HostStorage, KvStorage, StorageError};
 
 /// A device failure.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -59,15 +59,15 @@ pub enum DeviceError {
         #[source]
         source: OpError,
     },
-    /// The GPU failed.
-    #[cfg(feature = "cuda")]
+    /// The backend failed (for the CUDA backend a `cuda::CudaError`: see
+    /// [`BackendError::downcast_ref`]).
     #[error("device {device}: {source}")]
-    Cuda {
+    Backend {
         /// Device index.
         device: usize,
         /// The failure.
         #[source]
-        source: crate::cuda::CudaError,
+        source: BackendError,
     },
     /// A draft replay without a draft cache.
     #[error("device {device}: the step has draft slots but the device has no draft cache")]

@@ -3,7 +3,7 @@
 //! what verification checks ([`VerifySpec`], [`Mismatch`], [`VerifyLayers`]), where new
 //! tokens' KV comes from ([`KvSource`]), and [`HostDevice`]. The actors use this module;
 //! the CUDA backend (`crate::cuda`, feature `cuda`) implements it. Nothing here names
-//! CUDA except the error variant of that backend.
+//! CUDA: a backend's failures arrive as a [`BackendError`](crate::storage::BackendError).
 
 pub(crate) mod backend;
 mod host;

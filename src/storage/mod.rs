@@ -1,13 +1,16 @@
 //! Storage backends: where pool bytes live and how copy plans run. The core decides,
-//! storage executes; this module never looks at sequences or policy.
+//! storage executes; this module never looks at sequences or policy, and never names a
+//! backend (their failures travel as [`BackendError`]).
 //!
 //! * [`HostStorage`]: pools in host memory for both tiers (the embedded default, CI,
 //!   laptops); copy plans run synchronously with the host reference ops.
 //! * `cuda::CudaStorage` (feature `cuda`): VMM pools on the GPU and a pinned host tier; copy
 //!   plans run as batched-copy kernels on the copy stream.
 
+mod backend_error;
 mod host;
 
+pub use backend_error::BackendError;
 pub use host::HostStorage;
 
 use crate::ids::{PoolGroupId, SlotId, Tier};
@@ -47,10 +50,10 @@ pub enum StorageError {
         /// Slots in the pool.
         slots: u32,
     },
-    #[cfg(feature = "cuda")]
-    /// The GPU failed a storage operation.
+    /// The backend failed a storage operation (for the CUDA backend, a
+    /// `cuda::CudaError`: see [`BackendError::downcast_ref`]).
     #[error("{0}")]
-    Cuda(#[from] crate::cuda::CudaError),
+    Backend(BackendError),
     /// The slot counts do not match the plan.
     #[error("{tier} slot counts {got:?} do not match the plan's {groups} pool groups")]
     Geometry {
