@@ -1,19 +1,29 @@
 //! [`HostDevice`]: the device contract with the pools in host memory
-//! ([`HostStorage`]). The embedded default, and the reference the CUDA backend matches:
+//! ([`HostStorage`](crate::storage::HostStorage)). The embedded default, and the reference the CUDA backend matches:
 //! it runs the copy plans, builds the step metadata, writes every new token's KV through
 //! the host ops, replays drafts against the draft cache and verifies cached KV.
 
 use std::time::Instant;
 
+use half::bf16;
+
 use super::backend::{
-    digest_pools, pool_ids, run_copies, verify_all, Cache, DeviceBackend, DeviceError, DeviceSetup,
-    DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef, VerifySpec,
+    digest_pools, new_tokens, pool_ids, quantize_key, run_copies, verify_all, Cache, DeviceBackend,
+    DeviceError, DeviceSetup, DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef,
+    VerifySpec,
 };
+use super::kv_source::KvSource;
+use crate::config::{DsaModel, KvDtype};
 use crate::core::scheduler::StepPlan;
 use crate::ids::Tier;
-use crate::metadata::{DraftSnapshot, MetadataError};
-#[allow(unused_imports)] // Named in the module docs.
-use crate::storage::HostStorage;
+use crate::layout::{BufferPlacement, Role};
+use crate::metadata::{DraftSnapshot, MetadataError, StepMetadata};
+use crate::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
+use crate::ops::mla::{
+    mla_scatter_bf16, mla_scatter_fp8, mla_scatter_fp8_ds_mla, mla_scatter_nvfp4, RowView,
+};
+use crate::ops::quant::ScaleFormat;
+use crate::ops::OpError;
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
@@ -76,7 +86,7 @@ impl DeviceBackend for HostDevice {
             .meta
             .prepare(&self.target.layout, &reqs)
             .map_err(|e| self.core.meta_err(e))?;
-        let written = StepCore::write_tokens(
+        let written = write_tokens(
             &self.core.meta,
             &mut self.target,
             &self.core.model,
@@ -111,7 +121,7 @@ impl DeviceBackend for HostDevice {
                 source: MetadataError::NotInReplay,
             });
         }
-        StepCore::write_tokens(
+        write_tokens(
             &self.core.meta,
             draft,
             &self.core.model,
@@ -146,4 +156,103 @@ impl DeviceBackend for HostDevice {
             .collect();
         Ok(digest_pools(pools.into_iter()))
     }
+}
+
+/// Writes the KV of the plan's new tokens into `cache` through the bound metadata.
+fn write_tokens(
+    meta: &StepMetadata,
+    cache: &mut Cache,
+    model: &DsaModel,
+    source: &dyn KvSource,
+    fp8_scale: f32,
+    plan: &StepPlan,
+) -> Result<u64, OpError> {
+    let toks = new_tokens(plan);
+    let n = toks.len();
+    let vm = &meta.slot_mapping_value()[..n];
+    let sm = &meta.slot_mapping_scale()[..n];
+    let mla = &meta.mla_slot_mapping()[..n];
+    let spec = model.spec();
+    let placements: Vec<BufferPlacement> = cache.plan.placements().to_vec();
+    let mut key = vec![bf16::ZERO; spec.index_head_dim as usize];
+    let mut row = vec![bf16::ZERO; model.mla_row_elems() as usize];
+    for p in &placements {
+        match p.role {
+            Role::IndexKey => {
+                let width = model.indexer_data_bytes() as usize;
+                let mut vals = vec![0u8; n * width];
+                let mut scales = vec![0u8; n * 4];
+                for (i, &at) in toks.iter().enumerate() {
+                    source.indexer_key(at, p.layer, &mut key);
+                    quantize_key(
+                        spec.indexer_dtype,
+                        &key,
+                        &mut vals[i * width..(i + 1) * width],
+                        &mut scales[i * 4..i * 4 + 4],
+                    );
+                }
+                let pool = cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get());
+                let view = &mut pool[p.offset_in_slot as usize..];
+                indexer_k_scatter(
+                    view,
+                    &vals,
+                    &scales,
+                    IndexerMappings {
+                        value: vm,
+                        scale: sm,
+                    },
+                    width,
+                )?;
+            }
+            Role::Key => {
+                let mut rows = Vec::with_capacity(n * row.len());
+                for &at in &toks {
+                    source.mla_row(at, p.layer, &mut row);
+                    rows.extend_from_slice(&row);
+                }
+                let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
+                match spec.kv_dtype {
+                    KvDtype::Bf16 => mla_scatter_bf16(
+                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                        &rv,
+                        &rows,
+                        mla,
+                    )?,
+                    KvDtype::Fp8 => mla_scatter_fp8(
+                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                        &rv,
+                        &rows,
+                        mla,
+                        fp8_scale,
+                    )?,
+                    KvDtype::Fp8DsMla => mla_scatter_fp8_ds_mla(
+                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
+                        &rv,
+                        &rows,
+                        mla,
+                        ScaleFormat::Ue8m0,
+                    )?,
+                    KvDtype::Nvfp4 => {
+                        let sp = *cache
+                            .plan
+                            .placement(p.layer, Role::KeyBlockScale)
+                            .expect("invariant: NVFP4 layers have a block-scale buffer");
+                        let sv = RowView::of(
+                            &sp,
+                            cache.slot_bytes[sp.pool_group.index()][sp.pool.index()],
+                        );
+                        let (data, scales) = cache.store.two_pools_mut(
+                            Tier::Gpu,
+                            p.pool_group,
+                            p.pool.get(),
+                            sp.pool.get(),
+                        );
+                        mla_scatter_nvfp4(data, &rv, scales, &sv, &rows, mla)?;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(n as u64)
 }
