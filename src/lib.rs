@@ -53,6 +53,7 @@ pub mod prelude;
 pub mod rng;
 pub mod storage;
 pub mod sync;
+pub mod synthetic;
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.
 #[cfg(doctest)]

@@ -8,5 +8,9 @@ pub use crate::actors::{
 pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};
 pub use crate::core::ReuseScope;
-pub use crate::device::VerifyLayers;
+pub use crate::device::forward::{
+    Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, MemoryKind,
+    MetadataView, Phase,
+};
+pub use crate::device::Verification;
 pub use crate::ids::{RequestId, TokenId};

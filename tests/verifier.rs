@@ -24,7 +24,7 @@ use dsa_kv::actors::{
 use dsa_kv::config::EngineConfig;
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
-use dsa_kv::device::{BackendFactory, KvPosition, KvSource, SyntheticKv, VerifyLayers};
+use dsa_kv::device::{BackendFactory, KvPosition, KvSource, SyntheticKv, Verification};
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 
@@ -60,7 +60,7 @@ async fn start(source: Arc<dyn KvSource>, backend: Option<BackendFactory>) -> Kv
     let mut b = KvCacheBuilder::new()
         .config(c)
         .kv_source(source)
-        .verify_layers(VerifyLayers::All);
+        .verification(Verification::All);
     if let Some(f) = backend {
         b = b.backend(f);
     }
@@ -343,7 +343,8 @@ fn verify_missing_and_foreign_pages(
         draft_plan: None,
         dims: (dims, None),
         source: Arc::new(SyntheticKv { seed: 1 }),
-        verify: VerifyLayers::All,
+        verify: Verification::All,
+        forward: dsa_kv::synthetic::SyntheticWriter::factory(Arc::new(SyntheticKv { seed: 1 })),
         fp8_tensor_scale: 1.0,
     };
     let mut dev = make(setup);

@@ -161,6 +161,17 @@ impl Message<Verify> for DeviceActor {
     }
 }
 
+/// Wait for every step enqueued on the device.
+pub struct Synchronize;
+
+impl Message<Synchronize> for DeviceActor {
+    type Reply = Result<(), DeviceError>;
+
+    async fn handle(&mut self, _: Synchronize, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.backend.synchronize()
+    }
+}
+
 /// Digest of the device's cache contents.
 pub struct CacheDigest;
 

@@ -99,6 +99,15 @@ pub enum RuntimeError {
         /// Why.
         reason: String,
     },
+    /// Verification was asked for together with a framework forward.
+    #[error(
+        "verification ({verify:?}) reads back the synthetic writer's KV, but a framework \
+         forward writes its own: use Verification::Off with KvCacheBuilder::forward"
+    )]
+    VerifyNeedsSyntheticWriter {
+        /// The verification asked for.
+        verify: crate::device::Verification,
+    },
     /// `check_invariants` found the cache state inconsistent (a bug: please report it).
     #[error("cache invariant violated: {0}")]
     InvariantViolated(String),

@@ -14,7 +14,7 @@ use super::coordinator::{
     Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
     Watch,
 };
-use super::device::{CacheDigest, DeviceActor, DeviceArgs};
+use super::device::{CacheDigest, DeviceActor, DeviceArgs, Synchronize};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 #[cfg(feature = "fault-injection")]
@@ -26,12 +26,13 @@ use crate::core::quota::{CapacityPlan, GpuBudget};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
 use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
 use crate::device::{
-    BackendFactory, DeviceBackend, DeviceSetup, HostDevice, VerifiedLayers, VerifyLayers,
+    BackendFactory, DeviceBackend, DeviceSetup, HostDevice, Verification, VerifiedLayers,
 };
-use crate::device::{KvSource, SyntheticKv};
+use crate::device::{ForwardFactory, KvSource, SyntheticKv};
 use crate::ids::{RequestId, TokenId};
 use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
+use crate::synthetic::SyntheticWriter;
 
 /// Builds and starts a runtime.
 ///
@@ -74,7 +75,8 @@ pub struct KvCacheBuilder {
     model: Option<DsaModel>,
     devices: Option<usize>,
     source: Arc<dyn KvSource>,
-    verify: VerifyLayers,
+    verify: Option<Verification>,
+    forward: Option<ForwardFactory>,
     device_mailbox: usize,
     coordinator_mailbox: usize,
     event_capacity: usize,
@@ -124,7 +126,8 @@ impl KvCacheBuilder {
             model: None,
             devices: None,
             source: Arc::new(SyntheticKv { seed: 0 }),
-            verify: VerifyLayers::Sample,
+            verify: None,
+            forward: None,
             device_mailbox: 4,
             coordinator_mailbox: 64,
             event_capacity: super::coordinator::EVENT_CAPACITY,
@@ -150,15 +153,25 @@ impl KvCacheBuilder {
         self
     }
 
-    /// Where new tokens' KV comes from.
+    /// Where the synthetic writer's KV comes from (default [`SyntheticKv`] with seed 0).
     pub fn kv_source(mut self, source: Arc<dyn KvSource>) -> Self {
         self.source = source;
         self
     }
 
-    /// Which layers verification reads.
-    pub fn verify_layers(mut self, v: VerifyLayers) -> Self {
-        self.verify = v;
+    /// Whether, and on which layers, cached KV is read back and checked (default:
+    /// [`Verification::Sample`] with the synthetic writer, [`Verification::Off`] with a
+    /// framework forward, which cannot be verified).
+    pub fn verification(mut self, v: Verification) -> Self {
+        self.verify = Some(v);
+        self
+    }
+
+    /// The framework's model: each device builds its [`Forward`](crate::device::Forward)
+    /// with `factory` and runs it once per step (default: the synthetic writer,
+    /// [`SyntheticWriter`]).
+    pub fn forward(mut self, factory: ForwardFactory) -> Self {
+        self.forward = Some(factory);
         self
     }
 
@@ -194,6 +207,17 @@ impl KvCacheBuilder {
         if matches!(rt.runtime_flavor(), RuntimeFlavor::CurrentThread) {
             return Err(RuntimeError::CurrentThreadRuntime);
         }
+        let verify = match (&self.forward, self.verify) {
+            (Some(_), Some(v)) if v.is_on() => {
+                return Err(RuntimeError::VerifyNeedsSyntheticWriter { verify: v })
+            }
+            (Some(_), _) => Verification::Off,
+            (None, v) => v.unwrap_or(Verification::Sample),
+        };
+        let forward = self
+            .forward
+            .clone()
+            .unwrap_or_else(|| SyntheticWriter::factory(self.source.clone()));
         let resolved = match self.model.clone() {
             Some(m) => self.config.resolve_with(m)?,
             None => self.config.resolve()?,
@@ -286,7 +310,8 @@ impl KvCacheBuilder {
                 draft_plan: draft_plan.clone(),
                 dims: (dims, draft_plan.as_ref().map(|_| dims)),
                 source: self.source.clone(),
-                verify: self.verify.clone(),
+                verify,
+                forward: forward.clone(),
                 fp8_tensor_scale: self.fp8_tensor_scale,
             };
             let dev: Box<dyn DeviceBackend> = match &self.backend {
@@ -329,7 +354,7 @@ impl KvCacheBuilder {
             })?;
         let count = |p: &PoolPlan| {
             let all: Vec<_> = p.layer_ids().collect();
-            (self.verify.select(&all).len(), all.len())
+            (verify.select(&all).len(), all.len())
         };
         let verified_layers = VerifiedLayers {
             target: count(&target_plan),
@@ -524,6 +549,21 @@ impl KvCacheHandle {
             });
         }
         Ok(out)
+    }
+
+    /// Waits until every step enqueued so far has completed on every device, and reports
+    /// a failure found only on a device (e.g. a guard kernel that refused a write). Steps
+    /// on a GPU return once their work is enqueued; call this before reading the cache
+    /// from outside the runtime's stream order. The host backend returns at once.
+    pub async fn synchronize(&self) -> Result<(), RuntimeError> {
+        let devices = self.coordinator.ask(Devices).await?;
+        for d in devices.into_iter().flatten() {
+            d.ask(Synchronize).await.map_err(|e| match e {
+                kameo::error::SendError::HandlerError(err) => RuntimeError::from(err),
+                other => RuntimeError::NotRunning(format!("{other:?}")),
+            })?;
+        }
+        Ok(())
     }
 
     /// Stops every actor. Pending requests are dropped.

@@ -1,31 +1,32 @@
 //! [`CudaDevice`]: the [`DeviceBackend`] of one GPU. The step metadata is built on the
 //! host by the same [`StepMetadata`](crate::metadata::StepMetadata) as the host backend
-//! and uploaded; new tokens' KV (from the [`KvSource`](crate::actors::KvSource)) is
-//! uploaded as BF16 and quantized and scattered by our kernels on the compute stream;
-//! copy plans run on the copy stream ([`CudaStorage`]). Verification reads the verified
-//! slots back into a host mirror and compares every byte with the host encodings, so a
-//! kernel that disagrees with its host reference is caught by the serving run itself.
+//! and uploaded into persistent device buffers ([`DeviceMetadata`]); copy plans run on
+//! the copy stream ([`CudaStorage`]); the forward (the framework's model, or the
+//! synthetic writer) runs on the compute stream. A step is enqueued, not waited for: the
+//! compute stream waits for the step's copies, the next step's copies wait for this
+//! step's kernels, and the host synchronizes only when verification reads back, when a
+//! digest is taken, or when the embedder asks ([`DeviceBackend::synchronize`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::bf16;
+use cudarc::driver::CudaEvent;
 
-use super::guard::{guard_error, GuardMaps, GuardedOp};
-use super::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
-use super::{CudaError, CudaStorage, DeviceBuffer, Gpu};
-use crate::config::{IndexerDtype, KvDtype};
+use super::metadata::DeviceMetadata;
+use super::{CudaError, CudaStorage, Gpu};
 use crate::core::scheduler::StepPlan;
 use crate::device::backend::{
-    new_tokens, pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
+    pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
+};
+use crate::device::forward::{
+    Batch, BatchMemory, CacheView, Forward, ForwardError, ForwardSetup, MemoryKind, MetadataView,
+    Phase, Region,
 };
 use crate::device::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
 use crate::ids::{PoolGroupId, SlotId, Tier};
-use crate::layout::Role;
 use crate::metadata::{DraftSnapshot, MetadataError};
-use crate::ops::mla::RowView;
 use crate::storage::HostStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
@@ -39,20 +40,12 @@ struct GpuCache {
     /// Slots per pool group the mirror holds now.
     mirror_slots: u32,
     dev: CudaStorage,
+    /// The forward's view of the GPU pools.
+    view: CacheView,
 }
 
 /// Bytes per piece when a whole GPU pool is read back for its digest.
 const DIGEST_PIECE: usize = 64 << 20;
-
-#[derive(Default)]
-struct Scratch {
-    maps: Option<DeviceBuffer>,
-    input: Option<DeviceBuffer>,
-    values: Option<DeviceBuffer>,
-    scales: Option<DeviceBuffer>,
-    /// The step's fail flag (`kernels/guard.cu`).
-    fail: Option<DeviceBuffer>,
-}
 
 /// A device actor's backend on one GPU. See the module docs.
 pub struct CudaDevice {
@@ -60,7 +53,10 @@ pub struct CudaDevice {
     gpu: Arc<Gpu>,
     target: GpuCache,
     draft: Option<GpuCache>,
-    scratch: Scratch,
+    meta_dev: DeviceMetadata,
+    forward: Box<dyn Forward>,
+    /// Recorded after the last forward enqueued: the last step's fence on the device.
+    step_done: Option<CudaEvent>,
 }
 
 impl CudaDevice {
@@ -88,22 +84,56 @@ impl CudaDevice {
         }
         let gpu = Gpu::open(ordinal).map_err(cuda)?;
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
+        let spec = setup.model.spec();
         let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
+            let dev = CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?;
+            let view = CacheView::new(
+                plan,
+                setup.fp8_tensor_scale,
+                spec.kv_dtype,
+                spec.indexer_dtype,
+                |p| Region {
+                    addr: dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get()),
+                    bytes: dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get()),
+                },
+            )
+            .map_err(|what| DeviceError::Forward {
+                device: index,
+                source: ForwardError::Unsupported { what },
+            })?;
             Ok(GpuCache {
                 host: Cache::new(index, plan.clone(), &vec![0; g.len()], &[])?,
                 mirror_slots: 0,
-                dev: CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?,
+                dev,
+                view,
             })
         };
         let target = cache(&setup.target_plan)?;
         let draft = setup.draft_plan.as_ref().map(cache).transpose()?;
         let core = StepCore::new(index, &setup, target.host.layout)?;
+        let meta_dev = DeviceMetadata::new(&gpu, &core.meta).map_err(cuda)?;
+        let meta = &core.meta;
+        let forward = (setup.forward)(&ForwardSetup {
+            device: index,
+            memory: MemoryKind::Cuda { ordinal },
+            model: &setup.model,
+            target: &target.view,
+            draft: draft.as_ref().map(|d| &d.view),
+            metadata: MetadataView::of(meta, |r| meta_dev.addr(r)),
+            max_num_tokens: setup.dims.0.max_num_tokens,
+            max_num_sequences: setup.dims.0.max_num_sequences,
+            extension: Some(&gpu),
+            stream: Some(gpu.compute().clone()),
+        })
+        .map_err(|e| DeviceError::forward(index, e))?;
         Ok(CudaDevice {
             core,
             gpu,
             target,
             draft,
-            scratch: Scratch::default(),
+            meta_dev,
+            forward,
+            step_done: None,
         })
     }
 
@@ -158,211 +188,56 @@ impl CudaDevice {
         Ok(n)
     }
 
-    /// Writes the KV of the plan's new tokens into `cache` through the bound metadata,
-    /// every scatter guarded by the step's fail flag, then waits for the step and reads
-    /// the flag back: a mapping out of range fails the step with the error the host
-    /// reference gives, and (like the host) neither that op nor any later one wrote.
-    fn write_and_check(
-        core: &StepCore,
-        gpu: &Gpu,
-        scratch: &mut Scratch,
-        cache: &GpuCache,
-        plan: &StepPlan,
-    ) -> Result<u64, DeviceError> {
-        let dev = core.index;
+    /// Uploads the bound metadata and runs the forward of `phase` on the compute
+    /// stream; records the step's fence. Returns the batch's tokens.
+    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+        let dev = self.core.index;
         let cuda = |source: CudaError| DeviceError::Backend {
             device: dev,
             source: source.into(),
         };
-        DeviceBuffer::ensure(&mut scratch.fail, gpu, 8, "fail flag").map_err(cuda)?;
-        let flag = scratch.fail.as_ref().expect("invariant: ensured");
-        gpu.upload(flag, &[u64::MAX]).map_err(cuda)?;
-        let flag_ptr = flag.ptr();
-        let mut ops = Vec::new();
-        let n = Self::write_tokens(core, gpu, scratch, cache, plan, flag_ptr, &mut ops)
-            .map_err(cuda)?;
-        // The step is complete when its kernels are: errors surface here, per step.
-        gpu.synchronize().map_err(cuda)?;
-        let mut got = [0u64];
-        let flag = scratch.fail.as_ref().expect("invariant: ensured");
-        gpu.download(flag, &mut got).map_err(cuda)?;
-        let Some(f) = GuardFailure::decode(got[0]) else {
-            return Ok(n);
+        let view = match phase {
+            Phase::Target => &self.target.view,
+            Phase::Draft => match &self.draft {
+                Some(d) => &d.view,
+                None => return Err(DeviceError::NoDraftCache { device: dev }),
+            },
         };
-        let meta = &core.meta;
-        let maps = GuardMaps {
-            value: meta.slot_mapping_value(),
-            scale: meta.slot_mapping_scale(),
-            rows: meta.mla_slot_mapping(),
-        };
-        let source = guard_error(&ops, f, maps).map_err(|what| {
-            cuda(CudaError::Invalid {
-                device: gpu.ordinal(),
-                what,
-            })
-        })?;
-        Err(DeviceError::Op {
+        let meta = &self.core.meta;
+        self.meta_dev.upload(&self.gpu, meta).map_err(cuda)?;
+        let meta_dev = &self.meta_dev;
+        let mut batch = Batch {
+            step: plan.step,
             device: dev,
-            source,
-        })
+            phase,
+            requests: &plan.requests,
+            cache: view,
+            metadata: MetadataView::of(meta, |r| meta_dev.addr(r)),
+            host_meta: meta,
+            memory: BatchMemory::Cuda {
+                ordinal: self.gpu.ordinal(),
+                stream: self.gpu.compute(),
+            },
+            extension: Some(&self.gpu),
+        };
+        let r = match phase {
+            Phase::Target => self.forward.forward(&mut batch),
+            Phase::Draft => self.forward.draft_forward(&mut batch),
+        };
+        // Whatever the forward enqueued before failing is fenced too.
+        self.step_done = Some(
+            self.gpu
+                .compute()
+                .record_event(None)
+                .map_err(|e| cuda(super::driver_error(self.gpu.ordinal(), "cuEventRecord", e)))?,
+        );
+        r.map_err(|e| DeviceError::forward(dev, e))?;
+        Ok(meta.counts().num_tokens as u64)
     }
 
-    /// Enqueues the writes of the plan's new tokens; `ops` receives each guarded op.
-    fn write_tokens(
-        core: &StepCore,
-        gpu: &Gpu,
-        scratch: &mut Scratch,
-        cache: &GpuCache,
-        plan: &StepPlan,
-        fail_flag: u64,
-        ops: &mut Vec<GuardedOp>,
-    ) -> Result<u64, CudaError> {
-        let toks = new_tokens(plan);
-        let n = toks.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        let dev = gpu.ordinal();
-        let mut guard = |op: GuardedOp| {
-            ops.push(op);
-            Some(Guard {
-                flag: fail_flag,
-                op: ops.len() as u32 - 1,
-            })
-        };
-        let meta = &core.meta;
-        let mut maps: Vec<i64> = Vec::with_capacity(3 * n);
-        maps.extend_from_slice(&meta.slot_mapping_value()[..n]);
-        maps.extend_from_slice(&meta.slot_mapping_scale()[..n]);
-        maps.extend_from_slice(&meta.mla_slot_mapping()[..n]);
-        DeviceBuffer::ensure(&mut scratch.maps, gpu, maps.len() * 8, "slot mappings")?;
-        let map_buf = scratch.maps.as_ref().expect("invariant: ensured");
-        gpu.upload(map_buf, &maps)?;
-        let (vmap, smap, mla) = (
-            map_buf.ptr(),
-            map_buf.ptr() + n as u64 * 8,
-            map_buf.ptr() + 2 * n as u64 * 8,
-        );
-        let spec = core.model.spec();
-        let row_elems = core.model.mla_row_elems() as usize;
-        let key_elems = spec.index_head_dim as usize;
-        DeviceBuffer::ensure(
-            &mut scratch.input,
-            gpu,
-            n * row_elems.max(key_elems) * 2,
-            "KV input",
-        )?;
-        DeviceBuffer::ensure(&mut scratch.values, gpu, n * 128, "quantized keys")?;
-        DeviceBuffer::ensure(&mut scratch.scales, gpu, n * 4, "key scales")?;
-        let input = scratch.input.as_ref().expect("invariant: ensured");
-        let (values, scales) = (
-            scratch.values.as_ref().expect("invariant: ensured").ptr(),
-            scratch.scales.as_ref().expect("invariant: ensured").ptr(),
-        );
-        let plan_ref = &cache.host.plan;
-        let mut host_in: Vec<bf16> = Vec::with_capacity(n * row_elems.max(key_elems));
-        let mut one = vec![bf16::ZERO; row_elems.max(key_elems)];
-        let stream = gpu.compute();
-        let k = gpu.kernels();
-        for p in plan_ref.placements() {
-            let pool = cache.dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get());
-            let pool_len = cache.dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get());
-            match p.role {
-                Role::IndexKey => {
-                    host_in.clear();
-                    for &at in &toks {
-                        core.source.indexer_key(at, p.layer, &mut one[..key_elems]);
-                        host_in.extend_from_slice(&one[..key_elems]);
-                    }
-                    gpu.upload(input, &host_in)?;
-                    let width = core.model.indexer_data_bytes() as usize;
-                    let fp4 = spec.indexer_dtype == IndexerDtype::Fp4;
-                    let cache_len = pool_len.saturating_sub(p.offset_in_slot);
-                    let g = guard(GuardedOp::Indexer {
-                        cache_len,
-                        width: width as u64,
-                    });
-                    // SAFETY: scratch buffers hold n keys / values / scales; the cache
-                    // view is this pool from the layer's offset to its end.
-                    unsafe {
-                        k.quantize_indexer(stream, dev, input.ptr(), values, scales, n, fp4, true)?;
-                        k.indexer_k_scatter(
-                            stream,
-                            dev,
-                            pool + p.offset_in_slot,
-                            cache_len,
-                            values,
-                            scales,
-                            vmap,
-                            smap,
-                            n,
-                            width,
-                            g,
-                        )?;
-                    }
-                }
-                Role::Key => {
-                    host_in.clear();
-                    for &at in &toks {
-                        core.source.mla_row(at, p.layer, &mut one[..row_elems]);
-                        host_in.extend_from_slice(&one[..row_elems]);
-                    }
-                    gpu.upload(input, &host_in)?;
-                    let view = |pl: &crate::layout::BufferPlacement| DevRows {
-                        pool: cache.dev.pool_ptr(Tier::Gpu, pl.pool_group, pl.pool.get()),
-                        pool_len: cache.dev.pool_len(Tier::Gpu, pl.pool_group, pl.pool.get()),
-                        base: pl.offset_in_slot,
-                        block_stride: cache.host.slot_bytes[pl.pool_group.index()][pl.pool.index()],
-                        tokens_per_block: pl.tokens_per_page(),
-                    };
-                    let enc = match spec.kv_dtype {
-                        KvDtype::Bf16 => MlaEncoding::Bf16,
-                        KvDtype::Fp8 => MlaEncoding::Fp8 {
-                            tensor_scale: core.fp8_tensor_scale,
-                        },
-                        KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
-                        KvDtype::Nvfp4 => {
-                            let sp =
-                                plan_ref
-                                    .placement(p.layer, Role::KeyBlockScale)
-                                    .map_err(|e| CudaError::Invalid {
-                                        device: dev,
-                                        what: format!("NVFP4 layer without block scales: {e}"),
-                                    })?;
-                            MlaEncoding::Nvfp4 { scales: view(sp) }
-                        }
-                    };
-                    // SAFETY: `input` holds n rows; the views are this cache's pools.
-                    // The host reference's views, from the layout: the guard checks
-                    // and the error names exactly what the host would.
-                    let rows = |pl: &crate::layout::BufferPlacement| {
-                        RowView::of(
-                            pl,
-                            cache.host.slot_bytes[pl.pool_group.index()][pl.pool.index()],
-                        )
-                    };
-                    let main = view(p);
-                    let data_view = rows(p);
-                    debug_assert_eq!(data_view.row_bytes, enc.row_bytes(), "kernel row size");
-                    let g = guard(GuardedOp::Mla {
-                        view: data_view,
-                        cache_len: main.pool_len,
-                        scales: match enc {
-                            MlaEncoding::Nvfp4 { scales } => {
-                                let sp = plan_ref
-                                    .placement(p.layer, Role::KeyBlockScale)
-                                    .expect("invariant: the encoding was built from it");
-                                Some((rows(sp), scales.pool_len))
-                            }
-                            _ => None,
-                        },
-                    });
-                    unsafe { k.mla_scatter(stream, dev, main, enc, input.ptr(), mla, n, g)? };
-                }
-                _ => {}
-            }
-        }
-        Ok(n as u64)
+    /// Bytes of metadata the last forward's upload copied.
+    pub fn last_metadata_upload_bytes(&self) -> usize {
+        self.meta_dev.last_bytes()
     }
 }
 
@@ -432,16 +307,17 @@ impl DeviceBackend for CudaDevice {
             &mut self.target.dev,
             self.draft.as_mut().map(|d| &mut d.dev),
         )?;
-        // Cached KV that was reused or moved is checked before anything new is written.
-        let (verified, mismatches) =
-            verify_all(VerifyRef::of_step(plan), |r, out| self.verify_one(r, out))?;
+        // Cached KV that was reused or moved is checked before anything new is written
+        // (the read-back is ordered after the copies and every earlier forward).
+        let (verified, mismatches) = verify_all(self.core.step_verifies(plan), |r, out| {
+            self.verify_one(r, out)
+        })?;
         let reqs = StepCore::step_requests(plan, false);
         self.core
             .meta
             .prepare(&self.target.host.layout, &reqs)
             .map_err(|e| self.core.meta_err(e))?;
-        let written =
-            Self::write_and_check(&self.core, &self.gpu, &mut self.scratch, &self.target, plan)?;
+        let written = self.run_forward(Phase::Target, plan)?;
         let work = StepWork {
             written,
             slot_copies,
@@ -459,17 +335,16 @@ impl DeviceBackend for CudaDevice {
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
         let dev = self.core.index;
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        let draft = self
-            .draft
-            .as_ref()
-            .ok_or(DeviceError::NoDraftCache { device: dev })?;
+        if self.draft.is_none() {
+            return Err(DeviceError::NoDraftCache { device: dev });
+        }
         if !self.core.meta.in_draft_replay() {
             return Err(DeviceError::Metadata {
                 device: dev,
                 source: MetadataError::NotInReplay,
             });
         }
-        Self::write_and_check(&self.core, &self.gpu, &mut self.scratch, draft, plan)
+        self.run_forward(Phase::Draft, plan)
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
@@ -478,7 +353,17 @@ impl DeviceBackend for CudaDevice {
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        verify_all(VerifyRef::of_specs(specs), |r, out| self.verify_one(r, out))
+        verify_all(self.core.spec_verifies(specs), |r, out| {
+            self.verify_one(r, out)
+        })
+    }
+
+    fn synchronize(&mut self) -> Result<(), DeviceError> {
+        self.gpu.bind().map_err(|e| self.cuda(e))?;
+        self.gpu.synchronize().map_err(|e| self.cuda(e))?;
+        self.forward
+            .after_synchronize()
+            .map_err(|e| DeviceError::forward(self.core.index, e))
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {

@@ -29,6 +29,47 @@ pub(crate) struct GuardMaps<'a> {
     pub(crate) rows: &'a [i64],
 }
 
+/// What the guard kernels would leave in the flag for op number `index` alone: its first
+/// out-of-range token (value / data row before scale word / scale row), computed on the
+/// host from the same mappings, so a step is refused before the op is enqueued and the
+/// device never has to be asked.
+pub(crate) fn host_check(op: &GuardedOp, index: u32, maps: GuardMaps<'_>) -> Option<GuardFailure> {
+    let first = |map: &[i64], bad: &dyn Fn(i64) -> bool| map.iter().position(|&o| o >= 0 && bad(o));
+    let candidates: [(Option<usize>, u32); 2] = match *op {
+        GuardedOp::Indexer { cache_len, width } => [
+            (first(maps.value, &|o| o as u64 + width > cache_len), 0),
+            (first(maps.scale, &|o| o as u64 + 4 > cache_len), 1),
+        ],
+        GuardedOp::Mla {
+            view,
+            cache_len,
+            scales,
+        } => [
+            (
+                first(maps.rows, &|s| {
+                    view.offset(s) + u64::from(view.row_bytes) > cache_len
+                }),
+                0,
+            ),
+            (
+                scales.and_then(|(sv, len)| {
+                    first(maps.rows, &|s| sv.offset(s) + u64::from(sv.row_bytes) > len)
+                }),
+                1,
+            ),
+        ],
+    };
+    candidates
+        .iter()
+        .filter_map(|&(t, which)| t.map(|t| (t, which)))
+        .min()
+        .map(|(token, which)| GuardFailure {
+            op: index,
+            token,
+            which,
+        })
+}
+
 /// The host reference's error for the failure the flag names, or why the flag cannot be
 /// right (an op or token the step does not have).
 pub(crate) fn guard_error(

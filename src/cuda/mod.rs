@@ -24,8 +24,9 @@
 
 mod buffers;
 mod device;
-mod guard;
+pub(crate) mod guard;
 pub mod kernels;
+mod metadata;
 mod storage;
 mod vmm;
 

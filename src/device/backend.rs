@@ -9,6 +9,7 @@ use std::sync::Arc;
 use half::bf16;
 use serde::Serialize;
 
+use super::forward::{ForwardError, ForwardFactory};
 use super::kv_source::{KvPosition, KvSource};
 use crate::config::{DsaModel, IndexerDtype, KvDtype};
 use crate::core::scheduler::{PlannedKind, StepPlan};
@@ -65,6 +66,15 @@ pub enum DeviceError {
         #[source]
         source: BackendError,
     },
+    /// The forward failed.
+    #[error("device {device}: forward: {source}")]
+    Forward {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: ForwardError,
+    },
     /// A draft replay without a draft cache.
     #[error("device {device}: the step has draft slots but the device has no draft cache")]
     NoDraftCache {
@@ -73,21 +83,39 @@ pub enum DeviceError {
     },
 }
 
-/// Which layers verification reads.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub enum VerifyLayers {
-    /// Every layer of every buffer.
-    All,
-    /// The first, middle and last target layer and every draft layer.
-    Sample,
+impl DeviceError {
+    /// A forward's failure on device `device`; an op's refusal stays an op error (the
+    /// same error a device reports wherever the op runs).
+    pub(crate) fn forward(device: usize, source: ForwardError) -> DeviceError {
+        match source {
+            ForwardError::Op(source) => DeviceError::Op { device, source },
+            source => DeviceError::Forward { device, source },
+        }
+    }
 }
 
-impl VerifyLayers {
+/// Whether, and on which layers, the runtime reads cached KV back and compares it with
+/// what the synthetic writer wrote: before a step that reuses or moved a request's KV,
+/// and when a request finishes. Only meaningful with the synthetic writer (the expected
+/// bytes are its own); a framework forward writes KV nobody here can predict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub enum Verification {
+    /// No read-backs (the default for a framework forward).
+    Off,
+    /// The first, middle and last target layer and every draft layer.
+    Sample,
+    /// Every layer of every buffer.
+    All,
+}
+
+impl Verification {
     /// The layers of a cache (`layers`, ascending) that verification reads.
     pub fn select(&self, layers: &[LayerId]) -> Vec<LayerId> {
         match (self, layers) {
-            (VerifyLayers::All, _) | (_, []) => layers.to_vec(),
-            (VerifyLayers::Sample, _) => {
+            (Verification::Off, _) => Vec::new(),
+            (Verification::All, _) | (_, []) => layers.to_vec(),
+            (Verification::Sample, _) => {
                 let mut v = vec![
                     layers[0],
                     layers[layers.len() / 2],
@@ -97,6 +125,11 @@ impl VerifyLayers {
                 v
             }
         }
+    }
+
+    /// Whether anything is read back.
+    pub fn is_on(&self) -> bool {
+        *self != Verification::Off
     }
 }
 
@@ -123,10 +156,12 @@ pub struct DeviceSetup {
     pub draft_plan: Option<PoolPlan>,
     /// Metadata buffer sizes (target, draft).
     pub dims: (MetadataDims, Option<MetadataDims>),
-    /// Source of new tokens' KV.
+    /// The KV the synthetic writer writes (what verification expects).
     pub source: Arc<dyn KvSource>,
-    /// Layers verification reads.
-    pub verify: VerifyLayers,
+    /// What verification reads.
+    pub verify: Verification,
+    /// Builds the device's forward (the framework's model, or the synthetic writer).
+    pub forward: ForwardFactory,
     /// Per-tensor scale of FP8 MLA rows.
     pub fp8_tensor_scale: f32,
 }
@@ -242,12 +277,13 @@ pub type BackendFactory =
 pub trait DeviceBackend: Send + 'static {
     /// Device index.
     fn index(&self) -> usize;
-    /// Runs copies, verifies requested cached KV, builds metadata, writes new tokens.
+    /// Runs copies, verifies requested cached KV (when verification is on), builds the
+    /// metadata and runs the forward. On a GPU it returns once the work is enqueued.
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError>;
     /// Rebinds the metadata to the draft buffers for the plan's draft slots.
     fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError>;
-    /// Writes the draft (MTP) layers' KV of the plan's new tokens through the bound draft
-    /// metadata.
+    /// Runs the forward's draft layers on the draft cache through the bound draft
+    /// metadata; returns the tokens of the batch.
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError>;
     /// Restores the target bindings.
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError>;
@@ -256,6 +292,11 @@ pub trait DeviceBackend: Send + 'static {
     /// SHA-256 (hex) of every GPU-tier pool byte of the target and draft caches, in plan
     /// order: tensor-parallel ranks holding replicated KV report the same digest.
     fn cache_digest(&mut self) -> Result<String, DeviceError>;
+    /// Waits until every step enqueued so far has completed on the device and reports a
+    /// failure found only there. The host backend has nothing to wait for.
+    fn synchronize(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// The metadata set bound now (target, or draft during a replay); `None` for a
     /// backend without step metadata.
     fn bindings(&self) -> Option<crate::metadata::Bindings> {
@@ -366,7 +407,7 @@ pub(crate) struct StepCore {
     pub(crate) model: DsaModel,
     pub(crate) meta: StepMetadata,
     pub(crate) source: Arc<dyn KvSource>,
-    pub(crate) verify: VerifyLayers,
+    pub(crate) verify: Verification,
     pub(crate) fp8_tensor_scale: f32,
 }
 
@@ -389,16 +430,27 @@ impl StepCore {
             model: setup.model.clone(),
             meta,
             source: setup.source.clone(),
-            verify: setup.verify.clone(),
+            verify: setup.verify,
             fp8_tensor_scale: setup.fp8_tensor_scale,
         })
     }
 
-    pub(crate) fn op(&self, source: OpError) -> DeviceError {
-        DeviceError::Op {
-            device: self.index,
-            source,
-        }
+    /// The step's requests to verify (none when verification is off).
+    pub(crate) fn step_verifies<'a>(
+        &self,
+        plan: &'a StepPlan,
+    ) -> impl Iterator<Item = VerifyRef<'a>> + 'a {
+        let on = self.verify.is_on();
+        VerifyRef::of_step(plan).filter(move |_| on)
+    }
+
+    /// Whole requests to verify (none when verification is off).
+    pub(crate) fn spec_verifies<'a>(
+        &self,
+        specs: &'a [VerifySpec],
+    ) -> impl Iterator<Item = VerifyRef<'a>> + 'a {
+        let on = self.verify.is_on();
+        VerifyRef::of_specs(specs).filter(move |_| on)
     }
 
     pub(crate) fn meta_err(&self, source: MetadataError) -> DeviceError {
@@ -648,20 +700,6 @@ pub(crate) fn run_copies<S: KvStorage>(
         }
     }
     Ok(n)
-}
-
-/// Every new token of the plan, in metadata order, with its prefix hash chained onto the
-/// request's (so the draft forward, writing the same tokens, writes the same values).
-pub(crate) fn new_tokens(plan: &StepPlan) -> Vec<KvPosition> {
-    let mut out = Vec::with_capacity(plan.requests.iter().map(|r| r.tokens.len()).sum());
-    for r in &plan.requests {
-        let mut prefix = r.prefix;
-        for (pos, &token) in (r.num_cached..).zip(&r.tokens) {
-            prefix = prefix.then(token);
-            out.push(KvPosition { token, pos, prefix });
-        }
-    }
-    out
 }
 
 pub(crate) fn quantize_key(dtype: IndexerDtype, key: &[bf16], values: &mut [u8], scale: &mut [u8]) {

@@ -1,35 +1,52 @@
 //! [`HostDevice`]: the device contract with the pools in host memory
-//! ([`HostStorage`](crate::storage::HostStorage)). The embedded default, and the reference the CUDA backend matches:
-//! it runs the copy plans, builds the step metadata, writes every new token's KV through
-//! the host ops, replays drafts against the draft cache and verifies cached KV.
+//! ([`HostStorage`](crate::storage::HostStorage)). The embedded default, and the
+//! reference the CUDA backend matches: it runs the copy plans, builds the step metadata,
+//! hands the forward a [`Batch`] over host memory (the same view a GPU forward gets, with
+//! host addresses), replays drafts against the draft cache and verifies cached KV.
 
 use std::time::Instant;
 
-use half::bf16;
-
 use super::backend::{
-    digest_pools, new_tokens, pool_ids, quantize_key, run_copies, verify_all, Cache, DeviceBackend,
-    DeviceError, DeviceSetup, DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef,
-    VerifySpec,
+    digest_pools, pool_ids, run_copies, verify_all, Cache, DeviceBackend, DeviceError, DeviceSetup,
+    DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef, VerifySpec,
 };
-use super::kv_source::KvSource;
-use crate::config::{DsaModel, KvDtype};
+use super::forward::{
+    Batch, BatchMemory, CacheView, Forward, ForwardError, ForwardSetup, HostMemory, MemoryKind,
+    MetadataView, Phase, Region,
+};
 use crate::core::scheduler::StepPlan;
 use crate::ids::Tier;
-use crate::layout::{BufferPlacement, Role};
-use crate::metadata::{DraftSnapshot, MetadataError, StepMetadata};
-use crate::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
-use crate::ops::mla::{
-    mla_scatter_bf16, mla_scatter_fp8, mla_scatter_fp8_ds_mla, mla_scatter_nvfp4, RowView,
-};
-use crate::ops::quant::ScaleFormat;
-use crate::ops::OpError;
+use crate::metadata::{DraftSnapshot, MetadataError};
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
     core: StepCore,
     target: Cache,
-    draft: Option<Cache>,
+    target_view: CacheView,
+    draft: Option<(Cache, CacheView)>,
+    forward: Box<dyn Forward>,
+}
+
+/// The view of a host cache's GPU-tier pools.
+fn host_view(index: usize, setup: &DeviceSetup, cache: &Cache) -> Result<CacheView, DeviceError> {
+    let spec = setup.model.spec();
+    CacheView::new(
+        &cache.plan,
+        setup.fp8_tensor_scale,
+        spec.kv_dtype,
+        spec.indexer_dtype,
+        |p| {
+            let b = cache.store.pool(Tier::Gpu, p.pool_group, p.pool.get());
+            Region {
+                addr: b.as_ptr() as u64,
+                bytes: b.len() as u64,
+            }
+        },
+    )
+    .map_err(|what| DeviceError::Forward {
+        device: index,
+        source: ForwardError::Unsupported { what },
+    })
 }
 
 impl HostDevice {
@@ -37,22 +54,74 @@ impl HostDevice {
     pub fn new(index: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
         let target = Cache::new(index, setup.target_plan.clone(), g, h)?;
+        let target_view = host_view(index, &setup, &target)?;
         let draft = match &setup.draft_plan {
-            Some(p) => Some(Cache::new(index, p.clone(), g, h)?),
+            Some(p) => {
+                let c = Cache::new(index, p.clone(), g, h)?;
+                let v = host_view(index, &setup, &c)?;
+                Some((c, v))
+            }
             None => None,
         };
         let core = StepCore::new(index, &setup, target.layout)?;
+        let meta = &core.meta;
+        let forward = (setup.forward)(&ForwardSetup {
+            device: index,
+            memory: MemoryKind::Host,
+            model: &setup.model,
+            target: &target_view,
+            draft: draft.as_ref().map(|(_, v)| v),
+            metadata: MetadataView::of(meta, |r| meta.mirror_bytes(r).as_ptr() as u64),
+            max_num_tokens: setup.dims.0.max_num_tokens,
+            max_num_sequences: setup.dims.0.max_num_sequences,
+            extension: None,
+            #[cfg(feature = "cuda")]
+            stream: None,
+        })
+        .map_err(|e| DeviceError::forward(index, e))?;
         Ok(HostDevice {
             core,
             target,
+            target_view,
             draft,
+            forward,
         })
+    }
+
+    /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens.
+    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+        let dev = self.core.index;
+        let (cache, view) = match phase {
+            Phase::Target => (&mut self.target, &self.target_view),
+            Phase::Draft => match self.draft.as_mut() {
+                Some((c, v)) => (c, &*v),
+                None => return Err(DeviceError::NoDraftCache { device: dev }),
+            },
+        };
+        let meta = &self.core.meta;
+        let mut batch = Batch {
+            step: plan.step,
+            device: dev,
+            phase,
+            requests: &plan.requests,
+            cache: view,
+            metadata: MetadataView::of(meta, |r| meta.mirror_bytes(r).as_ptr() as u64),
+            host_meta: meta,
+            memory: BatchMemory::Host(HostMemory::new(cache.store.gpu_pools_mut(), meta)),
+            extension: None,
+        };
+        match phase {
+            Phase::Target => self.forward.forward(&mut batch),
+            Phase::Draft => self.forward.draft_forward(&mut batch),
+        }
+        .map_err(|e| DeviceError::forward(dev, e))?;
+        Ok(meta.counts().num_tokens as u64)
     }
 
     /// Verifies one request on the target cache (and the draft cache when it has one).
     fn verify_one(&self, r: VerifyRef<'_>, out: &mut Vec<Mismatch>) -> u64 {
         let mut n = self.core.verify_cache(&self.target, r, r.slots, out);
-        if let (Some(d), Some(slots)) = (&self.draft, r.draft_slots) {
+        if let (Some((d, _)), Some(slots)) = (&self.draft, r.draft_slots) {
             n += self.core.verify_cache(d, r, slots, out);
         }
         n
@@ -75,10 +144,10 @@ impl DeviceBackend for HostDevice {
             dev,
             plan,
             &mut self.target.store,
-            self.draft.as_mut().map(|d| &mut d.store),
+            self.draft.as_mut().map(|(d, _)| &mut d.store),
         )?;
         // Cached KV that was reused or moved is checked before anything new is written.
-        let (verified, mismatches) = verify_all(VerifyRef::of_step(plan), |r, out| {
+        let (verified, mismatches) = verify_all(self.core.step_verifies(plan), |r, out| {
             Ok(self.verify_one(r, out))
         })?;
         let reqs = StepCore::step_requests(plan, false);
@@ -86,15 +155,7 @@ impl DeviceBackend for HostDevice {
             .meta
             .prepare(&self.target.layout, &reqs)
             .map_err(|e| self.core.meta_err(e))?;
-        let written = write_tokens(
-            &self.core.meta,
-            &mut self.target,
-            &self.core.model,
-            &*self.core.source,
-            self.core.fp8_tensor_scale,
-            plan,
-        )
-        .map_err(|e| self.core.op(e))?;
+        let written = self.run_forward(Phase::Target, plan)?;
         let work = StepWork {
             written,
             slot_copies,
@@ -105,34 +166,22 @@ impl DeviceBackend for HostDevice {
     }
 
     fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        let layout = self.draft.as_ref().map(|d| d.layout);
+        let layout = self.draft.as_ref().map(|(d, _)| d.layout);
         self.core.prepare_draft(layout, plan)
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
         let dev = self.core.index;
-        let draft = self
-            .draft
-            .as_mut()
-            .ok_or(DeviceError::NoDraftCache { device: dev })?;
+        if self.draft.is_none() {
+            return Err(DeviceError::NoDraftCache { device: dev });
+        }
         if !self.core.meta.in_draft_replay() {
             return Err(DeviceError::Metadata {
                 device: dev,
                 source: MetadataError::NotInReplay,
             });
         }
-        write_tokens(
-            &self.core.meta,
-            draft,
-            &self.core.model,
-            &*self.core.source,
-            self.core.fp8_tensor_scale,
-            plan,
-        )
-        .map_err(|source| DeviceError::Op {
-            device: dev,
-            source,
-        })
+        self.run_forward(Phase::Draft, plan)
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
@@ -140,13 +189,13 @@ impl DeviceBackend for HostDevice {
     }
 
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        verify_all(VerifyRef::of_specs(specs), |r, out| {
+        verify_all(self.core.spec_verifies(specs), |r, out| {
             Ok(self.verify_one(r, out))
         })
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
-        let caches = std::iter::once(&self.target).chain(self.draft.as_ref());
+        let caches = std::iter::once(&self.target).chain(self.draft.as_ref().map(|(c, _)| c));
         let pools: Vec<&[u8]> = caches
             .flat_map(|c| {
                 pool_ids(&c.plan)
@@ -156,103 +205,4 @@ impl DeviceBackend for HostDevice {
             .collect();
         Ok(digest_pools(pools.into_iter()))
     }
-}
-
-/// Writes the KV of the plan's new tokens into `cache` through the bound metadata.
-fn write_tokens(
-    meta: &StepMetadata,
-    cache: &mut Cache,
-    model: &DsaModel,
-    source: &dyn KvSource,
-    fp8_scale: f32,
-    plan: &StepPlan,
-) -> Result<u64, OpError> {
-    let toks = new_tokens(plan);
-    let n = toks.len();
-    let vm = &meta.slot_mapping_value()[..n];
-    let sm = &meta.slot_mapping_scale()[..n];
-    let mla = &meta.mla_slot_mapping()[..n];
-    let spec = model.spec();
-    let placements: Vec<BufferPlacement> = cache.plan.placements().to_vec();
-    let mut key = vec![bf16::ZERO; spec.index_head_dim as usize];
-    let mut row = vec![bf16::ZERO; model.mla_row_elems() as usize];
-    for p in &placements {
-        match p.role {
-            Role::IndexKey => {
-                let width = model.indexer_data_bytes() as usize;
-                let mut vals = vec![0u8; n * width];
-                let mut scales = vec![0u8; n * 4];
-                for (i, &at) in toks.iter().enumerate() {
-                    source.indexer_key(at, p.layer, &mut key);
-                    quantize_key(
-                        spec.indexer_dtype,
-                        &key,
-                        &mut vals[i * width..(i + 1) * width],
-                        &mut scales[i * 4..i * 4 + 4],
-                    );
-                }
-                let pool = cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get());
-                let view = &mut pool[p.offset_in_slot as usize..];
-                indexer_k_scatter(
-                    view,
-                    &vals,
-                    &scales,
-                    IndexerMappings {
-                        value: vm,
-                        scale: sm,
-                    },
-                    width,
-                )?;
-            }
-            Role::Key => {
-                let mut rows = Vec::with_capacity(n * row.len());
-                for &at in &toks {
-                    source.mla_row(at, p.layer, &mut row);
-                    rows.extend_from_slice(&row);
-                }
-                let rv = RowView::of(p, cache.slot_bytes[p.pool_group.index()][p.pool.index()]);
-                match spec.kv_dtype {
-                    KvDtype::Bf16 => mla_scatter_bf16(
-                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
-                        &rv,
-                        &rows,
-                        mla,
-                    )?,
-                    KvDtype::Fp8 => mla_scatter_fp8(
-                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
-                        &rv,
-                        &rows,
-                        mla,
-                        fp8_scale,
-                    )?,
-                    KvDtype::Fp8DsMla => mla_scatter_fp8_ds_mla(
-                        cache.store.pool_mut(Tier::Gpu, p.pool_group, p.pool.get()),
-                        &rv,
-                        &rows,
-                        mla,
-                        ScaleFormat::Ue8m0,
-                    )?,
-                    KvDtype::Nvfp4 => {
-                        let sp = *cache
-                            .plan
-                            .placement(p.layer, Role::KeyBlockScale)
-                            .expect("invariant: NVFP4 layers have a block-scale buffer");
-                        let sv = RowView::of(
-                            &sp,
-                            cache.slot_bytes[sp.pool_group.index()][sp.pool.index()],
-                        );
-                        let (data, scales) = cache.store.two_pools_mut(
-                            Tier::Gpu,
-                            p.pool_group,
-                            p.pool.get(),
-                            sp.pool.get(),
-                        );
-                        mla_scatter_nvfp4(data, &rv, scales, &sv, &rows, mla)?;
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    Ok(n as u64)
 }

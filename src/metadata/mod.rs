@@ -7,6 +7,7 @@
 mod buffers;
 mod draft;
 mod error;
+pub(crate) mod mirror;
 mod step;
 
 pub use buffers::{Bindings, BufferId, BufferRole};

@@ -70,6 +70,13 @@ impl HostStorage {
         })
     }
 
+    /// Every GPU-tier pool, writable, in plan order (group, then pool).
+    pub(crate) fn gpu_pools_mut(&mut self) -> impl Iterator<Item = &mut [u8]> {
+        self.data[Tier::Gpu.index()]
+            .iter_mut()
+            .flat_map(|g| g.iter_mut().map(|p| p.as_mut_slice()))
+    }
+
     /// The bytes of one pool.
     pub fn pool(&self, tier: Tier, group: PoolGroupId, pool: u16) -> &[u8] {
         &self.data[tier.index()][group.index()][pool as usize]
