@@ -10,15 +10,23 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
         print(m["executable"])')
-verifier=$(cargo test --release --all-features --test verifier --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import sys, json
+# The executable of integration test (or bench) $2 of kind $1.
+artifact() {
+  cargo "$1" --release --all-features --"${3:-test}" "$2" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "verifier":
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$2"
+}
+verifier=$(artifact test verifier)
+forward_boundary=$(artifact test forward_boundary)
+runtime_bench=$(artifact bench runtime bench)
 mkdir -p .gpu
 cp "$lib_tests" .gpu/lib_tests
 cp "$verifier" .gpu/verifier_tests
+cp "$forward_boundary" .gpu/forward_boundary_tests
+cp "$runtime_bench" .gpu/runtime_bench
 cp "${CARGO_TARGET_DIR:-target}"/release/examples/{serve,gpu_bench,tp} .gpu/
-strip .gpu/lib_tests .gpu/verifier_tests .gpu/serve .gpu/gpu_bench .gpu/tp
+strip .gpu/lib_tests .gpu/verifier_tests .gpu/forward_boundary_tests .gpu/runtime_bench .gpu/serve .gpu/gpu_bench .gpu/tp
 ls -la .gpu
