@@ -10,9 +10,11 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
         print(m["executable"])')
-# The executable of integration test (or bench) $2 of kind $1.
+# The executable of target $2 built by `cargo $1` (test: an integration test; bench).
 artifact() {
-  cargo "$1" --release --all-features --"${3:-test}" "$2" --no-run --message-format=json 2>/dev/null |
+  local release=--release
+  [ "$1" = bench ] && release=
+  cargo "$1" $release --all-features --"${3:-test}" "$2" --no-run --message-format=json 2>/dev/null |
     python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)

@@ -939,4 +939,124 @@ extern "C" __global__ void gather(unsigned char* out, unsigned long long base,
             gg.graph_replays
         );
     }
+
+    const HOLD: &str = r#"
+extern "C" __global__ void hold(volatile unsigned int* gate, volatile unsigned int* done,
+    long long max_cycles) {
+  long long start = clock64();
+  while (*gate == 0) {
+    if (clock64() - start > max_cycles) { *done = 2; __threadfence_system(); return; }
+  }
+  *done = 1;
+  __threadfence_system();
+}
+"#;
+
+    /// Pinned, device-mapped host words: (host pointer, device pointer).
+    struct Words(usize, u64);
+
+    /// A forward that, on its first step, enqueues a kernel that holds the stream until
+    /// the host opens a gate (or ~10 s pass) and does nothing else.
+    struct HoldForward {
+        words: Arc<Words>,
+        held: bool,
+        _module: Arc<CudaModule>,
+        hold: CudaFunction,
+    }
+
+    impl Forward for HoldForward {
+        fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+            if self.held {
+                return Ok(());
+            }
+            self.held = true;
+            let stream = batch.cuda_stream().ok_or_else(|| err("stream", "none"))?;
+            let (gate, done) = (self.words.1, self.words.1 + 4);
+            let max_cycles: i64 = 20_000_000_000;
+            let mut b = stream.launch_builder(&self.hold);
+            b.arg(&gate).arg(&done).arg(&max_cycles);
+            // SAFETY: both words are mapped pinned memory that outlives the kernel.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(|e| err("hold", e))?;
+            Ok(())
+        }
+    }
+
+    fn read(words: &Words, i: usize) -> u32 {
+        // SAFETY: `words.0` points to two u32 of pinned memory alive for the test.
+        unsafe { std::ptr::read_volatile((words.0 as *const u32).add(i)) }
+    }
+
+    /// `step()` returns once the step is enqueued: the forward's kernel is still held
+    /// when it returns (a per-step synchronize would wait ~10 s and find the kernel
+    /// timed out), and `synchronize()` is what waits for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "needs a CUDA device"]
+    async fn a_step_returns_before_its_kernels_finish() {
+        let words: Arc<Mutex<Option<Arc<Words>>>> = Arc::new(Mutex::new(None));
+        let w = words.clone();
+        let factory: ForwardFactory = Arc::new(move |setup: &ForwardSetup<'_>| {
+            let stream = setup.cuda_stream().ok_or_else(|| err("stream", "none"))?;
+            let ctx = stream.context();
+            ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+            let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+            let mut dev = 0;
+            // SAFETY: valid out-pointers; the context is current.
+            unsafe {
+                let r = sys::cuMemHostAlloc(&mut host, 8, sys::CU_MEMHOSTALLOC_DEVICEMAP);
+                assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+                std::ptr::write_bytes(host.cast::<u8>(), 0, 8);
+                let r = sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0);
+                assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+            }
+            let words = Arc::new(Words(host as usize, dev));
+            *w.lock().unwrap() = Some(words.clone());
+            let module = ctx
+                .load_module(compile_ptx(HOLD).map_err(|e| err("nvrtc", e))?)
+                .map_err(|e| err("load", e))?;
+            let hold = module.load_function("hold").map_err(|e| err("hold", e))?;
+            Ok(Box::new(HoldForward {
+                words,
+                held: false,
+                _module: module,
+                hold,
+            }) as Box<dyn Forward>)
+        });
+        let kv = KvCacheBuilder::new()
+            .config(config())
+            .backend(dsa_kv::cuda::CudaDevice::factory(vec![0]))
+            .forward(factory)
+            .start()
+            .await
+            .unwrap();
+        kv.submit(SubmitRequest {
+            id: RequestId(1),
+            scope: ReuseScope::SHARED,
+            prompt: prompt(1),
+            max_new_tokens: 4,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+        let rep = kv.step(HashMap::new()).await.unwrap();
+        assert_eq!(rep.scheduled.len(), 1);
+        let words = words.lock().unwrap().clone().unwrap();
+        assert_eq!(read(&words, 1), 0, "the step waited for its kernel");
+        // Open the gate; synchronize waits for the kernel.
+        // SAFETY: the gate word is pinned memory the kernel polls.
+        unsafe { std::ptr::write_volatile(words.0 as *mut u32, 1) };
+        kv.synchronize().await.unwrap();
+        assert_eq!(
+            read(&words, 1),
+            1,
+            "the kernel ran to the gate, not to its timeout"
+        );
+        kv.shutdown().await;
+    }
 }

@@ -227,6 +227,8 @@ mod tests {
                 rows: NO_MAP,
             };
             assert_eq!(guard_error(&ops, f, maps), Ok(host));
+            // The host pre-check finds the same token as the kernels.
+            assert_eq!(host_check(&ops[7], 7, maps), Some(f));
         }
     }
 
@@ -255,6 +257,13 @@ mod tests {
             rows: &slots,
         };
         assert_eq!(guard_error(&ops, f, maps), Ok(host));
+        assert_eq!(host_check(&ops[0], 0, maps), Some(f));
+        // In range: nothing to refuse.
+        let ok = GuardMaps {
+            rows: &slots[..2],
+            ..maps
+        };
+        assert_eq!(host_check(&ops[0], 0, ok), None);
     }
 
     #[test]
@@ -295,6 +304,7 @@ mod tests {
                 rows: &slots,
             };
             assert_eq!(guard_error(&ops, f, maps), Ok(host), "slots {slots:?}");
+            assert_eq!(host_check(&mla, 2, maps), Some(f), "slots {slots:?}");
         }
     }
 
