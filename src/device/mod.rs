@@ -3,8 +3,10 @@
 //! what verification checks ([`VerifySpec`], [`Mismatch`], [`Verification`]), the forward
 //! boundary a framework's model plugs into ([`Forward`], [`Batch`]: the [`forward`] module), where new
 //! tokens' KV comes from ([`KvSource`]), and [`HostDevice`]. The actors use this module;
-//! the CUDA backend (`crate::cuda`, feature `cuda`) implements it. Nothing here names
-//! CUDA: a backend's failures arrive as a [`BackendError`](crate::storage::BackendError).
+//! the CUDA backend (`crate::cuda`, feature `cuda`) implements it. Nothing here names the
+//! crate's CUDA backend: a backend's failures arrive as a
+//! [`BackendError`](crate::storage::BackendError), its device handle as a
+//! [`ForwardSetup::extension`]; only the batch's stream is a cudarc type (feature `cuda`).
 
 pub(crate) mod backend;
 pub mod forward;
