@@ -402,7 +402,7 @@ async fn run(
             id: RequestId(i),
             scope: ReuseScope::SHARED,
             prompt: p,
-            max_new_tokens: 6 + (i as u32 % 9),
+            max_new_tokens: 12 + (i as u32 % 17),
             priority: [10, 35, 60][i as usize % 3],
         })
         .await
