@@ -53,6 +53,10 @@ const VALUE: u64 = 1;
 const SCALE: u64 = 2;
 const ROW: u64 = 3;
 
+/// The metadata addresses of the first step, and the full-KV buffers' own addresses
+/// once seen.
+type SeenAddrs = (Vec<u64>, Option<(u64, u64)>);
+
 /// What the driver knows and what the forward found.
 #[derive(Default)]
 struct Shared {
@@ -60,7 +64,7 @@ struct Shared {
     history: HashMap<RequestId, Vec<TokenId>>,
     /// Metadata addresses seen first, per phase (and the full-KV buffers' own): they
     /// must never change.
-    addrs: [Option<(Vec<u64>, Option<(u64, u64)>)>; 2],
+    addrs: [Option<SeenAddrs>; 2],
     forwards: u64,
     draft_forwards: u64,
     written: u64,
@@ -68,6 +72,7 @@ struct Shared {
     read_by_global: u64,
     mismatches: Vec<String>,
     /// Decode steps run as a graph replay (GPU graph mode).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     graph_replays: u64,
 }
 
@@ -172,7 +177,7 @@ struct TestForward {
 impl TestForward {
     fn factory(shared: Arc<Mutex<Shared>>, mutation: Mutation, graphs: bool) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
-            let _ = graphs;
+            let _ = (graphs, setup);
             Ok(Box::new(TestForward {
                 shared: shared.clone(),
                 mutation,
