@@ -377,6 +377,7 @@ struct Run {
     shared: Arc<Mutex<Shared>>,
     stats: RuntimeStats,
     /// Cache digests after every step (GPU runs).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     digests: Vec<Vec<Option<String>>>,
 }
 
