@@ -435,17 +435,13 @@ impl Message<Step> for Coordinator {
     type Reply = DelegatedReply<Result<StepReport, RuntimeError>>;
 
     async fn handle(&mut self, msg: Step, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        match self.run_step(msg).await {
+        match self.run_step(msg.0).await {
             Ok((report, pending)) => {
                 // The caller goes on (samples, builds the next inputs) while the
                 // bookkeeping no caller waits for is done; messages are handled in
                 // order, so everything read through the mailbox still sees it done.
                 let reply = ctx.reply(Ok(report));
-                let t = Instant::now();
-                self.drain_events();
-                self.sample(&pending.plan, pending.manager_us);
-                self.pending = Some(pending);
-                self.pending_manager_us += t.elapsed().as_micros() as u64;
+                self.after_step(pending);
                 reply
             }
             Err(e) => ctx.reply(Err(e)),
@@ -457,13 +453,16 @@ impl Coordinator {
     /// Schedules a step, runs it on every device and completes its fences: everything
     /// the step's caller waits for. The caller's report, and what
     /// [`PendingStep`] rebuilds it from.
-    async fn run_step(&mut self, msg: Step) -> Result<(StepReport, PendingReport), RuntimeError> {
+    async fn run_step(
+        &mut self,
+        drafts: HashMap<RequestId, Vec<TokenId>>,
+    ) -> Result<(StepReport, PendingReport), RuntimeError> {
         let devices = self.alive();
         if devices.is_empty() {
             return Err(RuntimeError::NoDevices);
         }
         let t0 = Instant::now();
-        let plan = Arc::new(self.sched.schedule(&msg.0)?);
+        let plan = Arc::new(self.sched.schedule(&drafts)?);
         let mut manager_us = t0.elapsed().as_micros() as u64;
         let span = tracing::info_span!("step", step = plan.step, requests = plan.requests.len());
         // One message per step per device; every device gets the same plan. Every
@@ -480,7 +479,7 @@ impl Coordinator {
         }
         let t1 = Instant::now();
         // Freed while the devices work: this step's inputs, the last step's plan.
-        drop(msg);
+        drop(drafts);
         self.retired = None;
         for (id, why) in &plan.failed {
             let id = *id;
@@ -598,6 +597,15 @@ impl Coordinator {
         };
         Ok((pending.report(scheduled), pending))
     }
+
+    /// A step's bookkeeping that its caller does not wait for (after the reply).
+    fn after_step(&mut self, pending: PendingReport) {
+        let t = Instant::now();
+        self.drain_events();
+        self.sample(&pending.plan, pending.manager_us);
+        self.pending = Some(pending);
+        self.pending_manager_us += t.elapsed().as_micros() as u64;
+    }
 }
 
 #[cfg(feature = "fault-injection")]
@@ -653,16 +661,7 @@ impl Message<Commit> for Coordinator {
                 let manager_us = report.manager_us;
                 // As for a step: the caller goes on while the bookkeeping is done.
                 let reply = ctx.reply(Ok(report));
-                let t = Instant::now();
-                self.drain_events();
-                self.retired = self.pending.take().map(|p| p.plan);
-                drop(msg);
-                let deferred_us = t.elapsed().as_micros() as u64;
-                self.stats.manager_us += self.pending_manager_us + manager_us + deferred_us;
-                self.pending_manager_us = 0;
-                if let Some(last) = self.history.back_mut() {
-                    last.manager_us += manager_us;
-                }
+                self.after_commit(manager_us);
                 reply
             }
             Err(e) => ctx.reply(Err(e)),
@@ -719,6 +718,71 @@ impl Coordinator {
             finished: reports,
             manager_us,
         })
+    }
+
+    /// A commit's bookkeeping that its caller does not wait for (after the reply).
+    fn after_commit(&mut self, manager_us: u64) {
+        let t = Instant::now();
+        self.drain_events();
+        // The committed step's plan is freed while the devices run the next step.
+        self.retired = self.pending.take().map(|p| p.plan);
+        let deferred_us = t.elapsed().as_micros() as u64;
+        self.stats.manager_us += self.pending_manager_us + manager_us + deferred_us;
+        self.pending_manager_us = 0;
+        if let Some(last) = self.history.back_mut() {
+            last.manager_us += manager_us;
+        }
+    }
+}
+
+/// Commit the outcome of the step in flight, then plan and run the next step: one
+/// message (one round trip for the caller) for what [`Commit`] and [`Step`] do.
+pub struct CommitAndStep {
+    /// The outcomes of the step in flight.
+    pub outcomes: Vec<RequestOutcome>,
+    /// The next step's draft tokens per decoding request.
+    pub drafts: HashMap<RequestId, Vec<TokenId>>,
+}
+
+/// What [`KvCacheHandle::commit_and_step`](super::KvCacheHandle::commit_and_step) did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommitAndStepReport {
+    /// The commit of the step that was in flight.
+    pub commit: CommitReport,
+    /// The next step, or why it could not run (the commit stands either way).
+    pub step: Result<StepReport, RuntimeError>,
+}
+
+impl Message<CommitAndStep> for Coordinator {
+    type Reply = DelegatedReply<Result<CommitAndStepReport, RuntimeError>>;
+
+    async fn handle(
+        &mut self,
+        msg: CommitAndStep,
+        ctx: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let CommitAndStep { outcomes, drafts } = msg;
+        let commit = match self.run_commit(&outcomes).await {
+            Ok(commit) => commit,
+            // Nothing was committed and no step runs: the step in flight stays pending.
+            Err(e) => return ctx.reply(Err(e)),
+        };
+        // Exactly what a `Commit` then a `Step` would do, in that order.
+        self.after_commit(commit.manager_us);
+        match self.run_step(drafts).await {
+            Ok((step, pending)) => {
+                let reply = ctx.reply(Ok(CommitAndStepReport {
+                    commit,
+                    step: Ok(step),
+                }));
+                self.after_step(pending);
+                reply
+            }
+            Err(e) => ctx.reply(Ok(CommitAndStepReport {
+                commit,
+                step: Err(e),
+            })),
+        }
     }
 }
 
