@@ -2,7 +2,8 @@
 //! actor runtime, against the same step on the bare scheduler: the price of the actors.
 //! Devices are a no-op backend so that only the runtime's own work is measured. Both
 //! sides get the same inputs prepared outside the timed region. The runtime is driven
-//! two ways: from a thread outside tokio (`block_on`) and from a task of the runtime.
+//! two ways: from a thread outside tokio (`block_on`, with `step` + `commit` and with
+//! `commit_and_step`) and from a task of the runtime.
 //! Results and the command: BENCHMARKS.md.
 
 use std::collections::HashMap;
@@ -211,6 +212,35 @@ async fn actor_steps(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duratio
     total
 }
 
+/// The same steps through `commit_and_step`: each timed call commits the step in flight
+/// and runs the next one (one round trip instead of two).
+async fn actor_steps_combined(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut kv = runtime().await;
+    let mut rep = kv.step(d.clone()).await.unwrap();
+    for i in 0..iters {
+        if i > 0 && i % REBUILD == 0 {
+            kv.shutdown().await;
+            kv = runtime().await;
+            rep = kv.step(d.clone()).await.unwrap();
+        }
+        let drafts = d.clone();
+        let t = Instant::now();
+        let r = kv
+            .commit_and_step(
+                outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))),
+                drafts,
+            )
+            .await
+            .unwrap();
+        total += t.elapsed();
+        rep = r.step.unwrap();
+        assert_eq!(rep.scheduled.len(), SEQS as usize);
+    }
+    kv.shutdown().await;
+    total
+}
+
 fn step(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduling_step_256_seqs_3_drafts");
     g.throughput(Throughput::Elements(SEQS));
@@ -243,6 +273,9 @@ fn step(c: &mut Criterion) {
     // every message to the coordinator and every reply crosses threads.
     g.bench_function("actors_one_device", |b| {
         b.iter_custom(|iters| rt.block_on(actor_steps(iters, d.clone())))
+    });
+    g.bench_function("actors_one_device_commit_and_step", |b| {
+        b.iter_custom(|iters| rt.block_on(actor_steps_combined(iters, d.clone())))
     });
     // The engine loop is a task of the runtime: the coordinator runs on the caller's
     // worker, so only the device actor's thread is crossed.
