@@ -2,8 +2,8 @@
 //! actor runtime, against the same step on the bare scheduler: the price of the actors.
 //! Devices are a no-op backend so that only the runtime's own work is measured. Both
 //! sides get the same inputs prepared outside the timed region. The runtime is driven
-//! two ways: from a thread outside tokio (`block_on`, with `step` + `commit` and with
-//! `commit_and_step`) and from a task of the runtime.
+//! from a thread outside tokio (`block_on`) and from a task of the runtime, each with
+//! `step` + `commit` and with `commit_and_step`.
 //! Results and the command: BENCHMARKS.md.
 
 use std::collections::HashMap;
@@ -282,6 +282,15 @@ fn step(c: &mut Criterion) {
     g.bench_function("actors_one_device_engine_task", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async { tokio::spawn(actor_steps(iters, d.clone())).await.unwrap() })
+        })
+    });
+    g.bench_function("actors_one_device_engine_task_commit_and_step", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                tokio::spawn(actor_steps_combined(iters, d.clone()))
+                    .await
+                    .unwrap()
+            })
         })
     });
     g.finish();
