@@ -1,6 +1,9 @@
 //! One scheduling step of 256 decoding sequences (1 + 3 draft tokens each) through the
 //! actor runtime, against the same step on the bare scheduler: the price of the actors.
-//! Devices are a no-op backend so that only the runtime's own work is measured.
+//! Devices are a no-op backend so that only the runtime's own work is measured. Both
+//! sides get the same inputs prepared outside the timed region. The runtime is driven
+//! from a thread outside tokio (`block_on`) and from a task of the runtime, each with
+//! `step` + `commit` and with `commit_and_step`.
 //! Results and the command: BENCHMARKS.md.
 
 use std::collections::HashMap;
@@ -185,6 +188,59 @@ async fn runtime() -> KvCacheHandle {
 /// `REBUILD` steps so that every measured step sees 1,000–3,200-token sequences.
 const REBUILD: u64 = 100;
 
+/// `iters` steps through the handle, timed as the bare scheduler is: inputs (the drafts
+/// map, which `step` takes by value) are prepared before the clock starts, and the
+/// report is dropped after it stops.
+async fn actor_steps(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut kv = runtime().await;
+    for i in 0..iters {
+        if i > 0 && i % REBUILD == 0 {
+            kv.shutdown().await;
+            kv = runtime().await;
+        }
+        let drafts = d.clone();
+        let t = Instant::now();
+        let rep = kv.step(drafts).await.unwrap();
+        kv.commit(outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))))
+            .await
+            .unwrap();
+        total += t.elapsed();
+        assert_eq!(rep.scheduled.len(), SEQS as usize);
+    }
+    kv.shutdown().await;
+    total
+}
+
+/// The same steps through `commit_and_step`: each timed call commits the step in flight
+/// and runs the next one (one round trip instead of two).
+async fn actor_steps_combined(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut kv = runtime().await;
+    let mut rep = kv.step(d.clone()).await.unwrap();
+    for i in 0..iters {
+        if i > 0 && i % REBUILD == 0 {
+            kv.shutdown().await;
+            kv = runtime().await;
+            rep = kv.step(d.clone()).await.unwrap();
+        }
+        let drafts = d.clone();
+        let t = Instant::now();
+        let r = kv
+            .commit_and_step(
+                outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))),
+                drafts,
+            )
+            .await
+            .unwrap();
+        total += t.elapsed();
+        rep = r.step.unwrap();
+        assert_eq!(rep.scheduled.len(), SEQS as usize);
+    }
+    kv.shutdown().await;
+    total
+}
+
 fn step(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduling_step_256_seqs_3_drafts");
     g.throughput(Throughput::Elements(SEQS));
@@ -213,26 +269,27 @@ fn step(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
+    // The engine loop calls the handle from a thread outside the runtime (`block_on`):
+    // every message to the coordinator and every reply crosses threads.
     g.bench_function("actors_one_device", |b| {
+        b.iter_custom(|iters| rt.block_on(actor_steps(iters, d.clone())))
+    });
+    g.bench_function("actors_one_device_commit_and_step", |b| {
+        b.iter_custom(|iters| rt.block_on(actor_steps_combined(iters, d.clone())))
+    });
+    // The engine loop is a task of the runtime: the coordinator runs on the caller's
+    // worker, so only the device actor's thread is crossed.
+    g.bench_function("actors_one_device_engine_task", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async { tokio::spawn(actor_steps(iters, d.clone())).await.unwrap() })
+        })
+    });
+    g.bench_function("actors_one_device_engine_task_commit_and_step", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
-                let mut total = Duration::ZERO;
-                let mut kv = runtime().await;
-                for i in 0..iters {
-                    if i > 0 && i % REBUILD == 0 {
-                        kv.shutdown().await;
-                        kv = runtime().await;
-                    }
-                    let t = Instant::now();
-                    let rep = kv.step(drafts()).await.unwrap();
-                    kv.commit(outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))))
-                        .await
-                        .unwrap();
-                    total += t.elapsed();
-                    assert_eq!(rep.scheduled.len(), SEQS as usize);
-                }
-                kv.shutdown().await;
-                total
+                tokio::spawn(actor_steps_combined(iters, d.clone()))
+                    .await
+                    .unwrap()
             })
         })
     });

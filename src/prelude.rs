@@ -2,8 +2,8 @@
 //! `use dsa_kv::prelude::*;`.
 
 pub use crate::actors::{
-    CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError, RuntimeInfo,
-    RuntimeStats, ScheduledRequest, StepReport,
+    CommitAndStepReport, CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError,
+    RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport,
 };
 pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};

@@ -1,7 +1,7 @@
 //! The runtime through its public handle: many concurrent clients with nothing lost,
-//! supervision (a device dies mid-run), backpressure, prefix-cache reset, and start-up
-//! validation. The supervision and backpressure tests inject faults (feature
-//! `fault-injection`).
+//! supervision (a device dies mid-run), backpressure, prefix-cache reset, start-up
+//! validation, and `commit_and_step` against `commit` then `step`. The supervision and
+//! backpressure tests inject faults (feature `fault-injection`).
 mod common;
 
 use common::engine::outcomes;
@@ -530,5 +530,177 @@ async fn events_dropped_untaken_are_counted_and_the_snapshot_resyncs() {
     let again = kv.take_events_with_snapshot().await.unwrap();
     assert_eq!((again.events.len(), again.lost), (0, 0));
     assert_eq!(again.blocks, snap.blocks);
+    kv.shutdown().await;
+}
+
+/// Drives every submitted request to its end with deterministic drafts and outcomes,
+/// through `step` + `commit` or through `commit_and_step`; returns each step's report
+/// and its commit's finished requests, timings zeroed.
+async fn drive(
+    kv: &KvCacheHandle,
+    combined: bool,
+) -> Vec<(dsa_kv::actors::StepReport, Vec<FinishedReport>)> {
+    fn drafts(step: u64) -> HashMap<RequestId, Vec<TokenId>> {
+        (1..=12)
+            .map(|id| {
+                let t = (id * 7 + step * 13) as u32 % 1000;
+                (RequestId(id), vec![TokenId(t), TokenId(t + 1)])
+            })
+            .collect()
+    }
+    fn outcomes(r: &dsa_kv::actors::StepReport) -> Vec<RequestOutcome> {
+        r.scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: (s.id.0 as u32 + r.step as u32) % (s.num_drafts + 1),
+                next_token: s
+                    .produces_token
+                    .then(|| TokenId((s.id.0 as u32 * 31 + r.step as u32) % 1000)),
+            })
+            .collect()
+    }
+    fn untimed(mut r: dsa_kv::actors::StepReport) -> dsa_kv::actors::StepReport {
+        r.manager_us = 0;
+        for d in &mut r.devices {
+            d.elapsed_us = 0;
+        }
+        r
+    }
+    let mut log = Vec::new();
+    let mut report = kv.step(drafts(0)).await.unwrap();
+    for n in 1.. {
+        assert!(n < 5000, "the requests did not finish");
+        if report.scheduled.is_empty() {
+            if kv.counters().in_flight == 0 {
+                return log;
+            }
+            report = kv.step(drafts(n)).await.unwrap();
+            continue;
+        }
+        let outcomes = outcomes(&report);
+        let (finished, next) = if combined {
+            let r = kv.commit_and_step(outcomes, drafts(n)).await.unwrap();
+            (r.commit.finished, r.step.unwrap())
+        } else {
+            let c = kv.commit(outcomes).await.unwrap();
+            (c.finished, kv.step(drafts(n)).await.unwrap())
+        };
+        log.push((untimed(report), finished));
+        report = next;
+    }
+    unreachable!()
+}
+
+/// `commit_and_step` is `commit` then `step` in one message: under memory pressure
+/// (preemption, host offload, a separate draft cache), the same requests get the same
+/// steps, finished reports, statistics and KV events either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_and_step_does_what_commit_then_step_do() {
+    let mut runs = Vec::new();
+    for combined in [false, true] {
+        let kv = KvCacheBuilder::new()
+            .config(config(1024, true, true))
+            .start()
+            .await
+            .unwrap();
+        for id in 1..=12u64 {
+            kv.submit(SubmitRequest {
+                id: RequestId(id),
+                scope: ReuseScope::SHARED,
+                prompt: prompt(id % 4, 150 + (id as usize * 37) % 200),
+                max_new_tokens: 20 + (id as u32 * 7) % 30,
+                priority: 35,
+            })
+            .await
+            .unwrap();
+        }
+        let log = drive(&kv, combined).await;
+        let stats = kv.stats().await.unwrap();
+        let events = kv.take_events().await.unwrap();
+        let counts = kv.check_invariants().await.unwrap();
+        kv.shutdown().await;
+        runs.push((log, stats, events, counts));
+    }
+    let (b, a) = (runs.pop().unwrap(), runs.pop().unwrap());
+    assert_eq!(a.0.len(), b.0.len(), "steps");
+    for (x, y) in a.0.iter().zip(&b.0) {
+        assert_eq!(x, y, "step {}", x.0.step);
+    }
+    let finished: usize = a.0.iter().map(|(_, f)| f.len()).sum();
+    assert_eq!(finished, 12);
+    assert!(a.1.preemptions > 0, "no memory pressure: {:?}", a.1);
+    let counters = |s: &dsa_kv::actors::RuntimeStats| {
+        (
+            (s.steps, s.submitted, s.finished, s.failed, s.preemptions),
+            (s.prefill_tokens, s.decode_tokens),
+            (s.drafts_proposed, s.drafts_accepted, s.draft_replays),
+            (s.offload_bytes, s.onboard_bytes, s.events),
+            (s.tokens_verified, s.mismatches, s.history.len()),
+        )
+    };
+    assert_eq!(counters(&a.1), counters(&b.1));
+    assert_eq!(a.1.mismatches, 0);
+    assert_eq!(a.2, b.2, "KV events");
+    assert_eq!(a.3, b.3, "cache occupancy");
+}
+
+/// A refused commit refuses the whole call: nothing is committed, no step runs, and the
+/// step in flight can still be committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
+    let kv = KvCacheBuilder::new()
+        .config(config(4096, false, false))
+        .start()
+        .await
+        .unwrap();
+    kv.submit(SubmitRequest {
+        id: RequestId(1),
+        scope: ReuseScope::SHARED,
+        prompt: prompt(1, 100),
+        max_new_tokens: 2,
+        priority: 35,
+    })
+    .await
+    .unwrap();
+    let err = |r: Result<dsa_kv::actors::CommitAndStepReport, RuntimeError>| match r {
+        Ok(r) => panic!("accepted: {r:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert_eq!(
+        err(kv.commit_and_step(vec![], HashMap::new()).await),
+        "no step to commit"
+    );
+    let step = kv.step(HashMap::new()).await.unwrap();
+    let bad = vec![RequestOutcome {
+        id: RequestId(404),
+        accepted_drafts: 0,
+        next_token: Some(TokenId(1)),
+    }];
+    assert_eq!(
+        err(kv.commit_and_step(bad, HashMap::new()).await),
+        "request 404 was not part of step 1"
+    );
+    assert_eq!(kv.pending_step().await.unwrap(), Some(step.clone()));
+    assert_eq!(kv.stats().await.unwrap().steps, 1, "no step ran");
+    // The step in flight commits, and the next one runs, in one call.
+    let r = kv
+        .commit_and_step(outcomes(&step, |_| TokenId(7)), HashMap::new())
+        .await
+        .unwrap();
+    assert!(r.commit.finished.is_empty());
+    let next = r.step.unwrap();
+    assert_eq!((next.step, next.scheduled.len()), (2, 1));
+    assert_eq!(kv.pending_step().await.unwrap(), Some(next.clone()));
+    // The last token: the request finishes in the commit, and the step after it is empty.
+    let r = kv
+        .commit_and_step(outcomes(&next, |_| TokenId(7)), HashMap::new())
+        .await
+        .unwrap();
+    assert_eq!(r.commit.finished.len(), 1);
+    assert_eq!(r.commit.finished[0].finished.generated, 2);
+    assert!(r.commit.finished[0].mismatches.is_empty());
+    assert!(r.step.unwrap().scheduled.is_empty());
+    assert_eq!(kv.pending_step().await.unwrap(), None);
     kv.shutdown().await;
 }

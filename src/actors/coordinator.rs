@@ -15,6 +15,7 @@ use futures::future::join_all;
 use kameo::actor::{ActorId, ActorRef, WeakActorRef};
 use kameo::error::{ActorStopReason, PanicError};
 use kameo::message::{Context, Message};
+use kameo::reply::DelegatedReply;
 use kameo::Actor;
 use serde::Serialize;
 use tokio::sync::oneshot;
@@ -114,10 +115,54 @@ pub struct Coordinator {
     stats: RuntimeStats,
     history: VecDeque<StepSample>,
     pending_manager_us: u64,
-    /// The report of the step scheduled and not committed yet: a client whose `step`
-    /// future was dropped gets it again (the step ran; its report must not be lost).
-    pending_report: Option<StepReport>,
+    /// The step scheduled and not committed yet: a client whose `step` future was
+    /// dropped gets its report again (the step ran; its report must not be lost).
+    pending: Option<PendingReport>,
+    /// The plan of the last committed step, freed while the devices run the next one
+    /// (a step's coordinator otherwise only waits then): freeing a 256-request plan
+    /// costs about as much as a device wake-up, and no caller should wait for it.
+    retired: Option<Arc<StepPlan>>,
     shared: Arc<RuntimeShared>,
+}
+
+/// What the report of the step in flight is rebuilt from when
+/// [`PendingStep`] asks for it: the shared plan, not a copy of the report (the hot
+/// path pays no clone for a report that is almost never asked for again).
+struct PendingReport {
+    plan: Arc<StepPlan>,
+    devices: Vec<DeviceStepReport>,
+    draft: Option<DraftReport>,
+    manager_us: u64,
+}
+
+impl PendingReport {
+    fn report(&self, scheduled: Vec<ScheduledRequest>) -> StepReport {
+        StepReport {
+            step: self.plan.step,
+            scheduled,
+            preempted: self.plan.preempted.clone(),
+            resumed: self.plan.resumed.clone(),
+            failed: self.plan.failed.clone(),
+            devices: self.devices.clone(),
+            draft: self.draft,
+            manager_us: self.manager_us,
+        }
+    }
+}
+
+/// The requests of a plan as the framework sees them.
+fn scheduled_requests(plan: &StepPlan) -> Vec<ScheduledRequest> {
+    plan.requests
+        .iter()
+        .map(|p| ScheduledRequest {
+            id: p.id,
+            kind: p.kind,
+            num_cached: p.num_cached,
+            num_tokens: p.tokens.len() as u32,
+            num_drafts: p.num_drafts,
+            produces_token: p.produces_token,
+        })
+        .collect()
 }
 
 /// What the coordinator starts with.
@@ -162,7 +207,8 @@ impl Actor for Coordinator {
             stats,
             history: VecDeque::new(),
             pending_manager_us: 0,
-            pending_report: None,
+            pending: None,
+            retired: None,
             shared: args.shared,
         })
     }
@@ -386,15 +432,55 @@ impl Message<Submit> for Coordinator {
 pub struct Step(pub HashMap<RequestId, Vec<TokenId>>);
 
 impl Message<Step> for Coordinator {
-    type Reply = Result<StepReport, RuntimeError>;
+    type Reply = DelegatedReply<Result<StepReport, RuntimeError>>;
 
-    async fn handle(&mut self, msg: Step, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+    async fn handle(&mut self, msg: Step, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        match self.run_step(msg.0).await {
+            Ok((report, pending)) => {
+                // The caller goes on (samples, builds the next inputs) while the
+                // bookkeeping no caller waits for is done; messages are handled in
+                // order, so everything read through the mailbox still sees it done.
+                let reply = ctx.reply(Ok(report));
+                self.after_step(pending);
+                reply
+            }
+            Err(e) => ctx.reply(Err(e)),
+        }
+    }
+}
+
+impl Coordinator {
+    /// Schedules a step, runs it on every device and completes its fences: everything
+    /// the step's caller waits for. The caller's report, and what
+    /// [`PendingStep`] rebuilds it from.
+    async fn run_step(
+        &mut self,
+        drafts: HashMap<RequestId, Vec<TokenId>>,
+    ) -> Result<(StepReport, PendingReport), RuntimeError> {
         let devices = self.alive();
         if devices.is_empty() {
             return Err(RuntimeError::NoDevices);
         }
         let t0 = Instant::now();
-        let plan = Arc::new(self.sched.schedule(&msg.0)?);
+        let plan = Arc::new(self.sched.schedule(&drafts)?);
+        let mut manager_us = t0.elapsed().as_micros() as u64;
+        let span = tracing::info_span!("step", step = plan.step, requests = plan.requests.len());
+        // One message per step per device; every device gets the same plan. Every
+        // device is handed its message before anything else is done, so that the work
+        // below overlaps the devices' wake-up and execution.
+        let mut sent = Vec::with_capacity(devices.len());
+        for d in &devices {
+            sent.push(
+                d.ask(ExecuteStep(plan.clone()))
+                    .enqueue()
+                    .instrument(span.clone())
+                    .await,
+            );
+        }
+        let t1 = Instant::now();
+        // Freed while the devices work: this step's inputs, the last step's plan.
+        drop(drafts);
+        self.retired = None;
         for (id, why) in &plan.failed {
             let id = *id;
             self.resolve(
@@ -405,14 +491,20 @@ impl Message<Step> for Coordinator {
                 }),
             );
         }
-        let manager_us = t0.elapsed().as_micros() as u64;
-        let span = tracing::info_span!("step", step = plan.step, requests = plan.requests.len());
-        // One message per step per device; every device gets the same plan.
-        let results = join_all(
-            devices
-                .iter()
-                .map(|d| d.ask(ExecuteStep(plan.clone())).into_future()),
-        )
+        let scheduled = scheduled_requests(&plan);
+        manager_us += t1.elapsed().as_micros() as u64;
+        let results = join_all(sent.into_iter().map(|sent| async move {
+            match sent {
+                Ok(reply) => reply.await.map_err(|e| {
+                    // A device that stopped (panicked) mid-step is lost now, not when its
+                    // link notification arrives: by then new requests may be running
+                    // and must not be failed for it.
+                    let stopped = !matches!(e, kameo::error::SendError::HandlerError(_));
+                    (RuntimeError::from(e), stopped)
+                }),
+                Err(e) => Err((RuntimeError::from(e), true)),
+            }
+        }))
         .instrument(span.clone())
         .await;
         let mut reports = Vec::with_capacity(results.len());
@@ -421,14 +513,11 @@ impl Message<Step> for Coordinator {
         for (r, d) in results.into_iter().zip(&devices) {
             match r {
                 Ok(rep) => reports.push(rep),
-                Err(e) => {
-                    // A device that stopped (panicked) mid-step is lost now, not when its
-                    // link notification arrives: by then new requests may be running
-                    // and must not be failed for it.
-                    if !matches!(e, kameo::error::SendError::HandlerError(_)) {
+                Err((e, stopped)) => {
+                    if stopped {
                         dead.push(d.id());
                     }
-                    first_err.get_or_insert(RuntimeError::from(e));
+                    first_err.get_or_insert(e);
                 }
             }
         }
@@ -480,7 +569,7 @@ impl Message<Step> for Coordinator {
             self.publish_counters();
             return Err(e);
         }
-        let t1 = Instant::now();
+        let t2 = Instant::now();
         // The fence every device published completes the step's target fence (slots it
         // released become ready only then); the draft fence completes with the replay.
         let done = self.shared.fences.all_completed().min(plan.target_fence);
@@ -498,33 +587,24 @@ impl Message<Step> for Coordinator {
         if mismatches > 0 {
             tracing::error!(step = plan.step, mismatches, "cached KV did not verify");
         }
-        self.drain_events();
-        let manager_us = manager_us + t1.elapsed().as_micros() as u64;
+        let manager_us = manager_us + t2.elapsed().as_micros() as u64;
         self.pending_manager_us = manager_us;
-        self.sample(&plan, manager_us);
-        let report = StepReport {
-            step: plan.step,
-            scheduled: plan
-                .requests
-                .iter()
-                .map(|p| ScheduledRequest {
-                    id: p.id,
-                    kind: p.kind,
-                    num_cached: p.num_cached,
-                    num_tokens: p.tokens.len() as u32,
-                    num_drafts: p.num_drafts,
-                    produces_token: p.produces_token,
-                })
-                .collect(),
-            preempted: plan.preempted.clone(),
-            resumed: plan.resumed.clone(),
-            failed: plan.failed.clone(),
+        let pending = PendingReport {
+            plan,
             devices: reports,
             draft,
             manager_us,
         };
-        self.pending_report = self.sched.pending_step().map(|_| report.clone());
-        Ok(report)
+        Ok((pending.report(scheduled), pending))
+    }
+
+    /// A step's bookkeeping that its caller does not wait for (after the reply).
+    fn after_step(&mut self, pending: PendingReport) {
+        let t = Instant::now();
+        self.drain_events();
+        self.sample(&pending.plan, pending.manager_us);
+        self.pending = Some(pending);
+        self.pending_manager_us += t.elapsed().as_micros() as u64;
     }
 }
 
@@ -560,8 +640,10 @@ impl Message<PendingStep> for Coordinator {
     async fn handle(&mut self, _: PendingStep, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         // The scheduler is the authority: a commit, or a device failure that abandoned
         // the step, ends it.
-        match (self.sched.pending_step(), &self.pending_report) {
-            (Some(step), Some(r)) if r.step == step => Some(r.clone()),
+        match (self.sched.pending_step(), &self.pending) {
+            (Some(step), Some(p)) if p.plan.step == step => {
+                Some(p.report(scheduled_requests(&p.plan)))
+            }
             _ => None,
         }
     }
@@ -571,11 +653,31 @@ impl Message<PendingStep> for Coordinator {
 pub struct Commit(pub Vec<RequestOutcome>);
 
 impl Message<Commit> for Coordinator {
-    type Reply = Result<CommitReport, RuntimeError>;
+    type Reply = DelegatedReply<Result<CommitReport, RuntimeError>>;
 
-    async fn handle(&mut self, msg: Commit, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+    async fn handle(&mut self, msg: Commit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        match self.run_commit(&msg.0).await {
+            Ok(report) => {
+                let manager_us = report.manager_us;
+                // As for a step: the caller goes on while the bookkeeping is done.
+                let reply = ctx.reply(Ok(report));
+                self.after_commit(manager_us);
+                reply
+            }
+            Err(e) => ctx.reply(Err(e)),
+        }
+    }
+}
+
+impl Coordinator {
+    /// Commits the step's outcomes and verifies the requests that finished: everything
+    /// the commit's caller waits for.
+    async fn run_commit(
+        &mut self,
+        outcomes: &[RequestOutcome],
+    ) -> Result<CommitReport, RuntimeError> {
         let t0 = Instant::now();
-        let finished = self.sched.commit(&msg.0)?;
+        let finished = self.sched.commit(outcomes)?;
         let mut manager_us = t0.elapsed().as_micros() as u64;
         let mut reports = Vec::with_capacity(finished.len());
         if !finished.is_empty() {
@@ -612,16 +714,75 @@ impl Message<Commit> for Coordinator {
         }
         self.stats.finished = self.sched.stats().finished;
         self.publish_counters();
-        self.drain_events();
-        self.stats.manager_us += self.pending_manager_us + manager_us;
-        self.pending_manager_us = 0;
-        if let Some(last) = self.history.back_mut() {
-            last.manager_us += manager_us;
-        }
         Ok(CommitReport {
             finished: reports,
             manager_us,
         })
+    }
+
+    /// A commit's bookkeeping that its caller does not wait for (after the reply).
+    fn after_commit(&mut self, manager_us: u64) {
+        let t = Instant::now();
+        self.drain_events();
+        // The committed step's plan is freed while the devices run the next step.
+        self.retired = self.pending.take().map(|p| p.plan);
+        let deferred_us = t.elapsed().as_micros() as u64;
+        self.stats.manager_us += self.pending_manager_us + manager_us + deferred_us;
+        self.pending_manager_us = 0;
+        if let Some(last) = self.history.back_mut() {
+            last.manager_us += manager_us;
+        }
+    }
+}
+
+/// Commit the outcome of the step in flight, then plan and run the next step: one
+/// message (one round trip for the caller) for what [`Commit`] and [`Step`] do.
+pub struct CommitAndStep {
+    /// The outcomes of the step in flight.
+    pub outcomes: Vec<RequestOutcome>,
+    /// The next step's draft tokens per decoding request.
+    pub drafts: HashMap<RequestId, Vec<TokenId>>,
+}
+
+/// What [`KvCacheHandle::commit_and_step`](super::KvCacheHandle::commit_and_step) did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommitAndStepReport {
+    /// The commit of the step that was in flight.
+    pub commit: CommitReport,
+    /// The next step, or why it could not run (the commit stands either way).
+    pub step: Result<StepReport, RuntimeError>,
+}
+
+impl Message<CommitAndStep> for Coordinator {
+    type Reply = DelegatedReply<Result<CommitAndStepReport, RuntimeError>>;
+
+    async fn handle(
+        &mut self,
+        msg: CommitAndStep,
+        ctx: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let CommitAndStep { outcomes, drafts } = msg;
+        let commit = match self.run_commit(&outcomes).await {
+            Ok(commit) => commit,
+            // Nothing was committed and no step runs: the step in flight stays pending.
+            Err(e) => return ctx.reply(Err(e)),
+        };
+        // Exactly what a `Commit` then a `Step` would do, in that order.
+        self.after_commit(commit.manager_us);
+        match self.run_step(drafts).await {
+            Ok((step, pending)) => {
+                let reply = ctx.reply(Ok(CommitAndStepReport {
+                    commit,
+                    step: Ok(step),
+                }));
+                self.after_step(pending);
+                reply
+            }
+            Err(e) => ctx.reply(Ok(CommitAndStepReport {
+                commit,
+                step: Err(e),
+            })),
+        }
     }
 }
 

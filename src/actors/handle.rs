@@ -10,9 +10,9 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 
 use super::coordinator::{
-    CacheCounts, Cancel, CheckInvariants, Commit, CommitReport, Coordinator, CoordinatorArgs,
-    Devices, FinishedReport, GetStats, Pause, PendingStep, Step, StepReport, Submit, TakeEvents,
-    Watch,
+    CacheCounts, Cancel, CheckInvariants, Commit, CommitAndStep, CommitAndStepReport, CommitReport,
+    Coordinator, CoordinatorArgs, Devices, FinishedReport, GetStats, Pause, PendingStep, Step,
+    StepReport, Submit, TakeEvents, Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, Synchronize};
 use super::draft::DraftReplayActor;
@@ -452,6 +452,57 @@ impl KvCacheHandle {
         outcomes: Vec<RequestOutcome>,
     ) -> Result<CommitReport, RuntimeError> {
         Ok(self.coordinator.ask(Commit(outcomes)).await?)
+    }
+
+    /// Commits what the model sampled for the step in flight, then plans and runs the
+    /// next step: exactly [`commit`](Self::commit) followed by [`step`](Self::step), in
+    /// one round trip through the coordinator instead of two. An engine loop that calls
+    /// the handle from a thread outside the tokio runtime (`block_on`, a foreign-language
+    /// binding) saves two cross-thread wake-ups per step; from a task of the runtime the
+    /// two calls cost about the same.
+    ///
+    /// A commit that fails returns its error; nothing was committed and no step ran (the
+    /// step in flight is still [`pending_step`](Self::pending_step)). Once the commit
+    /// landed its report is returned even if the next step fails: the step's error is in
+    /// [`CommitAndStepReport::step`].
+    ///
+    /// ```
+    /// # use dsa_kv::actors::KvCacheBuilder;
+    /// # use dsa_kv::config::EngineConfig;
+    /// # use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+    /// # use dsa_kv::core::ReuseScope;
+    /// # use dsa_kv::ids::{RequestId, TokenId};
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+    /// # async fn main() -> Result<(), dsa_kv::actors::RuntimeError> {
+    /// # let mut config = EngineConfig::default();
+    /// # config.model.num_layers = Some(2);
+    /// # config.kv_cache.max_tokens = Some(4096);
+    /// # let kv = KvCacheBuilder::new().config(config).start().await?;
+    /// # let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
+    /// # kv.submit(SubmitRequest { id: RequestId(1), scope: ReuseScope::SHARED, prompt, max_new_tokens: 3, priority: 35 }).await?;
+    /// let mut report = kv.step(Default::default()).await?;
+    /// let mut finished = 0;
+    /// while !report.scheduled.is_empty() {
+    ///     let outcomes = report.scheduled.iter()
+    ///         .map(|r| RequestOutcome { id: r.id, accepted_drafts: 0, next_token: r.produces_token.then_some(TokenId(7)) })
+    ///         .collect();
+    ///     let done = kv.commit_and_step(outcomes, Default::default()).await?;
+    ///     finished += done.commit.finished.len();
+    ///     report = done.step?;
+    /// }
+    /// assert_eq!(finished, 1);
+    /// # kv.shutdown().await;
+    /// # Ok(()) }
+    /// ```
+    pub async fn commit_and_step(
+        &self,
+        outcomes: Vec<RequestOutcome>,
+        drafts: HashMap<RequestId, Vec<TokenId>>,
+    ) -> Result<CommitAndStepReport, RuntimeError> {
+        Ok(self
+            .coordinator
+            .ask(CommitAndStep { outcomes, drafts })
+            .await?)
     }
 
     /// Waits until a request finishes (or fails).

@@ -13,7 +13,8 @@ mod shared;
 mod stats;
 
 pub use coordinator::{
-    CacheCounts, CommitReport, EventSnapshot, FinishedReport, ScheduledRequest, StepReport,
+    CacheCounts, CommitAndStepReport, CommitReport, EventSnapshot, FinishedReport,
+    ScheduledRequest, StepReport,
 };
 pub use draft::DraftReport;
 pub use error::RuntimeError;
