@@ -17,7 +17,10 @@ use dsa_kv::core::scheduler::{
     PlannedKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
 };
 use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, TierSlots};
-use dsa_kv::device::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use dsa_kv::device::{
+    Batch, DeviceBackend, DeviceError, DeviceStepReport, Forward, ForwardError, ForwardSetup,
+    Mismatch, VerifySpec,
+};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::{LayoutKind, PoolPlan};
 use dsa_kv::metadata::{DraftSnapshot, MetadataError};
@@ -156,15 +159,41 @@ fn bare() -> Scheduler {
     s
 }
 
-async fn runtime() -> KvCacheHandle {
-    let kv = KvCacheBuilder::new()
-        .config(config())
-        .backend(Arc::new(|i, _| {
+/// The device behind the runtime.
+#[derive(Clone, Copy)]
+enum Dev {
+    /// A backend that only acknowledges: the runtime's own cost.
+    Null,
+    /// The host backend with a forward that does nothing: adds what a device does for
+    /// any forward (copies, the step metadata for 256 requests, the batch view). One
+    /// target layer (+ MTP) so the pools stay small; the metadata does not depend on it.
+    HostNoopForward,
+}
+
+struct NoopForward;
+
+impl Forward for NoopForward {
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<(), ForwardError> {
+        Ok(())
+    }
+}
+
+async fn runtime(dev: Dev) -> KvCacheHandle {
+    let b = KvCacheBuilder::new();
+    let b = match dev {
+        Dev::Null => b.config(config()).backend(Arc::new(|i, _| {
             Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
-        }))
-        .start()
-        .await
-        .unwrap();
+        })),
+        Dev::HostNoopForward => {
+            let mut c = config();
+            c.model.num_layers = Some(1);
+            c.kv_cache.max_tokens = Some(1_000_000);
+            b.config(c).forward(Arc::new(|_: &ForwardSetup<'_>| {
+                Ok(Box::new(NoopForward) as Box<dyn Forward>)
+            }))
+        }
+    };
+    let kv = b.start().await.unwrap();
     for r in requests() {
         kv.submit(r).await.unwrap();
     }
@@ -191,13 +220,13 @@ const REBUILD: u64 = 100;
 /// `iters` steps through the handle, timed as the bare scheduler is: inputs (the drafts
 /// map, which `step` takes by value) are prepared before the clock starts, and the
 /// report is dropped after it stops.
-async fn actor_steps(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duration {
+async fn actor_steps(iters: u64, d: HashMap<RequestId, Vec<TokenId>>, dev: Dev) -> Duration {
     let mut total = Duration::ZERO;
-    let mut kv = runtime().await;
+    let mut kv = runtime(dev).await;
     for i in 0..iters {
         if i > 0 && i % REBUILD == 0 {
             kv.shutdown().await;
-            kv = runtime().await;
+            kv = runtime(dev).await;
         }
         let drafts = d.clone();
         let t = Instant::now();
@@ -214,14 +243,18 @@ async fn actor_steps(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duratio
 
 /// The same steps through `commit_and_step`: each timed call commits the step in flight
 /// and runs the next one (one round trip instead of two).
-async fn actor_steps_combined(iters: u64, d: HashMap<RequestId, Vec<TokenId>>) -> Duration {
+async fn actor_steps_combined(
+    iters: u64,
+    d: HashMap<RequestId, Vec<TokenId>>,
+    dev: Dev,
+) -> Duration {
     let mut total = Duration::ZERO;
-    let mut kv = runtime().await;
+    let mut kv = runtime(dev).await;
     let mut rep = kv.step(d.clone()).await.unwrap();
     for i in 0..iters {
         if i > 0 && i % REBUILD == 0 {
             kv.shutdown().await;
-            kv = runtime().await;
+            kv = runtime(dev).await;
             rep = kv.step(d.clone()).await.unwrap();
         }
         let drafts = d.clone();
@@ -272,27 +305,45 @@ fn step(c: &mut Criterion) {
     // The engine loop calls the handle from a thread outside the runtime (`block_on`):
     // every message to the coordinator and every reply crosses threads.
     g.bench_function("actors_one_device", |b| {
-        b.iter_custom(|iters| rt.block_on(actor_steps(iters, d.clone())))
+        b.iter_custom(|iters| rt.block_on(actor_steps(iters, d.clone(), Dev::Null)))
     });
     g.bench_function("actors_one_device_commit_and_step", |b| {
-        b.iter_custom(|iters| rt.block_on(actor_steps_combined(iters, d.clone())))
+        b.iter_custom(|iters| rt.block_on(actor_steps_combined(iters, d.clone(), Dev::Null)))
     });
     // The engine loop is a task of the runtime: the coordinator runs on the caller's
     // worker, so only the device actor's thread is crossed.
     g.bench_function("actors_one_device_engine_task", |b| {
         b.iter_custom(|iters| {
-            rt.block_on(async { tokio::spawn(actor_steps(iters, d.clone())).await.unwrap() })
-        })
-    });
-    g.bench_function("actors_one_device_engine_task_commit_and_step", |b| {
-        b.iter_custom(|iters| {
             rt.block_on(async {
-                tokio::spawn(actor_steps_combined(iters, d.clone()))
+                tokio::spawn(actor_steps(iters, d.clone(), Dev::Null))
                     .await
                     .unwrap()
             })
         })
     });
+    g.bench_function("actors_one_device_engine_task_commit_and_step", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::Null))
+                    .await
+                    .unwrap()
+            })
+        })
+    });
+    // The host backend with a no-op forward: the runtime plus a device's own work per step
+    // (step metadata for 256 requests × 4 tokens, the batch view).
+    g.bench_function(
+        "host_device_noop_forward_engine_task_commit_and_step",
+        |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::HostNoopForward))
+                        .await
+                        .unwrap()
+                })
+            })
+        },
+    );
     g.finish();
 }
 

@@ -652,7 +652,7 @@ impl StepCore {
         self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
     }
 
-    /// Hash of the bound page tables and slot mappings (FNV-1a).
+    /// Hash of the bound page tables (the pages holding KV) and slot mappings (FNV-1a).
     pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
@@ -661,13 +661,23 @@ impl StepCore {
             }
         };
         let n = self.meta.counts().num_tokens;
-        let rows = self.meta.counts().num_requests * self.meta.max_blocks_per_seq();
-        self.meta.indexer_page_table()[..rows]
+        // Each request's row up to the pages holding its KV (the rest is padding, and
+        // with long max_seq_len rows are mostly padding).
+        let (b, t) = (
+            self.meta.max_blocks_per_seq(),
+            self.meta.layout().tokens_per_block.max(1) as usize,
+        );
+        for (r, &kv) in self.meta.kv_lens()[..self.meta.counts().num_requests]
             .iter()
-            .for_each(|&x| eat(i64::from(x)));
-        self.meta.block_table()[..rows]
-            .iter()
-            .for_each(|&x| eat(i64::from(x)));
+            .enumerate()
+        {
+            let cols = (kv.max(0) as usize).div_ceil(t).min(b);
+            for table in [self.meta.indexer_page_table(), self.meta.block_table()] {
+                table[r * b..r * b + cols]
+                    .iter()
+                    .for_each(|&x| eat(i64::from(x)));
+            }
+        }
         self.meta.slot_mapping_value()[..n]
             .iter()
             .for_each(|&x| eat(x));

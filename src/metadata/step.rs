@@ -151,6 +151,9 @@ pub struct StepMetadata {
     pub(super) helix_inactive: Vec<bool>,
     /// Blocks given per request, for the target (0) and the draft (1) set.
     pub(super) blocks_given: [Vec<u32>; 2],
+    /// Columns written in each page-table row of the target (0) and draft (1) set since
+    /// it was last padded whole: a rewrite re-pads only those, not the whole row.
+    pub(super) row_cols: [Vec<usize>; 2],
     pub(super) counts: StepCounts,
     /// Bumped by every prepare and restore of a draft replay.
     pub(super) epoch: u64,
@@ -242,6 +245,10 @@ impl StepMetadata {
             num_new: Vec::new(),
             helix_inactive: Vec::new(),
             blocks_given: [Vec::new(), Vec::new()],
+            row_cols: [
+                vec![0; dims.max_num_sequences],
+                vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
+            ],
             counts: StepCounts::default(),
             epoch: 0,
             replay: None,
@@ -442,17 +449,29 @@ impl StepMetadata {
         let rows = reqs.len() * b;
         let (mut ix, ix_dirty) = self.take_i32(set.indexer_page_table);
         let (mut bt, bt_dirty) = self.take_i32(set.block_table);
+        let which = usize::from(set.indexer_page_table != self.target.indexer_page_table);
+        let mut row_cols = std::mem::take(&mut self.row_cols[which]);
         for (r, req) in reqs.iter().enumerate() {
             let row = r * b..(r + 1) * b;
             let valid = (req.num_cached + req.added()).div_ceil(t) as usize;
             let (ixr, btr) = (&mut ix[row.clone()], &mut bt[row]);
+            let len = req.block_slots.len();
             for (col, &slot) in req.block_slots.iter().enumerate() {
                 ixr[col] = slot.max(0).saturating_mul(scale);
             }
-            ixr[req.block_slots.len()..].fill(0);
+            // Past `len` the row holds padding except what an earlier step wrote there.
+            let stale = row_cols[r].max(len);
+            ixr[len..stale].fill(0);
             btr[..valid].copy_from_slice(&req.block_slots[..valid]);
-            btr[valid..].fill(-1);
+            btr[valid..stale].fill(-1);
+            row_cols[r] = len;
         }
+        // Rows past this batch are re-padded whole below.
+        let old_rows = ix_dirty.max(bt_dirty).div_ceil(b.max(1));
+        for c in row_cols.iter_mut().take(old_rows).skip(reqs.len()) {
+            *c = 0;
+        }
+        self.row_cols[which] = row_cols;
         self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
         self.put_i32(set.block_table, bt, bt_dirty, rows, -1);
         let (mut lens, lens_dirty) = self.take_i32(set.kv_lens);

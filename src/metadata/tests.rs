@@ -512,3 +512,51 @@ fn guard_restores_on_drop_error_and_panic() {
     let snap = m.prepare_draft(&layout(1), &dreqs).unwrap();
     assert_eq!(m.restore(&snap), Ok(()));
 }
+
+/// Preparing batch after batch (rows growing and shrinking, fewer and more requests)
+/// leaves every buffer exactly as one fresh prepare of the last batch: the per-row
+/// re-padding forgets nothing a longer earlier row wrote.
+#[test]
+fn a_sequence_of_steps_leaves_what_a_fresh_prepare_gives() {
+    let mut rng = crate::rng::SplitMix64(7);
+    let mut m = StepMetadata::new(layout(3), dims(8), Some(dims(8)), true).unwrap();
+    for round in 0..300 {
+        let n = 1 + (rng.next_u64() % 4) as usize;
+        let slots: Vec<Vec<i32>> = (0..n)
+            .map(|_| {
+                let blocks = 1 + (rng.next_u64() % 8) as usize;
+                (0..blocks).map(|_| (rng.next_u64() % 50) as i32).collect()
+            })
+            .collect();
+        let reqs: Vec<StepRequest> = slots
+            .iter()
+            .map(|s| {
+                let cap = s.len() as u32 * 64;
+                let new = 1 + (rng.next_u64() % 20) as u32;
+                let cached = (rng.next_u64() % u64::from(cap)) as u32;
+                let cached = cached.min(cap - new.min(cap));
+                req(Generation, s, cached, new.min(cap - cached))
+            })
+            .collect();
+        // Every round a target prepare; every other one a draft replay too (whose set
+        // is then compared as well).
+        let draft = round % 2 == 1;
+        let mut fresh = StepMetadata::new(layout(3), dims(8), Some(dims(8)), true).unwrap();
+        for meta in [&mut m, &mut fresh] {
+            meta.prepare(&layout(3), &reqs).unwrap();
+            if draft {
+                let snap = meta.prepare_draft(&layout(3), &reqs).unwrap();
+                meta.restore(&snap).unwrap();
+            }
+        }
+        let sets = [m.set_buffers(false).unwrap(), m.set_buffers(true).unwrap()];
+        for id in sets[..1 + usize::from(draft)].iter().flatten().copied() {
+            assert_eq!(
+                (m.buffer_i32(id), m.buffer_i64(id)),
+                (fresh.buffer_i32(id), fresh.buffer_i64(id)),
+                "round {round}: buffer {:?}",
+                m.buffer_role(id)
+            );
+        }
+    }
+}
