@@ -652,12 +652,13 @@ impl StepCore {
         self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
     }
 
-    /// Hash of the bound page tables (the pages holding KV) and slot mappings (FNV-1a).
+    /// Hash of the bound page tables (the pages holding KV) and slot mappings: FNV-1a
+    /// over 32-bit words (a value per step per table entry, so words, not bytes).
     pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
-            for b in x.to_le_bytes() {
-                h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            for w in [x as u32, (x >> 32) as u32] {
+                h = (h ^ u64::from(w)).wrapping_mul(0x100_0000_01b3);
             }
         };
         let n = self.meta.counts().num_tokens;
