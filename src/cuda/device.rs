@@ -19,14 +19,13 @@ use crate::device::backend::{
     pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
 };
 use crate::device::forward::{
-    Batch, BatchMemory, CacheView, Forward, ForwardError, ForwardSetup, MemoryKind, MetadataView,
-    Phase, Region,
+    Batch, BatchMemory, CacheView, Forward, ForwardSetup, MemoryKind, MetadataView, Phase, Region,
 };
 use crate::device::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
 };
 use crate::ids::{PoolGroupId, SlotId, Tier};
-use crate::metadata::{DraftSnapshot, MetadataError};
+use crate::metadata::DraftSnapshot;
 use crate::storage::HostStorage;
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
@@ -84,22 +83,11 @@ impl CudaDevice {
         }
         let gpu = Gpu::open(ordinal).map_err(cuda)?;
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
-        let spec = setup.model.spec();
         let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
             let dev = CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?;
-            let view = CacheView::new(
-                plan,
-                setup.fp8_tensor_scale,
-                spec.kv_dtype,
-                spec.indexer_dtype,
-                |p| Region {
-                    addr: dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get()),
-                    bytes: dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get()),
-                },
-            )
-            .map_err(|what| DeviceError::Forward {
-                device: index,
-                source: ForwardError::Unsupported { what },
+            let view = StepCore::cache_view(index, &setup, plan, |p| Region {
+                addr: dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get()),
+                bytes: dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get()),
             })?;
             Ok(GpuCache {
                 host: Cache::new(index, plan.clone(), &vec![0; g.len()], &[])?,
@@ -333,17 +321,8 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
-        let dev = self.core.index;
         self.gpu.bind().map_err(|e| self.cuda(e))?;
-        if self.draft.is_none() {
-            return Err(DeviceError::NoDraftCache { device: dev });
-        }
-        if !self.core.meta.in_draft_replay() {
-            return Err(DeviceError::Metadata {
-                device: dev,
-                source: MetadataError::NotInReplay,
-            });
-        }
+        self.core.check_draft_forward(self.draft.is_some())?;
         self.run_forward(Phase::Draft, plan)
     }
 

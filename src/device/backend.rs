@@ -647,6 +647,43 @@ impl StepCore {
             .map_err(|e| self.meta_err(e))
     }
 
+    /// Whether a draft forward may run: the device has a draft cache and a replay is
+    /// bound.
+    pub(crate) fn check_draft_forward(&self, has_draft: bool) -> Result<(), DeviceError> {
+        if !has_draft {
+            return Err(DeviceError::NoDraftCache { device: self.index });
+        }
+        if !self.meta.in_draft_replay() {
+            return Err(DeviceError::Metadata {
+                device: self.index,
+                source: MetadataError::NotInReplay,
+            });
+        }
+        Ok(())
+    }
+
+    /// The forward's view of a cache of `setup`'s model whose GPU-tier pools are at
+    /// `pool(placement)`.
+    pub(crate) fn cache_view(
+        index: usize,
+        setup: &DeviceSetup,
+        plan: &PoolPlan,
+        pool: impl FnMut(&crate::layout::BufferPlacement) -> super::forward::Region,
+    ) -> Result<super::forward::CacheView, DeviceError> {
+        let spec = setup.model.spec();
+        super::forward::CacheView::new(
+            plan,
+            setup.fp8_tensor_scale,
+            spec.kv_dtype,
+            spec.indexer_dtype,
+            pool,
+        )
+        .map_err(|what| DeviceError::Forward {
+            device: index,
+            source: ForwardError::Unsupported { what },
+        })
+    }
+
     /// Restores the target set after a replay.
     pub(crate) fn restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
         self.meta.restore(snapshot).map_err(|e| self.meta_err(e))

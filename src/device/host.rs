@@ -11,12 +11,12 @@ use super::backend::{
     DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef, VerifySpec,
 };
 use super::forward::{
-    Batch, BatchMemory, CacheView, Forward, ForwardError, ForwardSetup, HostMemory, MemoryKind,
-    MetadataView, Phase, Region,
+    Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemoryKind, MetadataView,
+    Phase, Region,
 };
 use crate::core::scheduler::StepPlan;
 use crate::ids::Tier;
-use crate::metadata::{DraftSnapshot, MetadataError};
+use crate::metadata::DraftSnapshot;
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
@@ -29,23 +29,12 @@ pub struct HostDevice {
 
 /// The view of a host cache's GPU-tier pools.
 fn host_view(index: usize, setup: &DeviceSetup, cache: &Cache) -> Result<CacheView, DeviceError> {
-    let spec = setup.model.spec();
-    CacheView::new(
-        &cache.plan,
-        setup.fp8_tensor_scale,
-        spec.kv_dtype,
-        spec.indexer_dtype,
-        |p| {
-            let b = cache.store.pool(Tier::Gpu, p.pool_group, p.pool.get());
-            Region {
-                addr: b.as_ptr() as u64,
-                bytes: b.len() as u64,
-            }
-        },
-    )
-    .map_err(|what| DeviceError::Forward {
-        device: index,
-        source: ForwardError::Unsupported { what },
+    StepCore::cache_view(index, setup, &cache.plan, |p| {
+        let b = cache.store.pool(Tier::Gpu, p.pool_group, p.pool.get());
+        Region {
+            addr: b.as_ptr() as u64,
+            bytes: b.len() as u64,
+        }
     })
 }
 
@@ -171,16 +160,7 @@ impl DeviceBackend for HostDevice {
     }
 
     fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
-        let dev = self.core.index;
-        if self.draft.is_none() {
-            return Err(DeviceError::NoDraftCache { device: dev });
-        }
-        if !self.core.meta.in_draft_replay() {
-            return Err(DeviceError::Metadata {
-                device: dev,
-                source: MetadataError::NotInReplay,
-            });
-        }
+        self.core.check_draft_forward(self.draft.is_some())?;
         self.run_forward(Phase::Draft, plan)
     }
 
