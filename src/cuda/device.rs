@@ -208,10 +208,7 @@ impl CudaDevice {
             },
             extension: Some(&self.gpu),
         };
-        let r = match phase {
-            Phase::Target => self.forward.forward(&mut batch),
-            Phase::Draft => self.forward.draft_forward(&mut batch),
-        };
+        let r = batch.run(&mut *self.forward);
         // Whatever the forward enqueued before failing is fenced too.
         self.step_done = Some(
             self.gpu

@@ -589,6 +589,14 @@ pub(crate) enum BatchMemory<'a> {
 }
 
 impl<'a> Batch<'a> {
+    /// Runs `forward`'s method for this batch's phase.
+    pub(crate) fn run(&mut self, forward: &mut dyn Forward) -> Result<(), ForwardError> {
+        match self.phase {
+            Phase::Target => forward.forward(self),
+            Phase::Draft => forward.draft_forward(self),
+        }
+    }
+
     /// Where the addresses point.
     pub fn memory(&self) -> MemoryKind {
         match &self.memory {

@@ -99,11 +99,9 @@ impl HostDevice {
             memory: BatchMemory::Host(HostMemory::new(cache.store.gpu_pools_mut(), meta)),
             extension: None,
         };
-        match phase {
-            Phase::Target => self.forward.forward(&mut batch),
-            Phase::Draft => self.forward.draft_forward(&mut batch),
-        }
-        .map_err(|e| DeviceError::forward(dev, e))?;
+        batch
+            .run(&mut *self.forward)
+            .map_err(|e| DeviceError::forward(dev, e))?;
         Ok(meta.counts().num_tokens as u64)
     }
 
