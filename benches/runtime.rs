@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle};
+use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
 use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
 use dsa_kv::core::scheduler::{
     PlannedKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
@@ -164,11 +164,18 @@ fn bare() -> Scheduler {
 enum Dev {
     /// A backend that only acknowledges: the runtime's own cost.
     Null,
+    /// The same with `idle_spin`: device thread and coordinator poll instead of parking.
+    NullSpin,
     /// The host backend with a forward that does nothing: adds what a device does for
     /// any forward (copies, the step metadata for 256 requests, the batch view). One
     /// target layer (+ MTP) so the pools stay small; the metadata does not depend on it.
     HostNoopForward,
+    /// The same with `idle_spin`.
+    HostNoopForwardSpin,
 }
+
+/// `idle_spin` of the spinning variants: above the host time between two steps.
+const SPIN: Duration = Duration::from_micros(500);
 
 struct NoopForward;
 
@@ -181,10 +188,14 @@ impl Forward for NoopForward {
 async fn runtime(dev: Dev) -> KvCacheHandle {
     let b = KvCacheBuilder::new();
     let b = match dev {
-        Dev::Null => b.config(config()).backend(Arc::new(|i, _| {
+        Dev::NullSpin | Dev::HostNoopForwardSpin => b.idle_spin(SPIN),
+        Dev::Null | Dev::HostNoopForward => b,
+    };
+    let b = match dev {
+        Dev::Null | Dev::NullSpin => b.config(config()).backend(Arc::new(|i, _| {
             Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
         })),
-        Dev::HostNoopForward => {
+        Dev::HostNoopForward | Dev::HostNoopForwardSpin => {
             let mut c = config();
             c.model.num_layers = Some(1);
             c.kv_cache.max_tokens = Some(1_000_000);
@@ -291,8 +302,37 @@ fn step(c: &mut Criterion) {
                 s.complete(p.target_fence, p.draft_fence).unwrap();
                 s.commit(&outcomes(p.requests.iter().map(|r| (r.id, r.num_drafts))))
                     .unwrap();
+                let n = p.requests.len();
+                // The plan's buffers serve the next step (as the coordinator does).
+                s.recycle(p);
                 total += t.elapsed();
-                assert_eq!(p.requests.len(), SEQS as usize);
+                assert_eq!(n, SEQS as usize);
+            }
+            total
+        })
+    });
+    // The same loop owning its input as the runtime does: the drafts map is cloned
+    // before the clock starts (as for the actors) and freed inside it (the coordinator
+    // frees it within the step).
+    g.bench_function("bare_scheduler_owning_drafts", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut s = bare();
+            for i in 0..iters {
+                if i > 0 && i % REBUILD == 0 {
+                    s = bare();
+                }
+                let drafts = d.clone();
+                let t = Instant::now();
+                let p = s.schedule(&drafts).unwrap();
+                drop(drafts);
+                s.complete(p.target_fence, p.draft_fence).unwrap();
+                s.commit(&outcomes(p.requests.iter().map(|r| (r.id, r.num_drafts))))
+                    .unwrap();
+                let n = p.requests.len();
+                s.recycle(p);
+                total += t.elapsed();
+                assert_eq!(n, SEQS as usize);
             }
             total
         })
@@ -330,26 +370,190 @@ fn step(c: &mut Criterion) {
             })
         })
     });
+    // The same two with `idle_spin`: the device thread and the coordinator poll for the
+    // next message instead of parking.
+    g.bench_function("actors_one_device_engine_task_spin", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                tokio::spawn(actor_steps(iters, d.clone(), Dev::NullSpin))
+                    .await
+                    .unwrap()
+            })
+        })
+    });
+    g.bench_function("actors_one_device_engine_task_commit_and_step_spin", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::NullSpin))
+                    .await
+                    .unwrap()
+            })
+        })
+    });
     // The host backend with a no-op forward: the runtime plus a device's own work per step
     // (step metadata for 256 requests × 4 tokens, the batch view).
-    g.bench_function(
-        "host_device_noop_forward_engine_task_commit_and_step",
-        |b| {
+    for (name, dev) in [
+        (
+            "host_device_noop_forward_engine_task_commit_and_step",
+            Dev::HostNoopForward,
+        ),
+        (
+            "host_device_noop_forward_engine_task_commit_and_step_spin",
+            Dev::HostNoopForwardSpin,
+        ),
+    ] {
+        g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 rt.block_on(async {
-                    tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::HostNoopForward))
+                    tokio::spawn(actor_steps_combined(iters, d.clone(), dev))
                         .await
                         .unwrap()
                 })
             })
-        },
-    );
+        });
+    }
     g.finish();
+}
+
+/// Median of `v` (sorted in place).
+fn median(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+/// Where a step's time goes, robust to a noisy host: `ROUNDS` rounds, each running
+/// `REBUILD` steps of every variant from a fresh state one after the other (so slow
+/// drifts of the host hit all variants alike), all from a task of the same runtime.
+/// Prints each variant's median and mean step and, through the runtime, the medians of
+/// [`StepTiming`]'s intervals. Printed, not a criterion measurement.
+fn breakdown(_: &mut Criterion) {
+    const ROUNDS: usize = 30;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let variants: [(&str, Option<Dev>); 6] = [
+        ("bare_scheduler", None),
+        ("bare_scheduler_owning_drafts", None),
+        (
+            "actors_one_device_engine_task_commit_and_step",
+            Some(Dev::Null),
+        ),
+        (
+            "actors_one_device_engine_task_commit_and_step_spin",
+            Some(Dev::NullSpin),
+        ),
+        (
+            "host_device_noop_forward_engine_task_commit_and_step",
+            Some(Dev::HostNoopForward),
+        ),
+        (
+            "host_device_noop_forward_engine_task_commit_and_step_spin",
+            Some(Dev::HostNoopForwardSpin),
+        ),
+    ];
+    let mut walls: Vec<Vec<u64>> = vec![vec![]; variants.len()];
+    let mut timings: Vec<Vec<StepTiming>> = vec![vec![]; variants.len()];
+    let d = drafts();
+    for _ in 0..ROUNDS {
+        for (v, (name, dev)) in variants.iter().enumerate() {
+            let d = d.clone();
+            let dev = *dev;
+            let owning = name.ends_with("owning_drafts");
+            let (w, t) = rt.block_on(async move {
+                tokio::spawn(async move { round(dev, d, owning).await })
+                    .await
+                    .unwrap()
+            });
+            walls[v].extend(w);
+            timings[v].extend(t);
+        }
+    }
+    let bare_median = median(&mut walls[0].clone());
+    for (v, (name, _)) in variants.iter().enumerate() {
+        let w = &mut walls[v];
+        let mean = w.iter().sum::<u64>() as f64 / w.len().max(1) as f64 / 1e3;
+        let med = median(w);
+        print!(
+            "breakdown {name}: median {:.1} µs ({:+.1} µs), mean {mean:.1} µs",
+            med as f64 / 1e3,
+            (med as f64 - bare_median as f64) / 1e3
+        );
+        let t = &timings[v];
+        if t.is_empty() {
+            println!();
+            continue;
+        }
+        let field = |f: fn(&StepTiming) -> u64| {
+            let mut x: Vec<u64> = t.iter().map(f).collect();
+            median(&mut x) as f64 / 1e3
+        };
+        println!(
+            "; medians: to_coordinator {:.1}, commit {:.1}, schedule {:.1}, enqueue {:.1}, \
+             to_device {:.1}, device {:.1}, from_device {:.1} (overlapped {:.1}), finish {:.1}, \
+             to_caller {:.1}",
+            field(|t| t.to_coordinator_ns),
+            field(|t| t.commit_ns),
+            field(|t| t.schedule_ns),
+            field(|t| t.enqueue_ns),
+            field(|t| t.to_device_ns),
+            field(|t| t.device_ns),
+            field(|t| t.from_device_ns),
+            field(|t| t.overlapped_ns),
+            field(|t| t.finish_ns),
+            field(|t| t.to_caller_ns),
+        );
+    }
+}
+
+/// `REBUILD` steps of one variant from a fresh state (`None`: the bare scheduler, timed
+/// as in `bare_scheduler`, or with `owning` as in `bare_scheduler_owning_drafts`); each
+/// step's wall time and, through the runtime, its timing.
+async fn round(
+    dev: Option<Dev>,
+    d: HashMap<RequestId, Vec<TokenId>>,
+    owning: bool,
+) -> (Vec<u64>, Vec<StepTiming>) {
+    let (mut walls, mut timings) = (vec![], vec![]);
+    let Some(dev) = dev else {
+        let mut s = bare();
+        for _ in 0..REBUILD {
+            let drafts = owning.then(|| d.clone());
+            let t = Instant::now();
+            let p = s.schedule(drafts.as_ref().unwrap_or(&d)).unwrap();
+            drop(drafts);
+            s.complete(p.target_fence, p.draft_fence).unwrap();
+            s.commit(&outcomes(p.requests.iter().map(|r| (r.id, r.num_drafts))))
+                .unwrap();
+            s.recycle(p);
+            walls.push(t.elapsed().as_nanos() as u64);
+        }
+        return (walls, timings);
+    };
+    let kv = runtime(dev).await;
+    let mut rep = kv.step(d.clone()).await.unwrap();
+    for _ in 0..REBUILD {
+        let drafts = d.clone();
+        let t = Instant::now();
+        let r = kv
+            .commit_and_step(
+                outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))),
+                drafts,
+            )
+            .await
+            .unwrap();
+        walls.push(t.elapsed().as_nanos() as u64);
+        rep = r.step.unwrap();
+        timings.push(rep.timing);
+    }
+    kv.shutdown().await;
+    (walls, timings)
 }
 
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10);
-    targets = step
+    targets = step, breakdown
 }
 criterion_main!(benches);

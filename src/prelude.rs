@@ -3,7 +3,7 @@
 
 pub use crate::actors::{
     CommitAndStepReport, CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError,
-    RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport,
+    RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport, StepTiming,
 };
 pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};

@@ -1,6 +1,7 @@
 //! The runtime through its public handle: many concurrent clients with nothing lost,
 //! supervision (a device dies mid-run), backpressure, prefix-cache reset, start-up
-//! validation, and `commit_and_step` against `commit` then `step`. The supervision and
+//! validation, `commit_and_step` against `commit` then `step`, step timings and the
+//! polling (`idle_spin`) runtime. The supervision and
 //! backpressure tests inject faults (feature `fault-injection`).
 mod common;
 
@@ -9,7 +10,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-#[cfg(feature = "fault-injection")]
 use std::time::Instant;
 
 #[cfg(feature = "fault-injection")]
@@ -703,4 +703,68 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
     assert!(r.step.unwrap().scheduled.is_empty());
     assert_eq!(kv.pending_step().await.unwrap(), None);
     kv.shutdown().await;
+}
+
+/// Every step carries where its time went: each interval within what the caller waited,
+/// the commit only in `commit_and_step`, the caller's wake-up only in the live reply; and
+/// a runtime whose threads poll instead of parking (`idle_spin`) serves the same steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_report_their_timing_and_a_polling_runtime_serves_the_same_steps() {
+    let mut runs = Vec::new();
+    for spin in [Duration::ZERO, Duration::from_micros(200)] {
+        let kv = KvCacheBuilder::new()
+            .config(config(4096, false, false))
+            .idle_spin(spin)
+            .start()
+            .await
+            .unwrap();
+        for id in 1..=3 {
+            kv.submit(SubmitRequest {
+                id: RequestId(id),
+                scope: ReuseScope::SHARED,
+                prompt: prompt(id, 100),
+                max_new_tokens: 4,
+                priority: 35,
+            })
+            .await
+            .unwrap();
+        }
+        let t = Instant::now();
+        let mut step = kv.step(HashMap::new()).await.unwrap();
+        let waited = t.elapsed().as_nanos() as u64;
+        let t = step.timing;
+        assert_eq!(t.commit_ns, 0, "a plain step commits nothing");
+        assert!(t.schedule_ns > 0 && t.to_caller_ns > 0, "{t:?}");
+        for x in [
+            t.to_coordinator_ns,
+            t.schedule_ns,
+            t.device_ns,
+            t.to_caller_ns,
+        ] {
+            assert!(x <= waited, "{t:?} within {waited} ns");
+        }
+        let again = kv.pending_step().await.unwrap().unwrap();
+        assert_eq!(again.timing.to_caller_ns, 0, "no caller waited for it");
+        assert_eq!(again.timing.schedule_ns, t.schedule_ns);
+        let mut scheduled = vec![step.scheduled.clone()];
+        loop {
+            let t0 = Instant::now();
+            let r = kv
+                .commit_and_step(outcomes(&step, |_| TokenId(7)), HashMap::new())
+                .await
+                .unwrap();
+            let waited = t0.elapsed().as_nanos() as u64;
+            step = r.step.unwrap();
+            if step.scheduled.is_empty() {
+                break;
+            }
+            let t = step.timing;
+            assert!(t.commit_ns > 0 && t.commit_ns <= waited, "{t:?}");
+            scheduled.push(step.scheduled.clone());
+        }
+        kv.shutdown().await;
+        runs.push(scheduled);
+    }
+    assert_eq!(runs[0], runs[1]);
+    assert!(runs[0].len() >= 4, "prefill and decode steps");
 }

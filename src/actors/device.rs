@@ -4,10 +4,13 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kameo::actor::ActorRef;
+use kameo::actor::{ActorRef, WeakActorRef};
+use kameo::mailbox::{MailboxReceiver, Signal};
 use kameo::message::{Context, Message};
 use kameo::Actor;
+use tokio::sync::mpsc::error::TryRecvError;
 
 use super::faults::Faults;
 use super::shared::RuntimeShared;
@@ -21,6 +24,8 @@ pub struct DeviceActor {
     shared: Arc<RuntimeShared>,
     /// Injected faults (drills; nothing without the `fault-injection` feature).
     faults: Faults,
+    /// How long the thread polls its mailbox after a message before parking.
+    idle_spin: Duration,
 }
 
 /// What a device actor starts with.
@@ -29,6 +34,9 @@ pub struct DeviceArgs {
     pub backend: Box<dyn DeviceBackend>,
     /// State shared with the coordinator and handles.
     pub shared: Arc<RuntimeShared>,
+    /// How long the thread polls its mailbox after a message before parking
+    /// ([`KvCacheBuilder::idle_spin`](super::KvCacheBuilder::idle_spin)).
+    pub idle_spin: Duration,
 }
 
 impl Actor for DeviceActor {
@@ -41,7 +49,35 @@ impl Actor for DeviceActor {
             backend: args.backend,
             shared: args.shared,
             faults: Faults::default(),
+            idle_spin: args.idle_spin,
         })
+    }
+
+    /// Polls the mailbox for up to `idle_spin` before parking the thread: a message that
+    /// arrives while it polls costs its sender no wake-up and its receiver no scheduling
+    /// delay.
+    async fn next(
+        &mut self,
+        _: WeakActorRef<Self>,
+        mailbox: &mut MailboxReceiver<Self>,
+    ) -> Result<Option<Signal<Self>>, Self::Error> {
+        if !self.idle_spin.is_zero() {
+            let until = Instant::now() + self.idle_spin;
+            loop {
+                match mailbox.try_recv() {
+                    Ok(signal) => return Ok(Some(signal)),
+                    Err(TryRecvError::Disconnected) => return Ok(None),
+                    Err(TryRecvError::Empty) => {}
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        Ok(mailbox.recv().await)
     }
 }
 
@@ -66,17 +102,27 @@ impl DeviceActor {
     }
 }
 
+/// When a device's step handler started and finished ([`StepTiming`](super::StepTiming)).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceStamps {
+    /// The handler started.
+    pub received: Instant,
+    /// The handler finished (the reply is sent right after).
+    pub replied: Instant,
+}
+
 /// Execute one step plan.
 pub struct ExecuteStep(pub Arc<StepPlan>);
 
 impl Message<ExecuteStep> for DeviceActor {
-    type Reply = Result<DeviceStepReport, DeviceError>;
+    type Reply = Result<(DeviceStepReport, DeviceStamps), DeviceError>;
 
     async fn handle(
         &mut self,
         msg: ExecuteStep,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
+        let received = Instant::now();
         self.faults.throttle();
         let _span = tracing::debug_span!(
             "device_step",
@@ -95,7 +141,10 @@ impl Message<ExecuteStep> for DeviceActor {
                 .complete(self.backend.index(), plan.target_fence);
         }
         self.publish_bindings();
-        r
+        r.map(|rep| {
+            let replied = Instant::now();
+            (rep, DeviceStamps { received, replied })
+        })
     }
 }
 

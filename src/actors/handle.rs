@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
@@ -81,6 +82,7 @@ pub struct KvCacheBuilder {
     coordinator_mailbox: usize,
     event_capacity: usize,
     fp8_tensor_scale: f32,
+    idle_spin: Duration,
 }
 
 impl Default for KvCacheBuilder {
@@ -132,6 +134,7 @@ impl KvCacheBuilder {
             coordinator_mailbox: 64,
             event_capacity: super::coordinator::EVENT_CAPACITY,
             fp8_tensor_scale: 1.0 / 32.0,
+            idle_spin: Duration::ZERO,
         }
     }
 
@@ -198,6 +201,20 @@ impl KvCacheBuilder {
     /// Mailbox capacity of the coordinator.
     pub fn coordinator_mailbox(mut self, n: usize) -> Self {
         self.coordinator_mailbox = n.max(1);
+        self
+    }
+
+    /// How long a device actor's thread keeps polling its mailbox after a message, and
+    /// the coordinator keeps polling for the devices' replies, before parking (default:
+    /// zero, park at once). Polling trades CPU for latency: a step that arrives while the
+    /// device thread polls costs no futex wake-up on either side, which is most of the
+    /// runtime's per-step cost on a many-core host (`BENCHMARKS.md`). Each device thread
+    /// then keeps a core busy for up to this long after every step, and the coordinator's
+    /// worker for up to this long per step; worth it only with a core per device to
+    /// spare. Set it a little above the host time between two steps (scheduling and
+    /// commit: ~150 µs for 256 decoding sequences) for the whole benefit.
+    pub fn idle_spin(mut self, spin: Duration) -> Self {
+        self.idle_spin = spin;
         self
     }
 
@@ -327,6 +344,7 @@ impl KvCacheBuilder {
                     DeviceArgs {
                         backend,
                         shared: shared.clone(),
+                        idle_spin: self.idle_spin,
                     },
                     mailbox::bounded(self.device_mailbox),
                 )
@@ -342,6 +360,7 @@ impl KvCacheBuilder {
                 draft: draft_actor.clone(),
                 shared: shared.clone(),
                 event_capacity: self.event_capacity,
+                idle_spin: self.idle_spin,
             },
             mailbox::bounded(self.coordinator_mailbox),
         );
@@ -435,7 +454,15 @@ impl KvCacheHandle {
         &self,
         drafts: HashMap<RequestId, Vec<TokenId>>,
     ) -> Result<StepReport, RuntimeError> {
-        Ok(self.coordinator.ask(Step(drafts)).await?)
+        let mut rep = self
+            .coordinator
+            .ask(Step {
+                drafts,
+                sent: Instant::now(),
+            })
+            .await?;
+        rep.timing.arrived();
+        Ok(rep)
     }
 
     /// The report of the step scheduled and not committed yet (`None` when there is
@@ -499,10 +526,18 @@ impl KvCacheHandle {
         outcomes: Vec<RequestOutcome>,
         drafts: HashMap<RequestId, Vec<TokenId>>,
     ) -> Result<CommitAndStepReport, RuntimeError> {
-        Ok(self
+        let mut rep = self
             .coordinator
-            .ask(CommitAndStep { outcomes, drafts })
-            .await?)
+            .ask(CommitAndStep {
+                outcomes,
+                drafts,
+                sent: Instant::now(),
+            })
+            .await?;
+        if let Ok(step) = &mut rep.step {
+            step.timing.arrived();
+        }
+        Ok(rep)
     }
 
     /// Waits until a request finishes (or fails).

@@ -14,7 +14,7 @@ mod stats;
 
 pub use coordinator::{
     CacheCounts, CommitAndStepReport, CommitReport, EventSnapshot, FinishedReport,
-    ScheduledRequest, StepReport,
+    ScheduledRequest, StepReport, StepTiming,
 };
 pub use draft::DraftReport;
 pub use error::RuntimeError;

@@ -56,3 +56,32 @@ pub struct LiveCounters {
     /// The highest target fence every live device completed.
     pub completed_fence: Fence,
 }
+
+/// Awaits `fut`, first polling it for up to `spin` without yielding the worker: a reply
+/// that arrives meanwhile costs no wake-up of a parked worker (the device thread's reply
+/// otherwise has to unpark one, tens of microseconds on a large host). Polled outside
+/// tokio's cooperative budget so a ready reply is seen as ready.
+pub(crate) async fn spin_then_await<F: std::future::Future + Unpin>(
+    mut fut: F,
+    spin: std::time::Duration,
+) -> F::Output {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    if !spin.is_zero() {
+        let until = std::time::Instant::now() + spin;
+        let mut cx = Context::from_waker(Waker::noop());
+        loop {
+            let poll = std::pin::Pin::new(&mut tokio::task::unconstrained(&mut fut)).poll(&mut cx);
+            if let Poll::Ready(out) = poll {
+                return out;
+            }
+            if std::time::Instant::now() >= until {
+                break;
+            }
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+    }
+    fut.await
+}

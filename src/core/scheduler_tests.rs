@@ -466,3 +466,67 @@ fn reset_prefix_cache_changes_neither_cache_when_one_refuses() {
     assert_eq!(s.target().num_cached_blocks(), 2);
     assert_eq!(s.take_events(), vec![]);
 }
+
+/// A scheduler that takes each plan back ([`Scheduler::recycle`]) plans exactly what one
+/// that drops them plans: prefill chunks, decode steps with drafts, preemption and
+/// resumption under pressure, the mirrored draft cache.
+#[test]
+fn recycled_plans_change_nothing() {
+    let build = || {
+        let mut s = Scheduler::new(manager(12, 16), Some(manager(12, 16)), limits(2));
+        for i in 1..=7u64 {
+            s.submit(req(i, (0..9).map(|t| t * 3 + i as u32).collect(), 10))
+                .unwrap();
+        }
+        s
+    };
+    let (mut plain, mut recycling) = (build(), build());
+    let mut rng = 7u64;
+    let mut next = || {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) as u32
+    };
+    let mut steps = 0;
+    while plain.num_active() > 0 {
+        steps += 1;
+        assert!(steps < 1000, "not finished");
+        let drafts: HashMap<RequestId, Vec<TokenId>> = (1..=7)
+            .map(|i| (RequestId(i), vec![TokenId(next() % 5), TokenId(next() % 5)]))
+            .collect();
+        let a = plain.schedule(&drafts).unwrap();
+        let b = recycling.schedule(&drafts).unwrap();
+        assert_eq!(a, b, "step {steps}");
+        for s in [&mut plain, &mut recycling] {
+            s.complete(a.target_fence, a.draft_fence).unwrap();
+        }
+        let outcomes: Vec<RequestOutcome> = a
+            .requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: next() % (p.num_drafts + 1),
+                next_token: Some(TokenId(next() % 5)),
+            })
+            .collect();
+        if a.requests.is_empty() {
+            continue;
+        }
+        let fa = plain.commit(&outcomes).unwrap();
+        let fb = recycling.commit(&outcomes).unwrap();
+        assert_eq!(fa, fb);
+        let ids: Vec<RequestId> = fa.iter().map(|f| f.id).collect();
+        plain.finalize(&ids).unwrap();
+        recycling.finalize(&ids).unwrap();
+        drop(a);
+        recycling.recycle(b);
+        let (tokens, slots, cap) = recycling.spare_counts();
+        assert!(tokens <= cap && slots <= cap);
+    }
+    assert_eq!(recycling.num_active(), 0);
+    assert!(plain.stats().preemptions > 0, "the pressure preempted");
+    assert_eq!(plain.stats(), recycling.stats());
+    let (tokens, slots, _) = recycling.spare_counts();
+    assert!(tokens > 0 && slots > 0, "buffers were kept for reuse");
+}
