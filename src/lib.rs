@@ -48,6 +48,7 @@ pub mod device;
 pub mod ids;
 pub mod layout;
 pub mod metadata;
+pub mod model;
 pub mod ops;
 pub mod prelude;
 pub mod rng;
