@@ -91,6 +91,7 @@ async fn run(model: Arc<Model>, kv_dtype: KvDtype, misdirect: bool) -> Run {
     }
     let mut generated: HashMap<RequestId, Vec<u32>> = HashMap::new();
     let mut done = 0;
+    #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
     let mut injected = !misdirect;
     for _ in 0..5000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
