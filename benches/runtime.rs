@@ -351,63 +351,47 @@ fn step(c: &mut Criterion) {
         b.iter_custom(|iters| rt.block_on(actor_steps_combined(iters, d.clone(), Dev::Null)))
     });
     // The engine loop is a task of the runtime: the coordinator runs on the caller's
-    // worker, so only the device actor's thread is crossed.
-    g.bench_function("actors_one_device_engine_task", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                tokio::spawn(actor_steps(iters, d.clone(), Dev::Null))
-                    .await
-                    .unwrap()
-            })
-        })
-    });
-    g.bench_function("actors_one_device_engine_task_commit_and_step", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::Null))
-                    .await
-                    .unwrap()
-            })
-        })
-    });
-    // The same two with `idle_spin`: the device thread and the coordinator poll for the
-    // next message instead of parking.
-    g.bench_function("actors_one_device_engine_task_spin", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                tokio::spawn(actor_steps(iters, d.clone(), Dev::NullSpin))
-                    .await
-                    .unwrap()
-            })
-        })
-    });
-    g.bench_function("actors_one_device_engine_task_commit_and_step_spin", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                tokio::spawn(actor_steps_combined(iters, d.clone(), Dev::NullSpin))
-                    .await
-                    .unwrap()
-            })
-        })
-    });
-    // The host backend with a no-op forward: the runtime plus a device's own work per step
-    // (step metadata for 256 requests × 4 tokens, the batch view).
-    for (name, dev) in [
+    // worker, so only the device actor's thread is crossed. The `_spin` variants set
+    // `idle_spin`: the device thread and the coordinator poll instead of parking. The host
+    // backend with a no-op forward adds a device's own work per step (step metadata for
+    // 256 requests × 4 tokens, the batch view).
+    for (name, combined, dev) in [
+        ("actors_one_device_engine_task", false, Dev::Null),
+        (
+            "actors_one_device_engine_task_commit_and_step",
+            true,
+            Dev::Null,
+        ),
+        ("actors_one_device_engine_task_spin", false, Dev::NullSpin),
+        (
+            "actors_one_device_engine_task_commit_and_step_spin",
+            true,
+            Dev::NullSpin,
+        ),
         (
             "host_device_noop_forward_engine_task_commit_and_step",
+            true,
             Dev::HostNoopForward,
         ),
         (
             "host_device_noop_forward_engine_task_commit_and_step_spin",
+            true,
             Dev::HostNoopForwardSpin,
         ),
     ] {
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 rt.block_on(async {
-                    tokio::spawn(actor_steps_combined(iters, d.clone(), dev))
-                        .await
-                        .unwrap()
+                    let d = d.clone();
+                    tokio::spawn(async move {
+                        if combined {
+                            actor_steps_combined(iters, d, dev).await
+                        } else {
+                            actor_steps(iters, d, dev).await
+                        }
+                    })
+                    .await
+                    .unwrap()
                 })
             })
         });

@@ -589,7 +589,7 @@ impl Coordinator {
                 Err(e) => Err((RuntimeError::from(e), true)),
             }
         }));
-        let results = spin_then_await(Box::pin(replies), self.idle_spin)
+        let results = spin_then_await(std::pin::pin!(replies), self.idle_spin)
             .instrument(span.clone())
             .await;
         let all_replies = Instant::now();

@@ -7,7 +7,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use super::{CacheFormat, KvStore, Model, ModelError, TokenOut};
-use crate::config::KvDtype;
 use crate::device::forward::{
     Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory, LayerCache,
 };
@@ -285,9 +284,6 @@ impl KvStore for Paged<'_, '_> {
 
     fn rows(&self, layer: usize, positions: &[u32]) -> Result<Vec<&[u8]>, ModelError> {
         let v = self.mla(layer)?;
-        if v.encoding == KvDtype::Nvfp4 {
-            return Err(access("NVFP4 rows".into()));
-        }
         let t = v.rows.tokens_per_page;
         positions
             .iter()
