@@ -4,27 +4,35 @@
 //! partial block copied on resume), chunks prefills, offloads to the host tier and
 //! onboards back, preempts (suspend and recompute) and runs two device actors. A
 //! one-slot error in a block table (the `fault-injection` drill) must change the
-//! result: the comparison can fail.
+//! result: the comparison can fail. With MTP speculation, the draft layer's proposals
+//! (computed in the draft replay on the separate draft cache) are accepted while they
+//! equal the target's greedy tokens and the rest rolled back: the committed tokens must
+//! still be the plain greedy generation's, and every proposal must equal the draft
+//! layer's on the contiguous reference.
 mod common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::engine::outcomes;
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats};
-use dsa_kv::config::{EngineConfig, KvDtype};
-use dsa_kv::core::scheduler::SubmitRequest;
+use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::model::paged::{ModelForward, Outputs};
-use dsa_kv::model::unpaged::generate;
+use dsa_kv::model::unpaged::{draft_reference, generate};
 use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
 
 const REQUESTS: u64 = 12;
 
-fn config(kv_dtype: KvDtype) -> EngineConfig {
+fn config(kv_dtype: KvDtype, drafts: usize) -> EngineConfig {
     let mut c = EngineConfig::default();
+    if drafts > 0 {
+        // The MTP layer in a separate draft cache, replayed after each target step.
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = drafts as u32;
+    }
     c.model.num_layers = Some(2);
     c.model.kv_dtype = Some(kv_dtype);
     // Room for 1,024 tokens on the GPU: the workload needs more, so requests are
@@ -63,18 +71,22 @@ fn format(kv_dtype: KvDtype) -> CacheFormat {
 
 struct Run {
     outputs: Outputs,
+    /// Every request's committed output tokens (accepted drafts and sampled tokens).
     generated: HashMap<RequestId, Vec<u32>>,
+    /// Every draft proposal: request, the position it follows, the tokens.
+    proposals: Vec<(RequestId, u32, Vec<u32>)>,
     stats: RuntimeStats,
 }
 
-/// The workload through the runtime (2 host devices); `misdirect`: from the step where
-/// request 3 first produces a token, device 0 reads and writes its block 1 in slot 0.
-async fn run(model: Arc<Model>, kv_dtype: KvDtype, misdirect: bool) -> Run {
+/// The workload through the runtime (2 host devices, `drafts` MTP draft tokens per
+/// step); `misdirect`: from the step where request 3 first produces a token, device 0
+/// reads and writes its block 1 in slot 0.
+async fn run(model: Arc<Model>, kv_dtype: KvDtype, drafts: usize, misdirect: bool) -> Run {
     let outputs = Arc::new(Mutex::new(Outputs::default()));
     let kv = KvCacheBuilder::new()
-        .config(config(kv_dtype))
+        .config(config(kv_dtype, drafts))
         .host_devices(2)
-        .forward(ModelForward::factory(model, outputs.clone()))
+        .forward(ModelForward::speculative(model, outputs.clone(), drafts))
         .start()
         .await
         .unwrap();
@@ -90,39 +102,63 @@ async fn run(model: Arc<Model>, kv_dtype: KvDtype, misdirect: bool) -> Run {
         .unwrap();
     }
     let mut generated: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut proposals = Vec::new();
+    let mut next_drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
     let mut done = 0;
     #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
     let mut injected = !misdirect;
     for _ in 0..5000 {
-        let rep = kv.step(HashMap::new()).await.unwrap();
-        let next = {
+        let rep = kv.step(next_drafts.clone()).await.unwrap();
+        let mut outs = Vec::new();
+        let mut sampled = Vec::new();
+        {
             let o = outputs.lock().unwrap();
-            let next = |dev: usize, id: RequestId| o.next.get(&(dev, id)).copied();
-            if !misdirect {
-                for r in rep.scheduled.iter().filter(|r| r.produces_token) {
-                    assert_eq!(
-                        next(0, r.id),
-                        next(1, r.id),
-                        "both devices sample the same token"
-                    );
+            for r in &rep.scheduled {
+                if !r.produces_token {
+                    outs.push(RequestOutcome {
+                        id: r.id,
+                        accepted_drafts: 0,
+                        next_token: None,
+                    });
+                    continue;
+                }
+                let verdict = |dev: usize| {
+                    (
+                        o.next.get(&(dev, r.id)).copied().expect("the forward ran"),
+                        o.accepted[&(dev, r.id)],
+                        o.drafts.get(&(dev, r.id)).cloned(),
+                    )
+                };
+                let v = verdict(0);
+                if !misdirect {
+                    assert_eq!(v, verdict(1), "both devices decide the same");
+                }
+                let (next, accepted, proposal) = v;
+                let g = generated.entry(r.id).or_default();
+                let used = next_drafts.get(&r.id).map_or(&[][..], |d| &d[..]);
+                assert!(accepted <= r.num_drafts && r.num_drafts as usize <= used.len());
+                g.extend(used[..accepted as usize].iter().map(|t| t.0));
+                g.push(next);
+                outs.push(RequestOutcome {
+                    id: r.id,
+                    accepted_drafts: accepted,
+                    next_token: Some(TokenId(next)),
+                });
+                if drafts > 0 {
+                    let (last, d) = proposal.expect("the draft layer proposed");
+                    sampled.push((r.id, d.iter().map(|&t| TokenId(t)).collect()));
+                    proposals.push((r.id, last, d));
                 }
             }
-            rep.scheduled
-                .iter()
-                .filter(|r| r.produces_token)
-                .map(|r| (r.id, next(0, r.id).expect("the forward ran")))
-                .collect::<HashMap<_, _>>()
-        };
-        for (id, t) in &next {
-            generated.entry(*id).or_default().push(*t);
         }
-        let c = kv
-            .commit(outcomes(&rep, |r| TokenId(next[&r.id])))
-            .await
-            .unwrap();
+        next_drafts = sampled.into_iter().collect();
+        let c = kv.commit(outs).await.unwrap();
+        for f in &c.finished {
+            next_drafts.remove(&f.finished.id);
+        }
         done += c.finished.len();
         #[cfg(feature = "fault-injection")]
-        if !injected && next.contains_key(&RequestId(3)) {
+        if !injected && generated.contains_key(&RequestId(3)) {
             injected = true;
             kv.inject_fault(
                 0,
@@ -147,39 +183,55 @@ async fn run(model: Arc<Model>, kv_dtype: KvDtype, misdirect: bool) -> Run {
     Run {
         outputs,
         generated,
+        proposals,
         stats,
     }
 }
 
-/// Requests whose tokens or logits differ from the unpaged reference, per device.
-fn compare(model: &Model, kv_dtype: KvDtype, run: &Run) -> Vec<String> {
+/// Requests whose tokens, logits or draft proposals differ from the unpaged reference.
+fn compare(model: &Model, kv_dtype: KvDtype, drafts: usize, run: &Run) -> Vec<String> {
     let mut bad = Vec::new();
+    let mut reference = HashMap::new();
     for i in 0..REQUESTS {
         let id = RequestId(i);
         let p = prompt(i);
-        let want = generate(model, &format(kv_dtype), &p, max_new(i)).unwrap();
-        if run.generated.get(&id) != Some(&want.tokens) {
+        let got = &run.generated[&id];
+        // Accepted drafts may overshoot max_new_tokens by up to `drafts` tokens.
+        assert!((max_new(i)..=max_new(i) + drafts as u32).contains(&(got.len() as u32)));
+        let want = generate(model, &format(kv_dtype), &p, got.len() as u32).unwrap();
+        if *got != want.tokens {
             bad.push(format!(
-                "request {i}: tokens {:?}, reference {:?}",
-                run.generated.get(&id),
+                "request {i}: tokens {got:?}, reference {:?}",
                 want.tokens
             ));
         }
         for dev in 0..2 {
             // Positions served from the prefix cache never ran for this request; every
             // position that ran must match, and every position that samples must have run.
-            let got = &run.outputs.tokens[&(dev, id)];
-            let sampled = p.len() as u32 - 1..p.len() as u32 + max_new(i) - 1;
+            let ran = &run.outputs.tokens[&(dev, id)];
+            let sampled = p.len() as u32 - 1..(p.len() + got.len()) as u32 - 1;
             assert!(
-                sampled.clone().all(|pos| got.contains_key(&pos)),
+                sampled.clone().all(|pos| ran.contains_key(&pos)),
                 "every sampling position ran"
             );
-            if let Some(o) = got
+            if let Some(o) = ran
                 .values()
                 .find(|o| want.outputs.get(o.pos as usize) != Some(*o))
             {
                 bad.push(format!("request {i} device {dev} position {}", o.pos));
             }
+        }
+        if drafts > 0 {
+            let all: Vec<u32> = p.iter().chain(&want.tokens).copied().collect();
+            let d = draft_reference(model, &format(kv_dtype), true, &all, drafts).unwrap();
+            reference.insert(id, d);
+        }
+    }
+    for (id, last, d) in &run.proposals {
+        if reference[id].get(*last as usize) != Some(d) {
+            bad.push(format!(
+                "request {id}: proposal after position {last}: {d:?}"
+            ));
         }
     }
     bad
@@ -189,7 +241,7 @@ fn compare(model: &Model, kv_dtype: KvDtype, run: &Run) -> Vec<String> {
 async fn paging_reuse_offload_and_preemption_change_no_bit() {
     for kv_dtype in [KvDtype::Fp8DsMla, KvDtype::Bf16] {
         let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-        let run = run(model.clone(), kv_dtype, false).await;
+        let run = run(model.clone(), kv_dtype, 0, false).await;
         assert!(
             run.outputs.conflicts.is_empty(),
             "{:?}",
@@ -202,9 +254,44 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
             "offload and onboard"
         );
         assert!(s.prefix_hit_rate > 0.0, "prefixes are reused");
-        let bad = compare(&model, kv_dtype, &run);
+        let bad = compare(&model, kv_dtype, 0, &run);
         assert!(bad.is_empty(), "{kv_dtype:?}: {bad:#?}");
     }
+}
+
+/// MTP speculation (2 drafts per step, a separate draft cache replayed after each
+/// target step): drafts accepted by the target's greedy tokens and rolled back
+/// otherwise leave every committed token and every computed position's logits equal to
+/// plain greedy decoding on the unpaged cache, and every proposal equal to the draft
+/// layer's on the contiguous reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_drafts_with_rollback_change_no_bit() {
+    let kv_dtype = KvDtype::Fp8DsMla;
+    let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+    let run = run(model.clone(), kv_dtype, 2, false).await;
+    assert!(
+        run.outputs.conflicts.is_empty(),
+        "{:?}",
+        run.outputs.conflicts
+    );
+    let s = &run.stats;
+    eprintln!(
+        "drafts proposed {}, accepted {} ({:.1} %), preemptions {}, draft replays {}",
+        s.drafts_proposed,
+        s.drafts_accepted,
+        100.0 * s.drafts_accepted as f64 / s.drafts_proposed.max(1) as f64,
+        s.preemptions,
+        s.draft_replays
+    );
+    assert!(s.drafts_accepted > 0, "some drafts are accepted");
+    assert!(
+        s.drafts_accepted < s.drafts_proposed,
+        "some are rolled back"
+    );
+    assert!(s.preemptions > 0, "the workload preempts");
+    assert!(s.draft_replays > 0);
+    let bad = compare(&model, kv_dtype, 2, &run);
+    assert!(bad.is_empty(), "{bad:#?}");
 }
 
 /// The comparison can fail: one wrong block-table entry of one request (its second
@@ -216,8 +303,8 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
 async fn a_one_slot_block_table_error_changes_the_result() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-    let run = run(model.clone(), kv_dtype, true).await;
-    let bad = compare(&model, kv_dtype, &run);
+    let run = run(model.clone(), kv_dtype, 0, true).await;
+    let bad = compare(&model, kv_dtype, 0, &run);
     assert!(
         bad.iter().any(|b| b.starts_with("request 3 device 0")),
         "the misdirected request must differ on device 0: {bad:#?}"

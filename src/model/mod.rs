@@ -134,6 +134,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `x += y`, element by element.
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
 fn rmsnorm(x: &[f32]) -> Vec<f32> {
     let ms = dot(x, x) / x.len() as f32;
     let r = 1.0 / (ms + 1e-6).sqrt();
@@ -156,6 +163,7 @@ fn to_bf16(x: &[f32]) -> Vec<bf16> {
     x.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
+#[derive(Clone)]
 struct Layer {
     w_dkv: Mat,
     w_kr: Mat,
@@ -169,6 +177,139 @@ struct Layer {
     w_o: Mat,
     w_1: Mat,
     w_2: Mat,
+}
+
+impl Layer {
+    fn random(rng: &mut SplitMix64, cfg: &ModelConfig) -> Layer {
+        let h = cfg.hidden;
+        let heads = |rng: &mut SplitMix64, n: usize, rows: usize, cols: usize| -> Vec<Mat> {
+            (0..n).map(|_| Mat::random(rng, rows, cols)).collect()
+        };
+        Layer {
+            w_dkv: Mat::random(rng, LATENT, h),
+            w_kr: Mat::random(rng, ROPE, h),
+            w_ik: Mat::random(rng, INDEX_DIM, h),
+            w_iq: heads(rng, cfg.index_heads, INDEX_DIM, h),
+            w_iw: Mat::random(rng, cfg.index_heads, h),
+            w_qn: heads(rng, cfg.heads, cfg.nope_dim, h),
+            w_uk: heads(rng, cfg.heads, cfg.nope_dim, LATENT),
+            w_qr: heads(rng, cfg.heads, ROPE, h),
+            w_uv: heads(rng, cfg.heads, cfg.v_dim, LATENT),
+            w_o: Mat::random(rng, h, cfg.heads * cfg.v_dim),
+            w_1: Mat::random(rng, cfg.mlp, h),
+            w_2: Mat::random(rng, h, cfg.mlp),
+        }
+    }
+}
+
+/// Where the MTP draft layer's KV lives in a [`KvStore`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftCache {
+    /// The store's layer index (0 in a separate draft cache; after the target layers
+    /// when the MTP layer shares the target's cache).
+    pub layer: usize,
+    /// Whether that layer has an indexer cache.
+    pub indexer: bool,
+}
+
+/// A layer's weights and the cache layer it reads and writes.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    w: &'a Layer,
+    cache: usize,
+    indexer: bool,
+}
+
+/// A draft chain's view: positions from `from` on live in local buffers (computed, not
+/// yet in the cache), earlier ones are read from `base`.
+struct Overlay<'a> {
+    base: &'a dyn KvStore,
+    layer: usize,
+    from: u32,
+    rows: Vec<Vec<u8>>,
+    keys: Vec<(Vec<u8>, Vec<u8>)>,
+    row_bytes: usize,
+}
+
+impl<'a> Overlay<'a> {
+    fn new(base: &'a dyn KvStore, layer: usize, from: u32, row_bytes: usize) -> Self {
+        Overlay {
+            base,
+            layer,
+            from,
+            rows: Vec::new(),
+            keys: Vec::new(),
+            row_bytes,
+        }
+    }
+
+    /// Index of local position `pos`, if it is one.
+    fn local(&self, layer: usize, pos: u32) -> Result<Option<usize>, ModelError> {
+        if layer != self.layer {
+            return Err(ModelError::Access(format!(
+                "the draft chain reads layer {layer}, not {}",
+                self.layer
+            )));
+        }
+        Ok(pos.checked_sub(self.from).map(|i| i as usize))
+    }
+}
+
+impl KvStore for Overlay<'_> {
+    fn write_row(&mut self, layer: usize, pos: u32, row: &[u8]) -> Result<(), ModelError> {
+        match self.local(layer, pos)? {
+            Some(i) if i == self.rows.len() && row.len() == self.row_bytes => {
+                self.rows.push(row.to_vec());
+                Ok(())
+            }
+            _ => Err(ModelError::Access(format!(
+                "the draft chain writes position {pos} out of order"
+            ))),
+        }
+    }
+
+    fn write_index_key(
+        &mut self,
+        layer: usize,
+        pos: u32,
+        values: &[u8],
+        scale: &[u8],
+    ) -> Result<(), ModelError> {
+        match self.local(layer, pos)? {
+            Some(i) if i == self.keys.len() => {
+                self.keys.push((values.to_vec(), scale.to_vec()));
+                Ok(())
+            }
+            _ => Err(ModelError::Access(format!(
+                "the draft chain writes key {pos} out of order"
+            ))),
+        }
+    }
+
+    fn index_key(&self, layer: usize, pos: u32) -> Result<(&[u8], &[u8]), ModelError> {
+        match self.local(layer, pos)? {
+            Some(i) => self
+                .keys
+                .get(i)
+                .map(|(v, s)| (v.as_slice(), s.as_slice()))
+                .ok_or_else(|| ModelError::Access(format!("draft key {pos} not computed"))),
+            None => self.base.index_key(layer, pos),
+        }
+    }
+
+    fn rows(&self, layer: usize, positions: &[u32]) -> Result<Vec<&[u8]>, ModelError> {
+        let split = positions.partition_point(|&p| p < self.from);
+        let mut out = self.base.rows(layer, &positions[..split])?;
+        for &p in &positions[split..] {
+            let i = self.local(layer, p)?.unwrap_or(usize::MAX);
+            out.push(
+                self.rows
+                    .get(i)
+                    .ok_or_else(|| ModelError::Access(format!("draft row {p} not computed")))?,
+            );
+        }
+        Ok(out)
+    }
 }
 
 /// How the cache rows are encoded, and whether a layer has an indexer.
@@ -240,6 +381,8 @@ pub struct Model {
     format: CacheFormat,
     embed: Mat,
     layers: Vec<Layer>,
+    /// The MTP draft layer (shares the embedding and the output head).
+    draft: Layer,
     w_out: Mat,
 }
 
@@ -254,6 +397,11 @@ impl Model {
                 cfg.layers
             )));
         }
+        if cfg.layers == 0 || cfg.vocab == 0 || cfg.topk == 0 || cfg.heads == 0 {
+            return Err(ModelError::Cache(format!(
+                "layers, vocab, topk and heads must be at least 1 (got {cfg:?})"
+            )));
+        }
         if !matches!(format.kv_dtype, KvDtype::Bf16 | KvDtype::Fp8DsMla) {
             return Err(ModelError::Cache(format!(
                 "MLA rows in {:?}: the reference model writes bf16 or fp8_ds_mla",
@@ -263,42 +411,23 @@ impl Model {
         let mut rng = SplitMix64(cfg.seed);
         let h = cfg.hidden;
         let embed = Mat::random(&mut rng, cfg.vocab, h);
-        let layers = (0..cfg.layers)
-            .map(|_| Layer {
-                w_dkv: Mat::random(&mut rng, LATENT, h),
-                w_kr: Mat::random(&mut rng, ROPE, h),
-                w_ik: Mat::random(&mut rng, INDEX_DIM, h),
-                w_iq: (0..cfg.index_heads)
-                    .map(|_| Mat::random(&mut rng, INDEX_DIM, h))
-                    .collect(),
-                w_iw: Mat::random(&mut rng, cfg.index_heads, h),
-                w_qn: (0..cfg.heads)
-                    .map(|_| Mat::random(&mut rng, cfg.nope_dim, h))
-                    .collect(),
-                w_uk: (0..cfg.heads)
-                    .map(|_| Mat::random(&mut rng, cfg.nope_dim, LATENT))
-                    .collect(),
-                w_qr: (0..cfg.heads)
-                    .map(|_| Mat::random(&mut rng, ROPE, h))
-                    .collect(),
-                w_uv: (0..cfg.heads)
-                    .map(|_| Mat::random(&mut rng, cfg.v_dim, LATENT))
-                    .collect(),
-                w_o: Mat::random(&mut rng, h, cfg.heads * cfg.v_dim),
-                w_1: Mat::random(&mut rng, cfg.mlp, h),
-                w_2: Mat::random(&mut rng, h, cfg.mlp),
-            })
+        let layers: Vec<Layer> = (0..cfg.layers)
+            .map(|_| Layer::random(&mut rng, &cfg))
             .collect();
         let w_out = Mat::random(&mut rng, cfg.vocab, h);
+        // Drawn after the target's weights: adding the draft layer changed no target bit.
+        // The MTP draft layer starts from the last decoder layer's weights (an untrained
+        // random draft would almost never agree with the target).
+        let draft = layers[cfg.layers - 1].clone();
         Ok(Model {
             cfg,
             format,
             embed,
             layers,
+            draft,
             w_out,
         })
     }
-
     /// The dimensions.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -312,68 +441,144 @@ impl Model {
         first: u32,
         tokens: &[u32],
     ) -> Result<Vec<TokenOut>, ModelError> {
-        let mut xs: Vec<Vec<f32>> = tokens
-            .iter()
-            .map(|&t| {
-                let r = t as usize % self.cfg.vocab;
-                self.embed.w[r * self.cfg.hidden..(r + 1) * self.cfg.hidden].to_vec()
-            })
-            .collect();
+        Ok(self.run_hidden(kv, first, tokens)?.0)
+    }
+
+    /// [`run`](Self::run), also returning each token's final hidden state (the MTP
+    /// draft layer's input).
+    pub fn run_hidden(
+        &self,
+        kv: &mut dyn KvStore,
+        first: u32,
+        tokens: &[u32],
+    ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
+        let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| self.embedding(t)).collect();
         for (l, layer) in self.layers.iter().enumerate() {
+            let at = At {
+                w: layer,
+                cache: l,
+                indexer: self.format.indexer[l],
+            };
             let normed: Vec<Vec<f32>> = xs.iter().map(|x| rmsnorm(x)).collect();
             // Every new token's KV first: a token attends to the new tokens before it.
             for (i, xn) in normed.iter().enumerate() {
-                let pos = first + i as u32;
-                self.write_kv(kv, l, layer, xn, pos)?;
+                self.write_kv(kv, at, xn, first + i as u32)?;
             }
             for (i, xn) in normed.iter().enumerate() {
-                let pos = first + i as u32;
-                let attn = self.attend(kv, l, layer, xn, pos)?;
-                for (x, a) in xs[i].iter_mut().zip(&attn) {
-                    *x += a;
-                }
-                let hmid = layer.w_1.apply(&rmsnorm(&xs[i]));
-                let hmid: Vec<f32> = hmid.into_iter().map(|v| v.max(0.0)).collect();
-                let m = layer.w_2.apply(&hmid);
-                for (x, a) in xs[i].iter_mut().zip(&m) {
-                    *x += a;
-                }
+                let attn = self.attend(kv, at, xn, first + i as u32)?;
+                add(&mut xs[i], &attn);
+                self.mlp(layer, &mut xs[i]);
             }
         }
-        Ok(xs
+        let outs = xs
             .iter()
             .enumerate()
-            .map(|(i, x)| {
-                let logits = self.w_out.apply(&rmsnorm(x));
-                let mut greedy = 0;
-                for (k, &v) in logits.iter().enumerate() {
-                    if v > logits[greedy] {
-                        greedy = k;
-                    }
-                }
-                let mut h = 0xcbf2_9ce4_8422_2325u64;
-                for v in &logits {
-                    for b in v.to_bits().to_le_bytes() {
-                        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-                    }
-                }
-                TokenOut {
-                    pos: first + i as u32,
-                    greedy: greedy as u32,
-                    logits_digest: h,
-                }
-            })
-            .collect())
+            .map(|(i, x)| self.output(x, first + i as u32))
+            .collect();
+        Ok((outs, xs))
+    }
+
+    fn embedding(&self, t: u32) -> Vec<f32> {
+        let r = t as usize % self.cfg.vocab;
+        self.embed.w[r * self.cfg.hidden..(r + 1) * self.cfg.hidden].to_vec()
+    }
+
+    fn mlp(&self, layer: &Layer, x: &mut [f32]) {
+        let hmid = layer.w_1.apply(&rmsnorm(x));
+        let hmid: Vec<f32> = hmid.into_iter().map(|v| v.max(0.0)).collect();
+        add(x, &layer.w_2.apply(&hmid));
+    }
+
+    /// The logits of final hidden state `x`: greedy token and digest.
+    fn output(&self, x: &[f32], pos: u32) -> TokenOut {
+        let logits = self.w_out.apply(&rmsnorm(x));
+        let mut greedy = 0;
+        for (k, &v) in logits.iter().enumerate() {
+            if v > logits[greedy] {
+                greedy = k;
+            }
+        }
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for v in &logits {
+            for b in v.to_bits().to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        TokenOut {
+            pos,
+            greedy: greedy as u32,
+            logits_digest: h,
+        }
+    }
+
+    fn draft_at(&self, cache: DraftCache) -> At<'_> {
+        At {
+            w: &self.draft,
+            cache: cache.layer,
+            indexer: cache.indexer,
+        }
+    }
+
+    /// Writes the MTP draft layer's KV of `tokens` at positions `first..` into `cache`. The
+    /// draft layer's KV of a position depends only on its token and position, so it is
+    /// the same for every request that shares the prefix.
+    pub fn draft_write(
+        &self,
+        kv: &mut dyn KvStore,
+        cache: DraftCache,
+        first: u32,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
+        let at = self.draft_at(cache);
+        for (i, &t) in tokens.iter().enumerate() {
+            self.write_kv(kv, at, &rmsnorm(&self.embedding(t)), first + i as u32)?;
+        }
+        Ok(())
+    }
+
+    /// The MTP draft layer's `k` proposals for positions `last + 2 ..`: `hidden` is the
+    /// target's final hidden state at `last`, `next` the token sampled there (position
+    /// `last + 1`); `cache` in `kv` holds the draft KV of positions
+    /// `0..=last`. Each proposal is the draft layer's greedy token; the chain feeds each
+    /// proposal back with the draft's own hidden state (its KV is computed here, not
+    /// written). Deterministic and batch-invariant like the target.
+    pub fn propose(
+        &self,
+        kv: &dyn KvStore,
+        cache: DraftCache,
+        last: u32,
+        hidden: &[f32],
+        next: u32,
+        k: usize,
+    ) -> Result<Vec<u32>, ModelError> {
+        let at = self.draft_at(cache);
+        let mut local = Overlay::new(kv, cache.layer, last + 1, self.format.row_bytes());
+        let mut h = hidden.to_vec();
+        let mut tok = next;
+        let mut out = Vec::with_capacity(k);
+        for i in 0..k as u32 {
+            let pos = last + 1 + i;
+            self.write_kv(&mut local, at, &rmsnorm(&self.embedding(tok)), pos)?;
+            let mut x = self.embedding(tok);
+            add(&mut x, &rmsnorm(&h));
+            let attn = self.attend(&local, at, &rmsnorm(&x), pos)?;
+            add(&mut x, &attn);
+            self.mlp(&self.draft, &mut x);
+            tok = self.output(&x, pos).greedy;
+            out.push(tok);
+            h = x;
+        }
+        Ok(out)
     }
 
     fn write_kv(
         &self,
         kv: &mut dyn KvStore,
-        l: usize,
-        layer: &Layer,
+        at: At<'_>,
         xn: &[f32],
         pos: u32,
     ) -> Result<(), ModelError> {
+        let (l, layer) = (at.cache, at.w);
         let mut row = layer.w_dkv.apply(xn);
         let mut pe = layer.w_kr.apply(xn);
         rope(&mut pe, pos);
@@ -388,7 +593,7 @@ impl Model {
             _ => row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
         };
         kv.write_row(l, pos, &bytes)?;
-        if self.format.indexer[l] {
+        if at.indexer {
             let mut k = layer.w_ik.apply(xn);
             rope(&mut k[..ROPE], pos);
             let (mut values, mut scale) = ([0u8; INDEX_VALUE_BYTES], [0u8; 4]);
@@ -408,13 +613,13 @@ impl Model {
     fn select(
         &self,
         kv: &dyn KvStore,
-        l: usize,
-        layer: &Layer,
+        at: At<'_>,
         xn: &[f32],
         pos: u32,
     ) -> Result<Vec<u32>, ModelError> {
+        let (l, layer) = (at.cache, at.w);
         let n = pos as usize + 1;
-        if !self.format.indexer[l] || n <= self.cfg.topk {
+        if !at.indexer || n <= self.cfg.topk {
             return Ok((0..=pos).collect());
         }
         // FP8 queries (quantized and read back as the kernel reads them), weights.
@@ -456,12 +661,12 @@ impl Model {
     fn attend(
         &self,
         kv: &dyn KvStore,
-        l: usize,
-        layer: &Layer,
+        at: At<'_>,
         xn: &[f32],
         pos: u32,
     ) -> Result<Vec<f32>, ModelError> {
-        let sel = self.select(kv, l, layer, xn, pos)?;
+        let (l, layer) = (at.cache, at.w);
+        let sel = self.select(kv, at, xn, pos)?;
         let rows: Vec<(Vec<f32>, Vec<f32>)> = kv
             .rows(l, &sel)?
             .into_iter()

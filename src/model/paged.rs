@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use super::{CacheFormat, KvStore, Model, ModelError, TokenOut};
+use super::{CacheFormat, DraftCache, KvStore, Model, ModelError, TokenOut};
+use crate::core::scheduler::PlannedRequest;
 use crate::device::forward::{
     Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory, LayerCache,
 };
@@ -24,10 +25,21 @@ pub struct Outputs {
     pub next: HashMap<(usize, RequestId), u32>,
     /// Positions whose recomputed output differed from the first (must stay empty).
     pub conflicts: Vec<String>,
+    /// `(device, request)` → draft tokens of the latest step that the target's greedy
+    /// tokens accepted (a prefix of the step's drafts; the rest are rolled back).
+    pub accepted: HashMap<(usize, RequestId), u32>,
+    /// `(device, request)` → the MTP draft layer's proposals for the request's next step
+    /// (speculative forwards only), with the position they follow: `(last, tokens)`,
+    /// where `last` is the request's last accepted position and `tokens` are proposed
+    /// for positions `last + 2 ..` (the sampled token is at `last + 1`).
+    pub drafts: HashMap<(usize, RequestId), (u32, Vec<u32>)>,
 }
 
 impl Outputs {
-    fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut]) {
+    /// Records the outputs of committed positions (`outs`: the step's positions up to the
+    /// last accepted one) and the drafts accepted.
+    fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut], accepted: u32) {
+        self.accepted.insert((device, id), accepted);
         let m = self.tokens.entry((device, id)).or_default();
         for o in outs {
             if let Some(prev) = m.insert(o.pos, *o) {
@@ -66,17 +78,61 @@ pub fn cache_format(setup: &ForwardSetup<'_>, layers: usize) -> Result<CacheForm
     })
 }
 
+/// Where the MTP draft layer's cache is.
+#[derive(Clone, Copy, Debug)]
+enum Mtp {
+    /// No MTP layer in the cache.
+    None,
+    /// Layer `layer` of the target cache (MTP layers in the target's manager): written
+    /// and read by the target forward.
+    Combined { layer: usize, indexer: bool },
+    /// Layer 0 of the separate draft cache: written and read in the draft replay.
+    Separate { indexer: bool },
+}
+
+/// A decoding request's state between the target forward and the draft replay.
+struct Pending {
+    id: RequestId,
+    /// Its row in the step.
+    row: usize,
+    /// Its last accepted position.
+    last: u32,
+    /// The target's final hidden state there.
+    hidden: Vec<f32>,
+    /// The token sampled after it.
+    next: u32,
+}
+
 /// The model on one device.
 pub struct ModelForward {
     model: Arc<Model>,
     device: usize,
     outputs: Arc<Mutex<Outputs>>,
+    /// Draft tokens to propose per step (0: no speculation).
+    drafts: usize,
+    mtp: Mtp,
+    pending: Vec<Pending>,
 }
 
 impl ModelForward {
     /// A factory giving every device the model `model` (its cache format must be the
-    /// devices' target cache format), recording into `outputs`.
+    /// devices' target cache format), recording into `outputs`. The MTP layer's KV, if
+    /// the cache has one, is written; no drafts are proposed.
     pub fn factory(model: Arc<Model>, outputs: Arc<Mutex<Outputs>>) -> ForwardFactory {
+        Self::speculative(model, outputs, 0)
+    }
+
+    /// [`factory`](Self::factory) for speculative decoding: after each step the MTP
+    /// draft layer proposes `drafts` tokens per request that sampled one
+    /// ([`Outputs::drafts`]), and the next step's drafts are accepted while they equal
+    /// the target's greedy tokens ([`Outputs::accepted`]; the caller commits that many).
+    /// The cache needs an MTP layer (`model.num_mtp_layers = 1`, in a separate draft
+    /// cache or the target's).
+    pub fn speculative(
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        drafts: usize,
+    ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
             let found =
                 cache_format(setup, model.config().layers).map_err(ForwardError::framework)?;
@@ -88,72 +144,166 @@ impl ModelForward {
                     ),
                 });
             }
+            let layers = model.config().layers;
+            let mtp = match (setup.draft, setup.target.layers.get(layers)) {
+                (Some(d), _) => match d.layers.first() {
+                    Some(l) if l.mla.is_some() => Mtp::Separate {
+                        indexer: l.indexer.is_some(),
+                    },
+                    _ => Mtp::None,
+                },
+                (None, Some(l)) if l.mla.is_some() => Mtp::Combined {
+                    layer: layers,
+                    indexer: l.indexer.is_some(),
+                },
+                _ => Mtp::None,
+            };
+            if drafts > 0 && matches!(mtp, Mtp::None) {
+                return Err(ForwardError::Unsupported {
+                    what: format!(
+                        "{drafts} draft tokens need the MTP layer's cache: set \
+                         model.num_mtp_layers = 1 (spec_decode.mode = mtp)"
+                    ),
+                });
+            }
             Ok(Box::new(ModelForward {
                 model: model.clone(),
                 device: setup.device,
                 outputs: outputs.clone(),
+                drafts,
+                mtp,
+                pending: Vec::new(),
             }) as Box<dyn Forward>)
         })
     }
+
+    /// Writes the MTP layer's KV of every new token of `batch` (cache layer `layer`)
+    /// and proposes the pending requests' drafts.
+    fn draft(&mut self, batch: &mut Batch<'_>, at: DraftCache) -> Result<(), ForwardError> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut proposals = Vec::with_capacity(pending.len());
+        let model = self.model.clone();
+        let drafts = self.drafts;
+        each_request(batch, |r, req, store| {
+            let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
+            model.draft_write(store, at, req.num_cached, &tokens)?;
+            for p in pending.iter().filter(|p| p.row == r && drafts > 0) {
+                let d = model.propose(store, at, p.last, &p.hidden, p.next, drafts)?;
+                proposals.push((p.id, (p.last, d)));
+            }
+            Ok(())
+        })?;
+        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, d) in proposals {
+            o.drafts.insert((self.device, id), d);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on every request of `batch` with its store (the batch's cache through the
+/// step metadata bound for the batch's phase).
+fn each_request(
+    batch: &mut Batch<'_>,
+    mut f: impl FnMut(usize, &PlannedRequest, &mut Paged<'_, '_>) -> Result<(), ModelError>,
+) -> Result<(), ForwardError> {
+    let m = batch.metadata;
+    let cache: Vec<LayerCache> = batch.cache.layers.clone();
+    let requests = batch.requests;
+    let Some(host) = batch.host() else {
+        return Err(ForwardError::Unsupported {
+            what: "the reference model runs on the host backend only (for now)".into(),
+        });
+    };
+    let meta = Meta {
+        block_table: host.i32s(&m.block_table)?,
+        page_table: host.i32s(&m.indexer_page_table)?,
+        mla_slots: host.i64s(&m.mla_slot_mapping)?,
+        value_slots: host.i64s(&m.slot_mapping_value)?,
+        scale_slots: host.i64s(&m.slot_mapping_scale)?,
+        req_idx: host.i32s(&m.req_idx_per_token)?,
+        cols: m.max_blocks_per_seq,
+    };
+    let mut t0 = 0usize;
+    for (r, req) in requests.iter().enumerate() {
+        let n = req.tokens.len();
+        if meta
+            .req_idx
+            .get(t0..t0 + n)
+            .is_none_or(|s| s.iter().any(|&i| i as usize != r))
+        {
+            return Err(ForwardError::framework(ModelError::Access(format!(
+                "tokens {t0}..{} are not request {r}'s in the step metadata",
+                t0 + n
+            ))));
+        }
+        let mut store = Paged {
+            host: &mut *host,
+            cache: &cache,
+            meta: &meta,
+            row: r,
+            first: req.num_cached,
+            t0,
+            n,
+        };
+        f(r, req, &mut store).map_err(ForwardError::framework)?;
+        t0 += n;
+    }
+    Ok(())
 }
 
 impl Forward for ModelForward {
     fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        let layers = self.model.config().layers;
-        let m = batch.metadata;
-        let cache: Vec<LayerCache> =
-            batch.cache.layers[..layers.min(batch.cache.layers.len())].to_vec();
-        let requests = batch.requests;
-        let Some(host) = batch.host() else {
-            return Err(ForwardError::Unsupported {
-                what: "the reference model runs on the host backend only (for now)".into(),
-            });
-        };
-        let meta = Meta {
-            block_table: host.i32s(&m.block_table)?,
-            page_table: host.i32s(&m.indexer_page_table)?,
-            mla_slots: host.i64s(&m.mla_slot_mapping)?,
-            value_slots: host.i64s(&m.slot_mapping_value)?,
-            scale_slots: host.i64s(&m.slot_mapping_scale)?,
-            req_idx: host.i32s(&m.req_idx_per_token)?,
-            cols: m.max_blocks_per_seq,
-        };
-        let mut t0 = 0usize;
-        let mut results = Vec::with_capacity(requests.len());
-        for (r, req) in requests.iter().enumerate() {
-            let n = req.tokens.len();
-            if meta
-                .req_idx
-                .get(t0..t0 + n)
-                .is_none_or(|s| s.iter().any(|&i| i as usize != r))
-            {
-                return Err(ForwardError::framework(ModelError::Access(format!(
-                    "tokens {t0}..{} are not request {r}'s in the step metadata",
-                    t0 + n
-                ))));
-            }
-            let mut store = Paged {
-                host: &mut *host,
-                cache: &cache,
-                meta: &meta,
-                row: r,
-                first: req.num_cached,
-                t0,
-                n,
-            };
+        self.pending.clear();
+        let model = self.model.clone();
+        let mut results = Vec::with_capacity(batch.requests.len());
+        let mut pending = Vec::new();
+        each_request(batch, |r, req, store| {
             let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
-            let outs = self
-                .model
-                .run(&mut store, req.num_cached, &tokens)
-                .map_err(ForwardError::framework)?;
-            results.push((req.id, outs));
-            t0 += n;
+            let (outs, hidden) = model.run_hidden(store, req.num_cached, &tokens)?;
+            // Drafts are accepted while each equals the target's greedy token before it.
+            let nd = req.num_drafts as usize;
+            let Some(base) = tokens.len().checked_sub(nd + 1) else {
+                return Err(ModelError::Access(format!(
+                    "request {} has {} tokens and {nd} drafts",
+                    req.id,
+                    tokens.len()
+                )));
+            };
+            let accepted = (0..nd)
+                .take_while(|&i| tokens[base + 1 + i] == outs[base + i].greedy)
+                .count();
+            let keep = base + accepted;
+            if req.produces_token {
+                pending.push(Pending {
+                    id: req.id,
+                    row: r,
+                    last: outs[keep].pos,
+                    hidden: hidden[keep].clone(),
+                    next: outs[keep].greedy,
+                });
+            }
+            results.push((req.id, outs[..=keep].to_vec(), accepted as u32));
+            Ok(())
+        })?;
+        {
+            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+            for (id, outs, accepted) in &results {
+                o.record(self.device, *id, outs, *accepted);
+            }
         }
-        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, outs) in results {
-            o.record(self.device, id, &outs);
+        self.pending = pending;
+        match self.mtp {
+            Mtp::Combined { layer, indexer } => self.draft(batch, DraftCache { layer, indexer }),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        match self.mtp {
+            Mtp::Separate { indexer } => self.draft(batch, DraftCache { layer: 0, indexer }),
+            _ => Ok(()),
+        }
     }
 }
 

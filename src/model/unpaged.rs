@@ -2,7 +2,7 @@
 //! vectors, no pages, no reuse. The exactness test compares every run through the
 //! runtime against the model run on this.
 
-use super::{CacheFormat, KvStore, Model, ModelError, TokenOut, INDEX_VALUE_BYTES};
+use super::{CacheFormat, DraftCache, KvStore, Model, ModelError, TokenOut, INDEX_VALUE_BYTES};
 
 /// One request's contiguous cache.
 pub struct Contiguous {
@@ -121,4 +121,31 @@ pub fn generate(
         outputs.extend(model.run(&mut kv, pos, &[next])?);
     }
     Ok(Generation { outputs, tokens })
+}
+
+/// The MTP draft layer's proposals along `tokens` (one request alone, contiguous target
+/// and draft caches, the draft layer with an indexer when `draft_indexer`): entry
+/// `last` holds the `k` tokens proposed once `tokens[last + 1]` is sampled after
+/// position `last`, for every `last < tokens.len() - 1`.
+pub fn draft_reference(
+    model: &Model,
+    format: &CacheFormat,
+    draft_indexer: bool,
+    tokens: &[u32],
+    k: usize,
+) -> Result<Vec<Vec<u32>>, ModelError> {
+    let mut kv = Contiguous::new(format);
+    let (_, hidden) = model.run_hidden(&mut kv, 0, tokens)?;
+    let mut draft = Contiguous::new(&CacheFormat {
+        indexer: vec![draft_indexer],
+        ..format.clone()
+    });
+    let at = DraftCache {
+        layer: 0,
+        indexer: draft_indexer,
+    };
+    model.draft_write(&mut draft, at, 0, tokens)?;
+    (0..tokens.len().saturating_sub(1))
+        .map(|last| model.propose(&draft, at, last as u32, &hidden[last], tokens[last + 1], k))
+        .collect()
 }
