@@ -89,10 +89,10 @@ impl ModelConfig {
 
 /// A row-major `[rows, cols]` f32 matrix.
 #[derive(Clone, Debug)]
-struct Mat {
-    rows: usize,
-    cols: usize,
-    w: Vec<f32>,
+pub(crate) struct Mat {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) w: Vec<f32>,
 }
 
 impl Mat {
@@ -147,12 +147,49 @@ fn rmsnorm(x: &[f32]) -> Vec<f32> {
     x.iter().map(|v| v * r).collect()
 }
 
+/// `max(x, 0)`, +0 for ±0 and NaN-free inputs alike (no platform `max` semantics).
+fn relu(x: f32) -> f32 {
+    if x > 0.0 {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// `e^x` in plain f32 operations (no fused multiply-add, no platform `expf`), so a GPU
+/// twin computes the same bits: `x = k·ln 2 + r` (two-part ln 2), a degree-7 Taylor
+/// polynomial of `e^r` (Horner), times `2^k`. Below −87 (where `2^k` would be
+/// subnormal) it returns 0. Inputs here are `≤ 0` (softmax after the maximum).
+pub(crate) fn exp(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x < -87.0 {
+        return 0.0;
+    }
+    let x = if x > 88.0 { 88.0 } else { x };
+    let k = (x * std::f32::consts::LOG2_E).round();
+    let r = x - k * 0.693_145_75 - k * 1.428_606_8e-6;
+    let mut p = 1.0 / 5040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p * r + c;
+    }
+    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// The rotation of pair `i` of an `n`-wide RoPE part at `pos`: `(cos θ, sin θ)` with
+/// `θ = pos · 10000^(−2i/n)`, computed in f64 and rounded (GPU forwards take a table of
+/// these values, so both compute the same bits).
+pub(crate) fn rope_cos_sin(pos: u32, i: usize, n: usize) -> (f32, f32) {
+    let theta = (pos as f64) * 10000f64.powf(-((2 * i) as f64) / n as f64);
+    (theta.cos() as f32, theta.sin() as f32)
+}
+
 /// Rotary embedding of `x` (pairs `(2i, 2i+1)`) at `pos`.
 fn rope(x: &mut [f32], pos: u32) {
     let n = x.len();
     for i in 0..n / 2 {
-        let theta = (pos as f64) * 10000f64.powf(-((2 * i) as f64) / n as f64);
-        let (s, c) = (theta.sin() as f32, theta.cos() as f32);
+        let (c, s) = rope_cos_sin(pos, i, n);
         let (a, b) = (x[2 * i], x[2 * i + 1]);
         x[2 * i] = a * c - b * s;
         x[2 * i + 1] = a * s + b * c;
@@ -164,19 +201,19 @@ fn to_bf16(x: &[f32]) -> Vec<bf16> {
 }
 
 #[derive(Clone)]
-struct Layer {
-    w_dkv: Mat,
-    w_kr: Mat,
-    w_ik: Mat,
-    w_iq: Vec<Mat>,
-    w_iw: Mat,
-    w_qn: Vec<Mat>,
-    w_uk: Vec<Mat>,
-    w_qr: Vec<Mat>,
-    w_uv: Vec<Mat>,
-    w_o: Mat,
-    w_1: Mat,
-    w_2: Mat,
+pub(crate) struct Layer {
+    pub(crate) w_dkv: Mat,
+    pub(crate) w_kr: Mat,
+    pub(crate) w_ik: Mat,
+    pub(crate) w_iq: Vec<Mat>,
+    pub(crate) w_iw: Mat,
+    pub(crate) w_qn: Vec<Mat>,
+    pub(crate) w_uk: Vec<Mat>,
+    pub(crate) w_qr: Vec<Mat>,
+    pub(crate) w_uv: Vec<Mat>,
+    pub(crate) w_o: Mat,
+    pub(crate) w_1: Mat,
+    pub(crate) w_2: Mat,
 }
 
 impl Layer {
@@ -377,13 +414,13 @@ pub struct TokenOut {
 
 /// The model: weights from a seed.
 pub struct Model {
-    cfg: ModelConfig,
-    format: CacheFormat,
-    embed: Mat,
-    layers: Vec<Layer>,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) format: CacheFormat,
+    pub(crate) embed: Mat,
+    pub(crate) layers: Vec<Layer>,
     /// The MTP draft layer (shares the embedding and the output head).
-    draft: Layer,
-    w_out: Mat,
+    pub(crate) draft: Layer,
+    pub(crate) w_out: Mat,
 }
 
 impl Model {
@@ -485,7 +522,7 @@ impl Model {
 
     fn mlp(&self, layer: &Layer, x: &mut [f32]) {
         let hmid = layer.w_1.apply(&rmsnorm(x));
-        let hmid: Vec<f32> = hmid.into_iter().map(|v| v.max(0.0)).collect();
+        let hmid: Vec<f32> = hmid.into_iter().map(relu).collect();
         add(x, &layer.w_2.apply(&hmid));
     }
 
@@ -647,7 +684,7 @@ impl Model {
             let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
             let mut s = 0f32;
             for (q, wh) in qs.iter().zip(&w) {
-                s += wh * dot(q, &k).max(0.0);
+                s += wh * relu(dot(q, &k));
             }
             scored.push((s * scale, j));
         }
@@ -682,8 +719,10 @@ impl Model {
                 .iter()
                 .map(|(lat, pe)| (dot(&q_lat, lat) + dot(&q_pe, pe)) * scale)
                 .collect();
-            let m = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+            let m = scores
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
+            let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
             let mut sum = 0f32;
             for v in &e {
                 sum += v;
