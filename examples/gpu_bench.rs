@@ -4,7 +4,11 @@
 //!
 //! ```text
 //! cargo run --release --example gpu_bench -- [--gpu N] [--reps N] [--max-tokens N] [--quick]
+//!     [--only KERNEL[,KERNEL...]]
 //! ```
+//!
+//! `--only` times just the kernels whose names contain one of the given strings (the
+//! ceilings are always measured), e.g. `--only mla_scatter` for the two MLA scatters.
 //!
 //! Bytes are counted as every byte read plus every byte written (mappings included),
 //! the same way the memcpy ceiling counts its reads and writes; host copies count the
@@ -32,6 +36,15 @@ struct Args {
     reps: usize,
     max_tokens: u64,
     sizes: Vec<u64>,
+    /// Kernel-name filters (`--only`); empty times every kernel.
+    only: Vec<String>,
+}
+
+impl Args {
+    /// Whether `--only` selects the kernel `name`.
+    fn wants(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| name.contains(o.as_str()))
+    }
 }
 
 fn parse() -> Result<Args, String> {
@@ -40,6 +53,7 @@ fn parse() -> Result<Args, String> {
         reps: 21,
         max_tokens: 4 << 20,
         sizes: vec![4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20],
+        only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -56,9 +70,14 @@ fn parse() -> Result<Args, String> {
                 a.reps = 5;
                 a.max_tokens = 64 << 10;
             }
+            "--only" => {
+                let v = it.next().ok_or("--only needs a value")?;
+                a.only
+                    .extend(v.split(',').filter(|x| !x.is_empty()).map(String::from));
+            }
             _ => {
                 return Err(format!(
-                    "unknown argument {f:?}\nusage: gpu_bench [--gpu N] [--reps N] [--max-tokens N] [--quick]"
+                    "unknown argument {f:?}\nusage: gpu_bench [--gpu N] [--reps N] [--max-tokens N] [--quick] [--only KERNEL[,KERNEL...]]"
                 ))
             }
         }
@@ -266,76 +285,89 @@ fn run(a: &Args) -> R<Value> {
         let nu = n as usize;
 
         // Indexer: quantize, scatter, gather (FP8: 128 + 4 bytes per token).
-        let keys = b.random(nu * 128, |r| {
-            bf16::from_f32(((r >> 40) as f32 / 16_777_216.0 - 0.5) * 8.0)
-        })?;
-        let (vals, scs) = (b.zeroed(n * 128)?, b.zeroed(n * 4)?);
-        let us = b.time(|| unsafe {
-            k.quantize_indexer(&s, dev, keys.ptr(), vals.ptr(), scs.ptr(), nu, false, true)
-        })?;
-        rows.push(row(
+        if [
             "quantize_indexer_fp8",
-            n,
-            n * (256 + 132),
-            us,
-            d2d,
-            "d2d",
-        ));
-        drop(keys);
-        let cache_len = pages * T * 132;
-        let cache = b.zeroed(cache_len)?;
-        let us = b.time(|| unsafe {
-            k.indexer_k_scatter(
-                &s,
-                dev,
-                cache.ptr(),
-                cache_len,
-                vals.ptr(),
-                scs.ptr(),
-                vmb.ptr(),
-                smb.ptr(),
-                nu,
-                128,
-                None,
-            )
-        })?;
-        rows.push(row(
             "indexer_k_scatter_fp8",
-            n,
-            n * (132 * 2 + 16),
-            us,
-            d2d,
-            "d2d",
-        ));
-        let us = b.time(|| unsafe {
-            k.indexer_k_gather(
-                &s,
-                dev,
-                cache.ptr(),
-                cache_len,
-                vmb.ptr(),
-                smb.ptr(),
-                0,
-                nu,
-                128,
-                vals.ptr(),
-                scs.ptr(),
-            )
-        })?;
-        rows.push(row(
             "indexer_k_gather_fp8",
-            n,
-            n * (132 * 2 + 16),
-            us,
-            d2d,
-            "d2d",
-        ));
-        drop((cache, vals, scs, vmb, smb));
+        ]
+        .iter()
+        .any(|k| a.wants(k))
+        {
+            let keys = b.random(nu * 128, |r| {
+                bf16::from_f32(((r >> 40) as f32 / 16_777_216.0 - 0.5) * 8.0)
+            })?;
+            let (vals, scs) = (b.zeroed(n * 128)?, b.zeroed(n * 4)?);
+            let us = b.time(|| unsafe {
+                k.quantize_indexer(&s, dev, keys.ptr(), vals.ptr(), scs.ptr(), nu, false, true)
+            })?;
+            rows.push(row(
+                "quantize_indexer_fp8",
+                n,
+                n * (256 + 132),
+                us,
+                d2d,
+                "d2d",
+            ));
+            drop(keys);
+            let cache_len = pages * T * 132;
+            let cache = b.zeroed(cache_len)?;
+            let us = b.time(|| unsafe {
+                k.indexer_k_scatter(
+                    &s,
+                    dev,
+                    cache.ptr(),
+                    cache_len,
+                    vals.ptr(),
+                    scs.ptr(),
+                    vmb.ptr(),
+                    smb.ptr(),
+                    nu,
+                    128,
+                    None,
+                )
+            })?;
+            rows.push(row(
+                "indexer_k_scatter_fp8",
+                n,
+                n * (132 * 2 + 16),
+                us,
+                d2d,
+                "d2d",
+            ));
+            let us = b.time(|| unsafe {
+                k.indexer_k_gather(
+                    &s,
+                    dev,
+                    cache.ptr(),
+                    cache_len,
+                    vmb.ptr(),
+                    smb.ptr(),
+                    0,
+                    nu,
+                    128,
+                    vals.ptr(),
+                    scs.ptr(),
+                )
+            })?;
+            rows.push(row(
+                "indexer_k_gather_fp8",
+                n,
+                n * (132 * 2 + 16),
+                us,
+                d2d,
+                "d2d",
+            ));
+            drop((cache, vals, scs, vmb, smb));
+        }
 
         // MLA: BF16 scatter and fp8_ds_mla quantize-and-scatter (one layer's view).
-        let input = b.random(nu * 576, |r| {
-            bf16::from_f32(((r >> 40) as f32 / 16_777_216.0 - 0.5) * 4.0)
-        })?;
+        let input = if a.wants("mla_scatter_bf16") || a.wants("mla_scatter_fp8_ds_mla") {
+            b.random(nu * 576, |r| {
+                bf16::from_f32(((r >> 40) as f32 / 16_777_216.0 - 0.5) * 4.0)
+            })?
+        } else {
+            b.zeroed(0)?
+        };
         for (name, enc, row_bytes) in [
             ("mla_scatter_bf16", MlaEncoding::Bf16, 1152u64),
             (
@@ -344,6 +376,9 @@ fn run(a: &Args) -> R<Value> {
                 656,
             ),
         ] {
+            if !a.wants(name) {
+                continue;
+            }
             let pool = b.zeroed(pages * T * row_bytes)?;
             let view = DevRows {
                 pool: pool.ptr(),
@@ -360,136 +395,150 @@ fn run(a: &Args) -> R<Value> {
         drop((input, slb));
 
         // Block copy: n / 64 tasks of one 64-token fp8_ds_mla page (41,984 B).
-        let page = T * 656;
-        let (src, dst) = (b.zeroed(pages * page)?, b.zeroed(pages * page)?);
-        let p2 = b.perm(pages);
-        let mut addrs: Vec<u64> = (0..pages)
-            .map(|i| dst.ptr() + p2[i as usize] * page)
-            .collect();
-        addrs.extend((0..pages).map(|i| src.ptr() + perm[i as usize] * page));
-        let tasks = b.upload(&addrs)?;
-        let t8 = pages * 8;
-        let us = b.time(|| unsafe {
-            k.batched_copy(&s, dev, tasks.ptr(), tasks.ptr() + t8, pages as usize, page)
-        })?;
-        rows.push(row("batched_copy_d2d", n, 2 * pages * page, us, d2d, "d2d"));
-        drop(dst);
-
-        // Offload / onboard through mapped pinned memory (up to 1M tokens).
-        if n <= 1 << 20 {
-            let host = PinnedHost::zeroed(&gpu, (pages * page) as usize, "benchmark").map_err(e)?;
-            let mut off: Vec<u64> = (0..pages).map(|i| host.dev_ptr() + i * page).collect();
-            off.extend((0..pages).map(|i| src.ptr() + perm[i as usize] * page));
-            let ot = b.upload(&off)?;
-            let us = b.time(|| unsafe {
-                k.batched_copy(&s, dev, ot.ptr(), ot.ptr() + t8, pages as usize, page)
-            })?;
-            rows.push(row("offload_d2h", n, pages * page, us, d2h, "pinned_d2h"));
-            let mut on: Vec<u64> = (0..pages)
-                .map(|i| src.ptr() + perm[i as usize] * page)
+        if ["batched_copy_d2d", "offload_d2h", "onboard_h2d"]
+            .iter()
+            .any(|k| a.wants(k))
+        {
+            let page = T * 656;
+            let (src, dst) = (b.zeroed(pages * page)?, b.zeroed(pages * page)?);
+            let p2 = b.perm(pages);
+            let mut addrs: Vec<u64> = (0..pages)
+                .map(|i| dst.ptr() + p2[i as usize] * page)
                 .collect();
-            on.extend((0..pages).map(|i| host.dev_ptr() + i * page));
-            let nt = b.upload(&on)?;
+            addrs.extend((0..pages).map(|i| src.ptr() + perm[i as usize] * page));
+            let tasks = b.upload(&addrs)?;
+            let t8 = pages * 8;
             let us = b.time(|| unsafe {
-                k.batched_copy(&s, dev, nt.ptr(), nt.ptr() + t8, pages as usize, page)
+                k.batched_copy(&s, dev, tasks.ptr(), tasks.ptr() + t8, pages as usize, page)
             })?;
-            rows.push(row("onboard_h2d", n, pages * page, us, h2d, "pinned_h2d"));
+            rows.push(row("batched_copy_d2d", n, 2 * pages * page, us, d2d, "d2d"));
+            drop(dst);
+
+            // Offload / onboard through mapped pinned memory (up to 1M tokens).
+            if n <= 1 << 20 {
+                let host =
+                    PinnedHost::zeroed(&gpu, (pages * page) as usize, "benchmark").map_err(e)?;
+                let mut off: Vec<u64> = (0..pages).map(|i| host.dev_ptr() + i * page).collect();
+                off.extend((0..pages).map(|i| src.ptr() + perm[i as usize] * page));
+                let ot = b.upload(&off)?;
+                let us = b.time(|| unsafe {
+                    k.batched_copy(&s, dev, ot.ptr(), ot.ptr() + t8, pages as usize, page)
+                })?;
+                rows.push(row("offload_d2h", n, pages * page, us, d2h, "pinned_d2h"));
+                let mut on: Vec<u64> = (0..pages)
+                    .map(|i| src.ptr() + perm[i as usize] * page)
+                    .collect();
+                on.extend((0..pages).map(|i| host.dev_ptr() + i * page));
+                let nt = b.upload(&on)?;
+                let us = b.time(|| unsafe {
+                    k.batched_copy(&s, dev, nt.ptr(), nt.ptr() + t8, pages as usize, page)
+                })?;
+                rows.push(row("onboard_h2d", n, pages * page, us, h2d, "pinned_h2d"));
+            }
+            drop(src);
         }
-        drop(src);
 
         // Top-k → global ids: n / 64 rows of k = 2048 over 64-block tables.
-        let (topk_k, nrows, mb) = (2048u64, (n / T).max(1), 64u64);
-        let reqs = 256u64;
-        let topk = b.random((nrows * topk_k) as usize, |r| (r % (mb * T)) as i32)?;
-        let rr: Vec<i32> = (0..nrows).map(|i| (i % reqs) as i32).collect();
-        let table: Vec<i32> = (0..reqs * mb).map(|i| (i * 7 % 100_000) as i32).collect();
-        let (rrb, tb, out) = (
-            b.upload(&rr)?,
-            b.upload(&table)?,
-            b.zeroed(nrows * topk_k * 4)?,
-        );
-        let params = PrimaryPageParams {
-            tokens_per_block: T as u32,
-            scale: 61,
-            layer_offset: 3,
-        };
-        let us = b.time(|| unsafe {
-            k.topk_to_global(
-                &s,
-                dev,
-                topk.ptr(),
-                topk_k as usize,
-                rrb.ptr(),
-                nrows as usize,
-                tb.ptr(),
-                reqs as usize,
-                mb as usize,
-                params,
-                out.ptr(),
-            )
-        })?;
-        rows.push(row(
-            "topk_to_global",
-            nrows * topk_k,
-            nrows * topk_k * 8,
-            us,
-            d2d,
-            "d2d",
-        ));
-        drop((topk, out));
+        if a.wants("topk_to_global") {
+            let (topk_k, nrows, mb) = (2048u64, (n / T).max(1), 64u64);
+            let reqs = 256u64;
+            let topk = b.random((nrows * topk_k) as usize, |r| (r % (mb * T)) as i32)?;
+            let rr: Vec<i32> = (0..nrows).map(|i| (i % reqs) as i32).collect();
+            let table: Vec<i32> = (0..reqs * mb).map(|i| (i * 7 % 100_000) as i32).collect();
+            let (rrb, tb, out) = (
+                b.upload(&rr)?,
+                b.upload(&table)?,
+                b.zeroed(nrows * topk_k * 4)?,
+            );
+            let params = PrimaryPageParams {
+                tokens_per_block: T as u32,
+                scale: 61,
+                layer_offset: 3,
+            };
+            let us = b.time(|| unsafe {
+                k.topk_to_global(
+                    &s,
+                    dev,
+                    topk.ptr(),
+                    topk_k as usize,
+                    rrb.ptr(),
+                    nrows as usize,
+                    tb.ptr(),
+                    reqs as usize,
+                    mb as usize,
+                    params,
+                    out.ptr(),
+                )
+            })?;
+            rows.push(row(
+                "topk_to_global",
+                nrows * topk_k,
+                nrows * topk_k * 8,
+                us,
+                d2d,
+                "d2d",
+            ));
+            drop((topk, out));
+        }
 
         // Slot-mapping recompute for n new tokens over 256 requests.
-        let per = n.div_ceil(reqs);
-        let req_idx: Vec<i32> = (0..n).map(|i| (i / per) as i32).collect();
-        let starts: Vec<i32> = (0..reqs).map(|r| (r * per) as i32).collect();
-        let cached: Vec<i32> = vec![0; reqs as usize];
-        let mbr = per.div_ceil(T) + 1;
-        let itab: Vec<i32> = (0..reqs * mbr).map(|i| (i % 50_000) as i32).collect();
-        let (rb, sb, cb, ib) = (
-            b.upload(&req_idx)?,
-            b.upload(&starts)?,
-            b.upload(&cached)?,
-            b.upload(&itab)?,
-        );
-        let outm = b.zeroed(n * 24)?;
-        let layout = MetadataLayout {
-            tokens_per_block: T as u32,
-            indexer_page_scale: 1,
-            indexer: Some(ix),
-        };
-        let tables = RecomputeTables {
-            indexer_table: ib.ptr(),
-            max_blocks: mbr as usize,
-            num_cached: cb.ptr(),
-            req_idx: rb.ptr(),
-            token_start: sb.ptr(),
-        };
-        let us = b.time(|| unsafe {
-            k.recompute_slot_mappings(
-                &s,
-                dev,
-                tables,
-                &layout,
-                nu,
-                outm.ptr(),
-                outm.ptr() + n * 8,
-                outm.ptr() + n * 16,
-            )
-        })?;
-        rows.push(row(
-            "recompute_slot_mappings",
-            n,
-            n * (4 + 4 + 24),
-            us,
-            d2d,
-            "d2d",
-        ));
+        if a.wants("recompute_slot_mappings") {
+            let reqs = 256u64;
+            let per = n.div_ceil(reqs);
+            let req_idx: Vec<i32> = (0..n).map(|i| (i / per) as i32).collect();
+            let starts: Vec<i32> = (0..reqs).map(|r| (r * per) as i32).collect();
+            let cached: Vec<i32> = vec![0; reqs as usize];
+            let mbr = per.div_ceil(T) + 1;
+            let itab: Vec<i32> = (0..reqs * mbr).map(|i| (i % 50_000) as i32).collect();
+            let (rb, sb, cb, ib) = (
+                b.upload(&req_idx)?,
+                b.upload(&starts)?,
+                b.upload(&cached)?,
+                b.upload(&itab)?,
+            );
+            let outm = b.zeroed(n * 24)?;
+            let layout = MetadataLayout {
+                tokens_per_block: T as u32,
+                indexer_page_scale: 1,
+                indexer: Some(ix),
+            };
+            let tables = RecomputeTables {
+                indexer_table: ib.ptr(),
+                max_blocks: mbr as usize,
+                num_cached: cb.ptr(),
+                req_idx: rb.ptr(),
+                token_start: sb.ptr(),
+            };
+            let us = b.time(|| unsafe {
+                k.recompute_slot_mappings(
+                    &s,
+                    dev,
+                    tables,
+                    &layout,
+                    nu,
+                    outm.ptr(),
+                    outm.ptr() + n * 8,
+                    outm.ptr() + n * 16,
+                )
+            })?;
+            rows.push(row(
+                "recompute_slot_mappings",
+                n,
+                n * (4 + 4 + 24),
+                us,
+                d2d,
+                "d2d",
+            ));
+        }
     }
+    // A section runs whole when any of its kernels is selected; report only those.
+    rows.retain(|r| r["kernel"].as_str().is_some_and(|k| a.wants(k)));
     Ok(json!({
         "gpu": gpu.name(),
         "driver_version": driver,
         "arch": dsa_kv::cuda::ARCH,
         "reps": a.reps,
+        "only": a.only,
         "ceilings_gb_per_s": {
             "d2d_read_plus_write": (d2d * 10.0).round() / 10.0,
             "pinned_h2d": (h2d * 10.0).round() / 10.0,

@@ -47,19 +47,19 @@ __device__ u8 f32_to_e4m3(float x) {
 }
 
 // Four f32 -> four E4M3 bytes (a in the lowest byte) with the sm_89+ hardware
-// conversion: RNE, saturating to +-448 exactly like f32_to_e4m3, and NaN -> 0x7F (the
-// fix-up makes the code independent of the NaN's sign). The selfcheck_e4m3 kernel proves
-// it equal to f32_to_e4m3 on all 2^32 inputs (GPU test).
+// conversion: RNE, saturating to +-448 exactly like f32_to_e4m3. A NaN converts to a NaN
+// code, S.1111.111 (0x7F or 0xFF by the NaN's sign), and nothing else does (satfinite stops
+// at 0x7E), so clearing the sign bit of exactly the bytes whose low seven bits are all ones
+// gives the reference's sign-independent 0x7F: (b & 0x7F) + 1 carries into bit 7 only for
+// 0x7F, and never into the next byte. The selfcheck_e4m3 kernel proves the result equal to
+// f32_to_e4m3 on all 2^32 inputs (GPU test).
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
     unsigned short lo, hi;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
     u32 r = (u32)lo | ((u32)hi << 16);
-    if (a != a) r = (r & 0xffffff00u) | 0x0000007fu;
-    if (b != b) r = (r & 0xffff00ffu) | 0x00007f00u;
-    if (c != c) r = (r & 0xff00ffffu) | 0x007f0000u;
-    if (d != d) r = (r & 0x00ffffffu) | 0x7f000000u;
-    return r;
+    u32 nan_bytes = ((r & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+    return r & ~nan_bytes;
 }
 
 // x / s for a power-of-two s: multiplying by the exact reciprocal rounds identically
@@ -67,18 +67,6 @@ __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
 // division. s is never 0 here (amax is floored); s = inf gives 0 (and inf * 0 = NaN =
 // inf / inf).
 __device__ __forceinline__ float div_pow2(float x, float inv) { return __fmul_rn(x, inv); }
-
-// Exhaustive check of e4m3x4 against f32_to_e4m3 over bit patterns [base, base + count).
-extern "C" __global__ void selfcheck_e4m3(u32 base, u32 count, unsigned long long* mismatches, u32* example) {
-    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    float x = __uint_as_float(base + i);
-    u8 hw = (u8)(e4m3x4(x, 0.0f, 0.0f, 0.0f) & 0xffu);
-    if (hw != f32_to_e4m3(x)) {
-        atomicAdd(mismatches, 1ull);
-        atomicExch(example, base + i);
-    }
-}
 
 // FP8 E4M3 -> f32.
 __device__ float e4m3_to_f32(u8 b) {
@@ -132,13 +120,93 @@ __device__ __forceinline__ float block_scale(float amax, float maxv, int ue8m0) 
     return ue8m0 ? pow2_ceil(s) : s;
 }
 
+// block_scale(amax, FP8_MAX, 1) without the division and the search: with
+// m = max(amax, 1e-4) = 1.f * 2^e (normal, m >= 1e-4) and 448 = 1.75 * 2^8, the smallest
+// power of two >= m / 448 is 2^(e-8) when 1.f <= 1.75 and 2^(e-7) otherwise. Rounding m / 448
+// to f32 cannot land on 2^(e-8) from above: m's next value past 1.75 * 2^e is 2^-23 / 1.75
+// > 2^-24 (half an ulp) above it, relatively. m = inf gives inf, like pow2_ceil. Proved equal
+// to block_scale on every non-negative f32 by selfcheck_e4m3 (GPU test).
+__device__ __forceinline__ float ue8m0_scale_fp8(float amax) {
+    u32 m = __float_as_uint(fmaxf(amax, AMAX_FLOOR));
+    u32 e = m >> 23;
+    if (e == 255u) return __uint_as_float(0x7f800000u);
+    return __uint_as_float((e - 8u + ((m & 0x7fffffu) > 0x600000u ? 1u : 0u)) << 23);
+}
+
+// 1 / s for a power of two s >= 2^-126 (inf -> 0): exact, so equal to __frcp_rn(s).
+__device__ __forceinline__ float pow2_recip(float s) {
+    u32 e = __float_as_uint(s) >> 23;
+    return e == 255u ? 0.0f : __uint_as_float((254u - e) << 23);
+}
+
+// Exhaustive check over bit patterns [base, base + count) of the conversions that replace
+// a reference: e4m3x4 against f32_to_e4m3, and (on |x|, as an amax) ue8m0_scale_fp8 and
+// pow2_recip against block_scale and __frcp_rn.
+extern "C" __global__ void selfcheck_e4m3(u32 base, u32 count, unsigned long long* mismatches, u32* example) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float x = __uint_as_float(base + i);
+    u8 hw = (u8)(e4m3x4(x, 0.0f, 0.0f, 0.0f) & 0xffu);
+    float amax = fabsf(x);
+    float scale = block_scale(amax, FP8_MAX, 1), fast = ue8m0_scale_fp8(amax);
+    bool same_scale = __float_as_uint(scale) == __float_as_uint(fast) &&
+                      __float_as_uint(__frcp_rn(scale)) == __float_as_uint(pow2_recip(fast));
+    if (hw != f32_to_e4m3(x) || !same_scale) {
+        atomicAdd(mismatches, 1ull);
+        atomicExch(example, base + i);
+    }
+}
+
+// Max of two BF16 pairs, position by position. A NaN loses against a number (like fmaxf
+// and the host's f32::max), and bf16 -> f32 is exact, so a max over |x| taken here equals
+// the reference's f32 fold; a pair of NaNs gives NaN, which the amax floor turns into
+// 1e-4 exactly as the reference's 0 would.
+__device__ __forceinline__ u32 bf16x2_max(u32 a, u32 b) {
+    u32 d;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// Max of |x| over the 8 BF16 values of v: (even positions, odd positions) as a pair.
+__device__ __forceinline__ u32 bf16x8_absmax(uint4 v) {
+    const u32 abs = 0x7fff7fffu;
+    return bf16x2_max(bf16x2_max(v.x & abs, v.y & abs), bf16x2_max(v.z & abs, v.w & abs));
+}
+
+// Loads of data a kernel reads once (rows, slots, the fail flag). Volatile, so that they
+// are issued where they are written, at the top of the kernel, and not sunk into the
+// branch that uses them: a load after the slot-dependent skip test waits for the slot's
+// load first, two memory latencies in a row per warp.
+__device__ __forceinline__ uint4 load_once16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u64 load_once8(const void* p) {
+    u64 v;
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float warp_max(float v, unsigned width) {
     for (unsigned o = width / 2u; o > 0u; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, width));
     return v;
 }
 
 // Byte offset of token slot `slot` in a strided row view (see RowView in src/ops/mla.rs).
+// Tokens per block is a power of two in every layout we build (64): a shift and a mask
+// instead of a 64-bit division (a library call); any other value still divides.
 __device__ __forceinline__ u64 row_offset(i64 slot, u64 base, u64 block_stride, u32 tpb, u32 row_bytes) {
     u64 s = (u64)slot;
-    return base + (s / tpb) * block_stride + (s % tpb) * (u64)row_bytes;
+    u64 block, pos;
+    if ((tpb & (tpb - 1u)) == 0u) {
+        block = s >> (__ffs(tpb) - 1);
+        pos = s & (u64)(tpb - 1u);
+    } else {
+        block = s / tpb;
+        pos = s % tpb;
+    }
+    return base + block * block_stride + pos * (u64)row_bytes;
 }

@@ -617,9 +617,12 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// Compares the hardware E4M3 conversion the kernels use with the integer reference
-    /// (`f32_to_e4m3` in common.cuh, mirrored by [`crate::ops::quant::f32_to_e4m3`]) on
-    /// all 2^32 f32 bit patterns; returns `(mismatches, one mismatching pattern)`.
+    /// Compares the fast paths the kernels use with their references on all 2^32 f32 bit
+    /// patterns `x`: the hardware E4M3 conversion with the integer `f32_to_e4m3` (in
+    /// common.cuh, mirrored by [`crate::ops::quant::f32_to_e4m3`]), and the closed-form
+    /// UE8M0 tile scale of `fp8_ds_mla` and its reciprocal, for the amax `|x|`, with
+    /// `block_scale` (mirrored by [`crate::ops::quant::block_scale`]) and `__frcp_rn`;
+    /// returns `(mismatches, one mismatching pattern)`.
     pub fn selfcheck_e4m3(&self, gpu: &super::Gpu) -> Result<(u64, u32), CudaError> {
         let dev = gpu.ordinal();
         let out = super::DeviceBuffer::zeroed(gpu, 16, "self-check counters")?;

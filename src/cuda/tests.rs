@@ -139,7 +139,7 @@ fn hardware_e4m3_conversion_equals_the_reference_on_every_f32() {
     assert_eq!(
         mismatches,
         0,
-        "e.g. {example:#010x} ({}) converts differently",
+        "e.g. {example:#010x} ({}) converts differently, or as an amax scales differently",
         f32::from_bits(example)
     );
 }
@@ -529,8 +529,9 @@ fn mla_scatters_match_host() {
             block_stride: v.block_stride,
             tokens_per_block: 64,
         };
-        for kind in 0..4 {
-            let rv = view([1152, 576, 656, 288][kind]);
+        // Kinds: BF16, FP8, fp8_ds_mla with UE8M0 scales, NVFP4, fp8_ds_mla with f32 scales.
+        for kind in 0..5 {
+            let rv = view([1152, 576, 656, 288, 656][kind]);
             let len = (blocks * rv.block_stride) as usize;
             let init = rng.bytes(len);
             let mut host = init.clone();
@@ -544,10 +545,15 @@ fn mla_scatters_match_host() {
                     mla_scatter_fp8(&mut host, &rv, &rows, &slots, 0.75).unwrap();
                     (MlaEncoding::Fp8 { tensor_scale: 0.75 }, None)
                 }
-                2 => {
-                    mla_scatter_fp8_ds_mla(&mut host, &rv, &rows, &slots, ScaleFormat::Ue8m0)
-                        .unwrap();
-                    (MlaEncoding::Fp8DsMla { ue8m0: true }, None)
+                2 | 4 => {
+                    let ue8m0 = kind == 2;
+                    let fmt = if ue8m0 {
+                        ScaleFormat::Ue8m0
+                    } else {
+                        ScaleFormat::F32
+                    };
+                    mla_scatter_fp8_ds_mla(&mut host, &rv, &rows, &slots, fmt).unwrap();
+                    (MlaEncoding::Fp8DsMla { ue8m0 }, None)
                 }
                 _ => {
                     let sv = view(36);
