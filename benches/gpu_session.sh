@@ -12,7 +12,7 @@ timeout 180 .gpu/lib_tests --ignored --test-threads=1 cuda:: > $OUT/gpu_tests.tx
 echo "== verifier drills on the GPU" >> $L
 timeout 120 .gpu/verifier_tests --ignored --test-threads=1 > $OUT/gpu_verifier_tests.txt 2>&1; echo "verifier rc=$?" >> $L
 echo "== serve quick cuda" >> $L
-timeout 120 .gpu/serve --quick --backend cuda --json --out /tmp/sq > $OUT/serve_quick_cuda.json 2>>$L; echo "serve quick rc=$?" >> $L
+timeout 120 .gpu/serve --quick --source synthetic --backend cuda --json --out /tmp/sq > $OUT/serve_quick_cuda.json 2>>$L; echo "serve quick rc=$?" >> $L
 echo "== tp" >> $L
 timeout 150 .gpu/tp --gpus 0,1 --json > $OUT/tp.json 2>>$L; echo "tp rc=$?" >> $L
 echo "== bench" >> $L
@@ -20,5 +20,5 @@ timeout 200 .gpu/gpu_bench > $OUT/gpu_bench.json 2>>$L; echo "bench rc=$?" >> $L
 echo "== torch" >> $L
 timeout 120 python3 benches/torch_scatter.py > $OUT/torch_scatter.json 2>>$L; echo "torch rc=$?" >> $L
 echo "== serve full cuda" >> $L
-timeout 150 .gpu/serve --backend cuda --json --out /tmp/sf > $OUT/serve_full_cuda.json 2>>$L; echo "serve full rc=$?" >> $L
+timeout 150 .gpu/serve --source synthetic --backend cuda --json --out /tmp/sf > $OUT/serve_full_cuda.json 2>>$L; echo "serve full rc=$?" >> $L
 exit 0

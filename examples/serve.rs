@@ -1,32 +1,61 @@
-//! The main job: a seeded synthetic serving workload on the DeepSeek-V3.2 preset through
-//! the actor runtime, with the KV read back and checked byte for byte.
+//! The main job: a seeded multi-turn chat workload (conversations over a few shared
+//! system prompts, arriving as a Poisson process) through the actor runtime, with
+//! continuous batching, chunked prefill, prefix reuse, host offload and preemption. What
+//! runs on the device actors is chosen by `--source`:
 //!
-//! Multi-turn chats over a few shared system prompts arrive as a Poisson process; the
-//! engine loop runs continuous batching with chunked prefill and MTP decoding (random
-//! draft acceptance); the pools are small enough that eviction, host offload and
-//! preemption happen. Every new token's indexer key and MLA row is generated from its
-//! whole prefix (scope and tokens), position and layer, written through the ops, and
-//! read back through the block tables after reuse, offload and onboarding, and once
-//! more when a request finishes: every position of the request, on the verified layers
-//! (`--verify sample`, the default: the first, middle and last layer of each cache;
-//! `--verify all`: every layer; `--verify off`: no read-backs, as a framework runs). The report states which (`verified_layers`) and the
-//! count of position × layer reads (`tokens_verified`).
+//! * `model` (the default): the crate's small DeepSeek-V3.2-style reference model
+//!   (`dsa_kv::model`: 2 layers, MLA rows in `fp8_ds_mla` or BF16 (`--kv-dtype`), FP8
+//!   indexer keys, the lightning indexer's top-64 and sparse MLA; random weights from a
+//!   fixed seed) runs as the framework forward on every device actor (`--devices N`).
+//!   Each step's sampled token is the model's greedy token (every device must compute
+//!   the same one, or the run stops with an error), and a conversation's next turn is
+//!   its previous prompt and generated tokens plus new user tokens (token ids modulo the
+//!   model's 256-token vocabulary). After the run, the exactness check: every request is
+//!   run again alone on a contiguous cache with no paging and no reuse
+//!   (`model::unpaged::generate`, the prompt being the whole token history it was
+//!   submitted with); its generated tokens, and the logits of every position the runtime
+//!   computed on every device, must be equal bit for bit (`exact_requests` of
+//!   `checked_requests`, `"exact"`).
+//! * `synthetic`: the synthetic writer on the DeepSeek-V3.2 preset (61 layers, MTP with
+//!   random draft acceptance, random tokens). Every new token's indexer key and MLA row
+//!   is generated from its whole prefix (scope and tokens), position and layer, written
+//!   through the ops, and read back through the block tables after reuse, offload and
+//!   onboarding, and once more when a request finishes: every position of the request,
+//!   on the verified layers (`--verify sample`, the default: the first, middle and last
+//!   layer of each cache; `--verify all`: every layer; `--verify off`: no read-backs).
+//!   The report states which (`verified_layers`) and the count of position × layer
+//!   reads (`tokens_verified`); CI's verification drills run on this source.
 //!
 //! ```text
-//! cargo run --release --example serve -- [--quick] [--json] [--seed N] [--devices N]
-//!     [--conversations N] [--turns N] [--verify sample|all|off] [--config FILE.toml|.json|.yaml]
-//!     [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]
+//! cargo run --release --example serve -- [--source model|synthetic] [--quick] [--json]
+//!     [--seed N] [--devices N] [--conversations N] [--turns N] [--kv-dtype DTYPE]
+//!     [--verify sample|all|off] [--config FILE.toml|.json|.yaml] [--out DIR]
+//!     [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]
 //! ```
+//!
+//! The report (a table, or one JSON object with `--json`) gives requests, generated and
+//! processed tokens and their rates, step latency (the wall time of `kv.step`:
+//! scheduling, copies and the forward on every device; median and p99 of the steps whose
+//! requests all decode, `decode_step_ms`, and of all steps with work, `step_ms`), the
+//! prefix hit rate, preemptions, offload and onboarding, and with the model the
+//! exactness result. `"integrity_ok"` is true iff no request failed and, with the model,
+//! every request is exact; with the synthetic writer, every byte read back matched. The
+//! exit status is non-zero otherwise.
 //!
 //! `--room-faults PCT` (built with `--features fault-injection`) is a fault drill: that
 //! share of GPU-room requests is refused as if the storage could not supply the memory;
-//! the run must still finish every request with every byte it reads back matching.
+//! the run must still finish every request, with every byte it reads back matching (or,
+//! with the model, every request exact).
 //!
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
-//! CUDA kernels, and verification reads the GPU bytes back.
+//! CUDA kernels, and verification reads the GPU bytes back. Only the synthetic writer
+//! runs there for now (`--source synthetic`): the model's GPU forward is not built yet.
 //!
 //! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
+
+// The report's `json!` object has more keys than the macro's default recursion allows.
+#![recursion_limit = "256"]
 
 mod common;
 
@@ -34,50 +63,82 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use dsa_kv::actors::{KvCacheBuilder, RuntimeStats};
-use dsa_kv::config::{EngineConfig, SpecMode};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, StepReport};
+use dsa_kv::config::{EngineConfig, KvDtype, LayerSet, SpecMode};
+use dsa_kv::core::scheduler::{PlannedKind, RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::forward::ForwardFactory;
 use dsa_kv::device::Verification;
-use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::ids::{LayerId, RequestId, TokenId};
+use dsa_kv::model::paged::{ModelForward, Outputs};
+use dsa_kv::model::unpaged::generate;
+use dsa_kv::model::{CacheFormat, Model, ModelConfig};
+use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv::rng::SplitMix64;
 use serde_json::json;
 
-const VOCAB: u64 = 129_280;
+/// DeepSeek-V3.2's vocabulary: the synthetic source's token ids.
+const SYNTHETIC_VOCAB: u64 = 129_280;
+/// The reference model's weight seed (`--seed` varies the workload, not the model).
+const MODEL_SEED: u64 = 7;
+
+/// What runs on the device actors.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Source {
+    /// The reference model; its greedy tokens are sampled and checked for exactness.
+    Model,
+    /// The synthetic writer; random tokens, KV read back and checked.
+    Synthetic,
+}
+
+/// Where the device actors run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Backend {
+    Host,
+    Cuda,
+}
 
 struct Args {
+    source: Source,
     quick: bool,
     json: bool,
     seed: u64,
     devices: usize,
     conversations: Option<usize>,
     turns: Option<usize>,
-    verify: Verification,
+    kv_dtype: Option<KvDtype>,
+    /// As given; `None`: the source's default (sampled with the synthetic writer, off
+    /// with the model).
+    verify: Option<Verification>,
     config: Option<PathBuf>,
     out: PathBuf,
-    cuda: bool,
+    backend: Backend,
     gpus: Option<Vec<usize>>,
     room_faults: u8,
 }
 
-const USAGE: &str =
-    "usage: serve [--quick] [--json] [--seed N] [--devices N] [--conversations N] [--turns N] \
-[--verify sample|all|off] [--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]";
+const USAGE: &str = "usage: serve [--source model|synthetic] [--quick] [--json] [--seed N] [--devices N] \
+[--conversations N] [--turns N] [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--verify sample|all|off] \
+[--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
+        source: Source::Model,
         quick: false,
         json: false,
         seed: 42,
         devices: 1,
         conversations: None,
         turns: None,
-        verify: Verification::Sample,
+        kv_dtype: None,
+        verify: None,
         config: None,
         out: PathBuf::from("target/serve"),
-        cuda: false,
+        backend: Backend::Host,
         gpus: None,
         room_faults: 0,
     };
@@ -92,6 +153,17 @@ fn parse() -> Result<Args, String> {
                 .map_err(|_| format!("{name} must be a non-negative integer (got {v:?})"))
         };
         match f.as_str() {
+            "--source" => {
+                a.source = match val("--source")?.as_str() {
+                    "model" => Source::Model,
+                    "synthetic" => Source::Synthetic,
+                    other => {
+                        return Err(format!(
+                            "--source must be model or synthetic (got {other:?})"
+                        ))
+                    }
+                }
+            }
             "--quick" => a.quick = true,
             "--json" => a.json = true,
             "--seed" => a.seed = num("--seed", val("--seed")?)?,
@@ -106,8 +178,11 @@ fn parse() -> Result<Args, String> {
                     Some(num("--conversations", val("--conversations")?)?.max(1) as usize)
             }
             "--turns" => a.turns = Some(num("--turns", val("--turns")?)?.max(1) as usize),
+            "--kv-dtype" => {
+                a.kv_dtype = Some(KvDtype::parse(&val("--kv-dtype")?).map_err(|e| e.to_string())?)
+            }
             "--verify" => {
-                a.verify = match val("--verify")?.as_str() {
+                a.verify = Some(match val("--verify")?.as_str() {
                     "sample" => Verification::Sample,
                     "all" => Verification::All,
                     "off" => Verification::Off,
@@ -116,13 +191,13 @@ fn parse() -> Result<Args, String> {
                             "--verify must be sample, all or off (got {other:?})"
                         ))
                     }
-                }
+                })
             }
             "--config" => a.config = Some(PathBuf::from(val("--config")?)),
             "--out" => a.out = PathBuf::from(val("--out")?),
             "--backend" => match val("--backend")?.as_str() {
-                "host" => a.cuda = false,
-                "cuda" => a.cuda = true,
+                "host" => a.backend = Backend::Host,
+                "cuda" => a.backend = Backend::Cuda,
                 other => return Err(format!("--backend must be host or cuda (got {other:?})")),
             },
             "--gpus" => {
@@ -150,34 +225,63 @@ fn parse() -> Result<Args, String> {
         }
     }
     if let Some(g) = &a.gpus {
-        if !a.cuda {
+        if a.backend != Backend::Cuda {
             return Err("--gpus needs --backend cuda".into());
         }
         a.devices = g.len().max(1);
     }
+    if a.source == Source::Model {
+        if let Some(v) = a.verify.filter(|v| v.is_on()) {
+            return Err(format!(
+                "--verify {} reads back the synthetic writer's KV, which the model does not \
+                 write: add --source synthetic (the model's run is checked against its \
+                 unpaged reference instead)",
+                verify_name(v)
+            ));
+        }
+        if let Some(d) = a
+            .kv_dtype
+            .filter(|d| !matches!(d, KvDtype::Bf16 | KvDtype::Fp8DsMla))
+        {
+            return Err(format!(
+                "--kv-dtype {}: the reference model writes bf16 or fp8_ds_mla rows (add \
+                 --source synthetic for {0})",
+                d.name()
+            ));
+        }
+    }
     Ok(a)
 }
 
+fn verify_name(v: Verification) -> String {
+    format!("{v:?}").to_lowercase()
+}
+
 /// The crate's generator, with the workload's draws.
-struct Rng(SplitMix64);
+struct Rng {
+    g: SplitMix64,
+    /// Token ids are drawn below this.
+    vocab: u64,
+}
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0.next_u64()
+        self.g.next_u64()
     }
     fn uniform(&mut self) -> f64 {
-        self.0.uniform()
+        self.g.uniform()
     }
     fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        self.0.range(lo, hi)
+        self.g.range(lo, hi)
     }
     fn exp(&mut self, mean: f64) -> f64 {
         -mean * (1.0 - self.uniform()).ln()
     }
+    fn token(&mut self) -> TokenId {
+        TokenId((self.next() % self.vocab) as u32)
+    }
     fn tokens(&mut self, n: u64) -> Vec<TokenId> {
-        (0..n)
-            .map(|_| TokenId((self.next() % VOCAB) as u32))
-            .collect()
+        (0..n).map(|_| self.token()).collect()
     }
 }
 
@@ -191,6 +295,47 @@ struct Workload {
     mean_think_steps: f64,
 }
 
+impl Workload {
+    /// The synthetic source's workload: 61 layers of KV per token on the host, so long
+    /// prompts; the model's: every token runs the model here and once more in the
+    /// exactness check, sized so the default host run takes about half a minute on two
+    /// cores (`--quick`: a few seconds).
+    fn new(a: &Args, rng: &mut Rng) -> Workload {
+        fn pick_for<T>(quick: bool, if_quick: T, full: T) -> T {
+            if quick {
+                if_quick
+            } else {
+                full
+            }
+        }
+        let q = a.quick;
+        match a.source {
+            Source::Synthetic => Workload {
+                conversations: a.conversations.unwrap_or(pick_for(q, 20, 64)),
+                turns: a.turns.unwrap_or(pick_for(q, 2, 3)),
+                system_prompts: (0..3)
+                    .map(|i| rng.tokens(pick_for(q, 300, 600) + 200 * i))
+                    .collect(),
+                user_tokens: pick_for(q, (40, 200), (60, 400)),
+                output_tokens: pick_for(q, (16, 64), (32, 160)),
+                mean_arrival_steps: pick_for(q, 1.0, 4.0),
+                mean_think_steps: 6.0,
+            },
+            Source::Model => Workload {
+                conversations: a.conversations.unwrap_or(pick_for(q, 6, 12)),
+                turns: a.turns.unwrap_or(pick_for(q, 2, 3)),
+                system_prompts: (0..3)
+                    .map(|i| rng.tokens(pick_for(q, 64, 96) + 32 * i))
+                    .collect(),
+                user_tokens: pick_for(q, (8, 32), (16, 64)),
+                output_tokens: pick_for(q, (8, 16), (16, 40)),
+                mean_arrival_steps: pick_for(q, 1.0, 3.0),
+                mean_think_steps: 4.0,
+            },
+        }
+    }
+}
+
 struct Conversation {
     system: usize,
     history: Vec<TokenId>,
@@ -200,9 +345,9 @@ struct Conversation {
 }
 
 fn engine_config(a: &Args) -> Result<EngineConfig, String> {
-    let mut c = match &a.config {
-        Some(p) => EngineConfig::from_file(p).map_err(|e| e.to_string())?,
-        None => {
+    let mut c = match (&a.config, a.source) {
+        (Some(p), _) => EngineConfig::from_file(p).map_err(|e| e.to_string())?,
+        (None, Source::Synthetic) => {
             let mut c = EngineConfig::default();
             c.spec_decode.mode = SpecMode::Mtp;
             c.spec_decode.draft_tokens = 3;
@@ -213,16 +358,44 @@ fn engine_config(a: &Args) -> Result<EngineConfig, String> {
             c.scheduler.max_seq_len = 8192;
             c
         }
+        (None, Source::Model) => {
+            let mut c = EngineConfig::default();
+            c.model.num_layers = Some(ModelConfig::tiny(MODEL_SEED).layers as u32);
+            c.model.kv_dtype = Some(KvDtype::Fp8DsMla);
+            c.scheduler.max_num_sequences = 8;
+            c.scheduler.max_num_tokens = 256;
+            // Chunks that do not line up with the 64-token blocks.
+            c.scheduler.max_prefill_chunk = 96;
+            c.scheduler.max_seq_len = 2048;
+            c
+        }
     };
+    if let Some(d) = a.kv_dtype {
+        c.model.kv_dtype = Some(d);
+    }
     if a.config.is_none() {
         // Small enough that eviction, offload and preemption happen.
-        let (gpu_tokens, host_tokens) = if a.quick {
-            (2_304u64, 2_048u64)
-        } else {
-            (6_144, 4_096)
+        let (gpu_tokens, host_tokens) = match (a.source, a.quick) {
+            (Source::Synthetic, true) => (2_304u64, 2_048u64),
+            (Source::Synthetic, false) => (6_144, 4_096),
+            (Source::Model, true) => (1_024, 8_192),
+            (Source::Model, false) => (1_024, 8_192),
         };
+        let per_token = c
+            .model
+            .build()
+            .map_err(|e| e.to_string())?
+            .bytes_per_token(LayerSet::Target)
+            .total();
         c.kv_cache.max_tokens = Some(gpu_tokens);
-        c.kv_cache.host_cache_size = Some(host_tokens / 64 * 2_764_032);
+        c.kv_cache.host_cache_size = Some(host_tokens * per_token);
+    }
+    if a.source == Source::Model && c.spec_decode.mode != SpecMode::None {
+        return Err(
+            "the reference model has no draft head: set spec_decode.mode = \"none\" in the \
+             configuration, or add --source synthetic"
+                .into(),
+        );
     }
     c.parallel.tp_size = a.devices as u32;
     Ok(c)
@@ -234,28 +407,67 @@ fn draft_acceptance(rng: &mut Rng, drafts: u32) -> u32 {
 }
 
 /// What `serve` can fail with: the runtime's typed errors, or a message of its own
-/// (configuration file, report files).
+/// (configuration file, report files, devices that disagree).
 type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Wall time of `kv.step` (scheduling, copies, and the forward on every device; not the
+/// commit, which with the synthetic writer includes reading finished requests back), in
+/// milliseconds, of the steps that scheduled work.
+#[derive(Default)]
+struct StepLatency {
+    all: Vec<f64>,
+    /// Iterations whose scheduled requests all decode.
+    decode_only: Vec<f64>,
+}
+
+impl StepLatency {
+    fn record(&mut self, report: &StepReport, took: Duration) {
+        let ms = took.as_secs_f64() * 1e3;
+        self.all.push(ms);
+        if report
+            .scheduled
+            .iter()
+            .all(|r| r.kind == PlannedKind::Generation)
+        {
+            self.decode_only.push(ms);
+        }
+    }
+
+    /// `{steps, median, p99}` (nearest rank; `null`s when there were none).
+    fn summary(samples: &[f64]) -> serde_json::Value {
+        let mut s = samples.to_vec();
+        s.sort_by(f64::total_cmp);
+        let rank = |q: f64| {
+            let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len().max(1)) - 1;
+            s.get(i).copied()
+        };
+        json!({ "steps": s.len(), "median": rank(0.5), "p99": rank(0.99) })
+    }
+}
 
 async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let config = engine_config(&a)?;
-    let mut rng = Rng(SplitMix64(a.seed));
-    let w = Workload {
-        conversations: a.conversations.unwrap_or(if a.quick { 20 } else { 64 }),
-        turns: a.turns.unwrap_or(if a.quick { 2 } else { 3 }),
-        system_prompts: (0..3)
-            .map(|i| rng.tokens(if a.quick { 300 } else { 600 } + 200 * i))
-            .collect(),
-        user_tokens: if a.quick { (40, 200) } else { (60, 400) },
-        output_tokens: if a.quick { (16, 64) } else { (32, 160) },
-        mean_arrival_steps: if a.quick { 1.0 } else { 4.0 },
-        mean_think_steps: 6.0,
+    let vocab = match a.source {
+        Source::Synthetic => SYNTHETIC_VOCAB,
+        Source::Model => ModelConfig::tiny(MODEL_SEED).vocab as u64,
+    };
+    let mut rng = Rng {
+        g: SplitMix64(a.seed),
+        vocab,
+    };
+    let w = Workload::new(&a, &mut rng);
+    let mut model = match a.source {
+        Source::Model => Some(ModelSource::new(&config, a.devices)?),
+        Source::Synthetic => None,
     };
     let mut builder = KvCacheBuilder::new()
         .config(config.clone())
-        .host_devices(a.devices)
-        .verification(a.verify);
-    if a.cuda {
+        .host_devices(a.devices);
+    builder = match &model {
+        Some(m) => builder.forward(m.forward(a.backend)?),
+        None => builder.verification(a.verify.unwrap_or(Verification::Sample)),
+    };
+    if a.backend == Backend::Cuda {
         let gpus = a.gpus.clone().unwrap_or_else(|| (0..a.devices).collect());
         builder = builder.backend(common::cuda_backend(gpus)?);
     }
@@ -267,8 +479,12 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     }
     let info = kv.info().clone();
     if !a.json {
+        let what = match &model {
+            Some(m) => format!("the reference model ({})", m.describe()),
+            None => "the synthetic writer".into(),
+        };
         eprintln!(
-            "dsa-kv serve: {} ({} B/token), layout {:?}, {} GPU slots ({} tokens), {} host slots, {} device(s), MTP {} draft tokens{}",
+            "dsa-kv serve: {what} through a {} cache ({} B/token), layout {:?}, {} GPU slots ({} tokens), {} host slots, {} device(s){}",
             info.model,
             info.bytes_per_token,
             info.layout,
@@ -276,8 +492,11 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
             info.budget.tokens,
             info.host_slots,
             info.devices,
-            info.draft_tokens,
-            if info.draft_cache { " (separate draft cache)" } else { "" }
+            match (info.draft_tokens, info.draft_cache) {
+                (0, _) => String::new(),
+                (n, true) => format!(", MTP {n} draft tokens (separate draft cache)"),
+                (n, false) => format!(", MTP {n} draft tokens"),
+            }
         );
     }
     let mut convs: Vec<Conversation> = Vec::new();
@@ -299,6 +518,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let mut failed = Vec::new();
     let mut outputs = 0u64;
     let mut mismatches = 0u64;
+    let mut latency = StepLatency::default();
     let started = Instant::now();
     let mut step = 0u64;
     let mut last_progress = Instant::now();
@@ -316,6 +536,9 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
                 let id = RequestId(next_id);
                 next_id += 1;
                 let max_new = rng.range(w.output_tokens.0, w.output_tokens.1) as u32;
+                if let Some(m) = &mut model {
+                    m.submitted(id, ci, c.turn, &prompt, max_new);
+                }
                 kv.submit(SubmitRequest {
                     id,
                     scope: ReuseScope::SHARED,
@@ -329,10 +552,14 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
             }
         }
         let mut drafts = HashMap::new();
-        for &id in req_conv.keys() {
-            drafts.insert(id, rng.tokens(u64::from(info.draft_tokens)));
+        if model.is_none() {
+            for &id in req_conv.keys() {
+                drafts.insert(id, rng.tokens(u64::from(info.draft_tokens)));
+            }
         }
+        let step_started = Instant::now();
         let report = kv.step(drafts).await?;
+        let step_took = step_started.elapsed();
         step += 1;
         for (id, why) in &report.failed {
             failed.push((*id, why.clone()));
@@ -342,24 +569,42 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
             }
         }
         if !report.scheduled.is_empty() {
-            let outcomes = report
-                .scheduled
-                .iter()
-                .map(|r| RequestOutcome {
-                    id: r.id,
-                    accepted_drafts: draft_acceptance(&mut rng, r.num_drafts),
-                    next_token: r
-                        .produces_token
-                        .then(|| TokenId((rng.next() % VOCAB) as u32)),
-                })
-                .collect();
+            latency.record(&report, step_took);
+            let outcomes = match &mut model {
+                Some(m) => {
+                    let next = m.sample(&report)?;
+                    report
+                        .scheduled
+                        .iter()
+                        .map(|r| RequestOutcome {
+                            id: r.id,
+                            accepted_drafts: 0,
+                            next_token: next.get(&r.id).copied(),
+                        })
+                        .collect()
+                }
+                None => report
+                    .scheduled
+                    .iter()
+                    .map(|r| RequestOutcome {
+                        id: r.id,
+                        accepted_drafts: draft_acceptance(&mut rng, r.num_drafts),
+                        next_token: r.produces_token.then(|| rng.token()),
+                    })
+                    .collect(),
+            };
             let commit = kv.commit(outcomes).await?;
             for f in commit.finished {
                 mismatches += f.mismatches.len() as u64;
                 outputs += u64::from(f.finished.generated);
                 if let Some(ci) = req_conv.remove(&f.finished.id) {
                     let c = &mut convs[ci];
-                    c.history = f.finished.tokens;
+                    // The model's next turn continues what it generated; the synthetic
+                    // source's tokens mean nothing, so its history is what has KV.
+                    c.history = match &model {
+                        Some(m) => m.history(f.finished.id),
+                        None => f.finished.tokens,
+                    };
                     c.turn += 1;
                     c.in_flight = None;
                     c.next_at = step + rng.exp(w.mean_think_steps) as u64;
@@ -396,15 +641,31 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     #[cfg(not(feature = "fault-injection"))]
     let room_refusals = 0u64;
     kv.shutdown().await;
-    let verified = a.verify != Verification::Off;
+    let exactness = match model {
+        Some(m) => {
+            let failed = failed.clone();
+            let progress = !a.json;
+            Some(tokio::task::spawn_blocking(move || m.check(&failed, progress)).await?)
+        }
+        None => None,
+    };
+    let verify = a.verify.unwrap_or(match a.source {
+        Source::Synthetic => Verification::Sample,
+        Source::Model => Verification::Off,
+    });
+    let verified = verify.is_on();
     let integrity_ok = st.mismatches == 0
         && mismatches == 0
         && (st.tokens_verified > 0 || !verified)
         && failed.is_empty()
-        && counts.live_sequences == 0;
-    let report = json!({
+        && counts.live_sequences == 0
+        && exactness.as_ref().is_none_or(|e| e.is_exact());
+    let processed = st.prefill_tokens + st.decode_tokens;
+    let mut report = json!({
         "integrity_ok": integrity_ok,
-        "backend": if a.cuda { "cuda" } else { "host" },
+        "source": format!("{:?}", a.source).to_lowercase(),
+        "backend": format!("{:?}", a.backend).to_lowercase(),
+        "requests": next_id - 1,
         "requests_finished": st.finished,
         "requests_failed": failed.len(),
         "conversations": w.conversations,
@@ -412,9 +673,15 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         "steps": st.steps,
         "elapsed_s": elapsed,
         "steps_per_s": st.steps as f64 / elapsed,
+        "generated_tokens": outputs,
+        "generated_tokens_per_s": outputs as f64 / elapsed,
+        "processed_tokens": processed,
+        "processed_tokens_per_s": processed as f64 / elapsed,
         "prefill_tokens": st.prefill_tokens,
         "decode_tokens": st.decode_tokens,
-        "output_tokens": outputs,
+        "step_latency_note": "ms of kv.step (schedule, copies, forward on every device), steps with work",
+        "decode_step_ms": StepLatency::summary(&latency.decode_only),
+        "step_ms": StepLatency::summary(&latency.all),
         "prefix_hit_rate": st.prefix_hit_rate,
         "rolling_hit_rate": st.rolling_hit_rate,
         "offload_bytes": st.offload_bytes,
@@ -436,8 +703,11 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         "runtime": info,
         "seed": a.seed,
         "quick": a.quick,
-        "verify": format!("{:?}", a.verify).to_lowercase(),
+        "verify": verify_name(verify),
     });
+    if let Some(e) = &exactness {
+        e.add_to(&mut report);
+    }
     std::fs::create_dir_all(&a.out)
         .map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let json_path = a.out.join("serve_report.json");
@@ -452,44 +722,361 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     std::fs::write(&svg_path, plot(&st))
         .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
     if !a.json {
-        summary(&report, &st, &json_path, &svg_path);
+        summary(&report, &st, exactness.as_ref(), &json_path, &svg_path);
     }
     Ok(report)
+}
+
+/// One request of the model source, as submitted and as served.
+struct ModelRequest {
+    conversation: usize,
+    turn: usize,
+    /// The whole token history it was submitted with.
+    prompt: Vec<u32>,
+    max_new: u32,
+    /// The tokens the engine sampled for it (device 0's, which every device matched).
+    generated: Vec<u32>,
+}
+
+/// The reference model on the device actors: it builds their forward, samples each
+/// step's greedy tokens from what the devices computed, and checks every request
+/// against the model run alone on a contiguous cache.
+struct ModelSource {
+    model: Arc<Model>,
+    format: CacheFormat,
+    outputs: Arc<Mutex<Outputs>>,
+    devices: usize,
+    requests: BTreeMap<RequestId, ModelRequest>,
+}
+
+impl ModelSource {
+    /// The model for the target cache `config` describes (its layer count must be the
+    /// model's: `Model::new` says which to set otherwise).
+    fn new(config: &EngineConfig, devices: usize) -> Result<Self, ServeError> {
+        let dsa = config.model.build()?;
+        let spec = dsa.spec();
+        // As `model::paged::cache_format` reads it from the devices' cache views.
+        let format = CacheFormat {
+            kv_dtype: spec.kv_dtype,
+            scale_format: ScaleFormat::Ue8m0,
+            indexer: (0..spec.num_layers)
+                .map(|l| dsa.has_indexer(LayerId(l)))
+                .collect(),
+        };
+        let model = Model::new(ModelConfig::tiny(MODEL_SEED), format.clone())?;
+        Ok(ModelSource {
+            model: Arc::new(model),
+            format,
+            outputs: Arc::new(Mutex::new(Outputs::default())),
+            devices,
+            requests: BTreeMap::new(),
+        })
+    }
+
+    /// The model's forward for the device actors of `backend`.
+    fn forward(&self, backend: Backend) -> Result<ForwardFactory, ServeError> {
+        match backend {
+            Backend::Host => Ok(ModelForward::factory(
+                self.model.clone(),
+                self.outputs.clone(),
+            )),
+            // The GPU forward plugs in here: a factory recording into the same `Outputs`
+            // leaves sampling and the exactness check as they are.
+            Backend::Cuda => Err(
+                "the GPU model forward is not built yet: `--backend cuda` runs only the \
+                 synthetic writer for now (add `--source synthetic`), or run the model on \
+                 the host backend (leave out `--backend cuda`)"
+                    .into(),
+            ),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let c = self.model.config();
+        format!(
+            "{} layers, hidden {}, top-{}, vocabulary {}, {} rows",
+            c.layers,
+            c.hidden,
+            c.topk,
+            c.vocab,
+            self.format.kv_dtype.name()
+        )
+    }
+
+    fn submitted(
+        &mut self,
+        id: RequestId,
+        conversation: usize,
+        turn: usize,
+        prompt: &[TokenId],
+        max_new: u32,
+    ) {
+        self.requests.insert(
+            id,
+            ModelRequest {
+                conversation,
+                turn,
+                prompt: prompt.iter().map(|t| t.0).collect(),
+                max_new,
+                generated: Vec::new(),
+            },
+        );
+    }
+
+    /// The greedy token of every scheduled request that produces one this step, as every
+    /// device computed it; devices that disagree are an error.
+    fn sample(&mut self, report: &StepReport) -> Result<HashMap<RequestId, TokenId>, ServeError> {
+        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = HashMap::new();
+        for r in &report.scheduled {
+            // Taken, not read: a later step cannot see this step's token.
+            let per_device: Vec<Option<u32>> = (0..self.devices)
+                .map(|d| o.next.remove(&(d, r.id)))
+                .collect();
+            if !r.produces_token {
+                continue;
+            }
+            let Some(token) = per_device[0] else {
+                return Err(format!(
+                    "step {}: device 0 computed no token for request {}",
+                    report.step, r.id
+                )
+                .into());
+            };
+            if let Some((d, t)) = per_device
+                .iter()
+                .enumerate()
+                .find(|(_, t)| **t != Some(token))
+            {
+                return Err(format!(
+                    "step {}: the devices disagree on request {}'s next token: device 0 \
+                     computed {token}, device {d} {t:?}",
+                    report.step, r.id
+                )
+                .into());
+            }
+            if let Some(req) = self.requests.get_mut(&r.id) {
+                req.generated.push(token);
+            }
+            next.insert(r.id, TokenId(token));
+        }
+        Ok(next)
+    }
+
+    /// A finished request's prompt and generated tokens: what its conversation's next
+    /// turn continues.
+    fn history(&self, id: RequestId) -> Vec<TokenId> {
+        self.requests.get(&id).map_or_else(Vec::new, |r| {
+            r.prompt
+                .iter()
+                .chain(&r.generated)
+                .map(|&t| TokenId(t))
+                .collect()
+        })
+    }
+
+    /// Runs every request alone through `unpaged::generate` (on every core) and compares
+    /// its generated tokens, and the output of every position the devices computed.
+    fn check(self, failed: &[(RequestId, String)], progress: bool) -> Exactness {
+        let started = Instant::now();
+        let outputs = std::mem::take(&mut *self.outputs.lock().unwrap_or_else(|e| e.into_inner()));
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, ids.len().max(1));
+        if progress {
+            eprintln!(
+                "exactness: running {} requests alone on an unpaged cache ({threads} threads) ...",
+                ids.len()
+            );
+        }
+        let next = AtomicUsize::new(0);
+        let verdicts = Mutex::new(BTreeMap::new());
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    while let Some(&id) = ids.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let v = self.check_one(id, &outputs, failed);
+                        verdicts
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(id, v);
+                    }
+                });
+            }
+        });
+        let verdicts = verdicts.into_inner().unwrap_or_else(|e| e.into_inner());
+        let sample = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.conversation == 0)
+            .map(|(id, r)| {
+                json!({
+                    "request": id.0,
+                    "turn": r.turn + 1,
+                    "prompt_tokens": r.prompt.len(),
+                    "generated": r.generated,
+                })
+            })
+            .collect();
+        Exactness {
+            checked: verdicts.len(),
+            exact: verdicts.values().filter(|v| v.is_ok()).count(),
+            positions_compared: verdicts.values().filter_map(|v| v.as_ref().ok()).sum(),
+            differences: verdicts.into_values().filter_map(Result::err).collect(),
+            conflicts: outputs.conflicts,
+            threads,
+            elapsed_s: started.elapsed().as_secs_f64(),
+            sample,
+        }
+    }
+
+    /// Positions compared, or the first difference.
+    fn check_one(
+        &self,
+        id: RequestId,
+        outputs: &Outputs,
+        failed: &[(RequestId, String)],
+    ) -> Result<u64, String> {
+        let r = &self.requests[&id];
+        let who = format!(
+            "request {id} (conversation {}, turn {})",
+            r.conversation,
+            r.turn + 1
+        );
+        if let Some((_, why)) = failed.iter().find(|(f, _)| *f == id) {
+            return Err(format!("{who} failed: {why}"));
+        }
+        let want = generate(&self.model, &self.format, &r.prompt, r.max_new)
+            .map_err(|e| format!("{who}: the unpaged run failed: {e}"))?;
+        if r.generated != want.tokens {
+            let i = r
+                .generated
+                .iter()
+                .zip(&want.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            return Err(format!(
+                "{who}: generated token {i} is {:?}, alone on an unpaged cache {:?} ({} \
+                 tokens generated, {} wanted)",
+                r.generated.get(i),
+                want.tokens.get(i),
+                r.generated.len(),
+                r.max_new
+            ));
+        }
+        // Positions served from the prefix cache never ran for this request; every
+        // position that ran, on every device, must give the reference's logits.
+        let mut compared = 0;
+        for d in 0..self.devices {
+            for o in outputs
+                .tokens
+                .get(&(d, id))
+                .into_iter()
+                .flat_map(|m| m.values())
+            {
+                compared += 1;
+                if want.outputs.get(o.pos as usize) != Some(o) {
+                    return Err(format!(
+                        "{who}: device {d}, position {}: {o:?}, alone on an unpaged cache {:?}",
+                        o.pos,
+                        want.outputs.get(o.pos as usize)
+                    ));
+                }
+            }
+        }
+        Ok(compared)
+    }
+}
+
+/// The model run against the model run alone, request by request.
+struct Exactness {
+    /// Requests compared (every request submitted).
+    checked: usize,
+    /// Requests whose tokens and logits were all equal.
+    exact: usize,
+    /// (device, position) outputs compared.
+    positions_compared: u64,
+    /// One line per request that differs (or failed).
+    differences: Vec<String>,
+    /// Positions computed twice (after preemption) with different outputs.
+    conflicts: Vec<String>,
+    threads: usize,
+    elapsed_s: f64,
+    /// The first conversation's turns.
+    sample: Vec<serde_json::Value>,
+}
+
+impl Exactness {
+    fn is_exact(&self) -> bool {
+        self.exact == self.checked && self.conflicts.is_empty()
+    }
+
+    fn add_to(&self, report: &mut serde_json::Value) {
+        const SHOWN: usize = 10;
+        report["exact"] = json!(self.is_exact());
+        report["exact_requests"] = json!(self.exact);
+        report["checked_requests"] = json!(self.checked);
+        report["positions_compared"] = json!(self.positions_compared);
+        report["exactness_differences"] =
+            json!(&self.differences[..self.differences.len().min(SHOWN)]);
+        report["recompute_conflicts"] = json!(&self.conflicts[..self.conflicts.len().min(SHOWN)]);
+        report["exactness_check_s"] = json!(self.elapsed_s);
+        report["exactness_threads"] = json!(self.threads);
+        report["sample"] = json!(self.sample);
+    }
 }
 
 fn summary(
     r: &serde_json::Value,
     st: &RuntimeStats,
+    exactness: Option<&Exactness>,
     json_path: &std::path::Path,
     svg_path: &std::path::Path,
 ) {
-    let rows: BTreeMap<usize, (&str, String)> = [
+    let num = |k: &str| r[k].as_f64().unwrap_or(0.0);
+    let latency = |v: &serde_json::Value| match (v["median"].as_f64(), v["p99"].as_f64()) {
+        (Some(m), Some(p)) => format!("{m:.1} / {p:.1} ms ({} steps)", v["steps"]),
+        _ => "none".into(),
+    };
+    let mut rows: Vec<(&str, String)> = vec![
         (
             "requests finished / failed",
             format!("{} / {}", r["requests_finished"], r["requests_failed"]),
         ),
         (
             "steps",
+            format!("{} ({:.1} steps/s)", r["steps"], num("steps_per_s")),
+        ),
+        (
+            "generated tokens",
             format!(
-                "{} ({:.1} steps/s)",
-                r["steps"],
-                r["steps_per_s"].as_f64().unwrap_or(0.0)
+                "{} ({:.1} tokens/s)",
+                r["generated_tokens"],
+                num("generated_tokens_per_s")
             ),
         ),
         (
-            "tokens prefilled / decoded",
-            format!("{} / {}", st.prefill_tokens, st.decode_tokens),
+            "processed tokens (prefill + decode)",
+            format!(
+                "{} + {} ({:.1} tokens/s)",
+                st.prefill_tokens,
+                st.decode_tokens,
+                num("processed_tokens_per_s")
+            ),
         ),
+        (
+            "step, decode only: median / p99",
+            latency(&r["decode_step_ms"]),
+        ),
+        ("step, all: median / p99", latency(&r["step_ms"])),
         (
             "manager overhead per step",
-            format!(
-                "{:.1} µs",
-                r["manager_overhead_us_per_step"].as_f64().unwrap_or(0.0)
-            ),
+            format!("{:.1} µs", num("manager_overhead_us_per_step")),
         ),
         (
             "device time per step",
-            format!("{:.1} µs", r["device_us_per_step"].as_f64().unwrap_or(0.0)),
+            format!("{:.1} ms", num("device_us_per_step") / 1e3),
         ),
         (
             "prefix hit rate",
@@ -505,54 +1092,96 @@ fn summary(
         ),
         ("preemptions", st.preemptions.to_string()),
         (
-            "draft acceptance",
-            format!(
-                "{:.1} % of {}",
-                100.0 * st.draft_acceptance_rate,
-                st.drafts_proposed
-            ),
-        ),
-        (
             "KV events stored / removed / moved",
             format!(
                 "{} / {} / {}",
                 st.events.stored, st.events.removed, st.events.tier_updated
             ),
         ),
-        (
-            "position × layer reads verified",
-            st.tokens_verified.to_string(),
-        ),
-        (
-            "layers verified",
-            verified_layers_text(&r["verified_layers"]),
-        ),
-        (
-            "room requests refused (fault drill)",
-            format!(
-                "{} ({} %)",
-                r["room_refusals_injected"], r["room_faults_percent"]
+    ];
+    match exactness {
+        Some(e) => rows.extend([
+            (
+                "exact vs the unpaged model",
+                format!("{} of {} requests", e.exact, e.checked),
             ),
+            (
+                "outputs compared (device × position)",
+                e.positions_compared.to_string(),
+            ),
+            (
+                "exactness check",
+                format!("{:.1} s on {} threads", e.elapsed_s, e.threads),
+            ),
+        ]),
+        None => rows.extend([
+            (
+                "draft acceptance",
+                format!(
+                    "{:.1} % of {}",
+                    100.0 * st.draft_acceptance_rate,
+                    st.drafts_proposed
+                ),
+            ),
+            (
+                "position × layer reads verified",
+                st.tokens_verified.to_string(),
+            ),
+            (
+                "layers verified",
+                verified_layers_text(&r["verified_layers"]),
+            ),
+        ]),
+    }
+    rows.push((
+        "room requests refused (fault drill)",
+        format!(
+            "{} ({} %)",
+            r["room_refusals_injected"], r["room_faults_percent"]
         ),
-        (
-            "integrity",
-            if r["integrity_ok"].as_bool() == Some(true) && r["verify"] == "off" {
+    ));
+    let ok = r["integrity_ok"].as_bool() == Some(true);
+    rows.push((
+        "integrity",
+        match (exactness, ok) {
+            (Some(_), true) => "OK: every request bit-exact".into(),
+            (Some(e), false) => format!(
+                "FAILED: {} of {} exact, {} failed",
+                e.exact, e.checked, r["requests_failed"]
+            ),
+            (None, true) if r["verify"] == "off" => {
                 "OK: no request failed (bytes not read back: --verify off)".into()
-            } else if r["integrity_ok"].as_bool() == Some(true) {
-                "OK: every byte read back matched".into()
-            } else {
-                format!("FAILED: {} mismatches", st.mismatches)
-            },
-        ),
-    ]
-    .into_iter()
-    .enumerate()
-    .collect();
+            }
+            (None, true) => "OK: every byte read back matched".into(),
+            (None, false) => format!("FAILED: {} mismatches", st.mismatches),
+        },
+    ));
     println!("┌{:─<38}┬{:─<40}┐", "", "");
-    for (_, (k, v)) in rows {
+    for (k, v) in rows {
         println!("│ {k:<36} │ {v:<38} │");
     }
     println!("└{:─<38}┴{:─<40}┘", "", "");
+    if let Some(e) = exactness {
+        println!("conversation 0, as the model continued it (greedy tokens):");
+        for s in &e.sample {
+            let tokens: Vec<String> = s["generated"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|t| t.to_string())
+                .collect();
+            println!(
+                "  turn {} (request {}, {}-token prompt) → {}",
+                s["turn"],
+                s["request"],
+                s["prompt_tokens"],
+                tokens.join(" ")
+            );
+        }
+        for d in e.differences.iter().chain(&e.conflicts).take(10) {
+            println!("  differs: {d}");
+        }
+    }
     println!(
         "report: {}   plot: {}",
         json_path.display(),
@@ -635,6 +1264,13 @@ fn main() -> ExitCode {
             }
             if report["integrity_ok"].as_bool() == Some(true) {
                 ExitCode::SUCCESS
+            } else if report["exact"].is_boolean() {
+                eprintln!(
+                    "exactness check FAILED: {} of {} requests exact, {} failed \
+                     (exactness_differences in the report)",
+                    report["exact_requests"], report["checked_requests"], report["requests_failed"]
+                );
+                ExitCode::FAILURE
             } else {
                 eprintln!("integrity check FAILED");
                 ExitCode::FAILURE
