@@ -69,6 +69,26 @@ fn format(kv_dtype: KvDtype) -> CacheFormat {
     }
 }
 
+/// Where the forward runs.
+#[derive(Clone, Debug)]
+enum Backend {
+    /// Two host device actors running `ModelForward`.
+    Host,
+    /// One device actor per listed GPU running the GPU model (`graphs`: decode steps as
+    /// CUDA graphs).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda { gpus: Vec<usize>, graphs: bool },
+}
+
+impl Backend {
+    fn devices(&self) -> usize {
+        match self {
+            Backend::Host => 2,
+            Backend::Cuda { gpus, .. } => gpus.len(),
+        }
+    }
+}
+
 struct Run {
     outputs: Outputs,
     /// Every request's committed output tokens (accepted drafts and sampled tokens).
@@ -76,20 +96,45 @@ struct Run {
     /// Every draft proposal: request, the position it follows, the tokens.
     proposals: Vec<(RequestId, u32, Vec<u32>)>,
     stats: RuntimeStats,
+    devices: usize,
+    /// Steps run as a CUDA graph.
+    graph_steps: u64,
 }
 
 /// The workload through the runtime (2 host devices, `drafts` MTP draft tokens per
 /// step); `misdirect`: from the step where request 3 first produces a token, device 0
 /// reads and writes its block 1 in slot 0.
-async fn run(model: Arc<Model>, kv_dtype: KvDtype, drafts: usize, misdirect: bool) -> Run {
+async fn run(
+    model: Arc<Model>,
+    kv_dtype: KvDtype,
+    drafts: usize,
+    misdirect: bool,
+    backend: &Backend,
+) -> Run {
     let outputs = Arc::new(Mutex::new(Outputs::default()));
-    let kv = KvCacheBuilder::new()
-        .config(config(kv_dtype, drafts))
-        .host_devices(2)
-        .forward(ModelForward::speculative(model, outputs.clone(), drafts))
-        .start()
-        .await
-        .unwrap();
+    let graph_steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let builder = KvCacheBuilder::new().config(config(kv_dtype, drafts));
+    let builder = match backend {
+        Backend::Host => builder.host_devices(2).forward(ModelForward::speculative(
+            model,
+            outputs.clone(),
+            drafts,
+        )),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda { gpus, graphs } => builder
+            .backend(dsa_kv::cuda::CudaDevice::factory(gpus.clone()))
+            .host_devices(gpus.len())
+            .forward(dsa_kv::model::cuda::CudaModelForward::factory(
+                model,
+                outputs.clone(),
+                *graphs,
+                graph_steps.clone(),
+            )),
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda { .. } => unreachable!("CUDA tests need the cuda feature"),
+    };
+    let kv = builder.start().await.unwrap();
+    let devices = backend.devices();
     for i in 0..REQUESTS {
         kv.submit(SubmitRequest {
             id: RequestId(i),
@@ -131,7 +176,9 @@ async fn run(model: Arc<Model>, kv_dtype: KvDtype, drafts: usize, misdirect: boo
                 };
                 let v = verdict(0);
                 if !misdirect {
-                    assert_eq!(v, verdict(1), "both devices decide the same");
+                    for d in 1..devices {
+                        assert_eq!(v, verdict(d), "every device decides the same");
+                    }
                 }
                 let (next, accepted, proposal) = v;
                 let g = generated.entry(r.id).or_default();
@@ -185,6 +232,8 @@ async fn run(model: Arc<Model>, kv_dtype: KvDtype, drafts: usize, misdirect: boo
         generated,
         proposals,
         stats,
+        devices,
+        graph_steps: graph_steps.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -205,7 +254,7 @@ fn compare(model: &Model, kv_dtype: KvDtype, drafts: usize, run: &Run) -> Vec<St
                 want.tokens
             ));
         }
-        for dev in 0..2 {
+        for dev in 0..run.devices {
             // Positions served from the prefix cache never ran for this request; every
             // position that ran must match, and every position that samples must have run.
             let ran = &run.outputs.tokens[&(dev, id)];
@@ -241,7 +290,7 @@ fn compare(model: &Model, kv_dtype: KvDtype, drafts: usize, run: &Run) -> Vec<St
 async fn paging_reuse_offload_and_preemption_change_no_bit() {
     for kv_dtype in [KvDtype::Fp8DsMla, KvDtype::Bf16] {
         let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-        let run = run(model.clone(), kv_dtype, 0, false).await;
+        let run = run(model.clone(), kv_dtype, 0, false, &Backend::Host).await;
         assert!(
             run.outputs.conflicts.is_empty(),
             "{:?}",
@@ -268,7 +317,7 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
 async fn mtp_drafts_with_rollback_change_no_bit() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-    let run = run(model.clone(), kv_dtype, 2, false).await;
+    let run = run(model.clone(), kv_dtype, 2, false, &Backend::Host).await;
     assert!(
         run.outputs.conflicts.is_empty(),
         "{:?}",
@@ -303,7 +352,76 @@ async fn mtp_drafts_with_rollback_change_no_bit() {
 async fn a_one_slot_block_table_error_changes_the_result() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-    let run = run(model.clone(), kv_dtype, 0, true).await;
+    let run = run(model.clone(), kv_dtype, 0, true, &Backend::Host).await;
+    let bad = compare(&model, kv_dtype, 0, &run);
+    assert!(
+        bad.iter().any(|b| b.starts_with("request 3 device 0")),
+        "the misdirected request must differ on device 0: {bad:#?}"
+    );
+}
+
+/// The same workload on the GPU: the GPU model (its own kernels on the device pools and
+/// metadata) gives every bit of the unpaged host reference, eager and with decode steps
+/// as CUDA graphs. `DSA_KV_GPUS` lists the GPUs (default `0`; one device actor each;
+/// `0,0` puts two device actors on one GPU).
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn on_the_gpu_paging_changes_no_bit() {
+    let gpus: Vec<usize> = std::env::var("DSA_KV_GPUS")
+        .unwrap_or_else(|_| "0".into())
+        .split(',')
+        .map(|g| {
+            g.trim()
+                .parse()
+                .expect("DSA_KV_GPUS: comma-separated ordinals")
+        })
+        .collect();
+    for kv_dtype in [KvDtype::Fp8DsMla, KvDtype::Bf16] {
+        for graphs in [false, true] {
+            let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+            let backend = Backend::Cuda {
+                gpus: gpus.clone(),
+                graphs,
+            };
+            let t = std::time::Instant::now();
+            let run = run(model.clone(), kv_dtype, 0, false, &backend).await;
+            let s = &run.stats;
+            eprintln!(
+                "{kv_dtype:?} graphs {graphs}: {:.2} s, {} graph steps, preemptions {}, \
+                 offload {} B, hit rate {:.3}",
+                t.elapsed().as_secs_f64(),
+                run.graph_steps,
+                s.preemptions,
+                s.offload_bytes,
+                s.prefix_hit_rate
+            );
+            assert!(
+                run.outputs.conflicts.is_empty(),
+                "{:?}",
+                run.outputs.conflicts
+            );
+            assert!(s.preemptions > 0 && s.offload_bytes > 0 && s.prefix_hit_rate > 0.0);
+            assert_eq!(graphs, run.graph_steps > 0);
+            let bad = compare(&model, kv_dtype, 0, &run);
+            assert!(bad.is_empty(), "{kv_dtype:?} graphs {graphs}: {bad:#?}");
+        }
+    }
+}
+
+/// The GPU comparison can fail: the one-slot block-table error of
+/// `a_one_slot_block_table_error_changes_the_result`, on the GPU.
+#[cfg(all(feature = "cuda", feature = "fault-injection"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn on_the_gpu_a_one_slot_block_table_error_changes_the_result() {
+    let kv_dtype = KvDtype::Fp8DsMla;
+    let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+    let backend = Backend::Cuda {
+        gpus: vec![0],
+        graphs: false,
+    };
+    let run = run(model.clone(), kv_dtype, 0, true, &backend).await;
     let bad = compare(&model, kv_dtype, 0, &run);
     assert!(
         bad.iter().any(|b| b.starts_with("request 3 device 0")),

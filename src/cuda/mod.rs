@@ -186,21 +186,27 @@ fn ptx() -> Result<Ptx, CudaError> {
             .iter()
             .map(|(name, text)| format!("// ---- {name}\n{text}\n"))
             .collect();
-        let opts = CompileOptions {
-            arch: Some(ARCH),
-            // Exact IEEE arithmetic: the kernels must match the host reference bit for bit.
-            ftz: Some(false),
-            prec_div: Some(true),
-            prec_sqrt: Some(true),
-            fmad: Some(false),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(src, opts).map_err(|e| CudaError::Compile {
-            arch: ARCH,
-            log: format!("{e:?}"),
-        })
+        compile(src)
     })
     .clone()
+}
+
+/// Compiles `src` (which may use `kernels/common.cuh`'s helpers: prepend
+/// [`KERNEL_SOURCES`]`[0]`) for [`ARCH`] with the exact-IEEE options of the crate's kernels.
+pub(crate) fn compile(src: String) -> Result<Ptx, CudaError> {
+    let opts = CompileOptions {
+        arch: Some(ARCH),
+        // Exact IEEE arithmetic: the kernels must match the host reference bit for bit.
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(src, opts).map_err(|e| CudaError::Compile {
+        arch: ARCH,
+        log: format!("{e:?}"),
+    })
 }
 
 /// One GPU: its context, a compute stream and a copy stream, and the compiled kernels.

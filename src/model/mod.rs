@@ -19,6 +19,8 @@
 //! the reference) and [`paged::ModelForward`] (the runtime's pools through the step
 //! metadata, as the DSA kernels read them) run the same code.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod paged;
 pub mod unpaged;
 
@@ -134,6 +136,28 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// The output of `logits` at `pos`: the greedy token (the lowest id among equal maxima)
+/// and the FNV-1a digest of the logits' bits.
+pub(crate) fn output_of(logits: &[f32], pos: u32) -> TokenOut {
+    let mut greedy = 0;
+    for (k, &v) in logits.iter().enumerate() {
+        if v > logits[greedy] {
+            greedy = k;
+        }
+    }
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in logits {
+        for b in v.to_bits().to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    TokenOut {
+        pos,
+        greedy: greedy as u32,
+        logits_digest: h,
+    }
+}
+
 /// `x += y`, element by element.
 fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -171,7 +195,15 @@ pub(crate) fn exp(x: f32) -> f32 {
     let k = (x * std::f32::consts::LOG2_E).round();
     let r = x - k * 0.693_145_75 - k * 1.428_606_8e-6;
     let mut p = 1.0 / 5040.0;
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
         p = p * r + c;
     }
     p * f32::from_bits(((k as i32 + 127) as u32) << 23)
@@ -528,24 +560,7 @@ impl Model {
 
     /// The logits of final hidden state `x`: greedy token and digest.
     fn output(&self, x: &[f32], pos: u32) -> TokenOut {
-        let logits = self.w_out.apply(&rmsnorm(x));
-        let mut greedy = 0;
-        for (k, &v) in logits.iter().enumerate() {
-            if v > logits[greedy] {
-                greedy = k;
-            }
-        }
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        for v in &logits {
-            for b in v.to_bits().to_le_bytes() {
-                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        }
-        TokenOut {
-            pos,
-            greedy: greedy as u32,
-            logits_digest: h,
-        }
+        output_of(&self.w_out.apply(&rmsnorm(x)), pos)
     }
 
     fn draft_at(&self, cache: DraftCache) -> At<'_> {

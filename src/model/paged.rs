@@ -38,7 +38,13 @@ pub struct Outputs {
 impl Outputs {
     /// Records the outputs of committed positions (`outs`: the step's positions up to the
     /// last accepted one) and the drafts accepted.
-    fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut], accepted: u32) {
+    pub(crate) fn record(
+        &mut self,
+        device: usize,
+        id: RequestId,
+        outs: &[TokenOut],
+        accepted: u32,
+    ) {
         self.accepted.insert((device, id), accepted);
         let m = self.tokens.entry((device, id)).or_default();
         for o in outs {
@@ -201,6 +207,25 @@ impl ModelForward {
     }
 }
 
+/// The verdict on one request's step: the index of its last accepted token in the step
+/// and the drafts accepted. Drafts are accepted while each equals the target's greedy
+/// token before it (`outs`: the outputs of the step's tokens).
+pub(crate) fn verdict(req: &PlannedRequest, outs: &[TokenOut]) -> Result<(usize, u32), ModelError> {
+    let nd = req.num_drafts as usize;
+    let n = req.tokens.len();
+    let Some(base) = n.checked_sub(nd + 1).filter(|_| outs.len() == n) else {
+        return Err(ModelError::Access(format!(
+            "request {} has {n} tokens, {nd} drafts and {} outputs",
+            req.id,
+            outs.len()
+        )));
+    };
+    let accepted = (0..nd)
+        .take_while(|&i| req.tokens[base + 1 + i].0 == outs[base + i].greedy)
+        .count();
+    Ok((base + accepted, accepted as u32))
+}
+
 /// Runs `f` on every request of `batch` with its store (the batch's cache through the
 /// step metadata bound for the batch's phase).
 fn each_request(
@@ -261,19 +286,7 @@ impl Forward for ModelForward {
         each_request(batch, |r, req, store| {
             let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
             let (outs, hidden) = model.run_hidden(store, req.num_cached, &tokens)?;
-            // Drafts are accepted while each equals the target's greedy token before it.
-            let nd = req.num_drafts as usize;
-            let Some(base) = tokens.len().checked_sub(nd + 1) else {
-                return Err(ModelError::Access(format!(
-                    "request {} has {} tokens and {nd} drafts",
-                    req.id,
-                    tokens.len()
-                )));
-            };
-            let accepted = (0..nd)
-                .take_while(|&i| tokens[base + 1 + i] == outs[base + i].greedy)
-                .count();
-            let keep = base + accepted;
+            let (keep, accepted) = verdict(req, &outs)?;
             if req.produces_token {
                 pending.push(Pending {
                     id: req.id,
@@ -283,7 +296,7 @@ impl Forward for ModelForward {
                     next: outs[keep].greedy,
                 });
             }
-            results.push((req.id, outs[..=keep].to_vec(), accepted as u32));
+            results.push((req.id, outs[..=keep].to_vec(), accepted));
             Ok(())
         })?;
         {
