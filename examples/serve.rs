@@ -49,8 +49,11 @@
 //!
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
-//! CUDA kernels, and verification reads the GPU bytes back. Only the synthetic writer
-//! runs there for now (`--source synthetic`): the model's GPU forward is not built yet.
+//! CUDA kernels, and verification reads the GPU bytes back (`--source synthetic`). With
+//! the model, its GPU forward (`dsa_kv::model::cuda`) computes every layer on the GPU
+//! from the device pools and metadata; `--cuda-graphs` runs decode-only steps as one
+//! CUDA graph. The exactness check compares the GPU's tokens and logits with the host
+//! reference, bit for bit.
 //!
 //! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
 
@@ -118,12 +121,14 @@ struct Args {
     out: PathBuf,
     backend: Backend,
     gpus: Option<Vec<usize>>,
+    /// Decode-only steps of the GPU model as a CUDA graph.
+    cuda_graphs: bool,
     room_faults: u8,
 }
 
 const USAGE: &str = "usage: serve [--source model|synthetic] [--quick] [--json] [--seed N] [--devices N] \
 [--conversations N] [--turns N] [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--verify sample|all|off] \
-[--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]";
+[--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--cuda-graphs] [--room-faults PCT]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -140,6 +145,7 @@ fn parse() -> Result<Args, String> {
         out: PathBuf::from("target/serve"),
         backend: Backend::Host,
         gpus: None,
+        cuda_graphs: false,
         room_faults: 0,
     };
     let mut it = std::env::args().skip(1);
@@ -195,6 +201,7 @@ fn parse() -> Result<Args, String> {
             }
             "--config" => a.config = Some(PathBuf::from(val("--config")?)),
             "--out" => a.out = PathBuf::from(val("--out")?),
+            "--cuda-graphs" => a.cuda_graphs = true,
             "--backend" => match val("--backend")?.as_str() {
                 "host" => a.backend = Backend::Host,
                 "cuda" => a.backend = Backend::Cuda,
@@ -464,7 +471,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         .config(config.clone())
         .host_devices(a.devices);
     builder = match &model {
-        Some(m) => builder.forward(m.forward(a.backend)?),
+        Some(m) => builder.forward(m.forward(a.backend, a.cuda_graphs)?),
         None => builder.verification(a.verify.unwrap_or(Verification::Sample)),
     };
     if a.backend == Backend::Cuda {
@@ -641,6 +648,9 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     #[cfg(not(feature = "fault-injection"))]
     let room_refusals = 0u64;
     kv.shutdown().await;
+    let graph_steps = model.as_ref().map_or(0, |m| {
+        m.graph_steps.load(std::sync::atomic::Ordering::Relaxed)
+    });
     let exactness = match model {
         Some(m) => {
             let failed = failed.clone();
@@ -680,6 +690,8 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         "prefill_tokens": st.prefill_tokens,
         "decode_tokens": st.decode_tokens,
         "step_latency_note": "ms of kv.step (schedule, copies, forward on every device), steps with work",
+        "cuda_graphs": a.cuda_graphs,
+        "graph_steps": graph_steps,
         "decode_step_ms": StepLatency::summary(&latency.decode_only),
         "step_ms": StepLatency::summary(&latency.all),
         "prefix_hit_rate": st.prefix_hit_rate,
@@ -747,6 +759,8 @@ struct ModelSource {
     outputs: Arc<Mutex<Outputs>>,
     devices: usize,
     requests: BTreeMap<RequestId, ModelRequest>,
+    /// Steps the GPU model ran as a CUDA graph.
+    graph_steps: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl ModelSource {
@@ -770,24 +784,30 @@ impl ModelSource {
             outputs: Arc::new(Mutex::new(Outputs::default())),
             devices,
             requests: BTreeMap::new(),
+            graph_steps: Arc::default(),
         })
     }
 
-    /// The model's forward for the device actors of `backend`.
-    fn forward(&self, backend: Backend) -> Result<ForwardFactory, ServeError> {
+    /// The model's forward for the device actors of `backend` (`graphs`: decode-only
+    /// steps of the GPU model as a CUDA graph).
+    fn forward(&self, backend: Backend, graphs: bool) -> Result<ForwardFactory, ServeError> {
         match backend {
             Backend::Host => Ok(ModelForward::factory(
                 self.model.clone(),
                 self.outputs.clone(),
             )),
-            // The GPU forward plugs in here: a factory recording into the same `Outputs`
-            // leaves sampling and the exactness check as they are.
-            Backend::Cuda => Err(
-                "the GPU model forward is not built yet: `--backend cuda` runs only the \
-                 synthetic writer for now (add `--source synthetic`), or run the model on \
-                 the host backend (leave out `--backend cuda`)"
-                    .into(),
-            ),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Ok(dsa_kv::model::cuda::CudaModelForward::factory(
+                self.model.clone(),
+                self.outputs.clone(),
+                graphs,
+                self.graph_steps.clone(),
+            )),
+            #[cfg(not(feature = "cuda"))]
+            Backend::Cuda => {
+                let _ = graphs;
+                Err("this build has no CUDA backend: build with the `cuda` feature".into())
+            }
         }
     }
 
@@ -1070,6 +1090,10 @@ fn summary(
             latency(&r["decode_step_ms"]),
         ),
         ("step, all: median / p99", latency(&r["step_ms"])),
+        (
+            "decode steps as a CUDA graph",
+            format!("{}", r["graph_steps"]),
+        ),
         (
             "manager overhead per step",
             format!("{:.1} µs", num("manager_overhead_us_per_step")),

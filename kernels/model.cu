@@ -7,6 +7,11 @@
 //
 // Tokens: `pos[t] < 0` marks a padding token (CUDA-graph buckets); kernels that read the
 // cache skip it. A page-table entry below 0 where the model needs a page sets `*fail`.
+//
+// Draft chains (MTP proposals): with `ov_last` non-null, token t reads positions past
+// `ov_last[t]` from its own overlay page instead of the cache (the KV the chain computed
+// but did not write): MLA rows at `ov_rows + (t x 64 + j - ov_last[t] - 1) x row_bytes`,
+// indexer keys in page t of `ov_keys` (64 x 128 value bytes, then 64 x 4 scale bytes).
 
 __device__ __forceinline__ float relu_f(float x) { return x > 0.0f ? x : 0.0f; }
 
@@ -131,19 +136,27 @@ extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int*
                                           const int* row, const u8* qv, const float* qs,
                                           const float* w, int ih, const int* page_table,
                                           int cols, u64 base, u64 page_bytes, int tpp,
-                                          int* fail, int n) {
+                                          const int* ov_last, u64 ov_keys, int* fail, int n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)n * max_ctx) return;
     int t = (int)(i / max_ctx), j = (int)(i % max_ctx);
     if (pos[t] < 0 || j > pos[t]) return;
-    int page = page_table[(long)row[t] * cols + j / tpp];
-    if (page < 0) {
-        atomicExch(fail, 1);
-        return;
+    u64 pg;
+    int off;
+    if (ov_last && j > ov_last[t]) {
+        pg = ov_keys + (u64)t * 64 * 132;
+        off = j - ov_last[t] - 1;
+    } else {
+        int page = page_table[(long)row[t] * cols + j / tpp];
+        if (page < 0) {
+            atomicExch(fail, 1);
+            return;
+        }
+        pg = base + (u64)page * page_bytes;
+        off = j % tpp;
     }
-    int off = j % tpp;
-    const u8* kb = (const u8*)(base + (u64)page * page_bytes + (u64)off * 128);
-    float scale = *(const float*)(base + (u64)page * page_bytes + (u64)tpp * 128 + (u64)off * 4);
+    const u8* kb = (const u8*)(pg + (u64)off * 128);
+    float scale = *(const float*)(pg + (u64)tpp * 128 + (u64)off * 4);
     float s = 0.0f;
     for (int h = 0; h < ih; h++) {
         const u8* q = qv + ((long)t * ih + h) * 128;
@@ -198,7 +211,10 @@ extern "C" __global__ void m_topk(int* sel, int* nsel, int* rank, const float* s
 // is handed it.
 __device__ __forceinline__ const u8* mla_row(int p, int rw, const int* block_table, int cols,
                                              u64 base, u64 page_stride, int tpp, int row_bytes,
+                                             int t, const int* ov_last, u64 ov_rows,
                                              int* fail) {
+    if (ov_last && p > ov_last[t])
+        return (const u8*)(ov_rows + ((u64)t * 64 + (u64)(p - ov_last[t] - 1)) * row_bytes);
     int slot = block_table[(long)rw * cols + p / tpp];
     if (slot < 0) {
         atomicExch(fail, 1);
@@ -225,7 +241,8 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
                                   const int* sel, const int* nsel, int max_ctx, float* ebuf,
                                   const int* pos, const int* row, const int* block_table,
                                   int cols, u64 base, u64 page_stride, int tpp, int row_bytes,
-                                  int enc, float scale, int heads, int* fail, int n) {
+                                  int enc, float scale, int heads, const int* ov_last,
+                                  u64 ov_rows, int* fail, int n) {
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
     if (t >= n || pos[t] < 0) return;
     int ns = nsel[t];
@@ -236,7 +253,7 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
     int rw = row[t];
     for (int k = threadIdx.x; k < ns; k += blockDim.x) {
         const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, tpp, row_bytes,
-                              fail);
+                              t, ov_last, ov_rows, fail);
         if (!r) {
             e[k] = 0.0f;
             continue;
@@ -266,7 +283,7 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
         float o = 0.0f;
         for (int k = 0; k < ns; k++) {
             const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, tpp,
-                                  row_bytes, fail);
+                                  row_bytes, t, ov_last, ov_rows, fail);
             if (!r) continue;
             float p = e[k] / sum;
             o = o + p * mla_elem(r, c, enc);

@@ -124,11 +124,12 @@ async fn run(
         Backend::Cuda { gpus, graphs } => builder
             .backend(dsa_kv::cuda::CudaDevice::factory(gpus.clone()))
             .host_devices(gpus.len())
-            .forward(dsa_kv::model::cuda::CudaModelForward::factory(
+            .forward(dsa_kv::model::cuda::CudaModelForward::speculative(
                 model,
                 outputs.clone(),
                 *graphs,
                 graph_steps.clone(),
+                drafts,
             )),
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda { .. } => unreachable!("CUDA tests need the cuda feature"),
@@ -407,6 +408,35 @@ async fn on_the_gpu_paging_changes_no_bit() {
             assert!(bad.is_empty(), "{kv_dtype:?} graphs {graphs}: {bad:#?}");
         }
     }
+}
+
+/// MTP speculation on the GPU (draft KV and draft chains computed there, decode steps
+/// as CUDA graphs): the same committed tokens, logits and proposals as the host reference.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn on_the_gpu_mtp_drafts_with_rollback_change_no_bit() {
+    let kv_dtype = KvDtype::Fp8DsMla;
+    let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+    let backend = Backend::Cuda {
+        gpus: vec![0],
+        graphs: true,
+    };
+    let run = run(model.clone(), kv_dtype, 2, false, &backend).await;
+    assert!(
+        run.outputs.conflicts.is_empty(),
+        "{:?}",
+        run.outputs.conflicts
+    );
+    let s = &run.stats;
+    eprintln!(
+        "GPU: drafts proposed {}, accepted {}, draft replays {}, graph steps {}",
+        s.drafts_proposed, s.drafts_accepted, s.draft_replays, run.graph_steps
+    );
+    assert!(s.drafts_accepted > 0 && s.drafts_accepted < s.drafts_proposed);
+    assert!(run.graph_steps > 0);
+    let bad = compare(&model, kv_dtype, 2, &run);
+    assert!(bad.is_empty(), "{bad:#?}");
 }
 
 /// The GPU comparison can fail: the one-slot block-table error of

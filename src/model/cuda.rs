@@ -8,8 +8,10 @@
 //!
 //! Decode-only steps can run as one CUDA graph (captured once at the largest batch,
 //! padding tokens marked by position −1; the metadata buffers never move). The MTP draft
-//! layer's KV is written (separate draft cache or the target's); draft proposals on the
-//! GPU are not built yet: a speculative factory is refused.
+//! layer's KV is written (separate draft cache or the target's), and with speculation its
+//! draft chains run on the GPU too: each chain token's own KV goes to an overlay page, and
+//! the attention reads cached positions through the draft metadata and the chain's
+//! positions from the overlay, as the host's `Overlay` store does.
 
 use std::sync::{Arc, Mutex};
 
@@ -155,6 +157,30 @@ pub struct CudaModelForward {
     graphs: bool,
     graph: Option<(Graph, Vec<u64>)>,
     graph_steps: Arc<std::sync::atomic::AtomicU64>,
+    /// Draft tokens to propose per step (0: none).
+    drafts: usize,
+    pending: Vec<Pending>,
+    ov: OverlayBuffers,
+}
+
+/// A request that sampled a token this step: what its draft chain starts from.
+struct Pending {
+    id: crate::ids::RequestId,
+    row: usize,
+    last: u32,
+    hidden: Vec<f32>,
+    next: u32,
+}
+
+/// Device buffers of the draft chains: one overlay page per chain (request).
+struct OverlayBuffers {
+    chains: usize,
+    last: DeviceBuffer,
+    keys: DeviceBuffer,
+    rows: DeviceBuffer,
+    slots: DeviceBuffer,
+    vmap: DeviceBuffer,
+    smap: DeviceBuffer,
 }
 
 /// Launch configuration: `threads` threads in blocks of 256.
@@ -172,6 +198,57 @@ fn blocks(n: usize, threads: u32) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Where `write_kv` puts a batch's KV: an MLA row view with its token-slot mapping and,
+/// for a layer with an indexer, the indexer cache (base, bytes from base) and its value
+/// and scale byte-offset mappings (device i64 arrays; −1: skip).
+#[derive(Clone, Copy)]
+struct KvDst {
+    rows: DevRows,
+    enc: MlaEncoding,
+    mla_slots: u64,
+    indexer: Option<(u64, u64, u64, u64)>,
+}
+
+impl KvDst {
+    /// The batch's cache layer through the step's slot mappings.
+    fn of(cache: &LayerCache, m: &MetadataView) -> Result<KvDst, ForwardError> {
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
+        })?;
+        Ok(KvDst {
+            rows: DevRows {
+                pool: mla.rows.pool.addr,
+                pool_len: mla.rows.pool.bytes,
+                base: mla.rows.base - mla.rows.pool.addr,
+                block_stride: mla.rows.page_stride,
+                tokens_per_block: mla.rows.tokens_per_page,
+            },
+            enc: match mla.encoding {
+                KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
+                _ => MlaEncoding::Bf16,
+            },
+            mla_slots: m.mla_slot_mapping.addr,
+            indexer: cache.indexer.map(|ix| {
+                (
+                    ix.base,
+                    ix.pool.addr + ix.pool.bytes - ix.base,
+                    m.slot_mapping_value.addr,
+                    m.slot_mapping_scale.addr,
+                )
+            }),
+        })
+    }
+}
+
+/// A draft chain's overlay: per chain token, the last cached position (`ov_last`, device
+/// i32) and the overlay pages holding the chain's own rows and keys.
+#[derive(Clone, Copy)]
+struct Overlay {
+    last: u64,
+    keys: u64,
+    rows: u64,
 }
 
 /// A row-major matrix operand and where its output goes.
@@ -198,6 +275,20 @@ impl CudaModelForward {
         graphs: bool,
         graph_steps: Arc<std::sync::atomic::AtomicU64>,
     ) -> ForwardFactory {
+        Self::speculative(model, outputs, graphs, graph_steps, 0)
+    }
+
+    /// [`factory`](Self::factory) with MTP speculation, as
+    /// [`ModelForward::speculative`](super::paged::ModelForward::speculative): the draft
+    /// layer proposes `drafts` tokens per request that sampled one, on the GPU (the
+    /// chain's own KV in overlay pages, the cached draft KV through the draft metadata).
+    pub fn speculative(
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        graphs: bool,
+        graph_steps: Arc<std::sync::atomic::AtomicU64>,
+        drafts: usize,
+    ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
             let found =
                 cache_format(setup, model.config().layers).map_err(ForwardError::framework)?;
@@ -223,6 +314,19 @@ impl CudaModelForward {
                 (None, Some(l)) if l.mla.is_some() => Mtp::Combined { layer: layers },
                 _ => Mtp::None,
             };
+            if drafts > 0 && matches!(mtp, Mtp::None) {
+                return Err(ForwardError::Unsupported {
+                    what: format!(
+                        "{drafts} draft tokens need the MTP layer's cache: set \
+                         model.num_mtp_layers = 1 (spec_decode.mode = mtp)"
+                    ),
+                });
+            }
+            if drafts > 64 {
+                return Err(ForwardError::Unsupported {
+                    what: format!("{drafts} draft tokens: at most 64 per step"),
+                });
+            }
             let max_ctx = setup.metadata.max_blocks_per_seq * 64;
             let f = Self::new(
                 model.clone(),
@@ -234,6 +338,7 @@ impl CudaModelForward {
                 mtp,
                 graphs,
                 graph_steps.clone(),
+                (drafts, setup.max_num_sequences),
             )
             .map_err(cuda)?;
             Ok(Box::new(f) as Box<dyn Forward>)
@@ -251,6 +356,7 @@ impl CudaModelForward {
         mtp: Mtp,
         graphs: bool,
         graph_steps: Arc<std::sync::atomic::AtomicU64>,
+        (drafts, chains): (usize, usize),
     ) -> Result<Self, CudaError> {
         gpu.bind()?;
         let src = format!(
@@ -332,6 +438,16 @@ impl CudaModelForward {
             logits: z(t * c.vocab * 4)?,
             fail: z(4)?,
         };
+        let chains = if drafts > 0 { chains.min(t) } else { 0 };
+        let ov = OverlayBuffers {
+            chains,
+            last: z(chains * 4)?,
+            keys: z(chains * 64 * (INDEX_DIM + 4))?,
+            rows: z(chains * 64 * 2 * ROW)?,
+            slots: z(chains * 8)?,
+            vmap: z(chains * 8)?,
+            smap: z(chains * 8)?,
+        };
         Ok(CudaModelForward {
             model,
             device,
@@ -351,6 +467,9 @@ impl CudaModelForward {
             graphs,
             graph: None,
             graph_steps,
+            drafts,
+            pending: Vec::new(),
+            ov,
         })
     }
 
@@ -487,18 +606,9 @@ impl CudaModelForward {
 
     /// Writes the KV of layer weights `w` for the `n` tokens (normed inputs in `xn`)
     /// into `cache` through the slot mappings of `m`.
-    fn write_kv(
-        &self,
-        w: &DevLayer,
-        cache: &LayerCache,
-        m: &MetadataView,
-        n: usize,
-    ) -> Result<(), ForwardError> {
+    fn write_kv(&self, w: &DevLayer, dst: KvDst, n: usize) -> Result<(), ForwardError> {
         let h = self.model.config().hidden;
         let s = &self.s;
-        let mla = cache.mla.ok_or_else(|| {
-            ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
-        })?;
         let op = |w, rows, out, os, oo| MatOp {
             w,
             rows,
@@ -514,17 +624,6 @@ impl CudaModelForward {
         self.matvec(op(&w.w_kr, ROPE, &s.kv, ROW, LATENT), n, false)?;
         self.rope(&s.kv, ROW, LATENT, 1, 0, n)?;
         self.to_bf16(&s.kvbf, &s.kv, n * ROW)?;
-        let enc = match mla.encoding {
-            KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
-            _ => MlaEncoding::Bf16,
-        };
-        let view = DevRows {
-            pool: mla.rows.pool.addr,
-            pool_len: mla.rows.pool.bytes,
-            base: mla.rows.base - mla.rows.pool.addr,
-            block_stride: mla.rows.page_stride,
-            tokens_per_block: mla.rows.tokens_per_page,
-        };
         let k = self.gpu.kernels();
         let dev = self.gpu.ordinal();
         // SAFETY: rows for `n` tokens; the slot mapping holds `n` entries (−1: skip);
@@ -533,20 +632,19 @@ impl CudaModelForward {
             k.mla_scatter(
                 self.stream(),
                 dev,
-                view,
-                enc,
+                dst.rows,
+                dst.enc,
                 s.kvbf.ptr(),
-                m.mla_slot_mapping.addr,
+                dst.mla_slots,
                 n,
                 None,
             )
         }
         .map_err(cuda)?;
-        if let Some(ix) = cache.indexer {
+        if let Some((base, len, vmap, smap)) = dst.indexer {
             self.matvec(op(&w.w_ik, INDEX_DIM, &s.key, INDEX_DIM, 0), n, false)?;
             self.rope(&s.key, INDEX_DIM, 0, 1, 0, n)?;
             self.to_bf16(&s.keybf, &s.key, n * INDEX_DIM)?;
-            let len = ix.pool.addr + ix.pool.bytes - ix.base;
             // SAFETY: `n` keys and mappings; the cache view is the batch's.
             unsafe {
                 k.quantize_indexer(
@@ -563,12 +661,12 @@ impl CudaModelForward {
                 k.indexer_k_scatter(
                     self.stream(),
                     dev,
-                    ix.base,
+                    base,
                     len,
                     s.keyv.ptr(),
                     s.keys.ptr(),
-                    m.slot_mapping_value.addr,
-                    m.slot_mapping_scale.addr,
+                    vmap,
+                    smap,
                     n,
                     INDEX_DIM,
                     None,
@@ -587,12 +685,29 @@ impl CudaModelForward {
         m: &MetadataView,
         n: usize,
     ) -> Result<(), ForwardError> {
+        self.rmsnorm(&self.s.xn, &self.s.x, n)?;
+        self.write_kv(w, KvDst::of(cache, m)?, n)?;
+        self.attend_mlp(w, cache, m, n, None)
+    }
+
+    /// The attention (indexer top-k, sparse MLA over `cache`, plus the overlay of a draft
+    /// chain) and the MLP of layer weights `w` for `n` tokens whose normed inputs are in
+    /// `xn`; adds both to `x`.
+    fn attend_mlp(
+        &self,
+        w: &DevLayer,
+        cache: &LayerCache,
+        m: &MetadataView,
+        n: usize,
+        ov: Option<Overlay>,
+    ) -> Result<(), ForwardError> {
         let c = *self.model.config();
         let (h, ih, heads) = (c.hidden, c.index_heads, c.heads);
         let s = &self.s;
-        self.rmsnorm(&s.xn, &s.x, n)?;
-        self.write_kv(w, cache, m, n)?;
-        let mla = cache.mla.expect("checked by write_kv");
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
+        })?;
+        let (ov_last, ov_keys, ov_rows) = ov.map_or((0, 0, 0), |o| (o.last, o.keys, o.rows));
         let op = |w, rows, out, os, oo| MatOp {
             w,
             rows,
@@ -657,6 +772,8 @@ impl CudaModelForward {
                 .arg(&ix.base)
                 .arg(&ix.page_bytes)
                 .arg(&tpp)
+                .arg(&ov_last)
+                .arg(&ov_keys)
                 .arg(&fail)
                 .arg(&n32);
             // SAFETY: the page table of this step's rows; every position ≤ pos[t] is
@@ -751,6 +868,8 @@ impl CudaModelForward {
             .arg(&enc)
             .arg(&scale)
             .arg(&heads32)
+            .arg(&ov_last)
+            .arg(&ov_rows)
             .arg(&fail)
             .arg(&n32);
         // SAFETY: selected positions are cached (−1 block-table entries set the flag).
@@ -854,6 +973,18 @@ impl CudaModelForward {
                 row.push(r as i32);
             }
         }
+        self.upload_slots(tok, pos, row, slots)
+    }
+
+    /// Uploads token ids, positions and rows padded to `slots` (position −1) and clears
+    /// the fail flag; returns the real token count.
+    fn upload_slots(
+        &self,
+        mut tok: Vec<u32>,
+        mut pos: Vec<i32>,
+        mut row: Vec<i32>,
+        slots: usize,
+    ) -> Result<usize, ForwardError> {
         let n = tok.len();
         if n > self.t_max || pos.iter().any(|&p| p as usize >= self.max_ctx) {
             return Err(ForwardError::framework(ModelError::Access(format!(
@@ -903,7 +1034,118 @@ impl CudaModelForward {
         }
         self.embed(n)?;
         self.rmsnorm(&self.s.xn, &self.s.x, n)?;
-        self.write_kv(&self.draft, cache, &batch.metadata, n)
+        self.write_kv(&self.draft, KvDst::of(cache, &batch.metadata)?, n)
+    }
+}
+
+impl CudaModelForward {
+    /// The pending requests' draft chains on MTP cache layer `cache` (the batch's cache
+    /// and metadata hold the draft KV of every position up to each chain's `last`).
+    fn propose(&mut self, batch: &Batch<'_>, cache: &LayerCache) -> Result<(), ForwardError> {
+        let pending = std::mem::take(&mut self.pending);
+        let r = pending.len();
+        if r == 0 || self.drafts == 0 {
+            return Ok(());
+        }
+        if r > self.ov.chains {
+            return Err(ForwardError::framework(ModelError::Access(format!(
+                "{r} draft chains past the forward's {}",
+                self.ov.chains
+            ))));
+        }
+        let c = *self.model.config();
+        let g = self.gpu.clone();
+        let hidden: Vec<f32> = pending
+            .iter()
+            .flat_map(|p| p.hidden.iter().copied())
+            .collect();
+        g.upload(&self.s.x, &hidden).map_err(cuda)?;
+        let last: Vec<i32> = pending.iter().map(|p| p.last as i32).collect();
+        g.upload(&self.ov.last, &last).map_err(cuda)?;
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("the MTP layer has no MLA cache".into()))
+        })?;
+        let rb = u64::from(mla.rows.row_bytes);
+        let mut dst = KvDst::of(cache, &batch.metadata)?;
+        dst.rows = DevRows {
+            pool: self.ov.rows.ptr(),
+            pool_len: self.ov.rows.len() as u64,
+            base: 0,
+            block_stride: 64 * rb,
+            tokens_per_block: 64,
+        };
+        dst.mla_slots = self.ov.slots.ptr();
+        let page = (64 * (INDEX_DIM + 4)) as i64;
+        dst.indexer = dst.indexer.map(|_| {
+            (
+                self.ov.keys.ptr(),
+                self.ov.keys.len() as u64,
+                self.ov.vmap.ptr(),
+                self.ov.smap.ptr(),
+            )
+        });
+        let ov = Overlay {
+            last: self.ov.last.ptr(),
+            keys: self.ov.keys.ptr(),
+            rows: self.ov.rows.ptr(),
+        };
+        let mut toks: Vec<u32> = pending.iter().map(|p| p.next).collect();
+        let mut proposals = vec![Vec::with_capacity(self.drafts); r];
+        let s = &self.s;
+        for i in 0..self.drafts {
+            let pos = pending
+                .iter()
+                .map(|p| (p.last + 1) as i32 + i as i32)
+                .collect();
+            let row = pending.iter().map(|p| p.row as i32).collect();
+            self.upload_slots(toks.clone(), pos, row, 0)?;
+            let idx = |k: usize, off: i64| k as i64 * off + i as i64;
+            let slots: Vec<i64> = (0..r).map(|k| idx(k, 64)).collect();
+            let vmap: Vec<i64> = (0..r).map(|k| k as i64 * page + i as i64 * 128).collect();
+            let smap: Vec<i64> = (0..r)
+                .map(|k| k as i64 * page + 64 * 128 + i as i64 * 4)
+                .collect();
+            g.upload(&self.ov.slots, &slots).map_err(cuda)?;
+            g.upload(&self.ov.vmap, &vmap).map_err(cuda)?;
+            g.upload(&self.ov.smap, &smap).map_err(cuda)?;
+            // x = embedding(token) + rmsnorm(previous hidden); the chain's KV from the
+            // normed embedding, into the overlay.
+            self.rmsnorm(&s.mo, &s.x, r)?;
+            self.embed(r)?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.write_kv(&self.draft, dst, r)?;
+            self.elementwise(&self.f.add, &s.x, Some(&s.mo), r * c.hidden)?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.attend_mlp(&self.draft, cache, &batch.metadata, r, Some(ov))?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.matvec(
+                MatOp {
+                    w: &self.w_out,
+                    rows: c.vocab,
+                    cols: c.hidden,
+                    out: &s.logits,
+                    os: c.vocab,
+                    oo: 0,
+                    x: &s.xn,
+                    xs: c.hidden,
+                    xo: 0,
+                },
+                r,
+                false,
+            )?;
+            let logits = self.download(&s.logits, r, c.vocab)?;
+            self.check_fail()?;
+            for (k, p) in pending.iter().enumerate() {
+                let pos = p.last + 1 + i as u32;
+                toks[k] = output_of(&logits[k * c.vocab..(k + 1) * c.vocab], pos).greedy;
+                proposals[k].push(toks[k]);
+            }
+        }
+        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+        for (p, d) in pending.iter().zip(proposals) {
+            o.drafts.insert((self.device, p.id), (p.last, d));
+        }
+        Ok(())
     }
 }
 
@@ -951,9 +1193,15 @@ impl Forward for CudaModelForward {
         }
         let logits = self.download(&self.s.logits, n, c.vocab)?;
         self.check_fail()?;
+        let hidden = if self.drafts > 0 {
+            self.download(&self.s.x, n, c.hidden)?
+        } else {
+            Vec::new()
+        };
+        self.pending.clear();
         let mut t0 = 0;
         let mut results = Vec::with_capacity(batch.requests.len());
-        for req in batch.requests {
+        for (r, req) in batch.requests.iter().enumerate() {
             let k = req.tokens.len();
             let outs: Vec<_> = (0..k)
                 .map(|i| {
@@ -965,6 +1213,16 @@ impl Forward for CudaModelForward {
                 })
                 .collect();
             let (keep, accepted) = verdict(req, &outs).map_err(ForwardError::framework)?;
+            if self.drafts > 0 && req.produces_token {
+                let t = t0 + keep;
+                self.pending.push(Pending {
+                    id: req.id,
+                    row: r,
+                    last: outs[keep].pos,
+                    hidden: hidden[t * c.hidden..(t + 1) * c.hidden].to_vec(),
+                    next: outs[keep].greedy,
+                });
+            }
             results.push((req.id, outs[..=keep].to_vec(), accepted));
             t0 += k;
         }
@@ -979,6 +1237,7 @@ impl Forward for CudaModelForward {
                 let l = *l;
                 self.draft_kv(batch, &l)?;
                 self.check_fail()?;
+                self.propose(batch, &l)?;
             }
         }
         Ok(())
@@ -991,6 +1250,7 @@ impl Forward for CudaModelForward {
                 let l = *l;
                 self.draft_kv(batch, &l)?;
                 self.check_fail()?;
+                self.propose(batch, &l)?;
             }
         }
         Ok(())
