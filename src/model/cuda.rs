@@ -6,13 +6,15 @@
 //! as a framework would. The logits come back to the host for sampling (one
 //! synchronize per step); every bit equals the host model's.
 //!
-//! Decode-only steps can run as one CUDA graph (captured once at the largest batch,
-//! padding tokens marked by position −1; the metadata buffers never move). The MTP draft
+//! Decode-only steps can run as one CUDA graph (captured once per bucket of padded token
+//! counts 8, 16, 32, …; padding tokens are marked by position −1, and the runtime's slot
+//! mappings past the step's tokens are −1; the metadata buffers never move). The MTP draft
 //! layer's KV is written (separate draft cache or the target's), and with speculation its
 //! draft chains run on the GPU too: each chain token's own KV goes to an overlay page, and
 //! the attention reads cached positions through the draft metadata and the chain's
 //! positions from the overlay, as the host's `Overlay` store does.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
@@ -155,7 +157,9 @@ pub struct CudaModelForward {
     max_ctx: usize,
     mtp: Mtp,
     graphs: bool,
-    graph: Option<(Graph, Vec<u64>)>,
+    /// Captured decode steps by bucket (padded token count), with the metadata addresses
+    /// they were captured with.
+    graph: HashMap<usize, (Graph, Vec<u64>)>,
     graph_steps: Arc<std::sync::atomic::AtomicU64>,
     /// Draft tokens to propose per step (0: none).
     drafts: usize,
@@ -465,7 +469,7 @@ impl CudaModelForward {
             max_ctx,
             mtp,
             graphs,
-            graph: None,
+            graph: HashMap::new(),
             graph_steps,
             drafts,
             pending: Vec::new(),
@@ -1157,8 +1161,12 @@ impl Forward for CudaModelForward {
             .requests
             .iter()
             .all(|r| r.kind == crate::core::scheduler::PlannedKind::Generation);
-        let graph = self.graphs && decode;
-        let n = self.upload_tokens(batch, if graph { self.t_max } else { 0 })?;
+        // Graphs are captured per bucket of padded token counts (8, 16, 32, …, the
+        // largest step), as serving engines capture batch sizes.
+        let tokens: usize = batch.requests.iter().map(|r| r.tokens.len()).sum();
+        let bucket = tokens.next_power_of_two().clamp(8, self.t_max);
+        let graph = self.graphs && decode && tokens <= self.t_max;
+        let n = self.upload_tokens(batch, if graph { bucket } else { 0 })?;
         if n == 0 {
             return Ok(());
         }
@@ -1166,15 +1174,15 @@ impl Forward for CudaModelForward {
         let m = batch.metadata;
         if graph {
             let addrs: Vec<u64> = m.buffers().iter().map(|b| b.addr).collect();
-            if self.graph.as_ref().is_some_and(|(_, at)| *at != addrs) {
-                self.graph = None;
+            if self.graph.get(&bucket).is_some_and(|(_, at)| *at != addrs) {
+                self.graph.remove(&bucket);
             }
-            if self.graph.is_none() {
+            if !self.graph.contains_key(&bucket) {
                 let stream = self.stream().clone();
                 stream
                     .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(launch_err("begin_capture"))?;
-                let r = self.kernels(cache, &m, self.t_max);
+                let r = self.kernels(cache, &m, bucket);
                 let g = stream
                     .end_capture(sys::CUgraphInstantiate_flags(0))
                     .map_err(launch_err("end_capture"))?;
@@ -1182,9 +1190,9 @@ impl Forward for CudaModelForward {
                 let g = g.ok_or_else(|| ForwardError::Unsupported {
                     what: "CUDA graph capture gave an empty graph".into(),
                 })?;
-                self.graph = Some((Graph(g), addrs));
+                self.graph.insert(bucket, (Graph(g), addrs));
             }
-            let (g, _) = self.graph.as_ref().expect("captured above");
+            let (g, _) = &self.graph[&bucket];
             g.0.launch().map_err(launch_err("graph launch"))?;
             self.graph_steps
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
