@@ -17,11 +17,16 @@
 //! size, batch mates, chunk size or position in the batch. The cache is reached only
 //! through [`KvStore`]: [`unpaged::Contiguous`] (one request, contiguous rows, no reuse:
 //! the reference) and [`paged::ModelForward`] (the runtime's pools through the step
-//! metadata, as the DSA kernels read them) run the same code.
+//! metadata, as the DSA kernels read them) run the same code. [`trace`] captures the
+//! intermediate values of one layer of one token; [`dump`] writes one layer of one step
+//! as `.npy` files for external kernels.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dump;
+mod npy;
 pub mod paged;
+pub mod trace;
 pub mod unpaged;
 
 use half::bf16;
@@ -33,6 +38,7 @@ use crate::layout::{
 use crate::ops::mla::quantize_fp8_ds_mla_row;
 use crate::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
 use crate::rng::SplitMix64;
+use trace::{HeadTrace, IndexTrace, Trace, TracePoint, TracedRun};
 
 /// Latent width of an MLA row (`kv_lora_rank`).
 pub const LATENT: usize = 512;
@@ -379,6 +385,15 @@ impl KvStore for Overlay<'_> {
         }
         Ok(out)
     }
+
+    fn global_index(&self, layer: usize, pos: u32) -> Result<i64, ModelError> {
+        match self.local(layer, pos)? {
+            Some(_) => Err(ModelError::Access(format!(
+                "draft position {pos} is not in the cache"
+            ))),
+            None => self.base.global_index(layer, pos),
+        }
+    }
 }
 
 /// How the cache rows are encoded, and whether a layer has an indexer.
@@ -419,6 +434,13 @@ pub trait KvStore {
     fn index_key(&self, layer: usize, pos: u32) -> Result<(&[u8], &[u8]), ModelError>;
     /// Reads the MLA rows of `positions` (ascending): `(position, row)` pairs.
     fn rows(&self, layer: usize, positions: &[u32]) -> Result<Vec<&[u8]>, ModelError>;
+    /// The global token index a sparse MLA kernel is handed for position `pos` (what
+    /// [`rows`](Self::rows) reads). The default, for a store without pages: the
+    /// position itself.
+    fn global_index(&self, layer: usize, pos: u32) -> Result<i64, ModelError> {
+        let _ = layer;
+        Ok(i64::from(pos))
+    }
 }
 
 /// A model run's failure.
@@ -521,6 +543,36 @@ impl Model {
         first: u32,
         tokens: &[u32],
     ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
+        self.run_layers(kv, first, tokens, &[], &mut Vec::new())
+    }
+
+    /// [`run_hidden`](Self::run_hidden), also tracing `points` (those that are not
+    /// among the new positions are ignored): the traces come in layer order, then
+    /// position order. Every output bit is the untraced run's.
+    pub fn run_traced(
+        &self,
+        kv: &mut dyn KvStore,
+        first: u32,
+        tokens: &[u32],
+        points: &[TracePoint],
+    ) -> Result<TracedRun, ModelError> {
+        let mut traces = Vec::new();
+        let (outputs, hidden) = self.run_layers(kv, first, tokens, points, &mut traces)?;
+        Ok(TracedRun {
+            outputs,
+            hidden,
+            traces,
+        })
+    }
+
+    fn run_layers(
+        &self,
+        kv: &mut dyn KvStore,
+        first: u32,
+        tokens: &[u32],
+        points: &[TracePoint],
+        traces: &mut Vec<Trace>,
+    ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
         let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| self.embedding(t)).collect();
         for (l, layer) in self.layers.iter().enumerate() {
             let at = At {
@@ -534,7 +586,14 @@ impl Model {
                 self.write_kv(kv, at, xn, first + i as u32)?;
             }
             for (i, xn) in normed.iter().enumerate() {
-                let attn = self.attend(kv, at, xn, first + i as u32)?;
+                let point = TracePoint {
+                    layer: l,
+                    pos: first + i as u32,
+                };
+                let mut trace =
+                    (!points.is_empty() && points.contains(&point)).then(|| Trace::new(point));
+                let attn = self.attend(kv, at, xn, point.pos, trace.as_mut())?;
+                traces.extend(trace);
                 add(&mut xs[i], &attn);
                 self.mlp(layer, &mut xs[i]);
             }
@@ -613,7 +672,7 @@ impl Model {
             self.write_kv(&mut local, at, &rmsnorm(&self.embedding(tok)), pos)?;
             let mut x = self.embedding(tok);
             add(&mut x, &rmsnorm(&h));
-            let attn = self.attend(&local, at, &rmsnorm(&x), pos)?;
+            let attn = self.attend(&local, at, &rmsnorm(&x), pos, None)?;
             add(&mut x, &attn);
             self.mlp(&self.draft, &mut x);
             tok = self.output(&x, pos).greedy;
@@ -662,18 +721,22 @@ impl Model {
 
     /// The positions token `pos` attends to, ascending: the indexer's top-k of `0..=pos`
     /// (every position when there are at most `topk`, or the layer has no indexer).
+    /// A `trace` gets the indexer's queries, weights and scores (computed also when
+    /// every position is selected).
     fn select(
         &self,
         kv: &dyn KvStore,
         at: At<'_>,
         xn: &[f32],
         pos: u32,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<u32>, ModelError> {
         let (l, layer) = (at.cache, at.w);
         let n = pos as usize + 1;
-        if !at.indexer || n <= self.cfg.topk {
+        if !at.indexer || (n <= self.cfg.topk && trace.is_none()) {
             return Ok((0..=pos).collect());
         }
+        let mut index = trace.is_some().then(IndexTrace::default);
         // FP8 queries (quantized and read back as the kernel reads them), weights.
         let qs: Vec<Vec<f32>> = layer
             .w_iq
@@ -683,6 +746,10 @@ impl Model {
                 rope(&mut q[..ROPE], pos);
                 let (mut v, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
                 quantize_fp8_token(&to_bf16(&q), self.format.scale_format, &mut v, &mut s);
+                if let Some(t) = index.as_mut() {
+                    t.q_fp8.push(v);
+                    t.q_scale.push(s);
+                }
                 let mut out = vec![0f32; INDEX_DIM];
                 dequantize_fp8_token(&v, &s, &mut out);
                 out
@@ -703,6 +770,14 @@ impl Model {
             }
             scored.push((s * scale, j));
         }
+        if let (Some(trace), Some(mut t)) = (trace, index) {
+            t.weights = w;
+            t.logits = scored.iter().map(|&(s, _)| s).collect();
+            trace.index = Some(t);
+        }
+        if n <= self.cfg.topk {
+            return Ok((0..=pos).collect());
+        }
         // Highest score first; equal scores: the earlier position.
         scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut top: Vec<u32> = scored[..self.cfg.topk].iter().map(|&(_, j)| j).collect();
@@ -716,15 +791,24 @@ impl Model {
         at: At<'_>,
         xn: &[f32],
         pos: u32,
+        mut trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ModelError> {
         let (l, layer) = (at.cache, at.w);
-        let sel = self.select(kv, at, xn, pos)?;
+        let sel = self.select(kv, at, xn, pos, trace.as_deref_mut())?;
         let rows: Vec<(Vec<f32>, Vec<f32>)> = kv
             .rows(l, &sel)?
             .into_iter()
             .map(|r| self.decode_row(r))
             .collect();
         let scale = 1.0 / ((self.cfg.nope_dim + ROPE) as f32).sqrt();
+        if let Some(t) = trace.as_deref_mut() {
+            t.global = sel
+                .iter()
+                .map(|&p| kv.global_index(l, p))
+                .collect::<Result<_, _>>()?;
+            t.selected = sel;
+            t.softmax_scale = scale;
+        }
         let mut heads = Vec::with_capacity(self.cfg.heads * self.cfg.v_dim);
         for h in 0..self.cfg.heads {
             let q_lat = layer.w_uk[h].apply_t(&layer.w_qn[h].apply(xn));
@@ -750,8 +834,15 @@ impl Model {
                 }
             }
             heads.extend(layer.w_uv[h].apply(&o_lat));
+            if let Some(t) = trace.as_deref_mut() {
+                t.heads.push(HeadTrace { q_lat, q_pe, o_lat });
+            }
         }
-        Ok(layer.w_o.apply(&heads))
+        let out = layer.w_o.apply(&heads);
+        if let Some(t) = trace {
+            t.attn_out.clone_from(&out);
+        }
+        Ok(out)
     }
 
     /// A cache row as `(latent, rope)` in f32.

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
+use super::trace::{TraceSite, Tracer};
 use super::{CacheFormat, DraftCache, KvStore, Model, ModelError, TokenOut};
 use crate::core::scheduler::PlannedRequest;
 use crate::device::forward::{
@@ -118,6 +119,7 @@ pub struct ModelForward {
     drafts: usize,
     mtp: Mtp,
     pending: Vec<Pending>,
+    tracer: Option<Tracer>,
 }
 
 impl ModelForward {
@@ -138,6 +140,17 @@ impl ModelForward {
         model: Arc<Model>,
         outputs: Arc<Mutex<Outputs>>,
         drafts: usize,
+    ) -> ForwardFactory {
+        Self::traced(model, outputs, drafts, None)
+    }
+
+    /// [`speculative`](Self::speculative), tracing the target forward's points that
+    /// `tracer` selects (see [`super::trace`]).
+    pub fn traced(
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        drafts: usize,
+        tracer: Option<Tracer>,
     ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
             let found =
@@ -179,6 +192,7 @@ impl ModelForward {
                 drafts,
                 mtp,
                 pending: Vec::new(),
+                tracer: tracer.clone(),
             }) as Box<dyn Forward>)
         })
     }
@@ -283,9 +297,18 @@ impl Forward for ModelForward {
         let model = self.model.clone();
         let mut results = Vec::with_capacity(batch.requests.len());
         let mut pending = Vec::new();
+        let (step, device, tracer) = (batch.step, self.device, self.tracer.as_ref());
         each_request(batch, |r, req, store| {
             let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
-            let (outs, hidden) = model.run_hidden(store, req.num_cached, &tokens)?;
+            let site = TraceSite {
+                step,
+                device,
+                request: req.id,
+                row: r,
+                first: req.num_cached,
+                tokens: tokens.len(),
+            };
+            let (outs, hidden) = Tracer::run_hidden(tracer, &model, store, site, &tokens)?;
             let (keep, accepted) = verdict(req, &outs)?;
             if req.produces_token {
                 pending.push(Pending {
@@ -387,6 +410,13 @@ impl Paged<'_, '_> {
             .indexer
             .ok_or_else(|| access(format!("layer {layer} has no indexer cache")))
     }
+
+    /// The global token index of `pos` in rows of `tokens_per_page`: block-table entry
+    /// `pos / T` × T + `pos % T`.
+    fn global(&self, pos: u32, tokens_per_page: u32) -> Result<i64, ModelError> {
+        let t = tokens_per_page;
+        Ok(self.entry(self.meta.block_table, pos, t)? * i64::from(t) + i64::from(pos % t))
+    }
 }
 
 fn mem(e: ForwardError) -> ModelError {
@@ -452,12 +482,15 @@ impl KvStore for Paged<'_, '_> {
             .iter()
             .map(|&p| {
                 // The global token index a sparse kernel is handed.
-                let global =
-                    self.entry(self.meta.block_table, p, t)? * i64::from(t) + i64::from(p % t);
+                let global = self.global(p, t)?;
                 self.host
                     .bytes(v.rows.token_addr(global), u64::from(v.rows.row_bytes))
                     .map_err(mem)
             })
             .collect()
+    }
+
+    fn global_index(&self, layer: usize, pos: u32) -> Result<i64, ModelError> {
+        self.global(pos, self.mla(layer)?.rows.tokens_per_page)
     }
 }
