@@ -425,6 +425,9 @@ struct StepLatency {
     all: Vec<f64>,
     /// Iterations whose scheduled requests all decode.
     decode_only: Vec<f64>,
+    /// Of those, the device actor's handler (step copies, metadata, the forward with its
+    /// read-back), slowest device.
+    decode_device: Vec<f64>,
 }
 
 impl StepLatency {
@@ -437,6 +440,8 @@ impl StepLatency {
             .all(|r| r.kind == PlannedKind::Generation)
         {
             self.decode_only.push(ms);
+            self.decode_device
+                .push(report.timing.device_ns as f64 / 1e6);
         }
     }
 
@@ -693,6 +698,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         "cuda_graphs": a.cuda_graphs,
         "graph_steps": graph_steps,
         "decode_step_ms": StepLatency::summary(&latency.decode_only),
+        "decode_device_ms": StepLatency::summary(&latency.decode_device),
         "step_ms": StepLatency::summary(&latency.all),
         "prefix_hit_rate": st.prefix_hit_rate,
         "rolling_hit_rate": st.rolling_hit_rate,
@@ -1090,6 +1096,10 @@ fn summary(
             latency(&r["decode_step_ms"]),
         ),
         ("step, all: median / p99", latency(&r["step_ms"])),
+        (
+            "  of a decode step, device handler",
+            latency(&r["decode_device_ms"]),
+        ),
         (
             "decode steps as a CUDA graph",
             format!("{}", r["graph_steps"]),

@@ -98,6 +98,7 @@ struct Run {
     stats: RuntimeStats,
     devices: usize,
     /// Steps run as a CUDA graph.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     graph_steps: u64,
 }
 
