@@ -11,6 +11,11 @@ echo "== tests" >> $L
 timeout 180 .gpu/lib_tests --ignored --test-threads=1 cuda:: > $OUT/gpu_tests.txt 2>&1; echo "tests rc=$?" >> $L
 echo "== verifier drills on the GPU" >> $L
 timeout 120 .gpu/verifier_tests --ignored --test-threads=1 > $OUT/gpu_verifier_tests.txt 2>&1; echo "verifier rc=$?" >> $L
+echo "== exactness on the GPU (reference model)" >> $L
+timeout 200 .gpu/exactness_tests --ignored --test-threads=1 --nocapture > $OUT/exactness_gpu.txt 2>&1; echo "exactness rc=$?" >> $L
+echo "== serve: the model on CUDA, eager and graphs" >> $L
+timeout 150 .gpu/serve --backend cuda --json --out /tmp/sm > $OUT/serve_model_cuda.json 2>>$L; echo "serve model rc=$?" >> $L
+timeout 150 .gpu/serve --backend cuda --cuda-graphs --json --out /tmp/smg > $OUT/serve_model_cuda_graphs.json 2>>$L; echo "serve model graphs rc=$?" >> $L
 echo "== serve quick cuda" >> $L
 timeout 120 .gpu/serve --quick --source synthetic --backend cuda --json --out /tmp/sq > $OUT/serve_quick_cuda.json 2>>$L; echo "serve quick rc=$?" >> $L
 echo "== tp" >> $L
