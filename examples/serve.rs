@@ -399,7 +399,8 @@ fn engine_config(a: &Args) -> Result<EngineConfig, String> {
     }
     if a.source == Source::Model && c.spec_decode.mode != SpecMode::None {
         return Err(
-            "the reference model has no draft head: set spec_decode.mode = \"none\" in the \
+            "serve runs the reference model without speculation (its MTP drafts are \
+             exercised by tests/exactness.rs): set spec_decode.mode = \"none\" in the \
              configuration, or add --source synthetic"
                 .into(),
         );

@@ -6,7 +6,8 @@
 // and do not change with batch size, batch mates, chunk size or position in the batch.
 //
 // Tokens: `pos[t] < 0` marks a padding token (CUDA-graph buckets); kernels that read the
-// cache skip it. A page-table entry below 0 where the model needs a page sets `*fail`.
+// cache skip it. A block-table entry below 0, or a page past its pool, where the model
+// needs a page sets `*fail` (and nothing is read there).
 //
 // Draft chains (MTP proposals): with `ov_last` non-null, token t reads positions past
 // `ov_last[t]` from its own overlay page instead of the cache (the KV the chain computed
@@ -135,7 +136,8 @@ extern "C" __global__ void m_to_bf16(u16* dst, const float* src, long n) {
 extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int* pos,
                                           const int* row, const u8* qv, const float* qs,
                                           const float* w, int ih, const int* page_table,
-                                          int cols, u64 base, u64 page_bytes, int tpp,
+                                          const int* block_table, int cols, u64 base,
+                                          u64 page_bytes, u64 pages, int tpp,
                                           const int* ov_last, u64 ov_keys, int* fail, int n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)n * max_ctx) return;
@@ -144,11 +146,14 @@ extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int*
     u64 pg;
     int off;
     if (ov_last && j > ov_last[t]) {
-        pg = ov_keys + (u64)t * 64 * 132;
+        pg = ov_keys + (u64)t * tpp * 132;
         off = j - ov_last[t] - 1;
     } else {
+        // The indexer page table pads with page 0: the block table says whether the
+        // position's block is there at all.
         int page = page_table[(long)row[t] * cols + j / tpp];
-        if (page < 0) {
+        int slot = block_table[(long)row[t] * cols + j / tpp];
+        if (page < 0 || slot < 0 || (u64)page >= pages) {
             atomicExch(fail, 1);
             return;
         }
@@ -210,13 +215,13 @@ extern "C" __global__ void m_topk(int* sel, int* nsel, int* rank, const float* s
 // global token index (block table entry x tpp + p mod tpp), as FlashMLA's sparse decode
 // is handed it.
 __device__ __forceinline__ const u8* mla_row(int p, int rw, const int* block_table, int cols,
-                                             u64 base, u64 page_stride, int tpp, int row_bytes,
-                                             int t, const int* ov_last, u64 ov_rows,
-                                             int* fail) {
+                                             u64 base, u64 page_stride, int pages, int tpp,
+                                             int row_bytes, int t, const int* ov_last,
+                                             u64 ov_rows, int* fail) {
     if (ov_last && p > ov_last[t])
         return (const u8*)(ov_rows + ((u64)t * 64 + (u64)(p - ov_last[t] - 1)) * row_bytes);
     int slot = block_table[(long)rw * cols + p / tpp];
-    if (slot < 0) {
+    if (slot < 0 || slot >= pages) {
         atomicExch(fail, 1);
         return 0;
     }
@@ -240,8 +245,9 @@ __device__ __forceinline__ float mla_elem(const u8* r, int c, int enc) {
 extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* qpe,
                                   const int* sel, const int* nsel, int max_ctx, float* ebuf,
                                   const int* pos, const int* row, const int* block_table,
-                                  int cols, u64 base, u64 page_stride, int tpp, int row_bytes,
-                                  int enc, float scale, int heads, const int* ov_last,
+                                  int cols, u64 base, u64 page_stride, int pages, int tpp,
+                                  int row_bytes, int enc, float scale, int heads,
+                                  const int* ov_last,
                                   u64 ov_rows, int* fail, int n) {
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
     if (t >= n || pos[t] < 0) return;
@@ -252,8 +258,8 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
     const float* qp = qpe + ((long)t * heads + h) * 64;
     int rw = row[t];
     for (int k = threadIdx.x; k < ns; k += blockDim.x) {
-        const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, tpp, row_bytes,
-                              t, ov_last, ov_rows, fail);
+        const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, pages, tpp,
+                              row_bytes, t, ov_last, ov_rows, fail);
         if (!r) {
             e[k] = 0.0f;
             continue;
@@ -282,8 +288,8 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
     for (int c = threadIdx.x; c < 512; c += blockDim.x) {
         float o = 0.0f;
         for (int k = 0; k < ns; k++) {
-            const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, tpp,
-                                  row_bytes, t, ov_last, ov_rows, fail);
+            const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, pages,
+                                  tpp, row_bytes, t, ov_last, ov_rows, fail);
             if (!r) continue;
             float p = e[k] / sum;
             o = o + p * mla_elem(r, c, enc);

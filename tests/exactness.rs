@@ -112,9 +112,20 @@ async fn run(
     misdirect: bool,
     backend: &Backend,
 ) -> Run {
+    run_with(model, config(kv_dtype, drafts), drafts, misdirect, backend).await
+}
+
+/// [`run`] with engine configuration `cfg`.
+async fn run_with(
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    drafts: usize,
+    misdirect: bool,
+    backend: &Backend,
+) -> Run {
     let outputs = Arc::new(Mutex::new(Outputs::default()));
     let graph_steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let builder = KvCacheBuilder::new().config(config(kv_dtype, drafts));
+    let builder = KvCacheBuilder::new().config(cfg);
     let builder = match backend {
         Backend::Host => builder.host_devices(2).forward(ModelForward::speculative(
             model,
@@ -159,7 +170,14 @@ async fn run(
         let mut outs = Vec::new();
         let mut sampled = Vec::new();
         {
-            let o = outputs.lock().unwrap();
+            let mut o = outputs.lock().unwrap();
+            // This step's decisions only: what the forwards record is taken, so a step
+            // that stopped deciding cannot pass with the previous step's.
+            let (nexts, accepts, props) = (
+                std::mem::take(&mut o.next),
+                std::mem::take(&mut o.accepted),
+                std::mem::take(&mut o.drafts),
+            );
             for r in &rep.scheduled {
                 if !r.produces_token {
                     outs.push(RequestOutcome {
@@ -171,9 +189,9 @@ async fn run(
                 }
                 let verdict = |dev: usize| {
                     (
-                        o.next.get(&(dev, r.id)).copied().expect("the forward ran"),
-                        o.accepted[&(dev, r.id)],
-                        o.drafts.get(&(dev, r.id)).cloned(),
+                        nexts.get(&(dev, r.id)).copied().expect("the forward ran"),
+                        accepts[&(dev, r.id)],
+                        props.get(&(dev, r.id)).cloned(),
                     )
                 };
                 let v = verdict(0);
@@ -195,6 +213,10 @@ async fn run(
                 });
                 if drafts > 0 {
                     let (last, d) = proposal.expect("the draft layer proposed");
+                    // The chain starts after the last accepted position: the sampled
+                    // token is at `last + 1`.
+                    let at = prompt(r.id.0).len() + g.len() - 2;
+                    assert_eq!(last as usize, at, "request {}: the chain's start", r.id);
                     sampled.push((r.id, d.iter().map(|&t| TokenId(t)).collect()));
                     proposals.push((r.id, last, d));
                 }
@@ -345,6 +367,37 @@ async fn mtp_drafts_with_rollback_change_no_bit() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
+/// Without a host tier every preemption is a recompute (the request's sequences are
+/// closed, its committed blocks stay cached, and it prefills again from what is still
+/// cached), with MTP drafts whose layer lives in the target's cache (no separate draft
+/// cache: the target forward writes it and proposes): still every bit of the unpaged
+/// reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recompute_preemption_with_mtp_in_the_target_cache_changes_no_bit() {
+    let kv_dtype = KvDtype::Fp8DsMla;
+    let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+    let mut cfg = config(kv_dtype, 2);
+    cfg.kv_cache.host_cache_size = None;
+    cfg.spec_decode.separate_draft_cache = false;
+    let run = run_with(model.clone(), cfg, 2, false, &Backend::Host).await;
+    assert!(
+        run.outputs.conflicts.is_empty(),
+        "{:?}",
+        run.outputs.conflicts
+    );
+    let s = &run.stats;
+    eprintln!(
+        "no host tier: preemptions (all recomputes) {}, drafts accepted {} of {}",
+        s.preemptions, s.drafts_accepted, s.drafts_proposed
+    );
+    assert!(s.preemptions > 0, "the workload preempts");
+    assert_eq!(s.offload_bytes, 0, "no host tier: nothing is suspended");
+    assert_eq!(s.draft_replays, 0, "no separate draft cache: no replay");
+    assert!(s.drafts_accepted > 0);
+    let bad = compare(&model, kv_dtype, 2, &run);
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
 /// The comparison can fail: one wrong block-table entry of one request (its second
 /// block, from the step it first samples) changes its logits. (The engine samples
 /// device 0's token, so device 1 then runs the wrong tokens too; and slot 0 belongs to
@@ -419,25 +472,39 @@ async fn on_the_gpu_paging_changes_no_bit() {
 async fn on_the_gpu_mtp_drafts_with_rollback_change_no_bit() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
-    let backend = Backend::Cuda {
-        gpus: vec![0],
-        graphs: true,
-    };
-    let run = run(model.clone(), kv_dtype, 2, false, &backend).await;
-    assert!(
-        run.outputs.conflicts.is_empty(),
-        "{:?}",
-        run.outputs.conflicts
-    );
-    let s = &run.stats;
-    eprintln!(
-        "GPU: drafts proposed {}, accepted {}, draft replays {}, graph steps {}",
-        s.drafts_proposed, s.drafts_accepted, s.draft_replays, run.graph_steps
-    );
-    assert!(s.drafts_accepted > 0 && s.drafts_accepted < s.drafts_proposed);
-    assert!(run.graph_steps > 0);
-    let bad = compare(&model, kv_dtype, 2, &run);
-    assert!(bad.is_empty(), "{bad:#?}");
+    // Separate draft cache eager and with graphs; the MTP layer in the target's cache
+    // without a host tier (recompute preemption).
+    for (graphs, separate) in [(false, true), (true, true), (false, false)] {
+        let backend = Backend::Cuda {
+            gpus: vec![0],
+            graphs,
+        };
+        let mut cfg = config(kv_dtype, 2);
+        if !separate {
+            cfg.spec_decode.separate_draft_cache = false;
+            cfg.kv_cache.host_cache_size = None;
+        }
+        let run = run_with(model.clone(), cfg, 2, false, &backend).await;
+        assert!(
+            run.outputs.conflicts.is_empty(),
+            "{:?}",
+            run.outputs.conflicts
+        );
+        let s = &run.stats;
+        eprintln!(
+            "GPU graphs {graphs} separate {separate}: drafts proposed {}, accepted {}, \
+             draft replays {}, preemptions {}, graph steps {}",
+            s.drafts_proposed, s.drafts_accepted, s.draft_replays, s.preemptions, run.graph_steps
+        );
+        assert!(s.drafts_accepted > 0 && s.drafts_accepted < s.drafts_proposed);
+        assert_eq!(graphs, run.graph_steps > 0);
+        assert_eq!(separate, s.draft_replays > 0);
+        let bad = compare(&model, kv_dtype, 2, &run);
+        assert!(
+            bad.is_empty(),
+            "graphs {graphs} separate {separate}: {bad:#?}"
+        );
+    }
 }
 
 /// The GPU comparison can fail: the one-slot block-table error of

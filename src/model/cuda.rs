@@ -3,8 +3,9 @@
 //! thread's loop in the host model's order) on the batch's compute stream, reading and
 //! writing the device pools through the device metadata. The KV is written by the
 //! crate's own scatter kernels (`mla_scatter`, `quantize_indexer` + `indexer_k_scatter`),
-//! as a framework would. The logits come back to the host for sampling (one
-//! synchronize per step); every bit equals the host model's.
+//! as a framework would. The logits come back to the host for sampling (the step waits
+//! for them and for the fail flag; with speculation also for the hidden states, and each
+//! draft-chain token for its logits); every bit equals the host model's.
 //!
 //! Decode-only steps can run as one CUDA graph (captured once per bucket of padded token
 //! counts 8, 16, 32, …; padding tokens are marked by position −1, and the runtime's slot
@@ -331,7 +332,8 @@ impl CudaModelForward {
                     what: format!("{drafts} draft tokens: at most 64 per step"),
                 });
             }
-            let max_ctx = setup.metadata.max_blocks_per_seq * 64;
+            // Positions up to the page tables' width, and a draft chain's up to 64 past it.
+            let max_ctx = setup.metadata.max_blocks_per_seq * 64 + 64;
             let f = Self::new(
                 model.clone(),
                 setup.device,
@@ -772,16 +774,19 @@ impl CudaModelForward {
                 .arg(&args.5)
                 .arg(&ih32)
                 .arg(&args.6)
+                .arg(&m.block_table.addr)
                 .arg(&cols)
                 .arg(&ix.base)
                 .arg(&ix.page_bytes)
+                .arg(&ix.pages)
                 .arg(&tpp)
                 .arg(&ov_last)
                 .arg(&ov_keys)
                 .arg(&fail)
                 .arg(&n32);
-            // SAFETY: the page table of this step's rows; every position ≤ pos[t] is
-            // cached (checked: −1 entries set the fail flag, nothing is read there).
+            // SAFETY: the page tables of this step's rows; a position whose block-table
+            // entry is −1 or whose page is past the pool sets the fail flag and reads
+            // nothing.
             unsafe { b.launch(grid(n * self.max_ctx)) }.map_err(launch_err("m_index_scores"))?;
         }
         let topk = c.topk as i32;
@@ -840,6 +845,7 @@ impl CudaModelForward {
         self.rope(&s.qpe, heads * ROPE, 0, heads, ROPE, n)?;
         let enc = i32::from(mla.encoding == KvDtype::Fp8DsMla);
         let scale = 1.0 / ((c.nope_dim + ROPE) as f32).sqrt();
+        let mla_pages = mla.rows.pages as i32;
         let (heads32, tpp, rb) = (
             heads as i32,
             mla.rows.tokens_per_page as i32,
@@ -867,6 +873,7 @@ impl CudaModelForward {
             .arg(&cols)
             .arg(&mla.rows.base)
             .arg(&mla.rows.page_stride)
+            .arg(&mla_pages)
             .arg(&tpp)
             .arg(&rb)
             .arg(&enc)
@@ -1155,6 +1162,7 @@ impl CudaModelForward {
 
 impl Forward for CudaModelForward {
     fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        self.pending.clear();
         self.gpu.bind().map_err(cuda)?;
         let c = *self.model.config();
         let decode = batch
@@ -1164,7 +1172,7 @@ impl Forward for CudaModelForward {
         // Graphs are captured per bucket of padded token counts (8, 16, 32, …, the
         // largest step), as serving engines capture batch sizes.
         let tokens: usize = batch.requests.iter().map(|r| r.tokens.len()).sum();
-        let bucket = tokens.next_power_of_two().clamp(8, self.t_max);
+        let bucket = tokens.next_power_of_two().max(8).min(self.t_max);
         let graph = self.graphs && decode && tokens <= self.t_max;
         let n = self.upload_tokens(batch, if graph { bucket } else { 0 })?;
         if n == 0 {
@@ -1206,7 +1214,6 @@ impl Forward for CudaModelForward {
         } else {
             Vec::new()
         };
-        self.pending.clear();
         let mut t0 = 0;
         let mut results = Vec::with_capacity(batch.requests.len());
         for (r, req) in batch.requests.iter().enumerate() {

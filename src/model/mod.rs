@@ -432,7 +432,7 @@ pub trait KvStore {
     ) -> Result<(), ModelError>;
     /// Reads the indexer key of position `pos` (values, scale word).
     fn index_key(&self, layer: usize, pos: u32) -> Result<(&[u8], &[u8]), ModelError>;
-    /// Reads the MLA rows of `positions` (ascending): `(position, row)` pairs.
+    /// Reads the MLA rows of `positions` (ascending), in that order.
     fn rows(&self, layer: usize, positions: &[u32]) -> Result<Vec<&[u8]>, ModelError>;
     /// The global token index a sparse MLA kernel is handed for position `pos` (what
     /// [`rows`](Self::rows) reads). The default, for a store without pages: the
@@ -506,7 +506,6 @@ impl Model {
             .map(|_| Layer::random(&mut rng, &cfg))
             .collect();
         let w_out = Mat::random(&mut rng, cfg.vocab, h);
-        // Drawn after the target's weights: adding the draft layer changed no target bit.
         // The MTP draft layer starts from the last decoder layer's weights (an untrained
         // random draft would almost never agree with the target).
         let draft = layers[cfg.layers - 1].clone();

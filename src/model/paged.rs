@@ -21,8 +21,8 @@ pub struct Outputs {
     /// `(device, request)` → position → output. A position computed again (a request
     /// recomputed after preemption) must give the same output: see `conflicts`.
     pub tokens: HashMap<(usize, RequestId), BTreeMap<u32, TokenOut>>,
-    /// `(device, request)` → the greedy token after the request's last new token of the
-    /// latest step (the engine's `next_token`).
+    /// `(device, request)` → the greedy token after the request's last accepted token of
+    /// the latest step (the engine's `next_token`).
     pub next: HashMap<(usize, RequestId), u32>,
     /// Positions whose recomputed output differed from the first (must stay empty).
     pub conflicts: Vec<String>,
@@ -64,15 +64,62 @@ impl Outputs {
     }
 }
 
+/// Checks that a cache layer has the shapes the model reads and writes: an MLA cache
+/// of 64-token pages and, if it has an indexer, FP8 keys of 128 bytes with a 4-byte scale
+/// word in 64-token pages.
+pub(crate) fn check_layer(l: &LayerCache) -> Result<(), ModelError> {
+    let bad = |what: String| {
+        Err(ModelError::Cache(format!(
+            "layer {}: {what}",
+            l.layer.get()
+        )))
+    };
+    let Some(m) = l.mla else {
+        return bad("no MLA cache".into());
+    };
+    if m.rows.tokens_per_page != 64 {
+        return bad(format!(
+            "{}-token MLA pages (the model reads 64)",
+            m.rows.tokens_per_page
+        ));
+    }
+    if let Some(ix) = l.indexer {
+        if ix.dtype != crate::config::IndexerDtype::Fp8
+            || ix.value_bytes as usize != super::INDEX_VALUE_BYTES
+            || ix.scale_bytes != 4
+            || ix.tokens_per_page != 64
+        {
+            return bad(format!(
+                "indexer keys {:?} of {} + {} bytes in {}-token pages: the model writes FP8 \
+                 keys of 128 bytes with a 4-byte scale (set indexer_dtype = fp8)",
+                ix.dtype, ix.value_bytes, ix.scale_bytes, ix.tokens_per_page
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The cache format of a target cache view: the rows' encoding and which of the first
-/// `layers` layers own an indexer.
+/// `layers` layers own an indexer. The cache must have exactly the model's target layers
+/// (an MTP layer of the target's manager comes after them), each of a shape the model
+/// reads ([`check_layer`]).
 pub fn cache_format(setup: &ForwardSetup<'_>, layers: usize) -> Result<CacheFormat, ModelError> {
     let ls = &setup.target.layers;
-    if ls.len() < layers {
+    let target = setup.model.spec().num_layers as usize;
+    if ls.len() < layers || target != layers {
         return Err(ModelError::Cache(format!(
-            "the target cache has {} layers, the model needs {layers}",
+            "the cache has {target} target layers ({} in its view), the model {layers}: set \
+             model.num_layers = {layers}",
             ls.len()
         )));
+    }
+    for l in ls {
+        check_layer(l)?;
+    }
+    if let Some(d) = setup.draft {
+        for l in &d.layers {
+            check_layer(l)?;
+        }
     }
     let kv_dtype = ls[0]
         .mla
@@ -462,6 +509,9 @@ impl KvStore for Paged<'_, '_> {
 
     fn index_key(&self, layer: usize, pos: u32) -> Result<(&[u8], &[u8]), ModelError> {
         let v = self.indexer(layer)?;
+        // The indexer page table pads with page 0; the block table says whether the
+        // position's block is there at all.
+        self.entry(self.meta.block_table, pos, v.tokens_per_page)?;
         let page = self.entry(self.meta.page_table, pos, v.tokens_per_page)? as u64;
         let off = pos % v.tokens_per_page;
         let values = self
