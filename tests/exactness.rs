@@ -398,6 +398,41 @@ async fn recompute_preemption_with_mtp_in_the_target_cache_changes_no_bit() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
+/// A cache the model cannot read is refused with a typed error at start-up, not read
+/// wrongly: FP4 indexer keys, and a cache with more target layers than the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_the_model_cannot_read_is_refused() {
+    let kv_dtype = KvDtype::Fp8DsMla;
+    let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
+    let start = |cfg: EngineConfig| {
+        let model = model.clone();
+        async move {
+            let outputs = Arc::new(Mutex::new(Outputs::default()));
+            match KvCacheBuilder::new()
+                .config(cfg)
+                .forward(ModelForward::factory(model, outputs))
+                .start()
+                .await
+            {
+                Ok(kv) => {
+                    kv.shutdown().await;
+                    "started".to_string()
+                }
+                Err(e) => e.to_string(),
+            }
+        }
+    };
+    let mut fp4 = config(kv_dtype, 0);
+    fp4.model.indexer_dtype = Some(dsa_kv::config::IndexerDtype::Fp4);
+    let e = start(fp4).await;
+    assert!(e.contains("set indexer_dtype = fp8"), "{e}");
+    let mut three = config(kv_dtype, 0);
+    three.model.num_layers = Some(3);
+    let e = start(three).await;
+    assert!(e.contains("set model.num_layers = 2"), "{e}");
+    assert_eq!(start(config(kv_dtype, 0)).await, "started");
+}
+
 /// The comparison can fail: one wrong block-table entry of one request (its second
 /// block, from the step it first samples) changes its logits. (The engine samples
 /// device 0's token, so device 1 then runs the wrong tokens too; and slot 0 belongs to
