@@ -261,6 +261,18 @@ async fn run_with(
     }
 }
 
+/// Asserts that no recomputed position changed and that nothing differs from the
+/// unpaged reference ([`compare`]).
+fn assert_exact(model: &Model, kv_dtype: KvDtype, drafts: usize, run: &Run, what: &str) {
+    assert!(
+        run.outputs.conflicts.is_empty(),
+        "{what}: {:?}",
+        run.outputs.conflicts
+    );
+    let bad = compare(model, kv_dtype, drafts, run);
+    assert!(bad.is_empty(), "{what}: {bad:#?}");
+}
+
 /// Requests whose tokens, logits or draft proposals differ from the unpaged reference.
 fn compare(model: &Model, kv_dtype: KvDtype, drafts: usize, run: &Run) -> Vec<String> {
     let mut bad = Vec::new();
@@ -315,11 +327,6 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
     for kv_dtype in [KvDtype::Fp8DsMla, KvDtype::Bf16] {
         let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
         let run = run(model.clone(), kv_dtype, 0, false, &Backend::Host).await;
-        assert!(
-            run.outputs.conflicts.is_empty(),
-            "{:?}",
-            run.outputs.conflicts
-        );
         let s = &run.stats;
         assert!(s.preemptions > 0, "the workload preempts");
         assert!(
@@ -327,8 +334,7 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
             "offload and onboard"
         );
         assert!(s.prefix_hit_rate > 0.0, "prefixes are reused");
-        let bad = compare(&model, kv_dtype, 0, &run);
-        assert!(bad.is_empty(), "{kv_dtype:?}: {bad:#?}");
+        assert_exact(&model, kv_dtype, 0, &run, &format!("{kv_dtype:?}"));
     }
 }
 
@@ -342,11 +348,6 @@ async fn mtp_drafts_with_rollback_change_no_bit() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
     let run = run(model.clone(), kv_dtype, 2, false, &Backend::Host).await;
-    assert!(
-        run.outputs.conflicts.is_empty(),
-        "{:?}",
-        run.outputs.conflicts
-    );
     let s = &run.stats;
     eprintln!(
         "drafts proposed {}, accepted {} ({:.1} %), preemptions {}, draft replays {}",
@@ -363,8 +364,7 @@ async fn mtp_drafts_with_rollback_change_no_bit() {
     );
     assert!(s.preemptions > 0, "the workload preempts");
     assert!(s.draft_replays > 0);
-    let bad = compare(&model, kv_dtype, 2, &run);
-    assert!(bad.is_empty(), "{bad:#?}");
+    assert_exact(&model, kv_dtype, 2, &run, "");
 }
 
 /// Without a host tier every preemption is a recompute (the request's sequences are
@@ -380,11 +380,6 @@ async fn recompute_preemption_with_mtp_in_the_target_cache_changes_no_bit() {
     cfg.kv_cache.host_cache_size = None;
     cfg.spec_decode.separate_draft_cache = false;
     let run = run_with(model.clone(), cfg, 2, false, &Backend::Host).await;
-    assert!(
-        run.outputs.conflicts.is_empty(),
-        "{:?}",
-        run.outputs.conflicts
-    );
     let s = &run.stats;
     eprintln!(
         "no host tier: preemptions (all recomputes) {}, drafts accepted {} of {}",
@@ -394,8 +389,7 @@ async fn recompute_preemption_with_mtp_in_the_target_cache_changes_no_bit() {
     assert_eq!(s.offload_bytes, 0, "no host tier: nothing is suspended");
     assert_eq!(s.draft_replays, 0, "no separate draft cache: no replay");
     assert!(s.drafts_accepted > 0);
-    let bad = compare(&model, kv_dtype, 2, &run);
-    assert!(bad.is_empty(), "{bad:#?}");
+    assert_exact(&model, kv_dtype, 2, &run, "");
 }
 
 /// A cache the model cannot read is refused with a typed error at start-up, not read
@@ -486,15 +480,15 @@ async fn on_the_gpu_paging_changes_no_bit() {
                 s.offload_bytes,
                 s.prefix_hit_rate
             );
-            assert!(
-                run.outputs.conflicts.is_empty(),
-                "{:?}",
-                run.outputs.conflicts
-            );
             assert!(s.preemptions > 0 && s.offload_bytes > 0 && s.prefix_hit_rate > 0.0);
             assert_eq!(graphs, run.graph_steps > 0);
-            let bad = compare(&model, kv_dtype, 0, &run);
-            assert!(bad.is_empty(), "{kv_dtype:?} graphs {graphs}: {bad:#?}");
+            assert_exact(
+                &model,
+                kv_dtype,
+                0,
+                &run,
+                &format!("{kv_dtype:?} graphs {graphs}"),
+            );
         }
     }
 }
@@ -520,11 +514,6 @@ async fn on_the_gpu_mtp_drafts_with_rollback_change_no_bit() {
             cfg.kv_cache.host_cache_size = None;
         }
         let run = run_with(model.clone(), cfg, 2, false, &backend).await;
-        assert!(
-            run.outputs.conflicts.is_empty(),
-            "{:?}",
-            run.outputs.conflicts
-        );
         let s = &run.stats;
         eprintln!(
             "GPU graphs {graphs} separate {separate}: drafts proposed {}, accepted {}, \
@@ -534,11 +523,8 @@ async fn on_the_gpu_mtp_drafts_with_rollback_change_no_bit() {
         assert!(s.drafts_accepted > 0 && s.drafts_accepted < s.drafts_proposed);
         assert_eq!(graphs, run.graph_steps > 0);
         assert_eq!(separate, s.draft_replays > 0);
-        let bad = compare(&model, kv_dtype, 2, &run);
-        assert!(
-            bad.is_empty(),
-            "graphs {graphs} separate {separate}: {bad:#?}"
-        );
+        let what = format!("graphs {graphs} separate {separate}");
+        assert_exact(&model, kv_dtype, 2, &run, &what);
     }
 }
 

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::paged::{cache_format, verdict, Outputs};
+use super::paged::{check_setup, verdict, Mtp, Outputs};
 use super::{output_of, rope_cos_sin, Layer, Model, ModelError, INDEX_DIM, LATENT, ROPE};
 use crate::config::KvDtype;
 use crate::cuda::kernels::{DevRows, MlaEncoding};
@@ -131,14 +131,6 @@ struct Scratch {
 struct Graph(cudarc::driver::CudaGraph);
 // SAFETY: the graph is only used on the device actor's thread (the forward lives there).
 unsafe impl Send for Graph {}
-
-/// Where the MTP layer's cache is (its KV is written every step).
-#[derive(Clone, Copy, Debug)]
-enum Mtp {
-    None,
-    Combined { layer: usize },
-    Separate,
-}
 
 /// The model on one GPU. See the module docs.
 pub struct CudaModelForward {
@@ -295,38 +287,12 @@ impl CudaModelForward {
         drafts: usize,
     ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
-            let found =
-                cache_format(setup, model.config().layers).map_err(ForwardError::framework)?;
-            if found != model.format {
-                return Err(ForwardError::Unsupported {
-                    what: format!(
-                        "the model was built for {:?}, the cache is {found:?}",
-                        model.format
-                    ),
-                });
-            }
+            let mtp = check_setup(setup, &model, drafts)?;
             let Some(gpu) = setup.extension::<Arc<Gpu>>() else {
                 return Err(ForwardError::Unsupported {
                     what: "the GPU model forward runs on the CUDA backend".into(),
                 });
             };
-            let layers = model.config().layers;
-            let mtp = match (setup.draft, setup.target.layers.get(layers)) {
-                (Some(d), _) => match d.layers.first() {
-                    Some(l) if l.mla.is_some() => Mtp::Separate,
-                    _ => Mtp::None,
-                },
-                (None, Some(l)) if l.mla.is_some() => Mtp::Combined { layer: layers },
-                _ => Mtp::None,
-            };
-            if drafts > 0 && matches!(mtp, Mtp::None) {
-                return Err(ForwardError::Unsupported {
-                    what: format!(
-                        "{drafts} draft tokens need the MTP layer's cache: set \
-                         model.num_mtp_layers = 1 (spec_decode.mode = mtp)"
-                    ),
-                });
-            }
             if drafts > 64 {
                 return Err(ForwardError::Unsupported {
                     what: format!("{drafts} draft tokens: at most 64 per step"),
@@ -1247,7 +1213,7 @@ impl Forward for CudaModelForward {
                 o.record(self.device, *id, outs, *accepted);
             }
         }
-        if let Mtp::Combined { layer } = self.mtp {
+        if let Mtp::Combined { layer, .. } = self.mtp {
             if let Some(l) = batch.cache.layers.get(layer) {
                 let l = *l;
                 self.draft_kv(batch, &l)?;
@@ -1259,7 +1225,7 @@ impl Forward for CudaModelForward {
     }
 
     fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        if let Mtp::Separate = self.mtp {
+        if let Mtp::Separate { .. } = self.mtp {
             self.gpu.bind().map_err(cuda)?;
             if let Some(l) = batch.cache.layers.first() {
                 let l = *l;

@@ -134,7 +134,7 @@ pub fn cache_format(setup: &ForwardSetup<'_>, layers: usize) -> Result<CacheForm
 
 /// Where the MTP draft layer's cache is.
 #[derive(Clone, Copy, Debug)]
-enum Mtp {
+pub(crate) enum Mtp {
     /// No MTP layer in the cache.
     None,
     /// Layer `layer` of the target cache (MTP layers in the target's manager): written
@@ -142,6 +142,47 @@ enum Mtp {
     Combined { layer: usize, indexer: bool },
     /// Layer 0 of the separate draft cache: written and read in the draft replay.
     Separate { indexer: bool },
+}
+
+/// Checks a device's caches against `model` (format, layers, shapes) and finds the MTP
+/// layer's cache; `drafts > 0` needs one. Shared by the host and GPU forwards.
+pub(crate) fn check_setup(
+    setup: &ForwardSetup<'_>,
+    model: &Model,
+    drafts: usize,
+) -> Result<Mtp, ForwardError> {
+    let layers = model.config().layers;
+    let found = cache_format(setup, layers).map_err(ForwardError::framework)?;
+    if found != model.format {
+        return Err(ForwardError::Unsupported {
+            what: format!(
+                "the model was built for {:?}, the cache is {found:?}",
+                model.format
+            ),
+        });
+    }
+    let mtp = match (setup.draft, setup.target.layers.get(layers)) {
+        (Some(d), _) => match d.layers.first() {
+            Some(l) if l.mla.is_some() => Mtp::Separate {
+                indexer: l.indexer.is_some(),
+            },
+            _ => Mtp::None,
+        },
+        (None, Some(l)) if l.mla.is_some() => Mtp::Combined {
+            layer: layers,
+            indexer: l.indexer.is_some(),
+        },
+        _ => Mtp::None,
+    };
+    if drafts > 0 && matches!(mtp, Mtp::None) {
+        return Err(ForwardError::Unsupported {
+            what: format!(
+                "{drafts} draft tokens need the MTP layer's cache: set \
+                 model.num_mtp_layers = 1 (spec_decode.mode = mtp)"
+            ),
+        });
+    }
+    Ok(mtp)
 }
 
 /// A decoding request's state between the target forward and the draft replay.
@@ -200,38 +241,7 @@ impl ModelForward {
         tracer: Option<Tracer>,
     ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
-            let found =
-                cache_format(setup, model.config().layers).map_err(ForwardError::framework)?;
-            if found != model.format {
-                return Err(ForwardError::Unsupported {
-                    what: format!(
-                        "the model was built for {:?}, the cache is {found:?}",
-                        model.format
-                    ),
-                });
-            }
-            let layers = model.config().layers;
-            let mtp = match (setup.draft, setup.target.layers.get(layers)) {
-                (Some(d), _) => match d.layers.first() {
-                    Some(l) if l.mla.is_some() => Mtp::Separate {
-                        indexer: l.indexer.is_some(),
-                    },
-                    _ => Mtp::None,
-                },
-                (None, Some(l)) if l.mla.is_some() => Mtp::Combined {
-                    layer: layers,
-                    indexer: l.indexer.is_some(),
-                },
-                _ => Mtp::None,
-            };
-            if drafts > 0 && matches!(mtp, Mtp::None) {
-                return Err(ForwardError::Unsupported {
-                    what: format!(
-                        "{drafts} draft tokens need the MTP layer's cache: set \
-                         model.num_mtp_layers = 1 (spec_decode.mode = mtp)"
-                    ),
-                });
-            }
+            let mtp = check_setup(setup, &model, drafts)?;
             Ok(Box::new(ModelForward {
                 model: model.clone(),
                 device: setup.device,
