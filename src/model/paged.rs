@@ -102,7 +102,7 @@ pub(crate) fn check_layer(l: &LayerCache) -> Result<(), ModelError> {
 /// The cache format of a target cache view: the rows' encoding and which of the first
 /// `layers` layers own an indexer. The cache must have exactly the model's target layers
 /// (an MTP layer of the target's manager comes after them), each of a shape the model
-/// reads ([`check_layer`]).
+/// reads (see `check_layer`).
 pub fn cache_format(setup: &ForwardSetup<'_>, layers: usize) -> Result<CacheFormat, ModelError> {
     let ls = &setup.target.layers;
     let target = setup.model.spec().num_layers as usize;
