@@ -88,6 +88,8 @@ pub(crate) enum Insert {
 pub(crate) struct Removed {
     pub key: BlockKey,
     pub pages: Vec<PageId>,
+    /// Tokens the block held (a full block: tokens per block).
+    pub num_tokens: usize,
 }
 
 #[derive(Default, Debug)]
@@ -273,6 +275,20 @@ impl RadixTree {
         Insert::New(self.r(idx))
     }
 
+    /// The parent block's key (`None` under a scope root) and the scope root's key.
+    pub fn parent_and_root(&self, r: NodeRef) -> (Option<BlockKey>, BlockKey) {
+        let mut i = self
+            .node(r)
+            .parent
+            .expect("invariant: a block has a parent");
+        let parent = &self.nodes[i as usize];
+        let parent_key = parent.parent.map(|_| parent.key);
+        while let Some(p) = self.nodes[i as usize].parent {
+            i = p;
+        }
+        (parent_key, self.nodes[i as usize].key)
+    }
+
     /// Replaces the page of life cycle `lc` of a block (a donation on rebase).
     pub fn set_page(&mut self, r: NodeRef, lc: usize, page: PageId) -> PageId {
         let n = &mut self.nodes[r.idx as usize];
@@ -309,6 +325,7 @@ impl RadixTree {
             removed.push(Removed {
                 key: n.key,
                 pages: std::mem::take(&mut n.pages),
+                num_tokens: n.tokens.len(),
             });
             n.tokens = Vec::new();
             self.free.push(i);
@@ -337,6 +354,7 @@ impl RadixTree {
                 removed.push(Removed {
                     key: n.key,
                     pages: std::mem::take(&mut n.pages),
+                    num_tokens: n.tokens.len(),
                 });
             }
             n.tokens = Vec::new();
