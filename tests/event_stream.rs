@@ -145,6 +145,18 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     let mut a = Router::new(kv.subscribe_events().await.unwrap());
     let mut b = Router::new(kv.subscribe_events().await.unwrap());
     assert_eq!((a.sub.next_seq(), b.sub.next_seq()), (0, 0));
+    // A third router reads in its own task, awaiting each item, until the runtime stops.
+    let mut c = kv.subscribe_events().await.unwrap();
+    let awaiting = tokio::spawn(async move {
+        let mut batches = Vec::new();
+        while let Some(item) = c.recv().await {
+            match item {
+                StreamItem::Batch(b) => batches.push(b),
+                StreamItem::Lost { first, count } => panic!("lost {count} from {first}"),
+            }
+        }
+        batches
+    });
     for id in 0..30 {
         kv.submit(request(id, 160 + (id as usize * 37) % 300))
             .await
@@ -216,6 +228,12 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
         assert_eq!(blk.medium, medium, "{blk:?}");
     }
     kv.shutdown().await;
+    // The stream ends when the runtime stops, after every batch.
+    let awaited = tokio::time::timeout(std::time::Duration::from_secs(30), awaiting)
+        .await
+        .expect("the stream ends at shutdown")
+        .unwrap();
+    assert_eq!(awaited, a.batches);
 }
 
 /// With room for 4 batches, a subscriber that reads nothing while the cache works is

@@ -655,8 +655,9 @@ impl KvCacheHandle {
 
     /// Drops every cached block of the target and the draft cache on every tier, e.g.
     /// after a weight update (vLLM's and SGLang's `reset_prefix_cache`); the next request
-    /// reuses nothing. Routers get one [`KvEvent::AllBlocksCleared`] through
-    /// [`take_events`](Self::take_events) (again on every successful call). Refused with
+    /// reuses nothing. Routers get one `AllBlocksCleared` on the
+    /// [event stream](Self::subscribe_events) (and one [`KvEvent::AllBlocksCleared`]
+    /// through [`take_events`](Self::take_events)), again on every successful call. Refused with
     /// [`RuntimeError::PrefixCacheInUse`], changing nothing, while any request holds KV
     /// pages (running, in a step not committed yet, or suspended): let them finish or
     /// cancel them first. Requests submitted and not started yet do not block it.

@@ -205,6 +205,8 @@ pub(super) struct Sequence {
     pub gen: u64,
     pub status: SeqStatus,
     pub scope_key: BlockKey,
+    /// LoRA adapter of the scope.
+    pub lora_id: Option<u64>,
     /// Committed tokens (the reused prefix included).
     pub tokens: Vec<TokenId>,
     pub history: u64,
@@ -257,8 +259,6 @@ pub struct KvCacheManager {
     /// Router events since the last take (recorded while `record_router_events`).
     pub(super) router_events: Vec<RouterEvent>,
     pub(super) record_router_events: bool,
-    /// LoRA id of each scope root key seen (router events name it).
-    pub(super) lora_of_root: HashMap<BlockKey, Option<u64>>,
     pub(super) stats: ManagerStats,
     /// Injected refusals of GPU room (fault drills), see [`KvCacheManager::inject_room_failures`].
     pub(super) faults: Option<RoomFaults>,
@@ -341,7 +341,6 @@ impl KvCacheManager {
             events: Vec::new(),
             router_events: Vec::new(),
             record_router_events: false,
-            lora_of_root: HashMap::new(),
             stats: ManagerStats::default(),
             faults: None,
             dropped: DroppedSeqs::default(),
@@ -488,14 +487,13 @@ impl KvCacheManager {
     /// the tree node).
     pub(super) fn router_stored(&self, node: NodeRef, medium: Medium) -> RouterEvent {
         let n = self.tree.node(node);
-        let (parent, root) = self.tree.parent_and_root(node);
         RouterEvent::BlockStored {
             block_hashes: vec![n.key.hash64()],
-            parent_block_hash: parent.map(|k| k.hash64()),
+            parent_block_hash: self.tree.parent_block_key(node).map(|k| k.hash64()),
             token_ids: n.tokens.iter().map(|t| t.get()).collect(),
             block_size: self.tpb as u32,
             medium,
-            lora_id: self.lora_of_root.get(&root).copied().flatten(),
+            lora_id: n.lora_id,
             lora_name: None,
         }
     }
@@ -591,15 +589,13 @@ impl KvCacheManager {
             });
         }
         let scope_key = scope.root_key();
-        if self.record_router_events {
-            self.lora_of_root.entry(scope_key).or_insert(scope.lora_id);
-        }
         let n = self.n_lc;
         let mut seq = Sequence {
             id,
             gen: self.next_gen,
             status: SeqStatus::Suspended,
             scope_key,
+            lora_id: scope.lora_id,
             tokens: Vec::new(),
             history: 0,
             capacity: 0,

@@ -160,8 +160,8 @@ impl KvCacheManager {
         let parent = match s.nodes.last() {
             Some(&p) => p,
             None => {
-                let key = s.scope_key;
-                self.tree.root_or_insert(key)
+                let (key, lora_id) = (s.scope_key, s.lora_id);
+                self.tree.root_or_insert(key, lora_id)
             }
         };
         let Some(parent_node) = self.tree.get(parent) else {
