@@ -174,6 +174,18 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     );
     assert!(st.offload_bytes > 0 && st.onboard_bytes > 0);
     assert!(st.prefix_hit_rate > 0.0);
+    // Blocks were dropped from the last tier, not only moved: the replay so far is the
+    // cache.
+    assert!(st.events.removed > 0, "the workload never dropped a block");
+    let before_reset = kv.router_snapshot().await.unwrap();
+    a.drain();
+    b.drain();
+    assert_eq!(
+        a.view.blocks(),
+        before_reset.blocks,
+        "the replay is the cache"
+    );
+    assert_eq!(b.view.blocks(), before_reset.blocks);
     // The whole cache is dropped, then refilled.
     kv.reset_prefix_cache().await.unwrap();
     for id in 100..106 {
