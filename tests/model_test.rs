@@ -20,8 +20,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use common::events::EventMirror;
 use common::*;
 use dsa_kv::core::{
-    BlockKey, KvCacheManager, KvError, ManagerOptions, ReuseScope, SeqHandle, SeqOptions,
-    SeqStatus, TierSlots,
+    BlockKey, KvCacheManager, KvError, ManagerOptions, Medium, ReuseScope, RouterEvent, RouterView,
+    SeqHandle, SeqOptions, SeqStatus, TierSlots,
 };
 use dsa_kv::ids::{LayerId, LifeCycleId, RequestId, Tier, TokenId};
 use dsa_kv::layout::{BufferSpec, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout};
@@ -207,6 +207,9 @@ struct Tally {
     room_answers: u64,
     refusals: u64,
     events: u64,
+    /// Router events by kind: stored on GPU, stored on host, removed from GPU, removed
+    /// from host, cleared.
+    router: [u64; 5],
     resets: u64,
     resets_refused: u64,
 }
@@ -217,6 +220,8 @@ struct World {
     rng: Dice,
     reference: RefCache,
     mirror: EventMirror,
+    /// What a router learns from the router events.
+    router: RouterView,
     seqs: Vec<Driver>,
     system_prompts: Vec<Vec<TokenId>>,
     next_id: u64,
@@ -346,6 +351,45 @@ impl World {
             real,
             "the KV events describe another cache than the manager's (events of this operation: {events:?})"
         );
+        let router_events = self.m.take_router_events();
+        for e in &router_events {
+            let kind = match e {
+                RouterEvent::BlockStored {
+                    medium: Medium::Gpu,
+                    ..
+                } => 0,
+                RouterEvent::BlockStored { .. } => 1,
+                RouterEvent::BlockRemoved {
+                    medium: Medium::Gpu,
+                    ..
+                } => 2,
+                RouterEvent::BlockRemoved { .. } => 3,
+                _ => 4,
+            };
+            self.tally.router[kind] += 1;
+            if let Err(err) = self.router.apply(e) {
+                panic!("router event {e:?} does not follow from the stream: {err} (events of this operation: {router_events:?})");
+            }
+        }
+        let router_blocks = self.m.router_blocks();
+        assert_eq!(
+            self.router.blocks(),
+            router_blocks,
+            "the router events describe another cache (events of this operation: {router_events:?})"
+        );
+        // Each router block is a tree block, on the GPU iff all its pages are.
+        let mut all_gpu: std::collections::HashMap<u64, bool> = Default::default();
+        for (key, _, tier) in &real {
+            *all_gpu.entry(key.hash64()).or_insert(true) &= *tier == Tier::Gpu;
+        }
+        for b in &router_blocks {
+            let gpu = all_gpu.get(&b.hash).copied();
+            assert_eq!(
+                gpu.map(|g| if g { Medium::Gpu } else { Medium::CpuPinned }),
+                Some(b.medium),
+                "router block {b:?} against the tree's pages"
+            );
+        }
     }
 
     fn op(&mut self) {
@@ -690,6 +734,7 @@ fn run_with(
     .unwrap();
     let fault_seed = seed ^ 0xfa17;
     m.inject_room_failures(fault_seed, faults);
+    m.set_record_router_events(true);
     let n_lc = plan.num_life_cycles();
     let reference = RefCache::new(
         Shape {
@@ -719,6 +764,7 @@ fn run_with(
         rng,
         reference,
         mirror: EventMirror::new(n_lc),
+        router: RouterView::default(),
         seqs: Vec::new(),
         system_prompts,
         next_id: 1,
@@ -792,6 +838,19 @@ fn run_with(
         assert!(
             stats.offloaded_pages > 0 && stats.onboarded_pages > 0,
             "no tier traffic"
+        );
+    }
+    assert_eq!(t.router[4], t.resets, "one AllBlocksCleared per reset");
+    if cfg.opts.enable_block_reuse {
+        let kinds: &[usize] = if cfg.host.is_empty() {
+            &[0, 2]
+        } else {
+            &[0, 1, 2, 3]
+        };
+        assert!(
+            kinds.iter().all(|&k| t.router[k] > 0),
+            "router events by kind (stored GPU / host, removed GPU / host): {:?}",
+            t.router
         );
     }
     assert!(t.refusals > 0, "the reference never had to refuse room");

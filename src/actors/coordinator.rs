@@ -24,6 +24,7 @@ use tracing::Instrument;
 use super::device::{DeviceActor, ExecuteStep, Verify};
 use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
 use super::error::RuntimeError;
+use super::event_stream::{EventStream, EventSubscriber, RouterSnapshot};
 use super::shared::{spin_then_await, RuntimeShared};
 use super::stats::{ratio, EventCounts, Rolling, RuntimeStats, StepSample, TierUsage, HISTORY};
 use crate::core::scheduler::{
@@ -175,6 +176,8 @@ pub struct Coordinator {
     /// Events dropped from the full buffer since the last take.
     events_lost_since_take: u64,
     event_capacity: usize,
+    /// The router event stream (batches with sequence numbers).
+    stream: EventStream,
     rolling: Rolling,
     last_mgr: ManagerStats,
     stats: RuntimeStats,
@@ -242,6 +245,8 @@ pub struct CoordinatorArgs {
     pub shared: Arc<RuntimeShared>,
     /// Untaken KV events kept (older ones are dropped and counted).
     pub event_capacity: usize,
+    /// Batches the router event stream keeps for slow subscribers.
+    pub event_stream_capacity: usize,
     /// How long the coordinator polls for the devices' replies before yielding
     /// ([`KvCacheBuilder::idle_spin`](super::KvCacheBuilder::idle_spin)).
     pub idle_spin: Duration,
@@ -259,8 +264,10 @@ impl Actor for Coordinator {
             devices_alive: args.devices.len(),
             ..Default::default()
         };
+        let mut sched = args.sched;
+        sched.set_record_router_events(true);
         Ok(Coordinator {
-            sched: args.sched,
+            sched,
             devices: args.devices.into_iter().map(Some).collect(),
             draft: args.draft,
             watchers: HashMap::new(),
@@ -270,6 +277,7 @@ impl Actor for Coordinator {
             event_counts: EventCounts::default(),
             events_lost_since_take: 0,
             event_capacity: args.event_capacity.max(1),
+            stream: EventStream::new(args.event_stream_capacity),
             rolling: Rolling::default(),
             last_mgr: ManagerStats::default(),
             stats,
@@ -395,6 +403,7 @@ impl Coordinator {
             }
             self.events.push_back(e);
         }
+        self.stream.publish(self.sched.take_router_events());
     }
 
     fn sample(&mut self, plan: &StepPlan, manager_us: u64) {
@@ -1016,6 +1025,55 @@ impl Message<TakeEventsWithSnapshot> for Coordinator {
             events: self.events.drain(..).collect(),
             lost: std::mem::take(&mut self.events_lost_since_take),
             blocks: self.sched.target().cached_blocks(),
+        }
+    }
+}
+
+/// Subscribe to the router event stream; with `snapshot`, also the target cache's full
+/// blocks as of the subscription point (read in the same message).
+pub struct SubscribeEvents {
+    pub snapshot: bool,
+}
+
+impl Message<SubscribeEvents> for Coordinator {
+    type Reply = (EventSubscriber, Option<RouterSnapshot>);
+
+    async fn handle(
+        &mut self,
+        m: SubscribeEvents,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        // Events recorded so far go out first, so the subscriber starts after them.
+        self.drain_events();
+        let sub = self.stream.subscribe();
+        let snap = m.snapshot.then(|| self.router_snapshot());
+        (sub, snap)
+    }
+}
+
+/// The target cache's full blocks and the stream position they are consistent with.
+pub struct GetRouterSnapshot;
+
+impl Message<GetRouterSnapshot> for Coordinator {
+    type Reply = RouterSnapshot;
+
+    async fn handle(
+        &mut self,
+        _: GetRouterSnapshot,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.drain_events();
+        self.router_snapshot()
+    }
+}
+
+impl Coordinator {
+    /// Call right after `drain_events`: nothing is pending, so the tree is exactly the
+    /// state after every published batch.
+    fn router_snapshot(&self) -> RouterSnapshot {
+        RouterSnapshot {
+            next_seq: self.stream.next_seq(),
+            blocks: self.sched.target().router_blocks(),
         }
     }
 }

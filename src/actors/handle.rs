@@ -81,6 +81,7 @@ pub struct KvCacheBuilder {
     device_mailbox: usize,
     coordinator_mailbox: usize,
     event_capacity: usize,
+    event_stream_capacity: usize,
     fp8_tensor_scale: f32,
     idle_spin: Duration,
 }
@@ -133,6 +134,7 @@ impl KvCacheBuilder {
             device_mailbox: 4,
             coordinator_mailbox: 64,
             event_capacity: super::coordinator::EVENT_CAPACITY,
+            event_stream_capacity: super::event_stream::EVENT_STREAM_CAPACITY,
             fp8_tensor_scale: 1.0 / 32.0,
             idle_spin: Duration::ZERO,
         }
@@ -188,6 +190,14 @@ impl KvCacheBuilder {
     /// Mailbox capacity of each device actor, in steps (backpressure).
     pub fn device_mailbox(mut self, n: usize) -> Self {
         self.device_mailbox = n.max(1);
+        self
+    }
+
+    /// Batches the router event stream keeps for a slow subscriber (default 8,192,
+    /// rounded up to a power of two); one that falls further behind gets
+    /// [`StreamItem::Lost`](super::StreamItem::Lost).
+    pub fn event_stream_capacity(mut self, n: usize) -> Self {
+        self.event_stream_capacity = n.max(1);
         self
     }
 
@@ -360,6 +370,7 @@ impl KvCacheBuilder {
                 draft: draft_actor.clone(),
                 shared: shared.clone(),
                 event_capacity: self.event_capacity,
+                event_stream_capacity: self.event_stream_capacity,
                 idle_spin: self.idle_spin,
             },
             mailbox::bounded(self.coordinator_mailbox),
@@ -570,11 +581,60 @@ impl KvCacheHandle {
         Ok(self.coordinator.ask(GetStats).await?)
     }
 
+    /// Subscribes to the router event stream: [`EventBatch`](super::EventBatch)es of
+    /// [`RouterEvent`](crate::core::RouterEvent)s (vLLM / Dynamo `BlockStored`,
+    /// `BlockRemoved`, `AllBlocksCleared`: full blocks only, parents before children, a
+    /// tier move as a removal on one medium and a store on the other), numbered 0, 1, 2,
+    /// … without gaps, one per step or commit that changed the cache. **This is the way
+    /// for routers**; any number of subscribers each see every batch from the
+    /// subscription on. Events recorded before the call are published first and not
+    /// delivered: a subscriber made before the first request sees everything from an
+    /// empty cache, a later one starts from
+    /// [`subscribe_events_with_snapshot`](Self::subscribe_events_with_snapshot). A
+    /// subscriber more than [`event_stream_capacity`](KvCacheBuilder::event_stream_capacity)
+    /// batches behind gets [`StreamItem::Lost`](super::StreamItem::Lost) with the lost
+    /// range and resynchronizes from [`router_snapshot`](Self::router_snapshot).
+    pub async fn subscribe_events(&self) -> Result<super::EventSubscriber, RuntimeError> {
+        let (sub, _) = self
+            .coordinator
+            .ask(super::coordinator::SubscribeEvents { snapshot: false })
+            .await?;
+        Ok(sub)
+    }
+
+    /// A subscriber and the full blocks it starts from, taken at the same point: apply
+    /// the snapshot, then every batch received.
+    pub async fn subscribe_events_with_snapshot(
+        &self,
+    ) -> Result<(super::EventSubscriber, super::RouterSnapshot), RuntimeError> {
+        let (sub, snap) = self
+            .coordinator
+            .ask(super::coordinator::SubscribeEvents { snapshot: true })
+            .await?;
+        Ok((
+            sub,
+            snap.expect("invariant: a snapshot was asked for and the coordinator made one"),
+        ))
+    }
+
+    /// The target cache's full blocks as a router sees them, with the sequence number of
+    /// the first stream batch they do not include: a subscriber that lost batches
+    /// replaces its view with `blocks` and calls
+    /// [`EventSubscriber::resync`](super::EventSubscriber::resync). Walks the whole tree.
+    pub async fn router_snapshot(&self) -> Result<super::RouterSnapshot, RuntimeError> {
+        Ok(self
+            .coordinator
+            .ask(super::coordinator::GetRouterSnapshot)
+            .await?)
+    }
+
     /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
     /// clears), oldest first. The runtime keeps the newest
     /// [`event_capacity`](KvCacheBuilder::event_capacity); older ones are dropped
     /// and counted in `stats().events.lost` (a consumer that falls behind resynchronizes
-    /// with [`take_events_with_snapshot`](Self::take_events_with_snapshot)).
+    /// with [`take_events_with_snapshot`](Self::take_events_with_snapshot)). These are the
+    /// crate's own per-life-cycle events with 256-bit keys, for one consumer; routers use
+    /// [`subscribe_events`](Self::subscribe_events).
     pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
         Ok(self.coordinator.ask(TakeEvents).await?)
     }
@@ -595,8 +655,9 @@ impl KvCacheHandle {
 
     /// Drops every cached block of the target and the draft cache on every tier, e.g.
     /// after a weight update (vLLM's and SGLang's `reset_prefix_cache`); the next request
-    /// reuses nothing. Routers get one [`KvEvent::AllBlocksCleared`] through
-    /// [`take_events`](Self::take_events) (again on every successful call). Refused with
+    /// reuses nothing. Routers get one `AllBlocksCleared` on the
+    /// [event stream](Self::subscribe_events) (and one [`KvEvent::AllBlocksCleared`]
+    /// through [`take_events`](Self::take_events)), again on every successful call. Refused with
     /// [`RuntimeError::PrefixCacheInUse`], changing nothing, while any request holds KV
     /// pages (running, in a step not committed yet, or suspended): let them finish or
     /// cancel them first. Requests submitted and not started yet do not block it.

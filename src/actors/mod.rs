@@ -7,6 +7,7 @@ mod coordinator;
 mod device;
 mod draft;
 mod error;
+mod event_stream;
 mod faults;
 mod handle;
 mod shared;
@@ -18,6 +19,9 @@ pub use coordinator::{
 };
 pub use draft::DraftReport;
 pub use error::RuntimeError;
+pub use event_stream::{
+    EventBatch, EventSubscriber, RouterSnapshot, StreamItem, EVENT_STREAM_CAPACITY,
+};
 #[cfg(feature = "fault-injection")]
 pub use faults::{DeviceFault, Misdirect};
 pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::manager::KvCacheManager;
 use super::reuse_key::BlockKey;
+use super::router_events::RouterBlock;
 use crate::ids::{LifeCycleId, Tier};
 
 /// One life cycle's page of a block in the reuse tree.
@@ -33,6 +34,26 @@ impl KvCacheManager {
                     life_cycle: LifeCycleId(lc as u16),
                     tier: self.pages[pid].tier,
                 })
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+}
+
+impl KvCacheManager {
+    /// Every full block of the reuse tree as a router sees it (hash and medium, see
+    /// [`RouterEvent`](super::RouterEvent)), sorted: what replaying
+    /// [`take_router_events`](Self::take_router_events) from the start gives.
+    /// Allocating; for resynchronizing a router and for tests.
+    pub fn router_blocks(&self) -> Vec<RouterBlock> {
+        let mut out: Vec<RouterBlock> = self
+            .tree
+            .blocks()
+            .filter(|(_, node)| node.tokens.len() == self.tpb as usize)
+            .map(|(r, node)| RouterBlock {
+                hash: node.key.hash64(),
+                medium: self.block_medium(r),
             })
             .collect();
         out.sort_unstable();

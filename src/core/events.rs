@@ -2,6 +2,9 @@
 //! moved between tiers, and the whole tree cleared. Replayed in order, they describe
 //! exactly the tree's blocks and the tier of each of their pages
 //! ([`KvCacheManager::cached_blocks`](super::KvCacheManager::cached_blocks)).
+//! These are the crate's own events (256-bit keys, per life cycle, partial blocks
+//! included); routers consume [`RouterEvent`](super::RouterEvent)s instead (vLLM /
+//! Dynamo format, full blocks, one event per block).
 
 use serde::Serialize;
 

@@ -17,6 +17,7 @@ use super::fence::FenceClock;
 use super::pages::PageArena;
 use super::radix::{NodeRef, RadixTree};
 use super::reuse_key::{BlockKey, KeyHasher, ReuseScope};
+use super::router_events::{Medium, RouterEvent};
 use super::slot_allocator::SlotAllocator;
 use crate::ids::{Fence, LifeCycleId, PageId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use crate::layout::{PoolPlan, Role};
@@ -204,6 +205,8 @@ pub(super) struct Sequence {
     pub gen: u64,
     pub status: SeqStatus,
     pub scope_key: BlockKey,
+    /// LoRA adapter of the scope.
+    pub lora_id: Option<u64>,
     /// Committed tokens (the reused prefix included).
     pub tokens: Vec<TokenId>,
     pub history: u64,
@@ -253,6 +256,9 @@ pub struct KvCacheManager {
     pub(super) current_plan: Option<CopyPlan>,
     pub(super) copy_plans: Vec<CopyPlan>,
     pub(super) events: Vec<KvEvent>,
+    /// Router events since the last take (recorded while `record_router_events`).
+    pub(super) router_events: Vec<RouterEvent>,
+    pub(super) record_router_events: bool,
     pub(super) stats: ManagerStats,
     /// Injected refusals of GPU room (fault drills), see [`KvCacheManager::inject_room_failures`].
     pub(super) faults: Option<RoomFaults>,
@@ -333,6 +339,8 @@ impl KvCacheManager {
             current_plan: None,
             copy_plans: Vec::new(),
             events: Vec::new(),
+            router_events: Vec::new(),
+            record_router_events: false,
             stats: ManagerStats::default(),
             faults: None,
             dropped: DroppedSeqs::default(),
@@ -438,6 +446,72 @@ impl KvCacheManager {
         std::mem::take(&mut self.events)
     }
 
+    /// Starts or stops recording [`RouterEvent`]s (off by default, so a manager whose
+    /// owner never takes them does not accumulate them; the runtime turns it on for the
+    /// target cache). Turn it on while the reuse tree is empty, or resynchronize
+    /// consumers from [`router_blocks`](Self::router_blocks).
+    pub fn set_record_router_events(&mut self, on: bool) {
+        self.record_router_events = on;
+        if !on {
+            self.router_events = Vec::new();
+        }
+    }
+
+    /// Router events since the last call (full blocks only, one event per block,
+    /// parents before children; a tier move is a removal plus a store), while
+    /// [`set_record_router_events`](Self::set_record_router_events) is on, independently
+    /// of [`take_events`](Self::take_events). Replayed in order from an empty view (or
+    /// from a [`router_blocks`](Self::router_blocks) snapshot) they give exactly
+    /// `router_blocks`.
+    pub fn take_router_events(&mut self) -> Vec<RouterEvent> {
+        self.reap_dropped();
+        std::mem::take(&mut self.router_events)
+    }
+
+    /// Where a tree block is for a router: on the GPU if every page is, else on the host.
+    pub(super) fn block_medium(&self, node: NodeRef) -> Medium {
+        let all_gpu = self
+            .tree
+            .node(node)
+            .pages
+            .iter()
+            .all(|&pid| self.pages[pid].tier == Tier::Gpu);
+        if all_gpu {
+            Medium::Gpu
+        } else {
+            Medium::CpuPinned
+        }
+    }
+
+    /// The router's `BlockStored` for a full tree block on `medium` (tokens copied from
+    /// the tree node).
+    pub(super) fn router_stored(&self, node: NodeRef, medium: Medium) -> RouterEvent {
+        let n = self.tree.node(node);
+        RouterEvent::BlockStored {
+            block_hashes: vec![n.key.hash64()],
+            parent_block_hash: self.tree.parent_block_key(node).map(|k| k.hash64()),
+            token_ids: n.tokens.iter().map(|t| t.get()).collect(),
+            block_size: self.tpb as u32,
+            medium,
+            lora_id: n.lora_id,
+            lora_name: None,
+        }
+    }
+
+    /// Records a medium change of a full tree block (removal, then store).
+    pub(super) fn router_moved(&mut self, node: NodeRef, from: Medium) {
+        let to = self.block_medium(node);
+        if from == to || self.tree.node(node).tokens.len() != self.tpb as usize {
+            return;
+        }
+        self.router_events.push(RouterEvent::BlockRemoved {
+            block_hashes: vec![self.tree.node(node).key.hash64()],
+            medium: from,
+        });
+        let e = self.router_stored(node, to);
+        self.router_events.push(e);
+    }
+
     // ---- sequences ------------------------------------------------------------------
 
     pub(super) fn validate_tokens(tokens: &[TokenId]) -> Result<(), KvError> {
@@ -521,6 +595,7 @@ impl KvCacheManager {
             gen: self.next_gen,
             status: SeqStatus::Suspended,
             scope_key,
+            lora_id: scope.lora_id,
             tokens: Vec::new(),
             history: 0,
             capacity: 0,

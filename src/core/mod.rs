@@ -16,6 +16,7 @@ mod radix;
 mod reset;
 mod residency;
 mod reuse_key;
+mod router_events;
 pub mod scheduler;
 mod sequence_ops;
 mod slot_allocator;
@@ -32,10 +33,14 @@ pub use manager::{
 pub use pages::PageStatus;
 pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
+pub use router_events::{Medium, ReplayError, RouterBlock, RouterEvent, RouterView};
 pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod router_events_tests;
 
 #[cfg(test)]
 mod scheduler_tests;

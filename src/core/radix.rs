@@ -61,6 +61,8 @@ pub(crate) struct Node {
     pub children: KeyMap<u32>,
     /// One page per life cycle (empty for roots).
     pub pages: Vec<PageId>,
+    /// LoRA adapter of the node's reuse scope (router events name it).
+    pub lora_id: Option<u64>,
 }
 
 /// The result of walking the tree with a token sequence.
@@ -88,6 +90,8 @@ pub(crate) enum Insert {
 pub(crate) struct Removed {
     pub key: BlockKey,
     pub pages: Vec<PageId>,
+    /// Tokens the block held (a full block: tokens per block).
+    pub num_tokens: usize,
 }
 
 #[derive(Default, Debug)]
@@ -152,6 +156,7 @@ impl RadixTree {
         parent: Option<u32>,
         tokens: Vec<TokenId>,
         pages: Vec<PageId>,
+        lora_id: Option<u64>,
     ) -> Node {
         Node {
             gen: 0,
@@ -161,14 +166,16 @@ impl RadixTree {
             tokens,
             children: KeyMap::default(),
             pages,
+            lora_id,
         }
     }
 
-    pub fn root_or_insert(&mut self, key: BlockKey) -> NodeRef {
+    /// The root of a scope (`key` is its root key, `lora_id` its LoRA adapter).
+    pub fn root_or_insert(&mut self, key: BlockKey, lora_id: Option<u64>) -> NodeRef {
         if let Some(r) = self.root(&key) {
             return r;
         }
-        let idx = self.alloc(Self::new_node(key, None, Vec::new(), Vec::new()));
+        let idx = self.alloc(Self::new_node(key, None, Vec::new(), Vec::new(), lora_id));
         self.roots.insert(key, idx);
         self.r(idx)
     }
@@ -255,11 +262,13 @@ impl RadixTree {
         // Insert first so that removing the replaced siblings never leaves the root
         // childless (which would prune it under our feet).
         let pidx = parent.idx;
+        let lora_id = self.nodes[pidx as usize].lora_id;
         let idx = self.alloc(Self::new_node(
             key,
             Some(pidx),
             tokens.to_vec(),
             pages.to_vec(),
+            lora_id,
         ));
         self.nodes[pidx as usize].children.insert(key, idx);
         self.num_blocks += 1;
@@ -271,6 +280,16 @@ impl RadixTree {
             }
         }
         Insert::New(self.r(idx))
+    }
+
+    /// The parent block's key; `None` under a scope root.
+    pub fn parent_block_key(&self, r: NodeRef) -> Option<BlockKey> {
+        let i = self
+            .node(r)
+            .parent
+            .expect("invariant: a block has a parent");
+        let parent = &self.nodes[i as usize];
+        parent.parent.map(|_| parent.key)
     }
 
     /// Replaces the page of life cycle `lc` of a block (a donation on rebase).
@@ -309,6 +328,7 @@ impl RadixTree {
             removed.push(Removed {
                 key: n.key,
                 pages: std::mem::take(&mut n.pages),
+                num_tokens: n.tokens.len(),
             });
             n.tokens = Vec::new();
             self.free.push(i);
@@ -337,6 +357,7 @@ impl RadixTree {
                 removed.push(Removed {
                     key: n.key,
                     pages: std::mem::take(&mut n.pages),
+                    num_tokens: n.tokens.len(),
                 });
             }
             n.tokens = Vec::new();
@@ -377,6 +398,11 @@ impl RadixTree {
                     let pn = &self.nodes[p as usize];
                     assert!(pn.live, "parent of {} is dead", n.key);
                     assert_eq!(pn.children.get(&n.key), Some(&(i as u32)), "child link");
+                    assert_eq!(
+                        n.lora_id, pn.lora_id,
+                        "block {} left its parent's scope",
+                        n.key
+                    );
                     assert!(!n.pages.is_empty(), "block {} has no page", n.key);
                     assert!(!n.tokens.is_empty() && n.tokens.len() <= tokens_per_block);
                     if n.tokens.len() < tokens_per_block {
@@ -416,7 +442,7 @@ mod tests {
         tokens: &[TokenId],
         page0: u32,
     ) -> Vec<NodeRef> {
-        let mut parent = tree.root_or_insert(*root);
+        let mut parent = tree.root_or_insert(*root, None);
         let mut key = *root;
         let mut out = vec![];
         let mut removed = vec![];
@@ -481,7 +507,7 @@ mod tests {
         let mut tree = RadixTree::default();
         let mut h = KeyHasher::default();
         let root = ReuseScope::SHARED.root_key();
-        let r = tree.root_or_insert(root);
+        let r = tree.root_or_insert(root, None);
         let mut removed = vec![];
         let full = toks(&[1, 2, 3, 4]);
         let kf = h.block_key(&root, &full);

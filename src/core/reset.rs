@@ -9,6 +9,7 @@ use serde::Serialize;
 use super::error::KvError;
 use super::events::KvEvent;
 use super::manager::KvCacheManager;
+use super::router_events::RouterEvent;
 use crate::ids::Tier;
 
 /// What [`KvCacheManager::reset_prefix_cache`] dropped.
@@ -73,6 +74,9 @@ impl KvCacheManager {
         debug_assert_eq!(self.pages.num_live(), 0, "every page was a tree page");
         if self.opts.record_events {
             self.events.push(KvEvent::AllBlocksCleared);
+        }
+        if self.record_router_events {
+            self.router_events.push(RouterEvent::AllBlocksCleared);
         }
         self.debug_check();
         Ok(report)

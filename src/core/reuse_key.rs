@@ -30,6 +30,18 @@ impl fmt::Display for BlockKey {
 }
 
 impl BlockKey {
+    /// The 64-bit block hash routers see ([`RouterEvent`](super::RouterEvent)): the first
+    /// 8 bytes of the key, little-endian (the truncation used for salts and
+    /// [`PrefixHash::root`]; vLLM's wire form takes the last 8 bytes big-endian instead,
+    /// any fixed choice works since routers treat the hash as opaque).
+    pub fn hash64(&self) -> u64 {
+        u64::from_le_bytes(
+            self.0[..8]
+                .try_into()
+                .expect("invariant: a key has 32 bytes"),
+        )
+    }
+
     /// Lowercase hex of all 32 bytes.
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
@@ -179,6 +191,7 @@ mod tests {
             b2.to_hex(),
             "170f867eb0d04c09be6dae8462a30a338389334e7b4bd349f0f833075be75584"
         );
+        assert_eq!(b1.hash64(), 0xa706_c132_cb4d_b5cf);
         assert_ne!(
             b1,
             h.block_key(

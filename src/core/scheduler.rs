@@ -509,6 +509,18 @@ impl Scheduler {
         self.target.take_events()
     }
 
+    /// Drains the target manager's router events (see
+    /// [`KvCacheManager::take_router_events`]; the draft cache records none).
+    pub fn take_router_events(&mut self) -> Vec<super::RouterEvent> {
+        self.target.take_router_events()
+    }
+
+    /// Starts or stops recording router events on the target manager (see
+    /// [`KvCacheManager::set_record_router_events`]).
+    pub fn set_record_router_events(&mut self, on: bool) {
+        self.target.set_record_router_events(on);
+    }
+
     /// Admits a request. Its sequence is created (with prefix reuse) when it is first
     /// scheduled; the returned value is the reuse a probe sees now.
     pub fn submit(&mut self, r: SubmitRequest) -> Result<u64, SchedError> {

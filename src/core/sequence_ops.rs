@@ -160,8 +160,8 @@ impl KvCacheManager {
         let parent = match s.nodes.last() {
             Some(&p) => p,
             None => {
-                let key = s.scope_key;
-                self.tree.root_or_insert(key)
+                let (key, lora_id) = (s.scope_key, s.lora_id);
+                self.tree.root_or_insert(key, lora_id)
             }
         };
         let Some(parent_node) = self.tree.get(parent) else {
@@ -204,6 +204,11 @@ impl KvCacheManager {
                         tier,
                         priority,
                     });
+                    if len == tpb && self.record_router_events {
+                        let medium = self.block_medium(node);
+                        let e = self.router_stored(node, medium);
+                        self.router_events.push(e);
+                    }
                     for (lc, &pid) in pages.iter().enumerate().skip(1) {
                         let to = self.pages[pid].tier;
                         if to != tier {
@@ -220,6 +225,8 @@ impl KvCacheManager {
             }
             Insert::Duplicate(node) if len == tpb => {
                 self.stats.rebased_blocks += 1;
+                let medium_before = self.block_medium(node);
+                let record_router = self.record_router_events;
                 for (lc, &ours) in pages.iter().enumerate() {
                     let theirs = self.tree.node(node).pages[lc];
                     if self.pages[theirs].tier == Tier::Gpu || self.pages[ours].tier != Tier::Gpu {
@@ -251,6 +258,9 @@ impl KvCacheManager {
                             });
                         }
                     }
+                }
+                if record_router {
+                    self.router_moved(node, medium_before);
                 }
                 self.seq_mut(idx).nodes.push(node);
             }

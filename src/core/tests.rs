@@ -10,7 +10,7 @@ use crate::ops::{CopyPlan, GroupCopy};
 
 const LC0: LifeCycleId = LifeCycleId(0);
 
-fn plan() -> PoolPlan {
+pub(super) fn plan() -> PoolPlan {
     PoolPlan::v2(
         4,
         vec![LayerSpec {
@@ -25,7 +25,7 @@ fn plan() -> PoolPlan {
     .unwrap()
 }
 
-fn mgr_with(gpu: u32, host: u32, opts: ManagerOptions) -> KvCacheManager {
+pub(super) fn mgr_with(gpu: u32, host: u32, opts: ManagerOptions) -> KvCacheManager {
     let host = if host > 0 { vec![host] } else { vec![] };
     KvCacheManager::new(
         plan(),
@@ -38,15 +38,20 @@ fn mgr_with(gpu: u32, host: u32, opts: ManagerOptions) -> KvCacheManager {
     .unwrap()
 }
 
-fn mgr(gpu: u32, host: u32) -> KvCacheManager {
+pub(super) fn mgr(gpu: u32, host: u32) -> KvCacheManager {
     mgr_with(gpu, host, ManagerOptions::default())
 }
 
-fn toks(r: std::ops::Range<u32>) -> Vec<TokenId> {
+pub(super) fn toks(r: std::ops::Range<u32>) -> Vec<TokenId> {
     r.map(TokenId).collect()
 }
 
-fn start(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) -> SeqHandle {
+pub(super) fn start(
+    m: &mut KvCacheManager,
+    id: u64,
+    prompt: &[TokenId],
+    priority: u8,
+) -> SeqHandle {
     let c = m
         .create(
             RequestId(id),
@@ -60,7 +65,7 @@ fn start(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) -> S
 }
 
 /// Creates, fills and commits a sequence of `prompt`, then closes it.
-fn cache(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) {
+pub(super) fn cache(m: &mut KvCacheManager, id: u64, prompt: &[TokenId], priority: u8) {
     let mut h = start(m, id, prompt, priority);
     let reused = m.info_of(&h).unwrap().committed;
     assert!(m.resize(&h, prompt.len() as u64, reused).unwrap());
