@@ -406,6 +406,31 @@ impl Coordinator {
         self.stream.publish(self.sched.take_router_events());
     }
 
+    /// The step's metrics (see [`super::metrics`]).
+    fn publish_metrics(&self, pending: &PendingReport) {
+        let t = self.sched.target();
+        let m = t.stats();
+        let usage: Vec<TierUsage> = Tier::ALL
+            .iter()
+            .flat_map(|&tier| {
+                t.usage(tier)
+                    .into_iter()
+                    .map(move |usage| TierUsage { tier, usage })
+            })
+            .collect();
+        super::metrics::publish(&super::metrics::Sample {
+            sched: self.sched.stats(),
+            manager: m,
+            usage: &usage,
+            events: self.event_counts,
+            hit_rate: ratio(m.reused_tokens, m.lookup_tokens),
+            rolling_hit_rate: self.rolling.rate(),
+            waiting: self.sched.num_waiting(),
+            manager_us: pending.manager_us,
+            timing: &pending.timing,
+        });
+    }
+
     fn sample(&mut self, plan: &StepPlan, manager_us: u64) {
         let m = self.sched.target().stats();
         let d_lookup = m.lookup_tokens - self.last_mgr.lookup_tokens;
@@ -710,6 +735,7 @@ impl Coordinator {
         let t = Instant::now();
         self.drain_events();
         self.sample(&pending.plan, pending.manager_us);
+        self.publish_metrics(&pending);
         self.pending = Some(pending);
         self.pending_manager_us += t.elapsed().as_micros() as u64;
     }

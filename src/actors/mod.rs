@@ -10,6 +10,7 @@ mod error;
 mod event_stream;
 mod faults;
 mod handle;
+mod metrics;
 mod shared;
 mod stats;
 
