@@ -8,6 +8,9 @@
 //!     [--kv-dtype fp8_ds_mla|bf16] [--seed S]
 //! ```
 //!
+//! `--help` lists every flag with its default; `--flag=value` works as well as
+//! `--flag value`.
+//!
 //! The workload runs on the host backend (one device): five requests share a 100-token
 //! prompt and add 20–60 tokens of their own, prefills are chunked at 48 tokens, each
 //! request generates 8 tokens greedily. Steps count from 1: steps 1–5 run the prefills
@@ -22,6 +25,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
+use clap::Parser;
 use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig, KvDtype};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
@@ -32,48 +36,28 @@ use dsa_kv::model::paged::Outputs;
 use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
 
-const USAGE: &str = "usage: dump --out DIR [--step N] [--layer L] [--kv-dtype fp8_ds_mla|bf16] \
-[--seed S]";
-
+/// Dumps one layer of one step of the reference model as `.npy` files for external
+/// kernels: the caches as the kernels read them, the page tables, the inputs and the
+/// model's outputs. The manifest goes to stdout.
+#[derive(Parser)]
+#[command(name = "dump")]
 struct Args {
+    /// The folder the `.npy` files and the manifest are written to
+    #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// The step to dump, from 1: 1-5 prefill, 6-12 decode
+    #[arg(long, value_name = "N", default_value_t = 6)]
     step: u64,
+    /// The model layer to dump
+    #[arg(long, value_name = "L", default_value_t = 1)]
     layer: usize,
+    /// Storage of the MLA rows
+    #[arg(long, value_name = "DTYPE", default_value = "fp8_ds_mla",
+          value_parser = common::named(&[KvDtype::Fp8DsMla, KvDtype::Bf16], KvDtype::name))]
     kv_dtype: KvDtype,
+    /// Seed of the model's weights
+    #[arg(long, value_name = "S", default_value_t = 11)]
     seed: u64,
-}
-
-fn parse() -> Result<Args, String> {
-    let mut out = None;
-    let mut a = Args {
-        out: PathBuf::new(),
-        step: 6,
-        layer: 1,
-        kv_dtype: KvDtype::Fp8DsMla,
-        seed: 11,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag} {v}: {e}"));
-        match flag.as_str() {
-            "--out" => out = Some(PathBuf::from(value()?)),
-            "--step" => a.step = number(value()?)?,
-            "--layer" => a.layer = number(value()?)? as usize,
-            "--seed" => a.seed = number(value()?)?,
-            "--kv-dtype" => {
-                a.kv_dtype = match value()?.as_str() {
-                    "fp8_ds_mla" => KvDtype::Fp8DsMla,
-                    "bf16" => KvDtype::Bf16,
-                    v => return Err(format!("--kv-dtype {v}: fp8_ds_mla or bf16")),
-                }
-            }
-            "-h" | "--help" => return Err(USAGE.into()),
-            _ => return Err(format!("unknown argument {flag}\n{USAGE}")),
-        }
-    }
-    a.out = out.ok_or(format!("--out is required\n{USAGE}"))?;
-    Ok(a)
 }
 
 /// A 100-token prompt shared by all, then the request's own 20–60 tokens.
@@ -152,13 +136,7 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
 
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -7,8 +7,11 @@
 //!     [--only KERNEL[,KERNEL...]]
 //! ```
 //!
-//! `--only` times just the kernels whose names contain one of the given strings (the
-//! ceilings are always measured), e.g. `--only mla_scatter` for the two MLA scatters.
+//! `--help` lists every flag with its default; `--flag=value` works as well as
+//! `--flag value`. `--quick` is 5 repetitions up to 64K tokens (an explicit `--reps` or
+//! `--max-tokens` wins). `--only` times just the kernels whose names contain one of the
+//! given strings (the ceilings are always measured), e.g. `--only mla_scatter` for the two
+//! MLA scatters.
 //!
 //! Bytes are counted as every byte read plus every byte written (mappings included),
 //! the same way the memcpy ceiling counts its reads and writes; host copies count the
@@ -19,6 +22,7 @@ mod common;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::Parser;
 use cudarc::driver::{sys, CudaEvent};
 use dsa_kv::cuda::kernels::{DevRows, MlaEncoding, RecomputeTables};
 use dsa_kv::cuda::{CudaError, DeviceBuffer, Gpu, PinnedHost};
@@ -30,6 +34,32 @@ use half::bf16;
 use serde_json::{json, Value};
 
 const T: u64 = 64;
+
+/// GPU benchmark: every kernel at 4K to 4M tokens, timed with CUDA events (median of
+/// repetitions), next to memcpy and pinned host<->device copy ceilings measured in the same
+/// run. Prints one JSON document.
+#[derive(Parser)]
+#[command(name = "gpu_bench")]
+struct Cli {
+    /// The GPU ordinal
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    gpu: usize,
+    /// Timed repetitions per measurement, after two warm-up runs [default: 21; --quick: 5]
+    #[arg(long, value_name = "N")]
+    reps: Option<u64>,
+    /// The largest token count measured (of 4K, 16K, 64K, 256K, 1M, 4M) [default: 4194304;
+    /// --quick: 65536]
+    #[arg(long, value_name = "N")]
+    max_tokens: Option<u64>,
+    /// Fewer repetitions and sizes (5 reps, up to 64K tokens); --reps and --max-tokens
+    /// still apply
+    #[arg(long)]
+    quick: bool,
+    /// Time only the kernels whose names contain one of these strings (the ceilings are
+    /// always measured) [default: every kernel]
+    #[arg(long, value_name = "KERNEL[,KERNEL...]", value_delimiter = ',')]
+    only: Vec<String>,
+}
 
 struct Args {
     gpu: usize,
@@ -47,43 +77,22 @@ impl Args {
     }
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        gpu: 0,
-        reps: 21,
-        max_tokens: 4 << 20,
-        sizes: vec![4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20],
-        only: Vec::new(),
+fn parse() -> Args {
+    let c = Cli::parse();
+    let (reps, max_tokens) = if c.quick {
+        (5, 64 << 10)
+    } else {
+        (21, 4 << 20)
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        let mut num = |name: &str| -> Result<u64, String> {
-            let v = it.next().ok_or(format!("{name} needs a value"))?;
-            v.parse()
-                .map_err(|_| format!("{name}: not a number: {v:?}"))
-        };
-        match f.as_str() {
-            "--gpu" => a.gpu = num("--gpu")? as usize,
-            "--reps" => a.reps = num("--reps")?.max(1) as usize,
-            "--max-tokens" => a.max_tokens = num("--max-tokens")?,
-            "--quick" => {
-                a.reps = 5;
-                a.max_tokens = 64 << 10;
-            }
-            "--only" => {
-                let v = it.next().ok_or("--only needs a value")?;
-                a.only
-                    .extend(v.split(',').filter(|x| !x.is_empty()).map(String::from));
-            }
-            _ => {
-                return Err(format!(
-                    "unknown argument {f:?}\nusage: gpu_bench [--gpu N] [--reps N] [--max-tokens N] [--quick] [--only KERNEL[,KERNEL...]]"
-                ))
-            }
-        }
-    }
+    let mut a = Args {
+        gpu: c.gpu,
+        reps: c.reps.unwrap_or(reps).max(1) as usize,
+        max_tokens: c.max_tokens.unwrap_or(max_tokens),
+        sizes: vec![4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20],
+        only: c.only.into_iter().filter(|x| !x.is_empty()).collect(),
+    };
     a.sizes.retain(|&n| n <= a.max_tokens);
-    Ok(a)
+    a
 }
 
 struct Bench {
@@ -550,13 +559,7 @@ fn run(a: &Args) -> R<Value> {
 
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
-    let a = match parse() {
-        Ok(a) => a,
-        Err(m) => {
-            eprintln!("error: {m}");
-            return ExitCode::from(2);
-        }
-    };
+    let a = parse();
     match run(&a) {
         Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());

@@ -8,7 +8,8 @@
 //!     [--max-gpu-total-bytes B] [--json]
 //! ```
 //!
-//! `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
+//! `--help` lists every flag with its default; `--flag=value` works as well as
+//! `--flag value`. `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
 //! is `fraction` (default 0.9) of it, or exactly `--max-gpu-total-bytes`. MTP layers are
 //! reported in their own fields; `--with-mtp` plans MTP speculative decoding as the engine
 //! does by default: a separate draft cache with the same slot count, paid from the same
@@ -19,128 +20,81 @@ mod common;
 
 use std::process::ExitCode;
 
+use clap::{Parser, ValueEnum};
 use dsa_kv::config::{
     DsaModel, EngineConfig, IndexerDtype, KvDtype, LayerSet, ModelPreset, SpecMode, V2Choice,
 };
 use dsa_kv::core::quota::CapacityPlan;
-use dsa_kv::layout::{LayoutKind, PoolPlan, Role};
+use dsa_kv::layout::{PoolPlan, Role};
 use serde_json::json;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// Capacity planner: bytes per token and per page of each cache component of a DSA
+/// model, the pool groups of the chosen layout, and how many tokens fit in a GPU budget.
+#[derive(Parser)]
+#[command(name = "plan")]
 struct Args {
+    /// The model preset
+    #[arg(long = "model", value_name = "MODEL",
+          value_parser = common::named(&ModelPreset::ALL, ModelPreset::name))]
     preset: ModelPreset,
-    layers: Option<u32>,
+    /// Storage of the MLA latent rows [default: the preset's]
+    #[arg(long, value_name = "DTYPE", value_parser = common::named(&KvDtype::ALL, KvDtype::name))]
     kv_dtype: Option<KvDtype>,
+    /// Storage of the lightning-indexer keys [default: the preset's]
+    #[arg(long, value_name = "DTYPE",
+          value_parser = common::named(&IndexerDtype::ALL, IndexerDtype::name))]
     indexer_dtype: Option<IndexerDtype>,
+    /// Free GPU memory after weights and activations, in GiB
+    #[arg(long, value_name = "N", default_value_t = 80.0, value_parser = positive_gib)]
     gpu_mem_gib: f64,
+    /// The share of the free GPU memory the KV cache gets, in (0, 1]
+    #[arg(long, value_name = "F", default_value_t = 0.9, value_parser = fraction)]
     fraction: f64,
-    layout: Option<LayoutKind>,
+    /// Pool layout [default: the engine configuration's choice for the model]
+    #[arg(long, value_enum)]
+    layout: Option<Layout>,
+    /// Target layers [default: the preset's]
+    #[arg(long, value_name = "N")]
+    layers: Option<u32>,
+    /// Tokens per KV block (page)
+    #[arg(long, value_name = "T", default_value_t = 64)]
     tokens_per_block: u32,
+    /// Plan MTP speculative decoding: a separate draft cache with the same slot count,
+    /// paid from the same budget
+    #[arg(long)]
     with_mtp: bool,
+    /// With --with-mtp: the MTP layers in the target manager instead of a draft cache
+    #[arg(long)]
     mtp_in_target: bool,
+    /// The KV budget in bytes, instead of --fraction of --gpu-mem-gib
+    #[arg(long, value_name = "B")]
     max_gpu_total_bytes: Option<u64>,
+    /// One JSON object on stdout instead of the tables
+    #[arg(long)]
     json: bool,
 }
 
-const USAGE: &str = "usage: plan --model deepseek-v3.2|glm-5|glm-5.2|mistral-large-3 \
-[--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] \
-[--fraction F] [--layout v1|v2] [--layers N] [--tokens-per-block T] [--with-mtp [--mtp-in-target]] \
-[--max-gpu-total-bytes B] [--json]";
+/// `--layout`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Layout {
+    V1,
+    V2,
+}
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        preset: ModelPreset::DeepSeekV32,
-        layers: None,
-        kv_dtype: None,
-        indexer_dtype: None,
-        gpu_mem_gib: 80.0,
-        fraction: 0.9,
-        layout: None,
-        tokens_per_block: 64,
-        with_mtp: false,
-        mtp_in_target: false,
-        max_gpu_total_bytes: None,
-        json: false,
-    };
-    let mut it = std::env::args().skip(1);
-    let mut model_given = false;
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
-        };
-        match flag.as_str() {
-            "--model" => {
-                a.preset = ModelPreset::parse(&value("--model")?).map_err(|e| e.to_string())?;
-                model_given = true;
-            }
-            "--kv-dtype" => {
-                a.kv_dtype = Some(KvDtype::parse(&value("--kv-dtype")?).map_err(|e| e.to_string())?)
-            }
-            "--indexer-dtype" => {
-                a.indexer_dtype = Some(
-                    IndexerDtype::parse(&value("--indexer-dtype")?).map_err(|e| e.to_string())?,
-                )
-            }
-            "--gpu-mem-gib" => {
-                let v = value("--gpu-mem-gib")?;
-                a.gpu_mem_gib = v
-                    .parse()
-                    .ok()
-                    .filter(|g: &f64| g.is_finite() && *g > 0.0)
-                    .ok_or(format!(
-                        "--gpu-mem-gib must be a positive number of GiB (got {v:?})"
-                    ))?;
-            }
-            "--fraction" => {
-                let v = value("--fraction")?;
-                a.fraction = v
-                    .parse()
-                    .ok()
-                    .filter(|f: &f64| *f > 0.0 && *f <= 1.0)
-                    .ok_or(format!("--fraction must be in (0, 1] (got {v:?})"))?;
-            }
-            "--layout" => {
-                a.layout = Some(match value("--layout")?.as_str() {
-                    "v1" => LayoutKind::V1,
-                    "v2" => LayoutKind::V2,
-                    other => return Err(format!("--layout must be v1 or v2 (got {other:?})")),
-                })
-            }
-            "--layers" => {
-                let v = value("--layers")?;
-                a.layers = Some(
-                    v.parse()
-                        .map_err(|_| format!("--layers must be an integer (got {v:?})"))?,
-                );
-            }
-            "--tokens-per-block" => {
-                let v = value("--tokens-per-block")?;
-                a.tokens_per_block = v
-                    .parse()
-                    .map_err(|_| format!("--tokens-per-block must be an integer (got {v:?})"))?;
-            }
-            "--with-mtp" => a.with_mtp = true,
-            "--mtp-in-target" => a.mtp_in_target = true,
-            "--max-gpu-total-bytes" => {
-                let v = value("--max-gpu-total-bytes")?;
-                a.max_gpu_total_bytes = Some(v.parse().map_err(|_| {
-                    format!("--max-gpu-total-bytes must be a byte count (got {v:?})")
-                })?);
-            }
-            "--json" => a.json = true,
-            "-h" | "--help" => return Err(USAGE.to_string()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    if !model_given {
-        return Err(format!("--model is required\n{USAGE}"));
-    }
-    if a.mtp_in_target && !a.with_mtp {
-        return Err(format!("--mtp-in-target needs --with-mtp\n{USAGE}"));
-    }
-    Ok(a)
+fn positive_gib(v: &str) -> Result<f64, String> {
+    v.parse()
+        .ok()
+        .filter(|g: &f64| g.is_finite() && *g > 0.0)
+        .ok_or_else(|| "must be a positive number of GiB".into())
+}
+
+fn fraction(v: &str) -> Result<f64, String> {
+    v.parse()
+        .ok()
+        .filter(|f: &f64| *f > 0.0 && *f <= 1.0)
+        .ok_or_else(|| "must be in (0, 1]".into())
 }
 
 fn group_digits(n: u64) -> String {
@@ -170,7 +124,7 @@ fn run(a: Args) -> Result<(), String> {
     config.kv_cache.free_gpu_memory_fraction = a.fraction;
     config.kv_cache.max_gpu_total_bytes = a.max_gpu_total_bytes;
     if let Some(kind) = a.layout {
-        config.kv_cache.use_kv_cache_manager_v2 = V2Choice::Explicit(kind == LayoutKind::V2);
+        config.kv_cache.use_kv_cache_manager_v2 = V2Choice::Explicit(kind == Layout::V2);
     }
     if a.with_mtp {
         config.spec_decode.mode = SpecMode::Mtp;
@@ -370,7 +324,11 @@ fn run(a: Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
-    match parse().and_then(run) {
+    let args = Args::parse();
+    if args.mtp_in_target && !args.with_mtp {
+        common::usage_error::<Args>("--mtp-in-target needs --with-mtp");
+    }
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

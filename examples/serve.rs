@@ -30,8 +30,12 @@
 //! cargo run --release --example serve -- [--source model|synthetic] [--quick] [--json]
 //!     [--seed N] [--devices N] [--conversations N] [--turns N] [--kv-dtype DTYPE]
 //!     [--verify sample|all|off] [--config FILE.toml|.json|.yaml] [--out DIR]
-//!     [--backend host|cuda] [--gpus 0,1,..] [--room-faults PCT]
+//!     [--backend host|cuda] [--gpus 0,1,..] [--cuda-graphs] [--room-faults PCT]
 //! ```
+//!
+//! `--help` lists every flag with its default; `--flag=value` works as well as
+//! `--flag value`. While it runs, a progress bar on stderr, only when stderr is a
+//! terminal (nothing is redrawn into a log or a pipe).
 //!
 //! The report (a table, or one JSON object with `--json`) gives requests, generated and
 //! processed tokens and their rates, step latency (the wall time of `kv.step`:
@@ -63,13 +67,15 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::{Parser, ValueEnum};
+use common::Backend;
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, StepReport};
 use dsa_kv::config::{EngineConfig, KvDtype, LayerSet, SpecMode};
 use dsa_kv::core::scheduler::{PlannedKind, RequestOutcome, SubmitRequest};
@@ -90,7 +96,7 @@ const SYNTHETIC_VOCAB: u64 = 129_280;
 const MODEL_SEED: u64 = 7;
 
 /// What runs on the device actors.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Source {
     /// The reference model; its greedy tokens are sampled and checked for exactness.
     Model,
@@ -98,148 +104,96 @@ enum Source {
     Synthetic,
 }
 
-/// Where the device actors run.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Backend {
-    Host,
-    Cuda,
-}
-
+/// Serves a seeded multi-turn chat workload through the dsa-kv runtime and checks it: the
+/// reference model bit-exact against its unpaged run, or the synthetic writer's KV read
+/// back.
+///
+/// Writes DIR/serve_report.json and DIR/serve_report.svg (--out). Exit status: 0 when the
+/// run is intact (`integrity_ok`), 1 when a check failed or the run stopped with an error,
+/// 2 for a bad command line.
+#[derive(Parser)]
+#[command(name = "serve")]
 struct Args {
+    /// What runs on the device actors
+    #[arg(long, value_enum, default_value_t = Source::Model)]
     source: Source,
+    /// A short run (a few seconds): fewer and shorter conversations, smaller caches
+    #[arg(long)]
     quick: bool,
+    /// The report as one JSON object on stdout (no table, no progress)
+    #[arg(long)]
     json: bool,
+    /// Seed of the workload (arrivals, prompts, lengths; not the model's weights)
+    #[arg(long, value_name = "N", default_value_t = 42)]
     seed: u64,
+    /// Device actors (tensor-parallel ranks); with --gpus, one per GPU listed
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = at_least_one)]
     devices: usize,
+    /// Conversations [default: 12 with the model, 64 synthetic; --quick: 6, 20]
+    #[arg(long, value_name = "N")]
     conversations: Option<usize>,
+    /// Turns per conversation [default: 3; --quick: 2]
+    #[arg(long, value_name = "N")]
     turns: Option<usize>,
+    /// Storage of the MLA rows; the model writes bf16 or fp8_ds_mla [default: fp8_ds_mla
+    /// with the model, fp8 (the preset's) synthetic; with --config, the file's]
+    #[arg(long, value_name = "DTYPE", value_parser = common::named(&KvDtype::ALL, KvDtype::name))]
     kv_dtype: Option<KvDtype>,
-    /// As given; `None`: the source's default (sampled with the synthetic writer, off
-    /// with the model).
+    /// Which layers the synthetic writer's KV is read back on: the first, middle and last
+    /// of each cache, every layer, or none [default: sample synthetic, off with the model]
+    #[arg(long, value_name = "LAYERS", value_parser = common::named(&VERIFY, verify_str))]
     verify: Option<Verification>,
+    /// Engine configuration file (.toml, .json or .yaml) instead of the built-in one
+    #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Where the report files go
+    #[arg(long, value_name = "DIR", default_value = "target/serve")]
     out: PathBuf,
+    /// Where the device actors run
+    #[arg(long, value_enum, default_value_t = Backend::Host)]
     backend: Backend,
-    gpus: Option<Vec<usize>>,
-    /// Decode-only steps of the GPU model as a CUDA graph.
+    /// GPU ordinals, one device actor each (needs --backend cuda) [default: 0..devices]
+    #[arg(long, value_name = "0,1,..", value_parser = common::gpu_ordinals)]
+    gpus: Option<::std::vec::Vec<usize>>,
+    /// Decode-only steps of the GPU model as one CUDA graph
+    #[arg(long)]
     cuda_graphs: bool,
+    /// Fault drill: this percentage of GPU-room requests is refused (needs the
+    /// fault-injection feature)
+    #[arg(long, value_name = "PCT", default_value_t = 0,
+          value_parser = clap::value_parser!(u8).range(0..=100))]
     room_faults: u8,
 }
 
-const USAGE: &str = "usage: serve [--source model|synthetic] [--quick] [--json] [--seed N] [--devices N] \
-[--conversations N] [--turns N] [--kv-dtype bf16|fp8|fp8_ds_mla|nvfp4] [--verify sample|all|off] \
-[--config FILE.toml|.json|.yaml] [--out DIR] [--backend host|cuda] [--gpus 0,1,..] [--cuda-graphs] [--room-faults PCT]";
-
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        source: Source::Model,
-        quick: false,
-        json: false,
-        seed: 42,
-        devices: 1,
-        conversations: None,
-        turns: None,
-        kv_dtype: None,
-        verify: None,
-        config: None,
-        out: PathBuf::from("target/serve"),
-        backend: Backend::Host,
-        gpus: None,
-        cuda_graphs: false,
-        room_faults: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        let mut val = |name: &str| {
-            it.next()
-                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
-        };
-        let num = |name: &str, v: String| -> Result<u64, String> {
-            v.parse()
-                .map_err(|_| format!("{name} must be a non-negative integer (got {v:?})"))
-        };
-        match f.as_str() {
-            "--source" => {
-                a.source = match val("--source")?.as_str() {
-                    "model" => Source::Model,
-                    "synthetic" => Source::Synthetic,
-                    other => {
-                        return Err(format!(
-                            "--source must be model or synthetic (got {other:?})"
-                        ))
-                    }
-                }
-            }
-            "--quick" => a.quick = true,
-            "--json" => a.json = true,
-            "--seed" => a.seed = num("--seed", val("--seed")?)?,
-            "--devices" => {
-                a.devices = num("--devices", val("--devices")?)? as usize;
-                if a.devices == 0 {
-                    return Err("--devices must be at least 1".into());
-                }
-            }
-            "--conversations" => {
-                a.conversations =
-                    Some(num("--conversations", val("--conversations")?)?.max(1) as usize)
-            }
-            "--turns" => a.turns = Some(num("--turns", val("--turns")?)?.max(1) as usize),
-            "--kv-dtype" => {
-                a.kv_dtype = Some(KvDtype::parse(&val("--kv-dtype")?).map_err(|e| e.to_string())?)
-            }
-            "--verify" => {
-                a.verify = Some(match val("--verify")?.as_str() {
-                    "sample" => Verification::Sample,
-                    "all" => Verification::All,
-                    "off" => Verification::Off,
-                    other => {
-                        return Err(format!(
-                            "--verify must be sample, all or off (got {other:?})"
-                        ))
-                    }
-                })
-            }
-            "--config" => a.config = Some(PathBuf::from(val("--config")?)),
-            "--out" => a.out = PathBuf::from(val("--out")?),
-            "--cuda-graphs" => a.cuda_graphs = true,
-            "--backend" => match val("--backend")?.as_str() {
-                "host" => a.backend = Backend::Host,
-                "cuda" => a.backend = Backend::Cuda,
-                other => return Err(format!("--backend must be host or cuda (got {other:?})")),
-            },
-            "--gpus" => {
-                let v = val("--gpus")?;
-                let ids: Result<Vec<usize>, _> = v.split(',').map(|x| x.trim().parse()).collect();
-                a.gpus = Some(ids.map_err(|_| {
-                    format!("--gpus takes comma-separated GPU ordinals like 0,1 (got {v:?})")
-                })?);
-            }
-            "--room-faults" => {
-                let v = num("--room-faults", val("--room-faults")?)?;
-                if v > 100 {
-                    return Err(format!("--room-faults is a percentage, 0 to 100 (got {v})"));
-                }
-                if !cfg!(feature = "fault-injection") && v > 0 {
-                    return Err(
-                        "--room-faults needs the fault drills: run with --features fault-injection"
-                            .into(),
-                    );
-                }
-                a.room_faults = v as u8;
-            }
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err("must be a positive integer".into()),
     }
+}
+
+/// `--verify`'s values.
+const VERIFY: [Verification; 3] = [Verification::Sample, Verification::All, Verification::Off];
+
+/// Checks between flags that clap does not express: exit status 2 with the message.
+fn check(mut a: Args) -> Args {
+    if !cfg!(feature = "fault-injection") && a.room_faults > 0 {
+        common::usage_error::<Args>(
+            "--room-faults needs the fault drills: run with --features fault-injection",
+        );
+    }
+    a.conversations = a.conversations.map(|n| n.max(1));
+    a.turns = a.turns.map(|n| n.max(1));
     if let Some(g) = &a.gpus {
         if a.backend != Backend::Cuda {
-            return Err("--gpus needs --backend cuda".into());
+            common::usage_error::<Args>("--gpus needs --backend cuda");
         }
         a.devices = g.len().max(1);
     }
     if a.source == Source::Model {
         if let Some(v) = a.verify.filter(|v| v.is_on()) {
-            return Err(format!(
+            common::usage_error::<Args>(format!(
                 "--verify {} reads back the synthetic writer's KV, which the model does not \
                  write: add --source synthetic (the model's run is checked against its \
                  unpaged reference instead)",
@@ -250,14 +204,23 @@ fn parse() -> Result<Args, String> {
             .kv_dtype
             .filter(|d| !matches!(d, KvDtype::Bf16 | KvDtype::Fp8DsMla))
         {
-            return Err(format!(
+            common::usage_error::<Args>(format!(
                 "--kv-dtype {}: the reference model writes bf16 or fp8_ds_mla rows (add \
                  --source synthetic for {0})",
                 d.name()
             ));
         }
     }
-    Ok(a)
+    a
+}
+
+fn verify_str(v: Verification) -> &'static str {
+    match v {
+        Verification::Sample => "sample",
+        Verification::All => "all",
+        Verification::Off => "off",
+        _ => unreachable!("invariant: --verify offers only the values of VERIFY"),
+    }
 }
 
 fn verify_name(v: Verification) -> String {
@@ -535,6 +498,9 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let started = Instant::now();
     let mut step = 0u64;
     let mut last_progress = Instant::now();
+    // The bar redraws itself with carriage returns: only for a person at a terminal, not
+    // in a log or a pipe.
+    let bar_shown = !a.json && std::io::stderr().is_terminal();
     while turns_done + failed.len() < total_turns {
         // Arrivals due now.
         for (ci, c) in convs.iter_mut().enumerate() {
@@ -625,7 +591,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
                 }
             }
         }
-        if !a.json && (last_progress.elapsed().as_millis() >= 250 || turns_done == total_turns) {
+        if bar_shown && (last_progress.elapsed().as_millis() >= 250 || turns_done == total_turns) {
             last_progress = Instant::now();
             let done = (turns_done + failed.len()) as f64 / total_turns as f64;
             let bar = (done * 30.0) as usize;
@@ -644,7 +610,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
-    if !a.json {
+    if bar_shown {
         eprintln!();
     }
     let st = kv.stats().await?;
@@ -1266,19 +1232,14 @@ fn plot(st: &RuntimeStats) -> String {
 
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = check(Args::parse());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let json = args.json;
     let rt = match tokio::runtime::Builder::new_multi_thread()

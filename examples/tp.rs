@@ -11,15 +11,21 @@
 //!     [--requests N] [--seed N] [--json]
 //! ```
 //!
+//! `--help` lists every flag with its default; `--flag=value` works as well as
+//! `--flag value`.
+//!
 //! Exits 0 only when every rank agreed on every step and on the final cache bytes and
 //! verification found no mismatch.
 
 mod common;
 
 use std::collections::HashMap;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::Parser;
+use common::Backend;
 use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
@@ -28,8 +34,35 @@ use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use serde_json::json;
 
-const USAGE: &str =
-    "usage: tp [--backend cuda|host] [--gpus 0,1] [--devices N] [--requests N] [--seed N] [--json]";
+/// Tensor parallelism: one device actor per GPU, every rank given the same step plan; checks
+/// that every rank holds identical page tables and identical cache bytes.
+///
+/// Exit status: 0 when every rank agreed on every step and on the final cache bytes and
+/// verification found no mismatch, 1 otherwise, 2 for a bad command line.
+#[derive(Parser)]
+#[command(name = "tp")]
+struct Cli {
+    /// Where the ranks run
+    #[arg(long, value_enum, default_value_t = Backend::Cuda)]
+    backend: Backend,
+    /// GPU ordinals, one rank each [default: 0,1]
+    #[arg(long, value_name = "0,1", value_parser = common::gpu_ordinals,
+          overrides_with = "devices")]
+    gpus: Option<::std::vec::Vec<usize>>,
+    /// Ranks, on GPUs (or host devices) 0..N: --gpus 0,..,N-1 (of --gpus and --devices, the
+    /// later one counts) [default: 2]
+    #[arg(long, value_name = "N", overrides_with = "gpus")]
+    devices: Option<u64>,
+    /// Requests in the workload (at least 1)
+    #[arg(long, value_name = "N", default_value_t = 48)]
+    requests: u64,
+    /// Seed of the workload
+    #[arg(long, value_name = "N", default_value_t = 7)]
+    seed: u64,
+    /// No progress line on stderr (the report is JSON on stdout either way)
+    #[arg(long)]
+    json: bool,
+}
 
 struct Args {
     cuda: bool,
@@ -39,55 +72,23 @@ struct Args {
     json: bool,
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        cuda: true,
-        gpus: vec![0, 1],
-        requests: 48,
-        seed: 7,
-        json: false,
+fn parse() -> Args {
+    let c = Cli::parse();
+    let gpus = match (c.gpus, c.devices) {
+        (Some(g), _) => g,
+        (None, Some(n)) => (0..n.max(1) as usize).collect(),
+        (None, None) => vec![0, 1],
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        let mut val = |n: &str| {
-            it.next()
-                .ok_or_else(|| format!("{n} needs a value\n{USAGE}"))
-        };
-        let num = |n: &str, v: String| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{n}: not a number: {v:?}"))
-        };
-        match f.as_str() {
-            "--backend" => {
-                a.cuda = match val("--backend")?.as_str() {
-                    "cuda" => true,
-                    "host" => false,
-                    o => return Err(format!("--backend must be cuda or host (got {o:?})")),
-                }
-            }
-            "--gpus" => {
-                let v = val("--gpus")?;
-                a.gpus = v
-                    .split(',')
-                    .map(|x| x.trim().parse())
-                    .collect::<Result<_, _>>()
-                    .map_err(|_| format!("--gpus takes ordinals like 0,1 (got {v:?})"))?;
-            }
-            "--devices" => {
-                let n = num("--devices", val("--devices")?)?.max(1);
-                a.gpus = (0..n as usize).collect();
-            }
-            "--requests" => a.requests = num("--requests", val("--requests")?)?.max(1),
-            "--seed" => a.seed = num("--seed", val("--seed")?)?,
-            "--json" => a.json = true,
-            "-h" | "--help" => return Err(USAGE.into()),
-            o => return Err(format!("unknown argument {o:?}\n{USAGE}")),
-        }
+    if gpus.is_empty() {
+        common::usage_error::<Cli>("at least one device is needed");
     }
-    if a.gpus.is_empty() {
-        return Err("at least one device is needed".into());
+    Args {
+        cuda: c.backend == Backend::Cuda,
+        gpus,
+        requests: c.requests.max(1),
+        seed: c.seed,
+        json: c.json,
     }
-    Ok(a)
 }
 
 /// The crate's generator, with the workload's draws.
@@ -149,6 +150,8 @@ async fn run(
     let (mut steps, mut finished, mut mismatches) = (0u64, 0u64, 0u64);
     let mut failed = Vec::new();
     let mut live: HashMap<RequestId, ()> = (1..=a.requests).map(|i| (RequestId(i), ())).collect();
+    // The progress line redraws itself with carriage returns: only at a terminal.
+    let progress_shown = !a.json && std::io::stderr().is_terminal();
     while !live.is_empty() {
         let drafts = live
             .keys()
@@ -193,11 +196,11 @@ async fn run(
             finished += 1;
             live.remove(&f.finished.id);
         }
-        if !a.json && steps % 50 == 0 {
+        if progress_shown && steps % 50 == 0 {
             eprint!("\rstep {steps:>5} | finished {finished}/{}   ", a.requests);
         }
     }
-    if !a.json {
+    if progress_shown {
         eprintln!();
     }
     let elapsed = started.elapsed().as_secs_f64();
@@ -241,13 +244,7 @@ async fn run(
 
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
-    let a = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let a = parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
