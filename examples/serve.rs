@@ -31,7 +31,12 @@
 //!     [--seed N] [--devices N] [--conversations N] [--turns N] [--kv-dtype DTYPE]
 //!     [--verify sample|all|off] [--config FILE.toml|.json|.yaml] [--out DIR]
 //!     [--backend host|cuda] [--gpus 0,1,..] [--cuda-graphs] [--room-faults PCT]
+//!     [--metrics-addr ADDR]
 //! ```
+//!
+//! `--metrics-addr 127.0.0.1:9091` serves the runtime's metrics (`metrics` facade,
+//! exported with `metrics-exporter-prometheus`) as Prometheus text at `/metrics` while
+//! the run lasts, and writes the last scrape to `DIR/metrics.prom`.
 //!
 //! `--help` lists every flag with its default; `--flag=value` works as well as
 //! `--flag value`. While it runs, a progress bar on stderr, only when stderr is a
@@ -158,6 +163,11 @@ struct Args {
     /// Decode-only steps of the GPU model as one CUDA graph
     #[arg(long)]
     cuda_graphs: bool,
+    /// Serve the runtime's metrics as Prometheus text at http://ADDR/metrics while the
+    /// run lasts (e.g. 127.0.0.1:9091); the last scrape is also written to
+    /// DIR/metrics.prom
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// Fault drill: this percentage of GPU-room requests is refused (needs the
     /// fault-injection feature)
     #[arg(long, value_name = "PCT", default_value_t = 0,
@@ -423,6 +433,20 @@ impl StepLatency {
 
 async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let config = engine_config(&a)?;
+    // The embedder's choice of exporter: here Prometheus text over HTTP.
+    let prometheus = match a.metrics_addr {
+        Some(addr) => {
+            let (recorder, exporter) = metrics_exporter_prometheus::PrometheusBuilder::new()
+                .with_http_listener(addr)
+                .build()
+                .map_err(|e| format!("--metrics-addr {addr}: {e}"))?;
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)?;
+            tokio::spawn(exporter);
+            Some(handle)
+        }
+        None => None,
+    };
     let vocab = match a.source {
         Source::Synthetic => SYNTHETIC_VOCAB,
         Source::Model => ModelConfig::tiny(MODEL_SEED).vocab as u64,
@@ -706,6 +730,11 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let svg_path = a.out.join("serve_report.svg");
     std::fs::write(&svg_path, plot(&st))
         .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
+    if let Some(handle) = &prometheus {
+        let path = a.out.join("metrics.prom");
+        std::fs::write(&path, handle.render())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     if !a.json {
         summary(&report, &st, exactness.as_ref(), &json_path, &svg_path);
     }
