@@ -406,18 +406,24 @@ impl Coordinator {
         self.stream.publish(self.sched.take_router_events());
     }
 
-    /// The step's metrics (see [`super::metrics`]).
-    fn publish_metrics(&self, pending: &PendingReport) {
+    /// Occupancy of every pool group of the target cache on every tier.
+    fn tier_usage(&self) -> Vec<TierUsage> {
         let t = self.sched.target();
-        let m = t.stats();
-        let usage: Vec<TierUsage> = Tier::ALL
+        Tier::ALL
             .iter()
             .flat_map(|&tier| {
                 t.usage(tier)
                     .into_iter()
                     .map(move |usage| TierUsage { tier, usage })
             })
-            .collect();
+            .collect()
+    }
+
+    /// The step's metrics (see [`super::metrics`]).
+    fn publish_metrics(&self, pending: &PendingReport) {
+        let t = self.sched.target();
+        let m = t.stats();
+        let usage = self.tier_usage();
         super::metrics::publish(&super::metrics::Sample {
             sched: self.sched.stats(),
             manager: m,
@@ -456,15 +462,7 @@ impl Coordinator {
     fn snapshot(&self) -> RuntimeStats {
         let s = self.sched.stats();
         let m = self.sched.target().stats();
-        let t = self.sched.target();
-        let utilization = Tier::ALL
-            .iter()
-            .flat_map(|&tier| {
-                t.usage(tier)
-                    .into_iter()
-                    .map(move |usage| TierUsage { tier, usage })
-            })
-            .collect();
+        let utilization = self.tier_usage();
         RuntimeStats {
             steps: s.steps,
             submitted: s.submitted,

@@ -22,7 +22,6 @@ use super::coordinator::StepTiming;
 use super::stats::{EventCounts, TierUsage};
 use crate::core::scheduler::SchedulerStats;
 use crate::core::ManagerStats;
-use crate::ids::Tier;
 
 /// What one publication reads.
 pub(crate) struct Sample<'a> {
@@ -35,13 +34,6 @@ pub(crate) struct Sample<'a> {
     pub waiting: usize,
     pub manager_us: u64,
     pub timing: &'a StepTiming,
-}
-
-fn tier(t: Tier) -> &'static str {
-    match t {
-        Tier::Gpu => "gpu",
-        Tier::Host => "host",
-    }
 }
 
 /// Publishes one step's sample.
@@ -71,13 +63,14 @@ pub(crate) fn publish(s: &Sample<'_>) {
     }
     c("dsa_kv_kv_events_dropped_total", s.events.lost);
     for u in s.usage {
-        let (t, g) = (tier(u.tier), u.usage.pool_group.0.to_string());
+        // The tier's display name ("gpu", "host").
+        let (t, g) = (u.tier.to_string(), u.usage.pool_group.0.to_string());
         for (state, v) in [
             ("total", u.usage.total),
             ("free", u.usage.free),
             ("evictable", u.usage.evictable),
         ] {
-            gauge!("dsa_kv_cache_slots", "tier" => t, "pool_group" => g.clone(), "state" => state)
+            gauge!("dsa_kv_cache_slots", "tier" => t.clone(), "pool_group" => g.clone(), "state" => state)
                 .set(f64::from(v));
         }
         gauge!("dsa_kv_cache_utilization", "tier" => t, "pool_group" => g).set(u.usage.utilization);
