@@ -377,19 +377,19 @@ impl World {
             router_blocks,
             "the router events describe another cache (events of this operation: {router_events:?})"
         );
-        // Each router block is a tree block, on the GPU iff all its pages are.
-        let mut all_gpu: std::collections::HashMap<u64, bool> = Default::default();
-        for (key, _, tier) in &real {
-            *all_gpu.entry(key.hash64()).or_insert(true) &= *tier == Tier::Gpu;
-        }
-        for b in &router_blocks {
-            let gpu = all_gpu.get(&b.hash).copied();
-            assert_eq!(
-                gpu.map(|g| if g { Medium::Gpu } else { Medium::CpuPinned }),
-                Some(b.medium),
-                "router block {b:?} against the tree's pages"
-            );
-        }
+        // Each router block is a tree block, on the GPU iff its pages and those of every
+        // block before it in its prefix are (the reference's own tree and tiers).
+        let media: Vec<(u64, bool)> = router_blocks
+            .iter()
+            .map(|b| (b.hash, b.medium == Medium::Gpu))
+            .collect();
+        let mut media = media;
+        media.sort_unstable();
+        assert_eq!(
+            media,
+            self.reference.router_media(),
+            "router blocks and media against the reference's tree and tiers"
+        );
     }
 
     fn op(&mut self) {

@@ -2,11 +2,14 @@
 //! [`KvEvent`](super::KvEvent)s describe, so a consumer of the events (a router, a test)
 //! can check its mirror against the truth.
 
+use std::collections::HashMap;
+
 use serde::Serialize;
 
 use super::manager::KvCacheManager;
+use super::radix::NodeRef;
 use super::reuse_key::BlockKey;
-use super::router_events::RouterBlock;
+use super::router_events::{Medium, RouterBlock};
 use crate::ids::{LifeCycleId, Tier};
 
 /// One life cycle's page of a block in the reuse tree.
@@ -47,15 +50,21 @@ impl KvCacheManager {
     /// [`take_router_events`](Self::take_router_events) from the start gives.
     /// Allocating; for resynchronizing a router and for tests.
     pub fn router_blocks(&self) -> Vec<RouterBlock> {
-        let mut out: Vec<RouterBlock> = self
-            .tree
-            .blocks()
-            .filter(|(_, node)| node.tokens.len() == self.tpb as usize)
-            .map(|(r, node)| RouterBlock {
-                hash: node.key.hash64(),
-                medium: self.block_medium(r),
-            })
-            .collect();
+        // Computed from the pages, top down, independently of the media the events
+        // announced (which the invariant checks hold against this).
+        let mut on_gpu: HashMap<NodeRef, bool> = HashMap::new();
+        let mut out = Vec::new();
+        for r in self.tree.blocks_top_down() {
+            let parent_on_gpu = self.tree.parent_block(r).is_none_or(|p| on_gpu[&p]);
+            let gpu = parent_on_gpu && self.pages_on_gpu(r);
+            on_gpu.insert(r, gpu);
+            if self.tree.node(r).tokens.len() == self.tpb as usize {
+                out.push(RouterBlock {
+                    hash: self.tree.node(r).key.hash64(),
+                    medium: if gpu { Medium::Gpu } else { Medium::CpuPinned },
+                });
+            }
+        }
         out.sort_unstable();
         out
     }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::error::SeqStatus;
 use super::manager::KvCacheManager;
 use super::pages::PageStatus;
+use super::router_events::RouterBlock;
 use crate::ids::{PageId, SlotId, Tier};
 
 impl KvCacheManager {
@@ -192,6 +193,25 @@ impl KvCacheManager {
                 (p.locks, p.holders),
                 (locks, holders),
                 "page {pid} reference counts"
+            );
+        }
+        if self.record_router_events {
+            // The media announced to routers are the media the pages give now.
+            let mut announced: Vec<RouterBlock> = self
+                .tree
+                .blocks()
+                .filter_map(|(_, n)| {
+                    n.router_medium.map(|medium| RouterBlock {
+                        hash: n.key.hash64(),
+                        medium,
+                    })
+                })
+                .collect();
+            announced.sort_unstable();
+            assert_eq!(
+                announced,
+                self.router_blocks(),
+                "router media announced vs media of the pages"
             );
         }
     }

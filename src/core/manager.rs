@@ -451,6 +451,14 @@ impl KvCacheManager {
     /// target cache). Turn it on while the reuse tree is empty, or resynchronize
     /// consumers from [`router_blocks`](Self::router_blocks).
     pub fn set_record_router_events(&mut self, on: bool) {
+        if on && !self.record_router_events {
+            // Blocks cached before: announced on the media `router_blocks` reports.
+            for node in self.tree.blocks_top_down() {
+                let medium = (self.tree.node(node).tokens.len() == self.tpb as usize)
+                    .then(|| self.chain_medium(node));
+                self.tree.set_router_medium(node, medium);
+            }
+        }
         self.record_router_events = on;
         if !on {
             self.router_events = Vec::new();
@@ -468,15 +476,26 @@ impl KvCacheManager {
         std::mem::take(&mut self.router_events)
     }
 
-    /// Where a tree block is for a router: on the GPU if every page is, else on the host.
-    pub(super) fn block_medium(&self, node: NodeRef) -> Medium {
-        let all_gpu = self
-            .tree
+    /// Whether every page of a tree block is on the GPU.
+    pub(super) fn pages_on_gpu(&self, node: NodeRef) -> bool {
+        self.tree
             .node(node)
             .pages
             .iter()
-            .all(|&pid| self.pages[pid].tier == Tier::Gpu);
-        if all_gpu {
+            .all(|&pid| self.pages[pid].tier == Tier::Gpu)
+    }
+
+    /// Where a full tree block is for a router: on the GPU when its pages and those of
+    /// every block before it in its prefix are (reusable without a copy), else on the
+    /// host (reusable after onboarding). So along any prefix the GPU blocks come first,
+    /// as tiered routers (Dynamo: a device tree, then lower tiers continuing it) expect.
+    /// Reads the parent's announced medium: the parent must be announced.
+    pub(super) fn chain_medium(&self, node: NodeRef) -> Medium {
+        let parent_on_gpu = self
+            .tree
+            .parent_block(node)
+            .is_none_or(|p| self.tree.node(p).router_medium == Some(Medium::Gpu));
+        if parent_on_gpu && self.pages_on_gpu(node) {
             Medium::Gpu
         } else {
             Medium::CpuPinned
@@ -498,18 +517,38 @@ impl KvCacheManager {
         }
     }
 
-    /// Records a medium change of a full tree block (removal, then store).
-    pub(super) fn router_moved(&mut self, node: NodeRef, from: Medium) {
-        let to = self.block_medium(node);
-        if from == to || self.tree.node(node).tokens.len() != self.tpb as usize {
-            return;
-        }
-        self.router_events.push(RouterEvent::BlockRemoved {
-            block_hashes: vec![self.tree.node(node).key.hash64()],
-            medium: from,
-        });
-        let e = self.router_stored(node, to);
+    /// Announces a new full tree block (its parent is announced already).
+    pub(super) fn router_announce(&mut self, node: NodeRef) {
+        let medium = self.chain_medium(node);
+        self.tree.set_router_medium(node, Some(medium));
+        let e = self.router_stored(node, medium);
         self.router_events.push(e);
+    }
+
+    /// After pages of an announced block changed tier: re-announces it when its medium
+    /// changed (a removal, then a store), and then each descendant whose medium follows
+    /// from it, parents before children.
+    pub(super) fn router_refresh(&mut self, node: NodeRef) {
+        let mut stack = vec![node];
+        while let Some(n) = stack.pop() {
+            let Some(from) = self.tree.node(n).router_medium else {
+                continue;
+            };
+            let to = self.chain_medium(n);
+            if from == to {
+                continue;
+            }
+            self.router_events.push(RouterEvent::BlockRemoved {
+                block_hashes: vec![self.tree.node(n).key.hash64()],
+                medium: from,
+            });
+            self.tree.set_router_medium(n, Some(to));
+            let e = self.router_stored(n, to);
+            self.router_events.push(e);
+            let mut children = self.tree.child_blocks(n);
+            children.reverse();
+            stack.extend(children);
+        }
     }
 
     // ---- sequences ------------------------------------------------------------------

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 use super::reuse_key::{BlockKey, KeyHasher};
+use super::router_events::Medium;
 use crate::ids::{PageId, TokenId};
 
 impl Hash for BlockKey {
@@ -63,6 +64,9 @@ pub(crate) struct Node {
     pub pages: Vec<PageId>,
     /// LoRA adapter of the node's reuse scope (router events name it).
     pub lora_id: Option<u64>,
+    /// The medium this full block was last announced on to routers (`None`: not
+    /// announced — a partial block, or router events off).
+    pub router_medium: Option<Medium>,
 }
 
 /// The result of walking the tree with a token sequence.
@@ -90,8 +94,8 @@ pub(crate) enum Insert {
 pub(crate) struct Removed {
     pub key: BlockKey,
     pub pages: Vec<PageId>,
-    /// Tokens the block held (a full block: tokens per block).
-    pub num_tokens: usize,
+    /// The medium the block was announced on to routers, if it was.
+    pub router_medium: Option<Medium>,
 }
 
 #[derive(Default, Debug)]
@@ -167,6 +171,7 @@ impl RadixTree {
             children: KeyMap::default(),
             pages,
             lora_id,
+            router_medium: None,
         }
     }
 
@@ -328,7 +333,7 @@ impl RadixTree {
             removed.push(Removed {
                 key: n.key,
                 pages: std::mem::take(&mut n.pages),
-                num_tokens: n.tokens.len(),
+                router_medium: n.router_medium.take(),
             });
             n.tokens = Vec::new();
             self.free.push(i);
@@ -357,7 +362,7 @@ impl RadixTree {
                 removed.push(Removed {
                     key: n.key,
                     pages: std::mem::take(&mut n.pages),
-                    num_tokens: n.tokens.len(),
+                    router_medium: n.router_medium.take(),
                 });
             }
             n.tokens = Vec::new();
@@ -365,6 +370,50 @@ impl RadixTree {
         }
         self.roots.clear();
         self.num_blocks = 0;
+    }
+
+    /// Records the medium a block was announced on to routers.
+    pub fn set_router_medium(&mut self, r: NodeRef, medium: Option<Medium>) {
+        let n = &mut self.nodes[r.idx as usize];
+        assert!(
+            n.live && n.gen == r.gen,
+            "invariant: node reference is live"
+        );
+        n.router_medium = medium;
+    }
+
+    /// The parent of a block when the parent is a block (`None` under a scope root).
+    pub fn parent_block(&self, r: NodeRef) -> Option<NodeRef> {
+        let p = self.node(r).parent?;
+        self.nodes[p as usize].parent.map(|_| self.r(p))
+    }
+
+    /// The child blocks of a node, in ascending key order.
+    pub fn child_blocks(&self, r: NodeRef) -> Vec<NodeRef> {
+        let mut c: Vec<u32> = self.node(r).children.values().copied().collect();
+        c.sort_unstable_by(|&a, &b| self.nodes[a as usize].key.cmp(&self.nodes[b as usize].key));
+        c.into_iter().map(|i| self.r(i)).collect()
+    }
+
+    /// Every live block, each after its parent (scope roots by key, then depth first,
+    /// siblings by key).
+    pub fn blocks_top_down(&self) -> Vec<NodeRef> {
+        let mut roots: Vec<u32> = self.roots.values().copied().collect();
+        roots
+            .sort_unstable_by(|&a, &b| self.nodes[b as usize].key.cmp(&self.nodes[a as usize].key));
+        let mut out = Vec::with_capacity(self.num_blocks);
+        let mut stack = roots;
+        while let Some(i) = stack.pop() {
+            if self.nodes[i as usize].parent.is_some() {
+                out.push(self.r(i));
+            }
+            let first = stack.len();
+            stack.extend(self.nodes[i as usize].children.values().copied());
+            let nodes = &self.nodes;
+            stack[first..]
+                .sort_unstable_by(|&a, &b| nodes[b as usize].key.cmp(&nodes[a as usize].key));
+        }
+        out
     }
 
     /// Every live block with its parent, for invariant checks.

@@ -7,7 +7,7 @@ use super::events::KvEvent;
 use super::manager::KvCacheManager;
 use super::pages::{Page, PageStatus};
 use super::radix::Removed;
-use super::router_events::{Medium, RouterEvent};
+use super::router_events::RouterEvent;
 use super::slot_allocator::SlotGrant;
 use crate::ids::{Fence, LifeCycleId, PageId, PoolGroupId, SlotId, Tier};
 use crate::ops::{CopyPlan, GroupCopy};
@@ -114,15 +114,10 @@ impl KvCacheManager {
             if self.opts.record_events {
                 self.events.push(KvEvent::Removed { key: r.key });
             }
-            if self.record_router_events && r.num_tokens == self.tpb as usize {
-                let all_gpu = r.pages.iter().all(|&pid| self.pages[pid].tier == Tier::Gpu);
+            if let (true, Some(medium)) = (self.record_router_events, r.router_medium) {
                 self.router_events.push(RouterEvent::BlockRemoved {
                     block_hashes: vec![r.key.hash64()],
-                    medium: if all_gpu {
-                        Medium::Gpu
-                    } else {
-                        Medium::CpuPinned
-                    },
+                    medium,
                 });
             }
             for pid in r.pages {
@@ -205,10 +200,6 @@ impl KvCacheManager {
             (p.tier, p.group, p.slot, p.life_cycle)
         };
         debug_assert_ne!(from, to);
-        let medium_before = match (self.pages[pid].node, self.record_router_events) {
-            (Some(node), true) => Some((node, self.block_medium(node))),
-            _ => None,
-        };
         self.dequeue(pid);
         let g = self.grant(to, group);
         let fence = self.plan_copy(group, (from, old_slot), (to, g.slot), g.wait_for);
@@ -236,8 +227,8 @@ impl KvCacheManager {
                 to,
             });
         }
-        if let Some((node, before)) = medium_before {
-            self.router_moved(node, before);
+        if let (Some(node), true) = (self.pages[pid].node, self.record_router_events) {
+            self.router_refresh(node);
         }
         self.refresh_queue(pid);
     }

@@ -1,7 +1,8 @@
 //! Router-grade KV events: the vLLM / Dynamo `BlockStored` / `BlockRemoved` /
 //! `AllBlocksCleared` payloads a KV-aware router consumes, one event per full block,
-//! parents before children, with token ids and a 64-bit block hash. A block's pages
-//! moving between tiers is a removal on the old medium and a store on the new one.
+//! parents before children, with token ids and a 64-bit block hash. A block's medium
+//! (see [`Medium`]) changing is a removal on the old medium and a store on the new one;
+//! a parent leaving the GPU takes its descendants' announcements with it (parents first).
 //! [`RouterView`] replays them and checks each against what it has seen: the reference
 //! consumer that tests hold against [`KvCacheManager::router_blocks`](super::KvCacheManager::router_blocks).
 
@@ -15,10 +16,13 @@ use crate::ids::Tier;
 /// Where a block's KV lives, in the router's vocabulary (vLLM's `medium`).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 pub enum Medium {
-    /// Every page of the block is in GPU memory.
+    /// Every page of the block, and of every block before it in its prefix, is in GPU
+    /// memory: reusable without a copy.
     #[serde(rename = "GPU")]
     Gpu,
-    /// At least one page of the block is in pinned host memory (reusable after onboarding).
+    /// A page of the block or of a block before it is in pinned host memory: reusable
+    /// after onboarding. Along any prefix the GPU blocks come first, as tiered routers
+    /// (a device index, then host tiers continuing its matches) expect.
     #[serde(rename = "CPU_PINNED")]
     CpuPinned,
 }

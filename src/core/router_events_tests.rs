@@ -6,7 +6,7 @@
 use super::reuse_key::KeyHasher;
 use super::tests::{cache, mgr, mgr_with, start, toks};
 use super::*;
-use crate::ids::{RequestId, TokenId};
+use crate::ids::{RequestId, Tier, TokenId};
 
 fn key_chain(scope: ReuseScope, blocks: &[std::ops::Range<u32>]) -> Vec<BlockKey> {
     let mut h = KeyHasher::default();
@@ -231,6 +231,88 @@ fn tier_moves_are_a_removal_and_a_store() {
         m.router_blocks(),
         sorted(vec![block(k[0], Medium::Gpu), block(k[1], Medium::Gpu)])
     );
+    drop(c);
+}
+
+/// A block is on the GPU for a router only when every block before it in its prefix is:
+/// offloading a parent whose child stays on the GPU re-announces the child on the host
+/// (after its parent), and onboarding the parent brings the child back to the GPU. A
+/// tiered router (a device tree, then host tiers continuing it) then counts the whole
+/// prefix, as the cache does.
+#[test]
+fn a_child_follows_its_parent_off_the_gpu_and_back() {
+    let opts = ManagerOptions {
+        max_util_for_resume: 1.0,
+        ..Default::default()
+    };
+    let mut m = mgr_with(4, 8, opts);
+    m.set_record_router_events(true);
+    let mut all = Vec::new();
+    // The first block at a low priority, its child at a high one: the parent is
+    // evicted first.
+    cache(&mut m, 1, &toks(0..4), 10);
+    cache(&mut m, 2, &toks(0..8), 90);
+    let k = key_chain(ReuseScope::SHARED, &[0..4, 4..8]);
+    all.extend(m.take_router_events());
+    let mut x = start(&mut m, 3, &toks(100..109), 35);
+    assert!(m.resize(&x, 12, 0).unwrap());
+    let tiers: Vec<Tier> = m.cached_blocks().iter().map(|p| p.tier).collect();
+    let k0_first = k[0] < k[1];
+    let expected_tiers = if k0_first {
+        vec![Tier::Host, Tier::Gpu]
+    } else {
+        vec![Tier::Gpu, Tier::Host]
+    };
+    assert_eq!(
+        tiers, expected_tiers,
+        "only the parent's page was offloaded"
+    );
+    let offload = m.take_router_events();
+    assert_eq!(
+        offload,
+        vec![
+            removed(k[0], Medium::Gpu),
+            stored(k[0], None, 0..4, Medium::CpuPinned),
+            removed(k[1], Medium::Gpu),
+            stored(k[1], Some(k[0]), 4..8, Medium::CpuPinned),
+        ]
+    );
+    all.extend(offload);
+    replay_check(&[], &all, &m.router_blocks()).unwrap();
+    assert_eq!(
+        m.router_blocks(),
+        sorted(vec![
+            block(k[0], Medium::CpuPinned),
+            block(k[1], Medium::CpuPinned)
+        ])
+    );
+    m.check_invariants();
+    // Onboarding the parent: the child (its page never left) is back on the GPU too.
+    m.close(&mut x).unwrap();
+    all.extend(m.take_router_events());
+    let c = m
+        .create(
+            RequestId(4),
+            ReuseScope::SHARED,
+            &toks(0..9),
+            SeqOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(c.reused_tokens, 8);
+    assert!(m.resume(&c.handle).unwrap());
+    let onboard = m.take_router_events();
+    assert_eq!(
+        onboard,
+        vec![
+            removed(k[0], Medium::CpuPinned),
+            stored(k[0], None, 0..4, Medium::Gpu),
+            removed(k[1], Medium::CpuPinned),
+            stored(k[1], Some(k[0]), 4..8, Medium::Gpu),
+        ]
+    );
+    all.extend(onboard);
+    replay_check(&[], &all, &m.router_blocks()).unwrap();
+    m.check_invariants();
     drop(c);
 }
 

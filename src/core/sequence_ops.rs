@@ -192,6 +192,9 @@ impl KvCacheManager {
                     p.priority = priority;
                     self.refresh_queue(pid);
                 }
+                if len == tpb && self.record_router_events {
+                    self.router_announce(node);
+                }
                 if self.opts.record_events {
                     // A suspended sequence's pages may sit on different tiers (each pool
                     // group is evicted on its own): the event names life cycle 0's tier
@@ -204,11 +207,6 @@ impl KvCacheManager {
                         tier,
                         priority,
                     });
-                    if len == tpb && self.record_router_events {
-                        let medium = self.block_medium(node);
-                        let e = self.router_stored(node, medium);
-                        self.router_events.push(e);
-                    }
                     for (lc, &pid) in pages.iter().enumerate().skip(1) {
                         let to = self.pages[pid].tier;
                         if to != tier {
@@ -225,7 +223,6 @@ impl KvCacheManager {
             }
             Insert::Duplicate(node) if len == tpb => {
                 self.stats.rebased_blocks += 1;
-                let medium_before = self.block_medium(node);
                 let record_router = self.record_router_events;
                 for (lc, &ours) in pages.iter().enumerate() {
                     let theirs = self.tree.node(node).pages[lc];
@@ -260,7 +257,7 @@ impl KvCacheManager {
                     }
                 }
                 if record_router {
-                    self.router_moved(node, medium_before);
+                    self.router_refresh(node);
                 }
                 self.seq_mut(idx).nodes.push(node);
             }

@@ -826,6 +826,30 @@ impl RefCache {
         (self.seqs[&id].pages.len() / self.n_lc()) as u64
     }
 
+    /// Every full cached block's 64-bit hash and whether a router sees it on the GPU:
+    /// its pages and the pages of every block before it in its prefix are on the GPU.
+    pub fn router_media(&self) -> Vec<(u64, bool)> {
+        let on_gpu = |n: &Node| n.pages.iter().all(|pid| self.pages[pid].tier == Tier::Gpu);
+        let mut out: Vec<(u64, bool)> = self
+            .nodes
+            .values()
+            .filter(|n| n.tokens.len() == self.shape.tokens_per_block)
+            .map(|n| {
+                let mut gpu = on_gpu(n);
+                let mut up = n.parent;
+                while let Some(p) = up {
+                    gpu &= on_gpu(&self.nodes[&p]);
+                    up = self.nodes[&p].parent;
+                }
+                // The first 8 bytes of the key, little-endian (the crate's 64-bit hash).
+                let hash = u64::from_le_bytes(n.key.0[..8].try_into().expect("8 bytes"));
+                (hash, gpu)
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Every cached block's page: (key, life cycle, tier), sorted.
     pub fn cached(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
         let mut out: Vec<_> = self
