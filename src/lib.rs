@@ -51,6 +51,8 @@ pub mod metadata;
 pub mod model;
 pub mod ops;
 pub mod prelude;
+#[cfg(feature = "zmq")]
+pub mod publish;
 pub mod rng;
 pub mod storage;
 pub mod sync;

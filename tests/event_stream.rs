@@ -224,19 +224,23 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     assert!(!snap.blocks.is_empty());
     assert_eq!(a.view.blocks(), snap.blocks, "the replay is the cache");
     assert_eq!(b.view.blocks(), snap.blocks);
-    // Every router block is a block of the crate's own snapshot, on the GPU iff all
-    // its pages are.
+    // Every router block is a block of the crate's own snapshot, on the GPU iff its
+    // pages and those of every block before it in its prefix are.
     let tree = kv.take_events_with_snapshot().await.unwrap().blocks;
-    let mut gpu: HashMap<u64, bool> = HashMap::new();
+    let mut own: HashMap<u64, bool> = HashMap::new();
+    let mut parent: HashMap<u64, Option<u64>> = HashMap::new();
     for p in &tree {
-        *gpu.entry(p.key.hash64()).or_insert(true) &= p.tier == dsa_kv::ids::Tier::Gpu;
+        *own.entry(p.key.hash64()).or_insert(true) &= p.tier == dsa_kv::ids::Tier::Gpu;
+        parent.insert(p.key.hash64(), p.parent.map(|k| k.hash64()));
     }
     for blk in &snap.blocks {
-        let medium = if gpu[&blk.hash] {
-            Medium::Gpu
-        } else {
-            Medium::CpuPinned
-        };
+        let mut gpu = own[&blk.hash];
+        let mut up = parent[&blk.hash];
+        while let Some(h) = up {
+            gpu &= own[&h];
+            up = parent[&h];
+        }
+        let medium = if gpu { Medium::Gpu } else { Medium::CpuPinned };
         assert_eq!(blk.medium, medium, "{blk:?}");
     }
     kv.shutdown().await;

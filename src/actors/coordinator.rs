@@ -1091,6 +1091,20 @@ impl Message<GetRouterSnapshot> for Coordinator {
     }
 }
 
+/// Tokens of a prompt the target cache would serve now.
+pub struct ProbeReuse {
+    pub scope: crate::core::ReuseScope,
+    pub prompt: Vec<TokenId>,
+}
+
+impl Message<ProbeReuse> for Coordinator {
+    type Reply = Result<u64, RuntimeError>;
+
+    async fn handle(&mut self, m: ProbeReuse, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(self.sched.probe_reuse(m.scope, &m.prompt)?)
+    }
+}
+
 impl Coordinator {
     /// Call right after `drain_events`: nothing is pending, so the tree is exactly the
     /// state after every published batch.

@@ -628,6 +628,25 @@ impl KvCacheHandle {
             .await?)
     }
 
+    /// Tokens of `prompt` the target cache would serve if the request were submitted now
+    /// (its longest cached prefix, on the GPU or the host tier; never the last token,
+    /// whose logits are needed), without holding anything. `tokens / 64` is the number
+    /// of whole blocks a KV-aware router's overlap score for this cache should give
+    /// for the same tokens without the last one.
+    pub async fn probe_reuse(
+        &self,
+        scope: crate::core::ReuseScope,
+        prompt: &[TokenId],
+    ) -> Result<u64, RuntimeError> {
+        self.coordinator
+            .ask(super::coordinator::ProbeReuse {
+                scope,
+                prompt: prompt.to_vec(),
+            })
+            .await
+            .map_err(RuntimeError::from)
+    }
+
     /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
     /// clears), oldest first. The runtime keeps the newest
     /// [`event_capacity`](KvCacheBuilder::event_capacity); older ones are dropped

@@ -17,6 +17,8 @@ use crate::ids::{LifeCycleId, Tier};
 pub struct CachedPage {
     /// The block's chained key.
     pub key: BlockKey,
+    /// The parent block's key (`None` for the first block under a scope root).
+    pub parent: Option<BlockKey>,
     /// The life cycle the page belongs to.
     pub life_cycle: LifeCycleId,
     /// Where the page is now.
@@ -31,12 +33,17 @@ impl KvCacheManager {
         let mut out: Vec<CachedPage> = self
             .tree
             .blocks()
-            .flat_map(|(_, node)| {
-                node.pages.iter().enumerate().map(|(lc, &pid)| CachedPage {
-                    key: node.key,
-                    life_cycle: LifeCycleId(lc as u16),
-                    tier: self.pages[pid].tier,
-                })
+            .flat_map(|(r, node)| {
+                let parent = self.tree.parent_block_key(r);
+                node.pages
+                    .iter()
+                    .enumerate()
+                    .map(move |(lc, &pid)| CachedPage {
+                        key: node.key,
+                        parent,
+                        life_cycle: LifeCycleId(lc as u16),
+                        tier: self.pages[pid].tier,
+                    })
             })
             .collect();
         out.sort_unstable();

@@ -526,9 +526,15 @@ impl KvCacheManager {
     }
 
     /// After pages of an announced block changed tier: re-announces it when its medium
-    /// changed (a removal, then a store), and then each descendant whose medium follows
-    /// from it, parents before children.
+    /// changed, and each descendant whose medium follows from it. The removals come
+    /// children first, then the stores parents first, so a router never holds a block
+    /// on a medium whose parent it has not got on any, and a tree router that drops
+    /// descendants with their parent never meets a removal of a block it dropped.
     pub(super) fn router_refresh(&mut self, node: NodeRef) {
+        // Pre-order over the blocks whose medium changes (a block keeping its medium
+        // keeps its descendants' too); each new medium is recorded before its children
+        // read it.
+        let mut changed: Vec<(NodeRef, Medium, Medium)> = Vec::new();
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
             let Some(from) = self.tree.node(n).router_medium else {
@@ -538,16 +544,21 @@ impl KvCacheManager {
             if from == to {
                 continue;
             }
+            self.tree.set_router_medium(n, Some(to));
+            changed.push((n, from, to));
+            let mut children = self.tree.child_blocks(n);
+            children.reverse();
+            stack.extend(children);
+        }
+        for &(n, from, _) in changed.iter().rev() {
             self.router_events.push(RouterEvent::BlockRemoved {
                 block_hashes: vec![self.tree.node(n).key.hash64()],
                 medium: from,
             });
-            self.tree.set_router_medium(n, Some(to));
+        }
+        for &(n, _, to) in &changed {
             let e = self.router_stored(n, to);
             self.router_events.push(e);
-            let mut children = self.tree.child_blocks(n);
-            children.reverse();
-            stack.extend(children);
         }
     }
 

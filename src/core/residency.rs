@@ -108,17 +108,24 @@ impl KvCacheManager {
         self.pages.release(pid);
     }
 
-    /// Unlinks pages of removed tree blocks; frees those nobody refers to.
+    /// Unlinks pages of removed tree blocks (a subtree in pre-order); frees those nobody
+    /// refers to. Routers hear of the removals children first: a tree router that drops
+    /// a block's descendants with it (Dynamo's does) then never meets a removal of a
+    /// block it already dropped.
     pub(super) fn handle_removed(&mut self, removed: Vec<Removed>) {
+        if self.record_router_events {
+            for r in removed.iter().rev() {
+                if let Some(medium) = r.router_medium {
+                    self.router_events.push(RouterEvent::BlockRemoved {
+                        block_hashes: vec![r.key.hash64()],
+                        medium,
+                    });
+                }
+            }
+        }
         for r in removed {
             if self.opts.record_events {
                 self.events.push(KvEvent::Removed { key: r.key });
-            }
-            if let (true, Some(medium)) = (self.record_router_events, r.router_medium) {
-                self.router_events.push(RouterEvent::BlockRemoved {
-                    block_hashes: vec![r.key.hash64()],
-                    medium,
-                });
             }
             for pid in r.pages {
                 self.pages[pid].node = None;

@@ -268,12 +268,13 @@ fn a_child_follows_its_parent_off_the_gpu_and_back() {
         "only the parent's page was offloaded"
     );
     let offload = m.take_router_events();
+    // Removals children first, stores parents first.
     assert_eq!(
         offload,
         vec![
+            removed(k[1], Medium::Gpu),
             removed(k[0], Medium::Gpu),
             stored(k[0], None, 0..4, Medium::CpuPinned),
-            removed(k[1], Medium::Gpu),
             stored(k[1], Some(k[0]), 4..8, Medium::CpuPinned),
         ]
     );
@@ -304,9 +305,9 @@ fn a_child_follows_its_parent_off_the_gpu_and_back() {
     assert_eq!(
         onboard,
         vec![
+            removed(k[1], Medium::CpuPinned),
             removed(k[0], Medium::CpuPinned),
             stored(k[0], None, 0..4, Medium::Gpu),
-            removed(k[1], Medium::CpuPinned),
             stored(k[1], Some(k[0]), 4..8, Medium::Gpu),
         ]
     );

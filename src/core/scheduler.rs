@@ -455,6 +455,12 @@ impl Scheduler {
         &self.target
     }
 
+    /// Tokens of `prompt` the target cache would serve now
+    /// ([`KvCacheManager::probe_reuse`]); holds nothing.
+    pub fn probe_reuse(&mut self, scope: ReuseScope, prompt: &[TokenId]) -> Result<u64, KvError> {
+        self.target.probe_reuse(scope, prompt)
+    }
+
     /// The draft manager.
     pub fn draft(&self) -> Option<&KvCacheManager> {
         self.draft.as_ref()
