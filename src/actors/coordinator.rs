@@ -187,7 +187,7 @@ pub struct Coordinator {
     history: History,
     /// Each admitted request's `request` span, from its submission until it finishes,
     /// fails or is cancelled ([`resolve`](Self::resolve) drops it, which closes it).
-    request_spans: HashMap<RequestId, tracing::Span>,
+    request_spans: HashMap<RequestId, RequestTrace>,
     pending_manager_us: u64,
     /// The step scheduled and not committed yet: a client whose `step` future was
     /// dropped gets its report again (the step ran; its report must not be lost).
@@ -195,6 +195,12 @@ pub struct Coordinator {
     /// How long the coordinator polls for the devices' replies before yielding.
     idle_spin: Duration,
     shared: Arc<RuntimeShared>,
+}
+
+/// A request's `request` span and whether a step has activated it yet.
+struct RequestTrace {
+    span: tracing::Span,
+    started: bool,
 }
 
 /// What the report of the step in flight is rebuilt from when
@@ -380,7 +386,7 @@ impl Coordinator {
     }
 
     fn resolve(&mut self, id: RequestId, result: Result<FinishedReport, RuntimeError>) {
-        if let Some(span) = self.request_spans.remove(&id) {
+        if let Some(RequestTrace { span, .. }) = self.request_spans.remove(&id) {
             match &result {
                 Ok(r) => tracing::debug!(
                     parent: &span,
@@ -554,7 +560,13 @@ impl Message<Submit> for Coordinator {
         self.publish_counters();
         span.record("reused", r);
         tracing::debug!(parent: &span, reused = r, "submitted");
-        self.request_spans.insert(id, span);
+        self.request_spans.insert(
+            id,
+            RequestTrace {
+                span,
+                started: false,
+            },
+        );
         Ok(r)
     }
 }
@@ -761,12 +773,31 @@ impl Coordinator {
 
     /// The step's events in the span of each request it touched. Nothing is looked up
     /// when no subscriber wants them (this runs every step, for every request).
-    fn request_events(&self, plan: &StepPlan) {
+    fn request_events(&mut self, plan: &StepPlan) {
+        // A new request waits until its first step activates it: the scheduler reports
+        // that as a resume, its trace as its start.
+        for id in &plan.resumed {
+            if let Some(t) = self.request_spans.get_mut(id) {
+                if t.started {
+                    tracing::debug!(parent: &t.span, step = plan.step, "resumed");
+                } else {
+                    t.started = true;
+                    tracing::debug!(parent: &t.span, step = plan.step, "started");
+                }
+            }
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for id in &plan.preempted {
+                if let Some(t) = self.request_spans.get(id) {
+                    tracing::debug!(parent: &t.span, step = plan.step, "preempted");
+                }
+            }
+        }
         if tracing::enabled!(tracing::Level::TRACE) {
             for p in &plan.requests {
-                if let Some(span) = self.request_spans.get(&p.id) {
+                if let Some(t) = self.request_spans.get(&p.id) {
                     tracing::trace!(
-                        parent: span,
+                        parent: &t.span,
                         step = plan.step,
                         kind = ?p.kind,
                         num_cached = p.num_cached,
@@ -774,18 +805,6 @@ impl Coordinator {
                         num_drafts = p.num_drafts,
                         "scheduled"
                     );
-                }
-            }
-        }
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            for id in &plan.preempted {
-                if let Some(span) = self.request_spans.get(id) {
-                    tracing::debug!(parent: span, step = plan.step, "preempted");
-                }
-            }
-            for id in &plan.resumed {
-                if let Some(span) = self.request_spans.get(id) {
-                    tracing::debug!(parent: span, step = plan.step, "resumed");
                 }
             }
         }
