@@ -227,4 +227,67 @@ async fn a_request_span_lives_from_submit_to_finish() {
     kv.shutdown().await;
     let shutdown = recorder.spans("handle", "shutdown");
     assert!(shutdown.len() == 1 && shutdown[0].closed, "{shutdown:?}");
+
+    // Under memory pressure: every preemption is an event in its request's span.
+    let kv = KvCacheBuilder::new()
+        .config(tight_config())
+        .start()
+        .await
+        .unwrap();
+    const N: u64 = 16;
+    for i in 0..N {
+        kv.submit(SubmitRequest {
+            max_new_tokens: 8 + (i as u32 % 9),
+            priority: [10, 35, 60][i as usize % 3],
+            ..request(100 + i, 200 + (i as u32 * 53) % 300)
+        })
+        .await
+        .unwrap();
+    }
+    let mut finished = 0;
+    for _ in 0..5000 {
+        let rep = kv.step(HashMap::new()).await.unwrap();
+        let c = kv.commit(outcomes(&rep, |_| TokenId(7))).await.unwrap();
+        finished += c.finished.len() as u64;
+        if finished == N {
+            break;
+        }
+    }
+    let st = kv.stats().await.unwrap();
+    kv.shutdown().await;
+    assert_eq!(st.finished, N);
+    let requests = recorder.spans("coordinator", "request");
+    let requests = &requests[3..];
+    assert_eq!(requests.len(), N as usize);
+    let mut preempted = 0;
+    for span in requests {
+        assert!(span.closed, "{span:?}");
+        let count = |what: &str| span.events.iter().filter(|e| *e == what).count();
+        assert_eq!(
+            (count("submitted"), count("started"), count("finished")),
+            (1, 1, 1),
+            "{span:?}"
+        );
+        assert_eq!(span.events.last().map(String::as_str), Some("finished"));
+        preempted += count("preempted") as u64;
+    }
+    assert!(st.preemptions > 0, "no memory pressure: {st:?}");
+    assert_eq!(
+        preempted, st.preemptions,
+        "a preempted event per preemption"
+    );
+}
+
+/// Room for a few requests at a time, and a host tier to offload to (as in
+/// `tests/metrics.rs`).
+fn tight_config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(3);
+    c.kv_cache.max_tokens = Some(1024);
+    c.kv_cache.host_cache_size = Some(2048 * 3 * 708 + (8 << 20));
+    c.scheduler.max_num_sequences = 16;
+    c.scheduler.max_num_tokens = 512;
+    c.scheduler.max_prefill_chunk = 256;
+    c.scheduler.max_seq_len = 2048;
+    c
 }

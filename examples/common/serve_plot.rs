@@ -17,6 +17,9 @@ const HIT: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
 /// Steps with a preemption: one vertical line each.
 pub const PREEMPTION: RGBColor = RGBColor(0x94, 0x67, 0xbd);
 
+/// What one line plots of a step.
+type Value = fn(&StepSample) -> f64;
+
 /// The top of the y axis: the values end at 1.0, the legend sits above them.
 const Y_TOP: f64 = 1.5;
 
@@ -89,7 +92,7 @@ fn draw(
         )?
         .label("step with a preemption")
         .legend(|(x, y)| PathElement::new(vec![(x + 9, y - 6), (x + 9, y + 6)], PREEMPTION));
-    let series: [(String, RGBColor, fn(&StepSample) -> f64); 3] = [
+    let series: [(String, RGBColor, Value); 3] = [
         ("GPU utilization (pool group 0)".into(), GPU, |s| {
             s.gpu_utilization
         }),
