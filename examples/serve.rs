@@ -64,12 +64,17 @@
 //! CUDA graph. The exactness check compares the GPU's tokens and logits with the host
 //! reference, bit for bit.
 //!
-//! Writes `DIR/serve_report.json` and `DIR/serve_report.svg` (default `target/serve`).
+//! Writes `DIR/serve_report.json` (the report and the per-step `history`, from
+//! `KvCacheHandle::history`) and `DIR/serve_report.svg` (GPU and host utilization and
+//! the rolling prefix hit rate per step, a line at every step that preempted; drawn with
+//! `plotters`), in `DIR` (default `target/serve`).
 
 // The report's `json!` object has more keys than the macro's default recursion allows.
 #![recursion_limit = "256"]
 
 mod common;
+#[path = "common/serve_plot.rs"]
+mod serve_plot;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
@@ -638,6 +643,8 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         eprintln!();
     }
     let st = kv.stats().await?;
+    // Every step the runtime kept (the last `HISTORY`), for the report and the plot.
+    let history = kv.history(0).await?;
     let counts = kv.check_invariants().await?;
     #[cfg(feature = "fault-injection")]
     let room_refusals = kv.inject_room_failures(0, 0).await?;
@@ -721,15 +728,21 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         .map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let json_path = a.out.join("serve_report.json");
     let mut full = report.clone();
-    full["history"] = serde_json::to_value(&st.history).unwrap_or_default();
+    full["history"] = serde_json::to_value(&history.samples).unwrap_or_default();
+    if history.dropped > 0 {
+        full["history_dropped"] = json!(history.dropped);
+    }
     std::fs::write(
         &json_path,
         serde_json::to_string_pretty(&full).unwrap_or_default(),
     )
     .map_err(|e| format!("cannot write {}: {e}", json_path.display()))?;
     let svg_path = a.out.join("serve_report.svg");
-    std::fs::write(&svg_path, plot(&st))
-        .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
+    std::fs::write(
+        &svg_path,
+        serve_plot::plot(&history.samples, history.dropped)?,
+    )
+    .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
     if let Some(handle) = &prometheus {
         let path = a.out.join("metrics.prom");
         std::fs::write(&path, handle.render())
@@ -1217,46 +1230,6 @@ fn summary(
         json_path.display(),
         svg_path.display()
     );
-}
-
-/// An SVG of GPU utilization and the rolling prefix hit rate over steps.
-fn plot(st: &RuntimeStats) -> String {
-    let (w, h, pad) = (900.0, 320.0, 40.0);
-    let n = st.history.len().max(2) as f64;
-    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (n - 1.0);
-    let y = |v: f64| h - pad - (h - 2.0 * pad) * v.clamp(0.0, 1.0);
-    let line = |f: &dyn Fn(usize) -> f64| -> String {
-        st.history
-            .iter()
-            .enumerate()
-            .map(|(i, _)| format!("{:.1},{:.1}", x(i), y(f(i))))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let util = line(&|i| st.history[i].gpu_utilization);
-    let host = line(&|i| st.history[i].host_utilization);
-    let hit = line(&|i| st.history[i].rolling_hit_rate);
-    format!(
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
-<rect width="100%" height="100%" fill="white"/>
-<text x="{pad}" y="20">dsa-kv serve: GPU / host utilization and rolling prefix hit rate over {steps} steps</text>
-<line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="black"/>
-<text x="8" y="{t}">1.0</text><text x="8" y="{b}">0.0</text><text x="{r}" y="{lb}" text-anchor="end">step</text>
-<polyline fill="none" stroke="#d62728" stroke-width="1.2" points="{util}"/>
-<polyline fill="none" stroke="#ff7f0e" stroke-width="1" stroke-dasharray="4 2" points="{host}"/>
-<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{hit}"/>
-<text x="{l1}" y="36" fill="#d62728">GPU utilization</text><text x="{l2}" y="36" fill="#ff7f0e">host utilization</text><text x="{l3}" y="36" fill="#1f77b4">rolling hit rate</text>
-</svg>
-"##,
-        steps = st.history.len(),
-        b = h - pad,
-        r = w - pad,
-        t = pad + 4.0,
-        lb = h - 10.0,
-        l1 = pad + 10.0,
-        l2 = pad + 150.0,
-        l3 = pad + 290.0,
-    )
 }
 
 fn main() -> ExitCode {

@@ -617,10 +617,16 @@ async fn commit_and_step_does_what_commit_then_step_do() {
         }
         let log = drive(&kv, combined).await;
         let stats = kv.stats().await.unwrap();
+        let history = kv.history(0).await.unwrap();
         let events = kv.take_events().await.unwrap();
         let counts = kv.check_invariants().await.unwrap();
         kv.shutdown().await;
-        runs.push((log, stats, events, counts));
+        let sampled: Vec<(u64, u32, u32)> = history
+            .samples
+            .iter()
+            .map(|h| (h.step, h.scheduled, h.preempted))
+            .collect();
+        runs.push((log, stats, events, counts, sampled));
     }
     let (b, a) = (runs.pop().unwrap(), runs.pop().unwrap());
     assert_eq!(a.0.len(), b.0.len(), "steps");
@@ -636,13 +642,17 @@ async fn commit_and_step_does_what_commit_then_step_do() {
             (s.prefill_tokens, s.decode_tokens),
             (s.drafts_proposed, s.drafts_accepted, s.draft_replays),
             (s.offload_bytes, s.onboard_bytes, s.events),
-            (s.tokens_verified, s.mismatches, s.history.len()),
+            (s.tokens_verified, s.mismatches, s.history_dropped),
         )
     };
     assert_eq!(counters(&a.1), counters(&b.1));
     assert_eq!(a.1.mismatches, 0);
     assert_eq!(a.2, b.2, "KV events");
     assert_eq!(a.3, b.3, "cache occupancy");
+    assert_eq!(a.4, b.4, "history: steps, scheduled and preempted requests");
+    assert_eq!(a.4.len() as u64, a.1.steps, "a sample per step");
+    let preempted: u64 = a.4.iter().map(|h| u64::from(h.2)).sum();
+    assert_eq!(preempted, a.1.preemptions, "the history's preemptions");
 }
 
 /// A refused commit refuses the whole call: nothing is committed, no step runs, and the

@@ -26,7 +26,10 @@ use super::draft::{DraftReplayActor, DraftReport, DraftStep, SetDevices};
 use super::error::RuntimeError;
 use super::event_stream::{EventStream, EventSubscriber, RouterSnapshot};
 use super::shared::{spin_then_await, RuntimeShared};
-use super::stats::{ratio, EventCounts, Rolling, RuntimeStats, StepSample, TierUsage, HISTORY};
+use super::stats::{
+    ratio, EventCounts, History, HistoryChunk, Rolling, RuntimeStats, StepSample, TierUsage,
+    HISTORY,
+};
 use crate::core::scheduler::{
     Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
 };
@@ -181,7 +184,10 @@ pub struct Coordinator {
     rolling: Rolling,
     last_mgr: ManagerStats,
     stats: RuntimeStats,
-    history: VecDeque<StepSample>,
+    history: History,
+    /// Each admitted request's `request` span, from its submission until it finishes,
+    /// fails or is cancelled ([`resolve`](Self::resolve) drops it, which closes it).
+    request_spans: HashMap<RequestId, RequestTrace>,
     pending_manager_us: u64,
     /// The step scheduled and not committed yet: a client whose `step` future was
     /// dropped gets its report again (the step ran; its report must not be lost).
@@ -189,6 +195,12 @@ pub struct Coordinator {
     /// How long the coordinator polls for the devices' replies before yielding.
     idle_spin: Duration,
     shared: Arc<RuntimeShared>,
+}
+
+/// A request's `request` span and whether a step has activated it yet.
+struct RequestTrace {
+    span: tracing::Span,
+    started: bool,
 }
 
 /// What the report of the step in flight is rebuilt from when
@@ -281,7 +293,8 @@ impl Actor for Coordinator {
             rolling: Rolling::default(),
             last_mgr: ManagerStats::default(),
             stats,
-            history: VecDeque::new(),
+            history: History::new(HISTORY),
+            request_spans: HashMap::new(),
             pending_manager_us: 0,
             pending: None,
             idle_spin: args.idle_spin,
@@ -373,6 +386,21 @@ impl Coordinator {
     }
 
     fn resolve(&mut self, id: RequestId, result: Result<FinishedReport, RuntimeError>) {
+        if let Some(RequestTrace { span, .. }) = self.request_spans.remove(&id) {
+            match &result {
+                Ok(r) => tracing::debug!(
+                    parent: &span,
+                    generated = r.finished.generated,
+                    reused_tokens = r.finished.reused_tokens,
+                    preemptions = r.finished.preemptions,
+                    mismatches = r.mismatches.len(),
+                    "finished"
+                ),
+                Err(e) => tracing::debug!(parent: &span, error = %e, "failed"),
+            }
+            // Dropping the last handle closes the span.
+            drop(span);
+        }
         if let Some(ws) = self.watchers.remove(&id) {
             for w in ws {
                 let _ = w.send(result.clone());
@@ -445,15 +473,13 @@ impl Coordinator {
         self.last_mgr = m;
         let gpu = self.sched.target().usage(Tier::Gpu);
         let host = self.sched.target().usage(Tier::Host);
-        if self.history.len() == HISTORY {
-            self.history.pop_front();
-        }
-        self.history.push_back(StepSample {
+        self.history.push(StepSample {
             step: plan.step,
             gpu_utilization: gpu.first().map_or(0.0, |u| u.utilization),
             host_utilization: host.first().map_or(0.0, |u| u.utilization),
             rolling_hit_rate: self.rolling.rate(),
             scheduled: plan.requests.len() as u32,
+            preempted: plan.preempted.len() as u32,
             waiting: self.sched.num_waiting() as u32,
             manager_us,
         });
@@ -480,7 +506,7 @@ impl Coordinator {
             onboard_bytes: m.onboarded_bytes,
             utilization,
             events: self.event_counts,
-            history: self.history.iter().copied().collect(),
+            history_dropped: self.history.dropped(),
             ..self.stats.clone()
         }
     }
@@ -519,11 +545,28 @@ impl Message<Submit> for Coordinator {
             return Err(RuntimeError::NoDevices);
         }
         let id = msg.0.id;
+        // A root span: the request outlives the `submit` call that admits it.
+        let span = tracing::info_span!(
+            parent: None,
+            "request",
+            id = %id,
+            prompt_tokens = msg.0.prompt.len(),
+            max_new_tokens = msg.0.max_new_tokens,
+            reused = tracing::field::Empty,
+        );
         self.done.remove(&id);
         let r = self.sched.submit(msg.0)?;
         self.stats.submitted = self.sched.stats().submitted;
         self.publish_counters();
-        tracing::debug!(request = %id, reused = r, "submitted");
+        span.record("reused", r);
+        tracing::debug!(parent: &span, reused = r, "submitted");
+        self.request_spans.insert(
+            id,
+            RequestTrace {
+                span,
+                started: false,
+            },
+        );
         Ok(r)
     }
 }
@@ -728,9 +771,49 @@ impl Coordinator {
         Ok((pending.report(scheduled), pending))
     }
 
+    /// The step's events in the span of each request it touched. Nothing is looked up
+    /// when no subscriber wants them (this runs every step, for every request).
+    fn request_events(&mut self, plan: &StepPlan) {
+        // A new request waits until its first step activates it: the scheduler reports
+        // that as a resume, its trace as its start.
+        for id in &plan.resumed {
+            if let Some(t) = self.request_spans.get_mut(id) {
+                if t.started {
+                    tracing::debug!(parent: &t.span, step = plan.step, "resumed");
+                } else {
+                    t.started = true;
+                    tracing::debug!(parent: &t.span, step = plan.step, "started");
+                }
+            }
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for id in &plan.preempted {
+                if let Some(t) = self.request_spans.get(id) {
+                    tracing::debug!(parent: &t.span, step = plan.step, "preempted");
+                }
+            }
+        }
+        if tracing::enabled!(tracing::Level::TRACE) {
+            for p in &plan.requests {
+                if let Some(t) = self.request_spans.get(&p.id) {
+                    tracing::trace!(
+                        parent: &t.span,
+                        step = plan.step,
+                        kind = ?p.kind,
+                        num_cached = p.num_cached,
+                        num_tokens = p.tokens.len(),
+                        num_drafts = p.num_drafts,
+                        "scheduled"
+                    );
+                }
+            }
+        }
+    }
+
     /// A step's bookkeeping that its caller does not wait for (after the reply).
     fn after_step(&mut self, pending: PendingReport) {
         let t = Instant::now();
+        self.request_events(&pending.plan);
         self.drain_events();
         self.sample(&pending.plan, pending.manager_us);
         self.publish_metrics(&pending);
@@ -865,7 +948,7 @@ impl Coordinator {
         let deferred_us = t.elapsed().as_micros() as u64;
         self.stats.manager_us += self.pending_manager_us + manager_us + deferred_us;
         self.pending_manager_us = 0;
-        if let Some(last) = self.history.back_mut() {
+        if let Some(last) = self.history.last_mut() {
             last.manager_us += manager_us;
         }
     }
@@ -1001,6 +1084,20 @@ impl Message<GetStats> for Coordinator {
 
     async fn handle(&mut self, _: GetStats, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.snapshot()
+    }
+}
+
+/// Read the per-step history from a step on.
+pub struct GetHistory {
+    /// The first step wanted.
+    pub since: u64,
+}
+
+impl Message<GetHistory> for Coordinator {
+    type Reply = HistoryChunk;
+
+    async fn handle(&mut self, m: GetHistory, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.history.since(m.since)
     }
 }
 

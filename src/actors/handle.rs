@@ -9,11 +9,12 @@ use kameo::mailbox;
 use serde::Serialize;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
+use tracing::field::Empty;
 
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitAndStep, CommitAndStepReport, CommitReport,
-    Coordinator, CoordinatorArgs, Devices, FinishedReport, GetStats, Pause, PendingStep, Step,
-    StepReport, Submit, TakeEvents, Watch,
+    Coordinator, CoordinatorArgs, Devices, FinishedReport, GetHistory, GetStats, Pause,
+    PendingStep, Step, StepReport, Submit, TakeEvents, Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, Synchronize};
 use super::draft::DraftReplayActor;
@@ -21,7 +22,7 @@ use super::error::RuntimeError;
 #[cfg(feature = "fault-injection")]
 use super::faults::{DeviceFault, InjectFault};
 use super::shared::{LiveCounters, RuntimeShared};
-use super::stats::RuntimeStats;
+use super::stats::{HistoryChunk, RuntimeStats};
 use crate::config::{DsaModel, EngineConfig};
 use crate::core::quota::{CapacityPlan, GpuBudget};
 use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
@@ -229,6 +230,7 @@ impl KvCacheBuilder {
     }
 
     /// Validates everything, sizes the pools, spawns the actors.
+    #[tracing::instrument(name = "start", level = "info", skip_all)]
     pub async fn start(self) -> Result<KvCacheHandle, RuntimeError> {
         let rt = Handle::try_current().map_err(|_| RuntimeError::NoTokioRuntime)?;
         if matches!(rt.runtime_flavor(), RuntimeFlavor::CurrentThread) {
@@ -455,12 +457,14 @@ impl KvCacheHandle {
     }
 
     /// Admits a request; returns the prompt tokens a probe finds cached now.
+    #[tracing::instrument(level = "debug", skip_all, fields(request = %r.id, prompt_tokens = r.prompt.len(), max_new_tokens = r.max_new_tokens))]
     pub async fn submit(&self, r: SubmitRequest) -> Result<u64, RuntimeError> {
         Ok(self.coordinator.ask(Submit(r)).await?)
     }
 
     /// Plans one step and runs it on every device (`drafts`: each decoding request's
     /// draft tokens).
+    #[tracing::instrument(level = "debug", skip_all, fields(drafts = drafts.len(), step = Empty, scheduled = Empty))]
     pub async fn step(
         &self,
         drafts: HashMap<RequestId, Vec<TokenId>>,
@@ -473,6 +477,9 @@ impl KvCacheHandle {
             })
             .await?;
         rep.timing.arrived();
+        let span = tracing::Span::current();
+        span.record("step", rep.step);
+        span.record("scheduled", rep.scheduled.len());
         Ok(rep)
     }
 
@@ -480,16 +487,20 @@ impl KvCacheHandle {
     /// none). Messages are handled in order, so called after a `step` or `commit`
     /// future was dropped, it says whether that step ran (and what it scheduled) and
     /// whether that commit landed: an engine that lost a report commits it from here.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn pending_step(&self) -> Result<Option<StepReport>, RuntimeError> {
         Ok(self.coordinator.ask(PendingStep).await?)
     }
 
     /// Commits what the model sampled for the last step.
+    #[tracing::instrument(level = "debug", skip_all, fields(outcomes = outcomes.len(), finished = Empty))]
     pub async fn commit(
         &self,
         outcomes: Vec<RequestOutcome>,
     ) -> Result<CommitReport, RuntimeError> {
-        Ok(self.coordinator.ask(Commit(outcomes)).await?)
+        let rep = self.coordinator.ask(Commit(outcomes)).await?;
+        tracing::Span::current().record("finished", rep.finished.len());
+        Ok(rep)
     }
 
     /// Commits what the model sampled for the step in flight, then plans and runs the
@@ -532,6 +543,7 @@ impl KvCacheHandle {
     /// # kv.shutdown().await;
     /// # Ok(()) }
     /// ```
+    #[tracing::instrument(level = "debug", skip_all, fields(outcomes = outcomes.len(), drafts = drafts.len(), finished = Empty, step = Empty, scheduled = Empty))]
     pub async fn commit_and_step(
         &self,
         outcomes: Vec<RequestOutcome>,
@@ -545,13 +557,18 @@ impl KvCacheHandle {
                 sent: Instant::now(),
             })
             .await?;
+        let span = tracing::Span::current();
+        span.record("finished", rep.commit.finished.len());
         if let Ok(step) = &mut rep.step {
             step.timing.arrived();
+            span.record("step", step.step);
+            span.record("scheduled", step.scheduled.len());
         }
         Ok(rep)
     }
 
     /// Waits until a request finishes (or fails).
+    #[tracing::instrument(level = "debug", skip_all, fields(request = %id))]
     pub async fn wait(&self, id: RequestId) -> Result<FinishedReport, RuntimeError> {
         let (tx, rx) = oneshot::channel();
         self.coordinator.tell(Watch(id, tx)).await?;
@@ -561,24 +578,78 @@ impl KvCacheHandle {
     }
 
     /// Cancels a request that is not part of the step in flight.
+    #[tracing::instrument(level = "debug", skip_all, fields(request = %id))]
     pub async fn cancel(&self, id: RequestId) -> Result<(), RuntimeError> {
         Ok(self.coordinator.ask(Cancel(id)).await?)
     }
 
     /// Suspends a request until [`resume`](Self::resume): its pages are held (and may be
     /// offloaded) and it is not scheduled.
+    #[tracing::instrument(level = "debug", skip_all, fields(request = %id))]
     pub async fn suspend(&self, id: RequestId) -> Result<(), RuntimeError> {
         Ok(self.coordinator.ask(Pause(id, true)).await?)
     }
 
     /// Lets a suspended request run again (as soon as there is room).
+    #[tracing::instrument(level = "debug", skip_all, fields(request = %id))]
     pub async fn resume(&self, id: RequestId) -> Result<(), RuntimeError> {
         Ok(self.coordinator.ask(Pause(id, false)).await?)
     }
 
-    /// Statistics.
+    /// The counters, rates and current utilization: a small fixed-size read, fine to
+    /// call every step. The per-step history is read with [`history`](Self::history).
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn stats(&self) -> Result<RuntimeStats, RuntimeError> {
         Ok(self.coordinator.ask(GetStats).await?)
+    }
+
+    /// The per-step history (utilization, rolling hit rate, scheduled and preempted
+    /// requests, coordinator time) of the steps numbered `since_step` and later that the
+    /// runtime still keeps: it keeps the last [`HISTORY`](super::HISTORY) steps, and
+    /// [`HistoryChunk::gap`] says when some steps at or after `since_step` are gone.
+    /// Steps are numbered from 1; `history(0)` returns all that is kept. To follow the
+    /// run, pass the chunk's [`next_since`](HistoryChunk::next_since) to the next call:
+    /// each call copies only the new samples. The newest sample's `manager_us` still
+    /// grows when its step is committed.
+    ///
+    /// ```
+    /// # use dsa_kv::actors::KvCacheBuilder;
+    /// # use dsa_kv::config::EngineConfig;
+    /// # use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+    /// # use dsa_kv::core::ReuseScope;
+    /// # use dsa_kv::ids::{RequestId, TokenId};
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+    /// # async fn main() -> Result<(), dsa_kv::actors::RuntimeError> {
+    /// # let mut config = EngineConfig::default();
+    /// # config.model.num_layers = Some(2);
+    /// # config.kv_cache.max_tokens = Some(4096);
+    /// # let kv = KvCacheBuilder::new().config(config).start().await?;
+    /// # let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
+    /// # kv.submit(SubmitRequest { id: RequestId(1), scope: ReuseScope::SHARED, prompt, max_new_tokens: 3, priority: 35 }).await?;
+    /// let mut since = 0;
+    /// for _ in 0..2 {
+    ///     let report = kv.step(Default::default()).await?;
+    ///     let chunk = kv.history(since).await?;
+    ///     assert_eq!(chunk.samples.len(), 1); // only the step just run
+    ///     assert!(!chunk.gap);
+    ///     since = chunk.next_since;
+    ///     let outcomes = report.scheduled.iter()
+    ///         .map(|r| RequestOutcome { id: r.id, accepted_drafts: 0, next_token: r.produces_token.then_some(TokenId(7)) })
+    ///         .collect();
+    ///     kv.commit(outcomes).await?;
+    /// }
+    /// assert_eq!(since, 3);
+    /// # kv.shutdown().await;
+    /// # Ok(()) }
+    /// ```
+    #[tracing::instrument(level = "debug", skip_all, fields(since = since_step, samples = Empty))]
+    pub async fn history(&self, since_step: u64) -> Result<HistoryChunk, RuntimeError> {
+        let chunk = self
+            .coordinator
+            .ask(GetHistory { since: since_step })
+            .await?;
+        tracing::Span::current().record("samples", chunk.samples.len());
+        Ok(chunk)
     }
 
     /// Subscribes to the router event stream: [`EventBatch`](super::EventBatch)es of
@@ -594,6 +665,7 @@ impl KvCacheHandle {
     /// subscriber more than [`event_stream_capacity`](KvCacheBuilder::event_stream_capacity)
     /// batches behind gets [`StreamItem::Lost`](super::StreamItem::Lost) with the lost
     /// range and resynchronizes from [`router_snapshot`](Self::router_snapshot).
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn subscribe_events(&self) -> Result<super::EventSubscriber, RuntimeError> {
         let (sub, _) = self
             .coordinator
@@ -604,6 +676,7 @@ impl KvCacheHandle {
 
     /// A subscriber and the full blocks it starts from, taken at the same point: apply
     /// the snapshot, then every batch received.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn subscribe_events_with_snapshot(
         &self,
     ) -> Result<(super::EventSubscriber, super::RouterSnapshot), RuntimeError> {
@@ -621,6 +694,7 @@ impl KvCacheHandle {
     /// the first stream batch they do not include: a subscriber that lost batches
     /// replaces its view with `blocks` and calls
     /// [`EventSubscriber::resync`](super::EventSubscriber::resync). Walks the whole tree.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn router_snapshot(&self) -> Result<super::RouterSnapshot, RuntimeError> {
         Ok(self
             .coordinator
@@ -654,6 +728,7 @@ impl KvCacheHandle {
     /// with [`take_events_with_snapshot`](Self::take_events_with_snapshot)). These are the
     /// crate's own per-life-cycle events with 256-bit keys, for one consumer; routers use
     /// [`subscribe_events`](Self::subscribe_events).
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
         Ok(self.coordinator.ask(TakeEvents).await?)
     }
@@ -665,6 +740,7 @@ impl KvCacheHandle {
     /// [`event_capacity`](KvCacheBuilder::event_capacity)), in which case it replaces its view with the snapshot. For a router
     /// resynchronizing its view, and for checking an event consumer. The snapshot walks
     /// the whole tree: not for every step.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn take_events_with_snapshot(&self) -> Result<super::EventSnapshot, RuntimeError> {
         Ok(self
             .coordinator
@@ -680,6 +756,7 @@ impl KvCacheHandle {
     /// [`RuntimeError::PrefixCacheInUse`], changing nothing, while any request holds KV
     /// pages (running, in a step not committed yet, or suspended): let them finish or
     /// cancel them first. Requests submitted and not started yet do not block it.
+    #[tracing::instrument(level = "info", skip_all)]
     pub async fn reset_prefix_cache(&self) -> Result<crate::core::ResetReport, RuntimeError> {
         Ok(self
             .coordinator
@@ -688,6 +765,7 @@ impl KvCacheHandle {
     }
 
     /// Checks the cache managers' invariants; returns the cache occupancy.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn check_invariants(&self) -> Result<CacheCounts, RuntimeError> {
         self.coordinator
             .ask(CheckInvariants)
@@ -702,6 +780,7 @@ impl KvCacheHandle {
 
     /// SHA-256 of every device's GPU-tier cache bytes (index order; `None` for a device
     /// that is gone). Tensor-parallel ranks with replicated KV must agree.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn cache_digests(&self) -> Result<Vec<Option<String>>, RuntimeError> {
         let devices = self.coordinator.ask(Devices).await?;
         let mut out = Vec::with_capacity(devices.len());
@@ -721,6 +800,7 @@ impl KvCacheHandle {
     /// a failure found only on a device (e.g. a guard kernel that refused a write). Steps
     /// on a GPU return once their work is enqueued; call this before reading the cache
     /// from outside the runtime's stream order. The host backend returns at once.
+    #[tracing::instrument(level = "debug", skip_all)]
     pub async fn synchronize(&self) -> Result<(), RuntimeError> {
         let devices = self.coordinator.ask(Devices).await?;
         for d in devices.into_iter().flatten() {
@@ -733,6 +813,7 @@ impl KvCacheHandle {
     }
 
     /// Stops every actor. Pending requests are dropped.
+    #[tracing::instrument(level = "info", skip_all)]
     pub async fn shutdown(self) {
         let devices = self.coordinator.ask(Devices).await.unwrap_or_default();
         let _ = self.coordinator.stop_gracefully().await;
@@ -753,6 +834,7 @@ impl KvCacheHandle {
 #[cfg(feature = "fault-injection")]
 impl KvCacheHandle {
     /// Injects a fault into device `index` (reliability tests and drills).
+    #[tracing::instrument(level = "info", skip_all, fields(device = index, fault = ?fault))]
     pub async fn inject_fault(&self, index: usize, fault: DeviceFault) -> Result<(), RuntimeError> {
         let dev = self.device(index).await?;
         dev.tell(InjectFault(fault)).await?;
@@ -763,6 +845,7 @@ impl KvCacheHandle {
     /// is refused with probability `percent` (seeded), as if the storage could not
     /// supply the memory; the scheduler sees memory pressure and must lose nothing.
     /// Returns the refusals injected so far; `percent = 0` turns the drill off.
+    #[tracing::instrument(level = "info", skip_all, fields(seed, percent))]
     pub async fn inject_room_failures(&self, seed: u64, percent: u8) -> Result<u64, RuntimeError> {
         Ok(self
             .coordinator
@@ -771,6 +854,7 @@ impl KvCacheHandle {
     }
 
     /// Kills device `index` (its requests fail; the runtime keeps serving).
+    #[tracing::instrument(level = "info", skip_all, fields(device = index))]
     pub async fn kill_device(&self, index: usize) -> Result<(), RuntimeError> {
         let dev = self.device(index).await?;
         dev.kill();

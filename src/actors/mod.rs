@@ -27,4 +27,6 @@ pub use event_stream::{
 pub use faults::{DeviceFault, Misdirect};
 pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use shared::{LiveCounters, RuntimeShared};
-pub use stats::{EventCounts, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW};
+pub use stats::{
+    EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
+};
