@@ -1,6 +1,6 @@
 //! Engine configuration (TOML, JSON or YAML file, or code) and its resolution: which layout
 //! (V1 / V2) the cache uses, which layers each manager holds, and every incompatibility,
-//! checked up front (brief §3 "Validation").
+//! checked up front:
 //!
 //! * `use_kv_cache_manager_v2: auto` takes the model default (the DSA presets default to
 //!   V2; no default means V1); an explicit `true` / `false` wins.

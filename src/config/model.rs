@@ -1,5 +1,7 @@
-//! DSA model specifications: the dimensions that decide every byte of the cache
-//! (brief §3 "Model dims"), with presets for DeepSeek-V3.2, GLM-5, GLM-5.2 and
+//! DSA model specifications: the dimensions that decide every byte of the cache (an MLA
+//! latent row of `kv_lora_rank` 512 + `qk_rope_head_dim` 64 elements, one KV head; per
+//! indexer layer one 128-dim key and one 4-byte scale per token; 64-token pages, as the
+//! DeepGEMM and FlashMLA kernels require), with presets for DeepSeek-V3.2, GLM-5, GLM-5.2 and
 //! Mistral Large 3. A [`DsaModelSpec`] is plain data any field of which can be
 //! overridden; [`DsaModel::new`] validates it against the kernel contracts.
 

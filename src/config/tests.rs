@@ -1,5 +1,6 @@
-//! Selection and validation of engine configurations: every rule of brief §3 and every
-//! config error, with the exact error each gets.
+//! Selection and validation of engine configurations: every rule listed in the `config`
+//! module docs (layout selection, incompatibilities) and every config error, with the
+//! exact error each gets.
 
 use super::*;
 use crate::config::LayoutKind;

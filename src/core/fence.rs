@@ -4,7 +4,8 @@
 //! several devices (tensor parallelism) the watermark is the minimum over devices.
 //!
 //! A released slot keeps the fence of its last user and is not handed out as *ready*
-//! before the watermark passes it (brief §3, last line of "Core semantics").
+//! before the watermark passes it, so a new user never writes a slot that device work
+//! still reads or writes.
 
 pub use crate::ids::Fence;
 

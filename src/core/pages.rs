@@ -1,5 +1,5 @@
 //! Page records. A page is a slot on one tier plus its state. Its status is derived from
-//! who refers to it, never stored (brief §3):
+//! who refers to it, never stored:
 //!
 //! * **locked**: an active sequence uses it; it must stay on the GPU;
 //! * **held**: only suspended sequences (or pending copies) refer to it; it may move down

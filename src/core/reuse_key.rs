@@ -1,4 +1,4 @@
-//! Prefix-reuse keys (brief §3): one root per reuse scope, `root = SHA-256(scope)`, and
+//! Prefix-reuse keys: one root per reuse scope, `root = SHA-256(scope)`, and
 //! for each block `key = SHA-256(parent key ∥ token ids as 4-byte little-endian)`. Keys
 //! chain, so a key names the whole prefix. Matching trusts the digest alone, so the hash
 //! must be cryptographic: tenant isolation (different salts never share) rests on it.

@@ -1,7 +1,7 @@
 //! The life of a sequence: resize, commit (with rebasing of duplicate blocks),
 //! suspend, resume (with onboarding and copy-on-resume), stop and close.
 //!
-//! Invariants kept here (brief §3): committed ≤ history ≤ capacity; blocks =
+//! Invariants kept here: committed ≤ history ≤ capacity; blocks =
 //! ceil(capacity / T); `resize` and `resume` return `Ok(false)` and change nothing when
 //! space is short; nobody writes a committed page.
 

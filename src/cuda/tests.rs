@@ -1,8 +1,10 @@
 //! GPU tests: every kernel against its host reference, byte for byte, on random inputs
 //! (page boundaries, negative mappings, out-of-range mappings, empty batches), plus VMM
 //! pools and copy plans. They need an H100/H200 and run with
-//! `cargo test --release -- --ignored` on the GPU machine (see `../shared/design/gpu.md`
-//! and `benches/results/`). The no-driver test runs everywhere.
+//! `cargo test --release -- --ignored` on the GPU machine, one test at a time (without a
+//! GPU on the build machine: `bash benches/build_gpu.sh` builds the test binaries and
+//! `bash benches/gpu_session.sh` runs them there; README.md, "On a GPU"; results in
+//! `benches/results/`). The no-driver test runs everywhere.
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! Byte layouts inside one page (brief §3): where a token's bytes sit in the page of a
+//! Byte layouts inside one page, as the DSA kernels read them: where a token's bytes sit in the page of a
 //! buffer. MLA rows are token-interleaved (row `t` at `t × row_bytes`); indexer pages
 //! put all values first, then all scale words ("values plane, then scales plane").
 //! All offsets are 64-bit.

@@ -1,5 +1,5 @@
 //! Pool planning: how every (layer, role) buffer of a model maps onto pools of slots
-//! (brief §3 "Page indices"). Two layouts share one result type, [`PoolPlan`]:
+//! (the page index each kernel addresses a (layer, role) buffer with). Two layouts share one result type, [`PoolPlan`]:
 //!
 //! * **V2** ([`PoolPlan::v2`]): buffers of one life cycle with equal per-block size
 //!   coalesce into one pool; a life cycle's pools form a slot variant; life cycles with

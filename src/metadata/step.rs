@@ -1,5 +1,5 @@
 //! [`StepMetadata`]: what the DSA kernels read each step, built on the host with the
-//! exact semantics of the device path (brief §3 "Per-step metadata").
+//! exact semantics of the device path (the rules below).
 //!
 //! For a batch (context requests first, then generation requests), with request `r`
 //! holding `c_r` cached and `n_r` new tokens and `kv_r = c_r + n_r`:
