@@ -5,6 +5,8 @@
 //! block hashes of the request's tokens, the device prefix, then the host tiers
 //! continuing it. Shared by `tests/router_events.rs` and `examples/route.rs`.
 
+#![allow(dead_code)] // Each user takes what it needs.
+
 use std::time::Duration;
 
 use bytes::Bytes;
