@@ -77,7 +77,7 @@ mod common;
 mod serve_plot;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -526,10 +526,17 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     let mut latency = StepLatency::default();
     let started = Instant::now();
     let mut step = 0u64;
-    let mut last_progress = Instant::now();
-    // The bar redraws itself with carriage returns: only for a person at a terminal, not
-    // in a log or a pipe.
-    let bar_shown = !a.json && std::io::stderr().is_terminal();
+    // indicatif draws only when stderr is a terminal (never into a log or a pipe).
+    let bar = if a.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(total_turns as u64)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{bar:30}] {percent:>3}% | {msg}")
+            .expect("invariant: a valid template")
+            .progress_chars("#>-"),
+    );
     while turns_done + failed.len() < total_turns {
         // Arrivals due now.
         for (ci, c) in convs.iter_mut().enumerate() {
@@ -620,28 +627,15 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
                 }
             }
         }
-        if bar_shown && (last_progress.elapsed().as_millis() >= 250 || turns_done == total_turns) {
-            last_progress = Instant::now();
-            let done = (turns_done + failed.len()) as f64 / total_turns as f64;
-            let bar = (done * 30.0) as usize;
-            eprint!(
-                "\r[{}{}] {:>5.1}% | step {:>6} | turns {}/{} | running {:>3} | preempted {:>3}   ",
-                "#".repeat(bar),
-                " ".repeat(30 - bar),
-                100.0 * done,
-                step,
-                turns_done,
-                total_turns,
-                report.scheduled.len(),
-                report.preempted.len()
-            );
-            let _ = std::io::stderr().flush();
-        }
+        bar.set_position((turns_done + failed.len()) as u64);
+        bar.set_message(format!(
+            "step {step:>6} | turns {turns_done}/{total_turns} | running {:>3} | preempted {:>3}",
+            report.scheduled.len(),
+            report.preempted.len()
+        ));
     }
     let elapsed = started.elapsed().as_secs_f64();
-    if bar_shown {
-        eprintln!();
-    }
+    bar.finish_and_clear();
     let st = kv.stats().await?;
     // Every step the runtime kept (the last `HISTORY`), for the report and the plot.
     let history = kv.history(0).await?;
