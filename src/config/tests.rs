@@ -296,13 +296,18 @@ fn files_round_trip() {
 #[test]
 fn readme_config_examples_agree() {
     let readme = include_str!("../../README.md");
+    // The first block of the language that configures the engine (the README also has
+    // a Cargo.toml snippet).
     let block = |lang: &str| {
-        let start = readme
-            .find(&format!("```{lang}\n"))
-            .unwrap_or_else(|| panic!("a {lang} block in the README"))
-            + lang.len()
-            + 4;
-        &readme[start..start + readme[start..].find("```").unwrap()]
+        let fence = format!("```{lang}\n");
+        readme
+            .match_indices(&fence)
+            .map(|(i, _)| {
+                let start = i + fence.len();
+                &readme[start..start + readme[start..].find("```").unwrap()]
+            })
+            .find(|b| b.contains("kv_cache"))
+            .unwrap_or_else(|| panic!("a {lang} engine configuration block in the README"))
     };
     let toml = EngineConfig::from_toml_str(block("toml")).unwrap();
     let yaml = EngineConfig::from_yaml_str(block("yaml")).unwrap();
