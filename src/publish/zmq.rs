@@ -119,8 +119,11 @@ impl Counters {
 
 type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
-/// Publishes a runtime's router event stream over ZMQ (see the [module](self) docs).
-/// Runs on the caller's tokio runtime until [`shutdown`](Self::shutdown) or until the
+/// Publishes a runtime's router event stream over ZMQ: each batch on a PUB socket as
+/// `[topic, sequence (u64 big-endian), payload]`; replay requests (one frame, the first
+/// sequence number wanted, 8 bytes big-endian, from REQ or a DEALER sending an empty
+/// delimiter first) answered on a ROUTER socket with `[sequence, payload]` per buffered
+/// batch from that number on, then [`END_OF_REPLAY`] and an empty frame. Runs on the caller's tokio runtime until [`shutdown`](Self::shutdown) or until the
 /// runtime's stream ends (the cache runtime shut down).
 pub struct ZmqPublisher {
     endpoint: String,
