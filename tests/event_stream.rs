@@ -8,12 +8,10 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::engine::outcomes;
-use dsa_kv::actors::{
-    EventBatch, EventSubscriber, KvCacheBuilder, KvCacheHandle, RuntimeError, StreamItem,
-};
+use common::engine::run_to_end;
+use dsa_kv::actors::{EventBatch, EventSubscriber, KvCacheBuilder, StreamItem};
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::{SchedError, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::{Medium, ReuseScope, RouterBlock, RouterEvent, RouterView};
 use dsa_kv::ids::{RequestId, TokenId};
 
@@ -87,29 +85,6 @@ impl Router {
             }
         }
     }
-}
-
-/// Runs every submitted request to its end (step, commit with a token, repeat), letting
-/// `each` read the stream after every call.
-async fn run_to_end(kv: &KvCacheHandle, mut each: impl FnMut()) {
-    for _ in 0..20_000 {
-        let report = kv.step(HashMap::new()).await.unwrap();
-        each();
-        let outs = outcomes(&report, |s| {
-            TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000)
-        });
-        if !outs.is_empty() {
-            match kv.commit(outs).await {
-                Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
-                Err(e) => panic!("commit: {e}"),
-            }
-            each();
-        }
-        if kv.counters().in_flight == 0 {
-            return;
-        }
-    }
-    panic!("the requests did not finish");
 }
 
 fn kinds(batches: &[Arc<EventBatch>]) -> [usize; 5] {

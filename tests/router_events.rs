@@ -11,14 +11,13 @@ mod common;
 #[path = "../examples/common/dynamo_router.rs"]
 mod dynamo_router;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::engine::outcomes;
-use dsa_kv::actors::{EventBatch, KvCacheBuilder, KvCacheHandle, RuntimeError};
+use common::engine::run_to_end;
+use dsa_kv::actors::{EventBatch, KvCacheBuilder, KvCacheHandle};
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::{SchedError, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::{Medium, ReuseScope, RouterEvent};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{encode_batch, WireEncoding, ZmqPublisher, ZmqPublisherConfig};
@@ -97,25 +96,6 @@ impl Conv {
             priority: [10, 35, 60][(self.id + turn) as usize % 3],
         }
     }
-}
-
-async fn run_to_end(kv: &KvCacheHandle) {
-    for _ in 0..20_000 {
-        let report = kv.step(HashMap::new()).await.unwrap();
-        let outs = outcomes(&report, |s| {
-            TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000)
-        });
-        if !outs.is_empty() {
-            match kv.commit(outs).await {
-                Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
-                Err(e) => panic!("commit: {e}"),
-            }
-        }
-        if kv.counters().in_flight == 0 {
-            return;
-        }
-    }
-    panic!("the requests did not finish");
 }
 
 struct Engine {
@@ -303,7 +283,7 @@ async fn dynamo_decodes_both_encodings_and_its_scores_equal_each_engines_reuse()
             .unwrap();
     }
     for e in &engines {
-        run_to_end(&e.kv).await;
+        run_to_end(&e.kv, || {}).await;
     }
     for c in &mut convs {
         c.next_turn(2);
@@ -330,7 +310,7 @@ async fn dynamo_decodes_both_encodings_and_its_scores_equal_each_engines_reuse()
             .unwrap();
     }
     for e in &engines {
-        run_to_end(&e.kv).await;
+        run_to_end(&e.kv, || {}).await;
     }
     for c in &mut convs {
         c.next_turn(3);
@@ -343,7 +323,7 @@ async fn dynamo_decodes_both_encodings_and_its_scores_equal_each_engines_reuse()
     for c in convs.iter().take(8) {
         engines[0].kv.submit(c.request(3)).await.unwrap();
     }
-    run_to_end(&engines[0].kv).await;
+    run_to_end(&engines[0].kv, || {}).await;
     for c in convs.iter_mut().take(8) {
         c.next_turn(4);
     }

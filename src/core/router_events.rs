@@ -27,6 +27,16 @@ pub enum Medium {
     CpuPinned,
 }
 
+impl Medium {
+    /// The wire name (vLLM's `medium`): `"GPU"` or `"CPU_PINNED"`, as serde writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::CpuPinned => "CPU_PINNED",
+        }
+    }
+}
+
 impl From<Tier> for Medium {
     fn from(t: Tier) -> Self {
         match t {

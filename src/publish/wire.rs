@@ -19,7 +19,7 @@
 use serde::Serialize;
 
 use crate::actors::EventBatch;
-use crate::core::{Medium, RouterEvent};
+use crate::core::RouterEvent;
 
 /// How each event of a batch is shaped on the wire.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -42,13 +42,6 @@ impl std::str::FromStr for WireEncoding {
                 "unknown wire encoding {other:?}: expected \"array\" or \"map\""
             )),
         }
-    }
-}
-
-fn medium_name(m: Medium) -> &'static str {
-    match m {
-        Medium::Gpu => "GPU",
-        Medium::CpuPinned => "CPU_PINNED",
     }
 }
 
@@ -126,7 +119,7 @@ fn wire_event(e: &RouterEvent, encoding: WireEncoding) -> WireEvent<'_> {
             let lora_name = lora_name
                 .clone()
                 .or_else(|| lora_id.map(|id| id.to_string()));
-            let medium = medium_name(*medium);
+            let medium = medium.as_str();
             match encoding {
                 WireEncoding::Array => WireEvent::StoredArray(StoredArray(
                     "BlockStored",
@@ -156,11 +149,7 @@ fn wire_event(e: &RouterEvent, encoding: WireEncoding) -> WireEvent<'_> {
                 medium,
             },
             WireEncoding::Array,
-        ) => WireEvent::RemovedArray(RemovedArray(
-            "BlockRemoved",
-            block_hashes,
-            medium_name(*medium),
-        )),
+        ) => WireEvent::RemovedArray(RemovedArray("BlockRemoved", block_hashes, medium.as_str())),
         (
             RouterEvent::BlockRemoved {
                 block_hashes,
@@ -170,7 +159,7 @@ fn wire_event(e: &RouterEvent, encoding: WireEncoding) -> WireEvent<'_> {
         ) => WireEvent::RemovedMap(RemovedMap {
             tag: "BlockRemoved",
             block_hashes,
-            medium: medium_name(*medium),
+            medium: medium.as_str(),
         }),
         (RouterEvent::AllBlocksCleared, WireEncoding::Array) => {
             WireEvent::ClearedArray(ClearedArray(("AllBlocksCleared",)))
@@ -201,6 +190,17 @@ pub fn encode_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::Medium;
+
+    #[test]
+    fn medium_wire_names_are_the_serde_names() {
+        for m in [Medium::Gpu, Medium::CpuPinned] {
+            assert_eq!(
+                serde_json::to_string(&m).unwrap(),
+                format!("\"{}\"", m.as_str())
+            );
+        }
+    }
 
     fn batch() -> EventBatch {
         EventBatch {
