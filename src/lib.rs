@@ -57,6 +57,7 @@ pub mod rng;
 pub mod storage;
 pub mod sync;
 pub mod synthetic;
+pub mod transfer;
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.
 #[cfg(doctest)]

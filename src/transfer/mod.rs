@@ -1,0 +1,210 @@
+//! Moving KV pages between engines (prefill / decode disaggregation).
+//!
+//! A page is the unit of transfer: one slot of every pool of its pool group, which holds
+//! the block's MLA rows **and** its indexer keys (they share the life cycle), in the
+//! target cache and, with a separate MTP draft cache, in the draft cache too. Nothing
+//! here can move one without the other: a transfer is planned from the pools of every
+//! cache, never from a list of roles.
+//!
+//! The pieces:
+//!
+//! * the runtime exports a prefix's full blocks ([`KvCacheHandle::export_blocks`]): they
+//!   stay pinned where they are (GPU or host tier) until released, and the
+//!   [`ExportedBlocks`] names their chained reuse keys, tokens and slots;
+//! * the importing runtime reserves pages for the blocks it does not hold yet
+//!   ([`KvCacheHandle::begin_import`]), the bytes arrive, and
+//!   [`KvCacheHandle::commit_import`] links them into its reuse tree at once; an
+//!   [`abort_import`](KvCacheHandle::abort_import) (or a failed transfer) frees them and
+//!   leaves nothing behind;
+//! * [`plan_writes`] turns the two sides' pages and pool regions into the writes, with
+//!   contiguous slot runs coalesced into one descriptor per pool;
+//! * a [`KvTransport`] moves the bytes: [`LocalTransport`] between runtimes of one
+//!   process (tests), `NixlTransport` (feature `nixl`) between processes and hosts.
+//!   The runtime never knows which one it has.
+//!
+//! [`KvCacheHandle::export_blocks`]: crate::actors::KvCacheHandle::export_blocks
+//! [`KvCacheHandle::begin_import`]: crate::actors::KvCacheHandle::begin_import
+//! [`KvCacheHandle::commit_import`]: crate::actors::KvCacheHandle::commit_import
+//! [`abort_import`]: crate::actors::KvCacheHandle::abort_import
+
+mod local;
+#[cfg(feature = "nixl")]
+pub mod nixl;
+mod plan;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use local::LocalTransport;
+pub use plan::{
+    plan_writes, BlockPages, CacheKind, ExportedBlocks, ImportTicket, PageLoc, PlanError,
+    PoolRegion, WritePlan,
+};
+
+/// What kind of memory a region is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemKind {
+    /// Host memory (the host backend's pools, the CUDA backend's pinned host tier).
+    Host,
+    /// GPU memory of one device (CUDA ordinal).
+    Device {
+        /// The CUDA device ordinal.
+        ordinal: u32,
+    },
+}
+
+/// A contiguous range of registered memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemRegion {
+    /// First byte (a host or device pointer).
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Host or device memory.
+    pub mem: MemKind,
+}
+
+impl MemRegion {
+    /// Whether `[addr, addr + len)` lies inside this region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.addr + self.len)
+    }
+}
+
+/// One descriptor: `len` bytes from local `src` to remote `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Local source address.
+    pub src: u64,
+    /// Remote destination address.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Segments whose sources share one memory kind and whose destinations share one (a
+/// NIXL descriptor list has one memory type per side).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteBatch {
+    /// Memory of every source.
+    pub src_mem: MemKind,
+    /// Memory of every destination.
+    pub dst_mem: MemKind,
+    /// The descriptors, in order.
+    pub segments: Vec<Segment>,
+}
+
+impl WriteBatch {
+    /// Bytes of every segment.
+    pub fn bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.len).sum()
+    }
+}
+
+/// A connected peer (for NIXL, the remote agent's name).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PeerId(pub String);
+
+/// What one [`KvTransport::write`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct WriteReport {
+    /// Descriptors posted (after coalescing; what the transport was handed).
+    pub descriptors: usize,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Wall time from the first post to the last completion.
+    pub elapsed: Duration,
+}
+
+impl WriteReport {
+    /// Bytes per second (10⁹ bytes = 1 GB), 0 when nothing was timed.
+    pub fn gb_per_s(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A transport failure. Every variant says what failed; nothing is half-written that the
+/// caller could mistake for data: a failed write is followed by an abort of the import.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The transport's library is not available on this machine.
+    #[error("{transport} is not available: {why}")]
+    Unavailable {
+        /// The transport.
+        transport: &'static str,
+        /// What is missing and how to provide it.
+        why: String,
+    },
+    /// A segment falls outside the registered memory of its side: nothing was posted.
+    #[error("segment {index} ({len} bytes, {side} address {addr:#x}) lies outside the {side} registered memory")]
+    Unregistered {
+        /// Index of the segment in its batch.
+        index: usize,
+        /// `"local"` or `"remote"`.
+        side: &'static str,
+        /// The address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// No peer with this id is connected.
+    #[error("no connected peer {0:?}: call connect with its metadata first")]
+    UnknownPeer(String),
+    /// The peer's metadata could not be read.
+    #[error("bad peer metadata: {0}")]
+    BadMetadata(String),
+    /// The transport's library reported an error.
+    #[error("{transport} failed in {op}: {detail}")]
+    Failed {
+        /// The transport.
+        transport: &'static str,
+        /// The operation.
+        op: &'static str,
+        /// The library's message.
+        detail: String,
+    },
+}
+
+/// Moves bytes between registered memory of two engines. Blocking: [`write`](Self::write)
+/// returns once every byte is written (or failed). Implementations: [`LocalTransport`]
+/// (one process), `nixl::NixlTransport` (feature `nixl`).
+pub trait KvTransport: Send {
+    /// A short name for reports (`"local"`, `"nixl/UCX"`).
+    fn name(&self) -> &str;
+
+    /// Registers memory the peer may write to or this side reads from (every pool of every
+    /// cache: [`PoolRegion::region`]). Call before [`local_metadata`](Self::local_metadata).
+    fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError>;
+
+    /// This side's metadata (registered memory, connection addresses), sent to the peer
+    /// over any channel.
+    fn local_metadata(&mut self) -> Result<Vec<u8>, TransportError>;
+
+    /// Loads a peer's metadata; returns its id.
+    fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError>;
+
+    /// Writes every batch into the peer's registered memory, then delivers
+    /// `notification` to it: the peer sees the notification only after every byte has
+    /// landed. A segment outside either side's registered memory fails the call before
+    /// anything is posted.
+    fn write(
+        &mut self,
+        peer: &PeerId,
+        batches: &[WriteBatch],
+        notification: &[u8],
+    ) -> Result<WriteReport, TransportError>;
+
+    /// Notifications received since the last call, with the peer that sent each.
+    fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError>;
+}

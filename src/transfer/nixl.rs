@@ -1,0 +1,1 @@
+//! The NIXL transport (placeholder until the implementation lands).

@@ -1,0 +1,563 @@
+//! What moves: the exported blocks, the importer's reserved pages, the pool regions of
+//! both sides, and [`plan_writes`], which pairs them into descriptors.
+//!
+//! A page is one slot of **every** pool of its pool group (MLA rows, NVFP4 scales and
+//! indexer keys alike), in every cache (target and draft) and on every device of the
+//! engine. The plan is built from the pool regions each side reports; a region missing
+//! on either side is an error, never a skipped pool. Contiguous runs (slot `s, s+1, …` on
+//! the source and `d, d+1, …` on the destination, same pool) become one descriptor.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{MemRegion, Segment, WriteBatch};
+use crate::core::{BlockKey, ReuseScope};
+use crate::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+use crate::layout::Role;
+
+/// Which cache a page belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheKind {
+    /// The target model's cache.
+    Target,
+    /// The separate MTP draft cache.
+    Draft,
+}
+
+/// One pool of one cache on one tier of one device, as registered memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRegion {
+    /// Device index inside the engine (tensor-parallel rank).
+    pub device: u32,
+    /// Target or draft cache.
+    pub cache: CacheKind,
+    /// Tier.
+    pub tier: Tier,
+    /// Pool group.
+    pub group: PoolGroupId,
+    /// Pool inside the group.
+    pub pool: u16,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Slots.
+    pub slots: u32,
+    /// The roles of the buffers in this pool (MLA key, scales, indexer key).
+    pub roles: Vec<Role>,
+    /// The memory: `slots × slot_bytes` bytes, slot `s` at `addr + s × slot_bytes`.
+    pub region: MemRegion,
+}
+
+impl PoolRegion {
+    fn slot_addr(&self, slot: SlotId) -> u64 {
+        self.region.addr + u64::from(slot.0) * self.slot_bytes
+    }
+}
+
+/// Where one page of a block lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageLoc {
+    /// Target or draft cache.
+    pub cache: CacheKind,
+    /// The page's life cycle.
+    pub life_cycle: LifeCycleId,
+    /// Tier.
+    pub tier: Tier,
+    /// Pool group.
+    pub group: PoolGroupId,
+    /// Slot in the group.
+    pub slot: SlotId,
+}
+
+/// A block's chained reuse key and its pages (target life cycles, then draft).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockPages {
+    /// The chained reuse key.
+    pub key: BlockKey,
+    /// One page per life cycle per cache.
+    pub pages: Vec<PageLoc>,
+}
+
+/// The full blocks an engine exported: pinned where they are until released.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportedBlocks {
+    /// The export's id (chosen by the caller; releases it).
+    pub id: RequestId,
+    /// The reuse scope (LoRA, salt) the keys chain from.
+    pub scope: ReuseScope,
+    /// Tokens of the exported blocks (`blocks.len() × tokens_per_block`).
+    pub tokens: Vec<TokenId>,
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+    /// The engine's layout fingerprint: both sides must agree.
+    pub layout: String,
+    /// The blocks, in prefix order.
+    pub blocks: Vec<BlockPages>,
+}
+
+/// The importer's reservation: pages for the blocks it did not hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImportTicket {
+    /// The import's id.
+    pub id: RequestId,
+    /// Leading blocks already cached here: not transferred.
+    pub skipped: u32,
+    /// The importer's layout fingerprint.
+    pub layout: String,
+    /// Pages reserved for blocks `skipped..`, in prefix order.
+    pub blocks: Vec<BlockPages>,
+}
+
+/// Why two sides cannot be paired.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The engines' layouts differ (model, dtypes, layout kind, caches).
+    #[error("the engines' KV layouts differ (exporter {exporter}, importer {importer}): both must run the same model, dtypes, layout and draft cache")]
+    LayoutMismatch {
+        /// The exporter's fingerprint.
+        exporter: String,
+        /// The importer's fingerprint.
+        importer: String,
+    },
+    /// The ticket does not describe the exported blocks.
+    #[error("the import ticket does not match the export: {0}")]
+    TicketMismatch(String),
+    /// A pool region one side needs is not in its region list.
+    #[error("no {side} region for device {device}, {cache:?} cache, {tier} tier, group {group}, pool {pool}: register every pool of both sides")]
+    MissingRegion {
+        /// `"source"` or `"destination"`.
+        side: &'static str,
+        /// Device.
+        device: u32,
+        /// Cache.
+        cache: CacheKind,
+        /// Tier.
+        tier: Tier,
+        /// Group.
+        group: PoolGroupId,
+        /// Pool.
+        pool: u16,
+    },
+    /// A page's slot is outside its pool, or the two sides' slot sizes differ.
+    #[error("bad page {what}")]
+    BadPage {
+        /// What was wrong.
+        what: String,
+    },
+}
+
+/// The writes of one transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WritePlan {
+    /// Batches by (source memory, destination memory).
+    pub batches: Vec<WriteBatch>,
+    /// Pages moved (per cache, life cycle and device).
+    pub pages: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Descriptors before coalescing (one per page per pool).
+    pub uncoalesced: usize,
+    /// Per source pool: its region and the range of each of its segments in `batches`
+    /// (`(batch, segment)`), for reports and the mutation drills.
+    pub per_pool: Vec<(PoolRegion, Vec<(usize, usize)>)>,
+}
+
+impl WritePlan {
+    /// Descriptors posted.
+    pub fn descriptors(&self) -> usize {
+        self.batches.iter().map(|b| b.segments.len()).sum()
+    }
+
+    /// The same plan without the segments of the source pools `drop` selects. Only for
+    /// mutation drills: it proves a checker notices what such a transfer leaves behind
+    /// (a real transfer never drops a pool).
+    pub fn without_pools(&self, drop: impl Fn(&PoolRegion) -> bool) -> WritePlan {
+        let mut gone = std::collections::HashSet::new();
+        for (r, segs) in &self.per_pool {
+            if drop(r) {
+                gone.extend(segs.iter().copied());
+            }
+        }
+        let mut out = self.clone();
+        out.per_pool.retain(|(r, _)| !drop(r));
+        for (bi, b) in out.batches.iter_mut().enumerate() {
+            let mut i = 0;
+            b.segments.retain(|_| {
+                let keep = !gone.contains(&(bi, i));
+                i += 1;
+                keep
+            });
+        }
+        out.bytes = out.batches.iter().map(WriteBatch::bytes).sum();
+        out
+    }
+}
+
+type PoolKey = (u32, CacheKind, Tier, PoolGroupId, u16);
+
+fn index_regions(regions: &[PoolRegion]) -> BTreeMap<PoolKey, &PoolRegion> {
+    regions
+        .iter()
+        .map(|r| ((r.device, r.cache, r.tier, r.group, r.pool), r))
+        .collect()
+}
+
+/// Pairs the exported blocks `export.blocks[ticket.skipped..]` with the ticket's pages
+/// and both sides' pool regions into writes: every pool of every page's group, on every
+/// device, one descriptor per contiguous run.
+pub fn plan_writes(
+    export: &ExportedBlocks,
+    src: &[PoolRegion],
+    ticket: &ImportTicket,
+    dst: &[PoolRegion],
+) -> Result<WritePlan, PlanError> {
+    if export.layout != ticket.layout {
+        return Err(PlanError::LayoutMismatch {
+            exporter: export.layout.clone(),
+            importer: ticket.layout.clone(),
+        });
+    }
+    if ticket.id != export.id {
+        return Err(PlanError::TicketMismatch(format!(
+            "ticket {} for export {}",
+            ticket.id, export.id
+        )));
+    }
+    let skipped = ticket.skipped as usize;
+    if skipped + ticket.blocks.len() != export.blocks.len() {
+        return Err(PlanError::TicketMismatch(format!(
+            "{} skipped + {} reserved blocks for {} exported",
+            skipped,
+            ticket.blocks.len(),
+            export.blocks.len()
+        )));
+    }
+    let (src_ix, dst_ix) = (index_regions(src), index_regions(dst));
+    let devices = |ix: &BTreeMap<PoolKey, &PoolRegion>| {
+        let mut d: Vec<u32> = ix.keys().map(|k| k.0).collect();
+        d.dedup();
+        d
+    };
+    let devs = devices(&src_ix);
+    if devs != devices(&dst_ix) {
+        return Err(PlanError::TicketMismatch(format!(
+            "the exporter has devices {devs:?}, the importer {:?}: both engines need the same tensor-parallel size",
+            devices(&dst_ix)
+        )));
+    }
+    // Every pool of each group: the pool ids the exporter registered for it.
+    let pools = |ix: &BTreeMap<PoolKey, &PoolRegion>| {
+        let mut of: BTreeMap<(CacheKind, PoolGroupId), Vec<u16>> = BTreeMap::new();
+        for k in ix.keys() {
+            let v = of.entry((k.1, k.3)).or_default();
+            if !v.contains(&k.4) {
+                v.push(k.4);
+            }
+        }
+        of
+    };
+    let pools_of = pools(&src_ix);
+    if pools_of != pools(&dst_ix) {
+        return Err(PlanError::TicketMismatch(format!(
+            "the exporter registered pools {pools_of:?} (cache, group → pools), the importer {:?}",
+            pools(&dst_ix)
+        )));
+    }
+    // (source pool key, destination pool key) → (source slot, destination slot) pairs.
+    let mut runs: BTreeMap<(PoolKey, PoolKey), Vec<(u32, u32)>> = BTreeMap::new();
+    let mut pages = 0u64;
+    for (e, t) in export.blocks[skipped..].iter().zip(&ticket.blocks) {
+        if e.key != t.key {
+            return Err(PlanError::TicketMismatch(format!(
+                "block key {} where the export has {}",
+                t.key, e.key
+            )));
+        }
+        if e.pages.len() != t.pages.len() {
+            return Err(PlanError::TicketMismatch(format!(
+                "block {} has {} pages here and {} on the exporter",
+                e.key,
+                t.pages.len(),
+                e.pages.len()
+            )));
+        }
+        for (sp, dp) in e.pages.iter().zip(&t.pages) {
+            if (sp.cache, sp.life_cycle, sp.group) != (dp.cache, dp.life_cycle, dp.group) {
+                return Err(PlanError::TicketMismatch(format!(
+                    "page {sp:?} paired with {dp:?}"
+                )));
+            }
+            let pools =
+                pools_of
+                    .get(&(sp.cache, sp.group))
+                    .ok_or_else(|| PlanError::MissingRegion {
+                        side: "source",
+                        device: devs.first().copied().unwrap_or(0),
+                        cache: sp.cache,
+                        tier: sp.tier,
+                        group: sp.group,
+                        pool: 0,
+                    })?;
+            for &d in &devs {
+                for &p in pools {
+                    let sk = (d, sp.cache, sp.tier, sp.group, p);
+                    let dk = (d, dp.cache, dp.tier, dp.group, p);
+                    let missing = |side, k: PoolKey| PlanError::MissingRegion {
+                        side,
+                        device: k.0,
+                        cache: k.1,
+                        tier: k.2,
+                        group: k.3,
+                        pool: k.4,
+                    };
+                    let s = src_ix.get(&sk).ok_or_else(|| missing("source", sk))?;
+                    let t = dst_ix.get(&dk).ok_or_else(|| missing("destination", dk))?;
+                    if s.slot_bytes != t.slot_bytes {
+                        return Err(PlanError::BadPage {
+                            what: format!(
+                                "size: pool {p} of group {} is {} B per slot on the exporter and {} B on the importer",
+                                sp.group, s.slot_bytes, t.slot_bytes
+                            ),
+                        });
+                    }
+                    for (side, r, slot) in [("source", s, sp.slot), ("destination", t, dp.slot)] {
+                        if slot.0 >= r.slots {
+                            return Err(PlanError::BadPage {
+                                what: format!(
+                                    "slot {slot} on the {side}: pool {p} of group {} has {} slots",
+                                    sp.group, r.slots
+                                ),
+                            });
+                        }
+                    }
+                    runs.entry((sk, dk))
+                        .or_default()
+                        .push((sp.slot.0, dp.slot.0));
+                }
+                pages += 1;
+            }
+        }
+    }
+    let mut batches: Vec<WriteBatch> = Vec::new();
+    let mut per_pool: BTreeMap<PoolKey, Vec<(usize, usize)>> = BTreeMap::new();
+    let mut uncoalesced = 0;
+    let mut bytes = 0;
+    for ((sk, dk), mut pairs) in runs {
+        let (s, t) = (src_ix[&sk], dst_ix[&dk]);
+        let bi = match batches
+            .iter()
+            .position(|b| (b.src_mem, b.dst_mem) == (s.region.mem, t.region.mem))
+        {
+            Some(i) => i,
+            None => {
+                batches.push(WriteBatch {
+                    src_mem: s.region.mem,
+                    dst_mem: t.region.mem,
+                    segments: Vec::new(),
+                });
+                batches.len() - 1
+            }
+        };
+        uncoalesced += pairs.len();
+        pairs.sort_unstable();
+        let mut i = 0;
+        while i < pairs.len() {
+            let (s0, d0) = pairs[i];
+            let mut n = 1;
+            while i + n < pairs.len() && pairs[i + n] == (s0 + n as u32, d0 + n as u32) {
+                n += 1;
+            }
+            let len = n as u64 * s.slot_bytes;
+            per_pool
+                .entry(sk)
+                .or_default()
+                .push((bi, batches[bi].segments.len()));
+            batches[bi].segments.push(Segment {
+                src: s.slot_addr(SlotId(s0)),
+                dst: t.slot_addr(SlotId(d0)),
+                len,
+            });
+            bytes += len;
+            i += n;
+        }
+    }
+    Ok(WritePlan {
+        batches,
+        pages,
+        bytes,
+        uncoalesced,
+        per_pool: per_pool
+            .into_iter()
+            .map(|(k, v)| (src_ix[&k].clone(), v))
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::MemKind;
+
+    fn region(cache: CacheKind, tier: Tier, pool: u16, addr: u64, slot_bytes: u64) -> PoolRegion {
+        PoolRegion {
+            device: 0,
+            cache,
+            tier,
+            group: PoolGroupId(0),
+            pool,
+            slot_bytes,
+            slots: 16,
+            roles: vec![if pool == 0 { Role::Key } else { Role::IndexKey }],
+            region: MemRegion {
+                addr,
+                len: 16 * slot_bytes,
+                mem: MemKind::Host,
+            },
+        }
+    }
+
+    fn block(k: u8, slots: &[(CacheKind, Tier, u32)]) -> BlockPages {
+        BlockPages {
+            key: BlockKey([k; 32]),
+            pages: slots
+                .iter()
+                .map(|&(cache, tier, s)| PageLoc {
+                    cache,
+                    life_cycle: LifeCycleId(0),
+                    tier,
+                    group: PoolGroupId(0),
+                    slot: SlotId(s),
+                })
+                .collect(),
+        }
+    }
+
+    use CacheKind::{Draft, Target};
+    use Tier::{Gpu, Host};
+
+    fn sides() -> (
+        ExportedBlocks,
+        Vec<PoolRegion>,
+        ImportTicket,
+        Vec<PoolRegion>,
+    ) {
+        // Four blocks; block 0 is already cached on the importer. Source slots 3, 4, 9
+        // (the last one on the host tier); destination slots 0, 1, 2.
+        let export = ExportedBlocks {
+            id: RequestId(5),
+            scope: ReuseScope::SHARED,
+            tokens: vec![TokenId(1); 256],
+            tokens_per_block: 64,
+            layout: "L".into(),
+            blocks: vec![
+                block(1, &[(Target, Gpu, 7), (Draft, Gpu, 7)]),
+                block(2, &[(Target, Gpu, 3), (Draft, Gpu, 3)]),
+                block(3, &[(Target, Gpu, 4), (Draft, Gpu, 4)]),
+                block(4, &[(Target, Host, 9), (Draft, Host, 9)]),
+            ],
+        };
+        let ticket = ImportTicket {
+            id: RequestId(5),
+            skipped: 1,
+            layout: "L".into(),
+            blocks: vec![
+                block(2, &[(Target, Gpu, 0), (Draft, Gpu, 0)]),
+                block(3, &[(Target, Gpu, 1), (Draft, Gpu, 1)]),
+                block(4, &[(Target, Gpu, 2), (Draft, Gpu, 2)]),
+            ],
+        };
+        let mut src = Vec::new();
+        let mut dst = Vec::new();
+        for (i, cache) in [Target, Draft].into_iter().enumerate() {
+            let base = 0x10_0000 * (i as u64 + 1);
+            src.push(region(cache, Gpu, 0, base, 1000));
+            src.push(region(cache, Gpu, 1, base + 0x1_0000, 100));
+            src.push(region(cache, Host, 0, base + 0x2_0000, 1000));
+            src.push(region(cache, Host, 1, base + 0x3_0000, 100));
+            dst.push(region(cache, Gpu, 0, base + 0x80_0000, 1000));
+            dst.push(region(cache, Gpu, 1, base + 0x81_0000, 100));
+        }
+        (export, src, ticket, dst)
+    }
+
+    #[test]
+    fn every_pool_of_every_cache_with_runs_coalesced() {
+        let (export, src, ticket, dst) = sides();
+        let plan = plan_writes(&export, &src, &ticket, &dst).unwrap();
+        // 3 blocks × 2 caches = 6 pages; 2 pools each = 12 page copies.
+        assert_eq!(plan.pages, 6);
+        assert_eq!(plan.uncoalesced, 12);
+        assert_eq!(plan.bytes, 6 * 1100);
+        // Per cache and pool: GPU slots 3,4 → 0,1 is one run; host slot 9 → 2 another.
+        assert_eq!(plan.descriptors(), 8);
+        assert_eq!(plan.batches.len(), 1);
+        let segs = &plan.batches[0].segments;
+        // Target, GPU, pool 0: slots 3..5 → 0..2, one segment of 2000 bytes.
+        assert!(segs.contains(&Segment {
+            src: 0x10_0000 + 3000,
+            dst: 0x90_0000,
+            len: 2000
+        }));
+        // Draft, host, pool 1: slot 9 → slot 2.
+        assert!(segs.contains(&Segment {
+            src: 0x20_0000 + 0x3_0000 + 900,
+            dst: 0xA1_0000 + 200,
+            len: 100
+        }));
+        // Dropping the indexer pools removes exactly their segments.
+        let mutated = plan.without_pools(|r| r.roles.contains(&Role::IndexKey));
+        assert_eq!(mutated.descriptors(), 4);
+        assert_eq!(mutated.bytes, 6 * 1000);
+    }
+
+    #[test]
+    fn mismatches_are_refused() {
+        let (export, src, ticket, dst) = sides();
+        let mut t = ticket.clone();
+        t.layout = "other".into();
+        assert!(matches!(
+            plan_writes(&export, &src, &t, &dst),
+            Err(PlanError::LayoutMismatch { .. })
+        ));
+        let mut t = ticket.clone();
+        t.blocks[1].key = BlockKey([9; 32]);
+        assert!(matches!(
+            plan_writes(&export, &src, &t, &dst),
+            Err(PlanError::TicketMismatch(_))
+        ));
+        // A destination without the draft cache's indexer pool: refused, not skipped.
+        let d: Vec<_> = dst
+            .iter()
+            .filter(|r| !(r.cache == Draft && r.pool == 1))
+            .cloned()
+            .collect();
+        assert!(matches!(
+            plan_writes(&export, &src, &ticket, &d),
+            Err(PlanError::TicketMismatch(_))
+        ));
+        // A source without the host tier of that pool (block 4 lives there).
+        let s: Vec<_> = src
+            .iter()
+            .filter(|r| !(r.cache == Draft && r.pool == 1 && r.tier == Host))
+            .cloned()
+            .collect();
+        assert!(matches!(
+            plan_writes(&export, &s, &ticket, &dst),
+            Err(PlanError::MissingRegion {
+                side: "source",
+                cache: Draft,
+                tier: Host,
+                pool: 1,
+                ..
+            })
+        ));
+        let mut t = ticket.clone();
+        t.blocks[0].pages[0].slot = SlotId(16);
+        assert!(matches!(
+            plan_writes(&export, &src, &t, &dst),
+            Err(PlanError::BadPage { .. })
+        ));
+    }
+}
