@@ -148,6 +148,14 @@ pub enum KvError {
         /// Live sequences (active or suspended) holding at least one page.
         sequences: usize,
     },
+    /// An export or import of blocks was refused (nothing was changed).
+    #[error("transfer {id}: {why}")]
+    Transfer {
+        /// The export's or import's id.
+        id: RequestId,
+        /// What was wrong and what to do.
+        why: String,
+    },
     /// A layout query failed.
     #[error(transparent)]
     Layout(#[from] LayoutError),

@@ -13,7 +13,8 @@ use crate::ids::{PageId, SlotId, Tier};
 impl KvCacheManager {
     /// Panics with a description of the first broken invariant:
     /// free + used = total per allocator and tier; every live page owns exactly its slot;
-    /// lock and hold counts equal the references of active and suspended sequences;
+    /// lock and hold counts equal the references of active and suspended sequences, pins
+    /// those of export leases;
     /// locked pages are on the GPU; queue membership equals evictability; tree blocks and
     /// their pages point at each other; committed ≤ history ≤ capacity and
     /// blocks = ceil(capacity / T) for every sequence; uncommitted pages are private.
@@ -125,7 +126,7 @@ impl KvCacheManager {
                 );
             }
         }
-        let mut refs: HashMap<PageId, (u32, u32)> = HashMap::new();
+        let mut refs: HashMap<PageId, (u32, u32, u32)> = HashMap::new();
         let mut live_seqs = 0;
         for (i, s) in self.seqs.iter().enumerate() {
             let Some(s) = s else { continue };
@@ -155,6 +156,13 @@ impl KvCacheManager {
                 "sequence {} node chain",
                 s.id
             );
+            if s.pinned {
+                assert!(
+                    s.status == SeqStatus::Suspended && s.pending_copy.is_none(),
+                    "export lease {} is active or waits for a copy",
+                    s.id
+                );
+            }
             if s.status == SeqStatus::Active {
                 assert!(
                     s.pending_copy.is_none(),
@@ -184,15 +192,16 @@ impl KvCacheManager {
                     }
                     SeqStatus::Suspended => e.1 += 1,
                 }
+                e.2 += u32::from(s.pinned);
             }
         }
         assert_eq!(live_seqs, self.by_id.len(), "sequence count");
         for (pid, p) in self.pages.iter_live() {
-            let (locks, holders) = refs.get(&pid).copied().unwrap_or((0, 0));
+            let (locks, holders, pins) = refs.get(&pid).copied().unwrap_or((0, 0, 0));
             assert_eq!(
-                (p.locks, p.holders),
-                (locks, holders),
-                "page {pid} reference counts"
+                (p.locks, p.holders, p.pins),
+                (locks, holders, pins),
+                "page {pid} reference counts (locks, holds, pins)"
             );
         }
         if self.record_router_events {

@@ -223,6 +223,8 @@ pub(super) struct Sequence {
     pub priority: u8,
     pub reused: u64,
     pub ready_after: Fence,
+    /// An export lease: suspended, its pages pinned (see `transfer.rs`).
+    pub pinned: bool,
 }
 
 impl Sequence {
@@ -631,6 +633,30 @@ impl KvCacheManager {
             return Err(KvError::DuplicateRequest { id });
         }
         Self::validate_tokens(prompt)?;
+        let lookup = if self.opts.enable_block_reuse && prompt.len() >= 2 {
+            &prompt[..prompt.len() - 1]
+        } else {
+            &[]
+        };
+        let partial = self.opts.enable_partial_reuse;
+        self.open(id, scope, lookup, partial, true, opts)
+    }
+
+    /// Opens a suspended sequence holding the cached prefix of `lookup` (full blocks, then
+    /// with `partial` a leading part of the next block); `count` books it as a reuse
+    /// lookup in the statistics.
+    pub(super) fn open(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        lookup: &[TokenId],
+        partial: bool,
+        count: bool,
+        opts: SeqOptions,
+    ) -> Result<Created, KvError> {
+        if self.by_id.contains_key(&id) {
+            return Err(KvError::DuplicateRequest { id });
+        }
         if opts.priority > MAX_PRIORITY {
             return Err(KvError::InvalidOption {
                 field: "priority",
@@ -657,15 +683,15 @@ impl KvCacheManager {
             priority: opts.priority,
             reused: 0,
             ready_after: Fence::NONE,
+            pinned: false,
         };
-        if self.opts.enable_block_reuse && prompt.len() >= 2 {
-            let lookup = &prompt[..prompt.len() - 1];
+        if !lookup.is_empty() {
             let m = self.tree.match_prefix(
                 &mut self.hasher,
                 &scope_key,
                 lookup,
                 self.tpb as usize,
-                self.opts.enable_partial_reuse,
+                partial,
             );
             let mut reused = m.full.len() as u64 * self.tpb;
             for &node in &m.full {
@@ -683,13 +709,15 @@ impl KvCacheManager {
                 self.pages[pid].holders += 1;
                 self.refresh_queue(pid);
             }
-            seq.tokens = prompt[..reused as usize].to_vec();
+            seq.tokens = lookup[..reused as usize].to_vec();
             seq.history = reused;
             seq.capacity = reused;
             seq.reused = reused;
-            self.stats.reuse_lookups += 1;
-            self.stats.lookup_tokens += lookup.len() as u64;
-            self.stats.reused_tokens += reused;
+            if count {
+                self.stats.reuse_lookups += 1;
+                self.stats.lookup_tokens += lookup.len() as u64;
+                self.stats.reused_tokens += reused;
+            }
         }
         self.next_gen += 1;
         let reused_tokens = seq.reused;

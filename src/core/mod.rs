@@ -20,6 +20,7 @@ mod router_events;
 pub mod scheduler;
 mod sequence_ops;
 mod slot_allocator;
+mod transfer;
 
 pub use cached_blocks::CachedPage;
 pub use error::{KvError, SeqStatus};
@@ -35,6 +36,7 @@ pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, ReplayError, RouterBlock, RouterEvent, RouterView};
 pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
+pub use transfer::{BlockLoc, Import, PageLoc};
 
 #[cfg(test)]
 mod tests;
@@ -44,3 +46,6 @@ mod router_events_tests;
 
 #[cfg(test)]
 mod scheduler_tests;
+
+#[cfg(test)]
+mod transfer_tests;

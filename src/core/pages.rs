@@ -3,7 +3,8 @@
 //!
 //! * **locked**: an active sequence uses it; it must stay on the GPU;
 //! * **held**: only suspended sequences (or pending copies) refer to it; it may move down
-//!   a tier but not be dropped;
+//!   a tier but not be dropped; a **pinned** held page (an exported block being read by a
+//!   transfer) does not move at all;
 //! * **droppable**: nobody refers to it; only committed pages linked into the reuse tree
 //!   live in this state (anything else is freed at once).
 
@@ -31,6 +32,9 @@ pub(crate) struct Page {
     pub slot: SlotId,
     pub locks: u32,
     pub holders: u32,
+    /// Holds of exported blocks (a subset of `holders`): the page must stay in its slot,
+    /// on whatever tier it is, until the export is released.
+    pub pins: u32,
     /// The tree block whose page this is (committed and shared).
     pub node: Option<NodeRef>,
     /// Immutable: committed into the tree at some point (it may have been unlinked since).

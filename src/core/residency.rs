@@ -22,11 +22,12 @@ impl KvCacheManager {
         }
     }
 
-    /// Evictable: droppable and linked into the tree, or held and not on the last tier.
+    /// Evictable: droppable and linked into the tree, or held (not pinned) and not on the
+    /// last tier.
     pub(super) fn is_evictable(&self, p: &Page) -> bool {
         match p.status() {
             PageStatus::Locked => false,
-            PageStatus::Held => p.tier != self.last_tier(),
+            PageStatus::Held => p.pins == 0 && p.tier != self.last_tier(),
             PageStatus::Droppable => p.node.is_some(),
         }
     }
@@ -359,6 +360,7 @@ impl KvCacheManager {
                 slot: g.slot,
                 locks: 1,
                 holders: 0,
+                pins: 0,
                 node: None,
                 committed: false,
                 priority: 0,

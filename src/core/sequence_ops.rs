@@ -352,6 +352,18 @@ impl KvCacheManager {
             .iter()
             .filter_map(|&p| self.dequeue(p).map(|s| (p, s)))
             .collect();
+        // A pinned page (an exported block a transfer is reading) cannot move: wait until
+        // the export is released.
+        if own
+            .iter()
+            .any(|&p| self.pages[p].pins > 0 && self.pages[p].tier != Tier::Gpu)
+        {
+            for (pid, stamp) in stamps {
+                self.requeue(pid, stamp);
+            }
+            self.stats.resume_refusals += 1;
+            return Ok(false);
+        }
         let mut needs = vec![0u32; self.allocators[0].len()];
         for (i, &pid) in own.iter().enumerate() {
             let copy = pending == Some(i / n);
@@ -428,6 +440,9 @@ impl KvCacheManager {
         // Tail first: the last blocks become the least recently used, so they are
         // evicted before the shared prefix.
         for &pid in s.pages.iter().rev() {
+            if s.pinned {
+                self.pages[pid].pins -= 1;
+            }
             self.unref(pid, locked);
         }
         self.by_id.remove(&s.id);

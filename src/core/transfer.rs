@@ -1,0 +1,195 @@
+//! Export and import of full blocks (moving KV between engines), built on sequences so
+//! every rule of the manager holds for them:
+//!
+//! * **export** ([`KvCacheManager::export_blocks`]): a suspended sequence over the cached
+//!   full blocks of a prefix (no partial block), whose pages are **pinned**: held, and not
+//!   evictable or movable on any tier, so their slots stay valid while a transfer reads
+//!   them. A request resuming over a pinned page still on the host tier waits (its resume
+//!   returns `false`) until the export is closed. Closing the export's handle releases it.
+//! * **import** ([`KvCacheManager::begin_import`]): an active sequence over the leading
+//!   blocks already cached here (skipped: not transferred; resumed, so they come to the
+//!   GPU) plus fresh locked GPU pages for the rest, which nothing else can reach: the
+//!   transfer writes into them. [`KvCacheManager::commit_import`] commits the tokens (the
+//!   blocks enter the reuse tree, a block someone cached meanwhile is rebased onto the
+//!   tree's page) and closes the sequence; closing it instead (an abort, a failed
+//!   transfer) frees the fresh pages and leaves the tree as it was.
+
+use super::error::KvError;
+use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
+use super::reuse_key::{BlockKey, ReuseScope};
+use crate::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+use serde::{Deserialize, Serialize};
+
+/// Where one page of a block lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageLoc {
+    /// The page's life cycle.
+    pub life_cycle: LifeCycleId,
+    /// Tier.
+    pub tier: Tier,
+    /// Pool group.
+    pub group: PoolGroupId,
+    /// Slot in the group.
+    pub slot: SlotId,
+}
+
+/// A full block: its chained reuse key and its pages, one per life cycle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockLoc {
+    /// The chained reuse key.
+    pub key: BlockKey,
+    /// One page per life cycle.
+    pub pages: Vec<PageLoc>,
+}
+
+/// An open import: the handle and how many leading blocks were already cached.
+#[derive(Debug)]
+pub struct Import {
+    /// The import's sequence (commit or close it).
+    pub handle: SeqHandle,
+    /// Leading blocks already cached here (not to be transferred).
+    pub skipped: u32,
+    /// The reserved blocks `skipped..`, in prefix order.
+    pub blocks: Vec<BlockLoc>,
+}
+
+impl KvCacheManager {
+    /// The chained reuse keys of the full blocks of `tokens` under `scope` (a trailing
+    /// partial block has none).
+    pub fn block_keys(&mut self, scope: ReuseScope, tokens: &[TokenId]) -> Vec<BlockKey> {
+        let mut parent = scope.root_key();
+        tokens
+            .chunks_exact(self.tpb as usize)
+            .map(|b| {
+                parent = self.hasher.block_key(&parent, b);
+                parent
+            })
+            .collect()
+    }
+
+    fn whole_blocks(&self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        Self::validate_tokens(tokens)?;
+        if !self.opts.enable_block_reuse {
+            return Err(KvError::Transfer {
+                id,
+                why: "block reuse is off here: exported or imported blocks live in the reuse \
+                      tree; enable enable_block_reuse"
+                    .into(),
+            });
+        }
+        if tokens.is_empty() || tokens.len() as u64 % self.tpb != 0 {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "{} tokens are not a whole number of {}-token blocks: only full blocks \
+                     move (the decode engine recomputes the partial tail)",
+                    tokens.len(),
+                    self.tpb
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn block_locs(&self, pages: &[crate::ids::PageId], keys: &[BlockKey]) -> Vec<BlockLoc> {
+        pages
+            .chunks_exact(self.n_lc)
+            .zip(keys)
+            .map(|(ps, &key)| {
+                BlockLoc {
+                    key,
+                    pages: ps
+                        .iter()
+                        .map(|&pid| {
+                            let p = &self.pages[pid];
+                            PageLoc {
+                                life_cycle: p.life_cycle,
+                                tier: p.tier,
+                                group: p.group,
+                                slot: p.slot,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Pins the cached full blocks of `tokens` (the longest cached prefix of its whole
+    /// blocks) for a transfer to read, wherever they are; returns the export's handle
+    /// (close it to release the pins) and the blocks, in prefix order. Fewer blocks than
+    /// `tokens` has are returned when the rest is not cached (none: an empty list).
+    pub fn export_blocks(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<(SeqHandle, Vec<BlockLoc>), KvError> {
+        self.reap_dropped();
+        self.whole_blocks(id, tokens)?;
+        let c = self.open(id, scope, tokens, false, false, SeqOptions::default())?;
+        let idx = self.seq_index(&c.handle)?;
+        self.seq_mut(idx).pinned = true;
+        let pages = self.seq(idx).pages.clone();
+        for &pid in &pages {
+            self.pages[pid].pins += 1;
+            self.refresh_queue(pid);
+        }
+        let keys = self.block_keys(scope, &tokens[..pages.len() / self.n_lc * self.tpb as usize]);
+        let blocks = self.block_locs(&pages, &keys);
+        self.debug_check();
+        Ok((c.handle, blocks))
+    }
+
+    /// Reserves pages for importing the full blocks of `tokens`: leading blocks cached
+    /// here are skipped (and brought to the GPU), the others get fresh GPU pages.
+    /// `Ok(None)` when there is no room on the GPU now, and an error for an import that
+    /// can never fit; either way the reservation is undone (no page, hold or tree block
+    /// of it stays).
+    pub fn begin_import(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Option<Import>, KvError> {
+        self.reap_dropped();
+        self.whole_blocks(id, tokens)?;
+        let mut c = self.open(id, scope, tokens, false, false, SeqOptions::default())?;
+        let skipped = c.reused_tokens / self.tpb;
+        let placed = self.resume(&c.handle).and_then(|ok| {
+            Ok(ok && self.resize(&c.handle, tokens.len() as u64, c.reused_tokens)?)
+        });
+        if placed != Ok(true) {
+            // Nothing of the import stays: the held blocks are released.
+            self.close(&mut c.handle)?;
+            return placed.map(|_| None);
+        }
+        let idx = self.seq_index(&c.handle)?;
+        let keys = self.block_keys(scope, tokens);
+        let first = skipped as usize * self.n_lc;
+        let blocks = self.block_locs(&self.seq(idx).pages[first..], &keys[skipped as usize..]);
+        self.debug_check();
+        Ok(Some(Import {
+            handle: c.handle,
+            skipped: skipped as u32,
+            blocks,
+        }))
+    }
+
+    /// Links the imported blocks into the reuse tree (their bytes have landed) and closes
+    /// the import. `tokens` are the tokens `begin_import` was given.
+    pub fn commit_import(&mut self, h: &mut SeqHandle, tokens: &[TokenId]) -> Result<(), KvError> {
+        self.reap_dropped();
+        let idx = self.seq_index(h)?;
+        let s = self.seq(idx);
+        let done = s.committed() as usize;
+        if tokens.len() as u64 != s.capacity || s.tokens[..] != tokens[..done] {
+            return Err(KvError::Transfer {
+                id: s.id,
+                why: "commit_import got other tokens than begin_import".into(),
+            });
+        }
+        self.commit(h, &tokens[done..])?;
+        self.close(h)
+    }
+}

@@ -1,0 +1,184 @@
+//! Exact-value tests of export and import on the tiny layout of `tests.rs` (T = 4).
+
+use super::tests::{cache, mgr, mgr_with, start, toks};
+use super::*;
+use crate::ids::{RequestId, SlotId, Tier, TokenId};
+
+const X: RequestId = RequestId(900);
+
+fn slots(blocks: &[BlockLoc]) -> Vec<(Tier, u32)> {
+    blocks
+        .iter()
+        .map(|b| (b.pages[0].tier, b.pages[0].slot.get()))
+        .collect()
+}
+
+#[test]
+fn export_pins_the_cached_full_blocks_where_they_are() {
+    // 4 GPU slots, 4 host slots. Cache 3 blocks + a partial one of a 14-token prompt.
+    let mut m = mgr(4, 4);
+    let p = toks(0..14);
+    cache(&mut m, 1, &p, 35);
+    let keys = m.block_keys(ReuseScope::SHARED, &p[..12]);
+    let (mut lease, blocks) = m.export_blocks(X, ReuseScope::SHARED, &p[..12]).unwrap();
+    assert_eq!(blocks.iter().map(|b| b.key).collect::<Vec<_>>(), keys);
+    assert_eq!(slots(&blocks), [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]);
+    m.check_invariants();
+    // A 16-token request needs all 4 GPU slots: the pinned blocks cannot be offloaded
+    // (held pages otherwise can), so there is no room.
+    let h = start(&mut m, 2, &toks(100..116), 35);
+    assert!(!m.resize(&h, 16, 0).unwrap());
+    // Asking for more blocks than are cached exports the cached prefix only.
+    let (mut lease2, b2) = m
+        .export_blocks(RequestId(901), ReuseScope::SHARED, &toks(0..16))
+        .unwrap();
+    assert_eq!(b2.len(), 3);
+    m.close(&mut lease2).unwrap();
+    // Released: the same request now fits, the blocks go to the host tier.
+    m.close(&mut lease).unwrap();
+    assert!(m.resize(&h, 16, 0).unwrap());
+    m.check_invariants();
+    let on_host: Vec<_> = m
+        .cached_blocks()
+        .iter()
+        .filter(|c| c.tier == Tier::Host)
+        .map(|c| c.key)
+        .collect();
+    assert_eq!(on_host.len(), 4, "3 full blocks and the partial one");
+}
+
+#[test]
+fn a_resume_over_a_pinned_host_page_waits_for_the_release() {
+    let mut m = mgr(4, 4);
+    let p = toks(0..9);
+    cache(&mut m, 1, &p, 35);
+    // Offload the prefix: a 16-token request takes the whole GPU.
+    let mut h = start(&mut m, 2, &toks(100..116), 35);
+    assert!(m.resize(&h, 16, 0).unwrap());
+    m.close(&mut h).unwrap();
+    let (mut lease, blocks) = m.export_blocks(X, ReuseScope::SHARED, &p[..8]).unwrap();
+    assert!(blocks.iter().all(|b| b.pages[0].tier == Tier::Host));
+    let c = m
+        .create(RequestId(3), ReuseScope::SHARED, &p, SeqOptions::default())
+        .unwrap();
+    assert_eq!(c.reused_tokens, 8);
+    let before = m.fingerprint();
+    assert!(!m.resume(&c.handle).unwrap(), "the pinned pages cannot move yet");
+    assert_eq!(m.fingerprint(), before, "a refused resume changes nothing");
+    m.close(&mut lease).unwrap();
+    assert!(m.resume(&c.handle).unwrap());
+    m.check_invariants();
+}
+
+#[test]
+fn import_reserves_fresh_pages_then_links_them_atomically() {
+    let mut m = mgr(8, 0);
+    let p = toks(0..12);
+    let mut imp = m
+        .begin_import(X, ReuseScope::SHARED, &p)
+        .unwrap()
+        .expect("room");
+    assert_eq!(imp.skipped, 0);
+    assert_eq!(slots(&imp.blocks), [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]);
+    assert_eq!(
+        imp.blocks.iter().map(|b| b.key).collect::<Vec<_>>(),
+        m.block_keys(ReuseScope::SHARED, &p)
+    );
+    // Nothing is reachable before the commit.
+    let mut q = p.clone();
+    q.push(TokenId(77));
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &q).unwrap(), 0);
+    m.check_invariants();
+    // Fewer tokens than begin_import's are refused.
+    assert!(matches!(
+        m.commit_import(&mut imp.handle, &toks(0..8)),
+        Err(KvError::Transfer { .. })
+    ));
+    m.commit_import(&mut imp.handle, &p).unwrap();
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &q).unwrap(), 12);
+    assert_eq!(m.num_sequences(), 0);
+    assert_eq!(m.usage(Tier::Gpu)[0].evictable, 3);
+    m.check_invariants();
+    // A second import of a longer prefix skips the three cached blocks.
+    let p2 = toks(0..20);
+    let mut imp2 = m
+        .begin_import(RequestId(901), ReuseScope::SHARED, &p2)
+        .unwrap()
+        .unwrap();
+    assert_eq!(imp2.skipped, 3);
+    assert_eq!(slots(&imp2.blocks), [(Tier::Gpu, 3), (Tier::Gpu, 4)]);
+    m.commit_import(&mut imp2.handle, &p2).unwrap();
+    q = p2.clone();
+    q.push(TokenId(5));
+    assert_eq!(m.probe_reuse(ReuseScope::SHARED, &q).unwrap(), 20);
+    m.check_invariants();
+}
+
+#[test]
+fn an_aborted_or_refused_import_leaves_nothing_behind() {
+    let mut m = mgr(4, 0);
+    cache(&mut m, 1, &toks(0..5), 35);
+    let before = m.cached_blocks();
+    let usage = m.usage(Tier::Gpu);
+    // Abort: the fresh pages are freed, the skipped block is released.
+    let mut imp = m
+        .begin_import(X, ReuseScope::SHARED, &toks(0..12))
+        .unwrap()
+        .unwrap();
+    assert_eq!(imp.skipped, 1);
+    m.close(&mut imp.handle).unwrap();
+    assert_eq!(m.cached_blocks(), before);
+    assert_eq!(m.usage(Tier::Gpu), usage);
+    m.check_invariants();
+    // More blocks than the pool has: a typed error, nothing left open.
+    assert!(matches!(
+        m.begin_import(X, ReuseScope::SHARED, &toks(0..20)),
+        Err(KvError::SequenceTooLong { .. })
+    ));
+    assert_eq!(m.num_sequences(), 0);
+    assert_eq!(m.cached_blocks(), before);
+    // No room now (an active request holds 3 of the 4 slots): refused, nothing changed.
+    let h = start(&mut m, 2, &toks(100..112), 35);
+    assert!(m.resize(&h, 12, 0).unwrap());
+    let (cached, usage) = (m.cached_blocks(), m.usage(Tier::Gpu));
+    assert!(m
+        .begin_import(X, ReuseScope::SHARED, &toks(0..12))
+        .unwrap()
+        .is_none());
+    assert_eq!(m.num_sequences(), 1);
+    assert_eq!((m.cached_blocks(), m.usage(Tier::Gpu)), (cached, usage));
+    m.check_invariants();
+}
+
+#[test]
+fn bad_transfers_are_typed_errors() {
+    let mut m = mgr(4, 0);
+    for t in [toks(0..6), Vec::new()] {
+        assert!(matches!(
+            m.begin_import(X, ReuseScope::SHARED, &t),
+            Err(KvError::Transfer { .. })
+        ));
+        assert!(matches!(
+            m.export_blocks(X, ReuseScope::SHARED, &t),
+            Err(KvError::Transfer { .. })
+        ));
+    }
+    let _h = start(&mut m, 900, &toks(0..3), 35);
+    assert!(matches!(
+        m.begin_import(X, ReuseScope::SHARED, &toks(0..4)),
+        Err(KvError::DuplicateRequest { .. })
+    ));
+    let mut off = mgr_with(
+        4,
+        0,
+        ManagerOptions {
+            enable_block_reuse: false,
+            ..ManagerOptions::default()
+        },
+    );
+    assert!(matches!(
+        off.export_blocks(X, ReuseScope::SHARED, &toks(0..4)),
+        Err(KvError::Transfer { .. })
+    ));
+    assert_eq!(SlotId(0).get(), 0);
+}
