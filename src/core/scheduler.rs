@@ -8,6 +8,9 @@
 //! sampled). With a separate draft cache, every operation is mirrored on the draft
 //! manager, which has the same slot counts, so its decisions mirror the target's.
 
+mod transfer;
+pub use transfer::{BlockPages, ImportReservation};
+
 use std::collections::HashMap;
 
 use serde::Serialize;
@@ -359,6 +362,8 @@ pub struct Scheduler {
     /// Buffers of retired plans and commits ([`recycle`](Self::recycle)), reused by the
     /// next plans instead of allocating.
     spare: Spare,
+    /// Open exports and imports of blocks (`transfer.rs`).
+    transfers: std::collections::HashMap<RequestId, transfer::Transfer>,
 }
 
 /// Emptied buffers kept for the next plans: a step of 256 decoding requests otherwise
@@ -419,6 +424,7 @@ impl Scheduler {
                 cap,
                 ..Spare::default()
             },
+            transfers: std::collections::HashMap::new(),
         }
     }
 
@@ -553,7 +559,7 @@ impl Scheduler {
             }
             .into());
         }
-        if self.reqs.iter().any(|q| q.id == r.id) {
+        if self.reqs.iter().any(|q| q.id == r.id) || self.transfers.contains_key(&r.id) {
             return Err(KvError::DuplicateRequest { id: r.id }.into());
         }
         let probe = self.target.probe_reuse(r.scope, &r.prompt)?;
@@ -1251,6 +1257,7 @@ impl Scheduler {
             }
             requests += usize::from(held);
         }
+        requests += self.transfers.len();
         if requests > 0 {
             return Err(SchedError::PrefixCacheInUse { requests });
         }

@@ -95,22 +95,20 @@ impl KvCacheManager {
         pages
             .chunks_exact(self.n_lc)
             .zip(keys)
-            .map(|(ps, &key)| {
-                BlockLoc {
-                    key,
-                    pages: ps
-                        .iter()
-                        .map(|&pid| {
-                            let p = &self.pages[pid];
-                            PageLoc {
-                                life_cycle: p.life_cycle,
-                                tier: p.tier,
-                                group: p.group,
-                                slot: p.slot,
-                            }
-                        })
-                        .collect(),
-                }
+            .map(|(ps, &key)| BlockLoc {
+                key,
+                pages: ps
+                    .iter()
+                    .map(|&pid| {
+                        let p = &self.pages[pid];
+                        PageLoc {
+                            life_cycle: p.life_cycle,
+                            tier: p.tier,
+                            group: p.group,
+                            slot: p.slot,
+                        }
+                    })
+                    .collect(),
             })
             .collect()
     }
@@ -135,7 +133,10 @@ impl KvCacheManager {
             self.pages[pid].pins += 1;
             self.refresh_queue(pid);
         }
-        let keys = self.block_keys(scope, &tokens[..pages.len() / self.n_lc * self.tpb as usize]);
+        let keys = self.block_keys(
+            scope,
+            &tokens[..pages.len() / self.n_lc * self.tpb as usize],
+        );
         let blocks = self.block_locs(&pages, &keys);
         self.debug_check();
         Ok((c.handle, blocks))
@@ -156,9 +157,9 @@ impl KvCacheManager {
         self.whole_blocks(id, tokens)?;
         let mut c = self.open(id, scope, tokens, false, false, SeqOptions::default())?;
         let skipped = c.reused_tokens / self.tpb;
-        let placed = self.resume(&c.handle).and_then(|ok| {
-            Ok(ok && self.resize(&c.handle, tokens.len() as u64, c.reused_tokens)?)
-        });
+        let placed = self
+            .resume(&c.handle)
+            .and_then(|ok| Ok(ok && self.resize(&c.handle, tokens.len() as u64, c.reused_tokens)?));
         if placed != Ok(true) {
             // Nothing of the import stays: the held blocks are released.
             self.close(&mut c.handle)?;

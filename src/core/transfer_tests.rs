@@ -22,7 +22,10 @@ fn export_pins_the_cached_full_blocks_where_they_are() {
     let keys = m.block_keys(ReuseScope::SHARED, &p[..12]);
     let (mut lease, blocks) = m.export_blocks(X, ReuseScope::SHARED, &p[..12]).unwrap();
     assert_eq!(blocks.iter().map(|b| b.key).collect::<Vec<_>>(), keys);
-    assert_eq!(slots(&blocks), [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]);
+    assert_eq!(
+        slots(&blocks),
+        [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]
+    );
     m.check_invariants();
     // A 16-token request needs all 4 GPU slots: the pinned blocks cannot be offloaded
     // (held pages otherwise can), so there is no room.
@@ -63,7 +66,10 @@ fn a_resume_over_a_pinned_host_page_waits_for_the_release() {
         .unwrap();
     assert_eq!(c.reused_tokens, 8);
     let before = m.fingerprint();
-    assert!(!m.resume(&c.handle).unwrap(), "the pinned pages cannot move yet");
+    assert!(
+        !m.resume(&c.handle).unwrap(),
+        "the pinned pages cannot move yet"
+    );
     assert_eq!(m.fingerprint(), before, "a refused resume changes nothing");
     m.close(&mut lease).unwrap();
     assert!(m.resume(&c.handle).unwrap());
@@ -79,7 +85,10 @@ fn import_reserves_fresh_pages_then_links_them_atomically() {
         .unwrap()
         .expect("room");
     assert_eq!(imp.skipped, 0);
-    assert_eq!(slots(&imp.blocks), [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]);
+    assert_eq!(
+        slots(&imp.blocks),
+        [(Tier::Gpu, 0), (Tier::Gpu, 1), (Tier::Gpu, 2)]
+    );
     assert_eq!(
         imp.blocks.iter().map(|b| b.key).collect::<Vec<_>>(),
         m.block_keys(ReuseScope::SHARED, &p)

@@ -12,8 +12,10 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::{MemRegion, Segment, WriteBatch};
-use crate::core::{BlockKey, ReuseScope};
-use crate::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+pub use crate::core::scheduler::BlockPages;
+pub use crate::core::PageLoc;
+use crate::core::ReuseScope;
+use crate::ids::{PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use crate::layout::Role;
 
 /// Which cache a page belongs to.
@@ -53,30 +55,6 @@ impl PoolRegion {
     fn slot_addr(&self, slot: SlotId) -> u64 {
         self.region.addr + u64::from(slot.0) * self.slot_bytes
     }
-}
-
-/// Where one page of a block lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PageLoc {
-    /// Target or draft cache.
-    pub cache: CacheKind,
-    /// The page's life cycle.
-    pub life_cycle: LifeCycleId,
-    /// Tier.
-    pub tier: Tier,
-    /// Pool group.
-    pub group: PoolGroupId,
-    /// Slot in the group.
-    pub slot: SlotId,
-}
-
-/// A block's chained reuse key and its pages (target life cycles, then draft).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockPages {
-    /// The chained reuse key.
-    pub key: BlockKey,
-    /// One page per life cycle per cache.
-    pub pages: Vec<PageLoc>,
 }
 
 /// The full blocks an engine exported: pinned where they are until released.
@@ -275,35 +253,42 @@ pub fn plan_writes(
                 t.key, e.key
             )));
         }
-        if e.pages.len() != t.pages.len() {
+        if (e.target.len(), e.draft.len()) != (t.target.len(), t.draft.len()) {
             return Err(PlanError::TicketMismatch(format!(
-                "block {} has {} pages here and {} on the exporter",
+                "block {} has {}+{} (target+draft) pages here and {}+{} on the exporter",
                 e.key,
-                t.pages.len(),
-                e.pages.len()
+                t.target.len(),
+                t.draft.len(),
+                e.target.len(),
+                e.draft.len()
             )));
         }
-        for (sp, dp) in e.pages.iter().zip(&t.pages) {
-            if (sp.cache, sp.life_cycle, sp.group) != (dp.cache, dp.life_cycle, dp.group) {
+        let tagged = |b: &'_ BlockPages| {
+            let t = b.target.iter().map(|p| (CacheKind::Target, *p));
+            t.chain(b.draft.iter().map(|p| (CacheKind::Draft, *p)))
+                .collect::<Vec<_>>()
+        };
+        for ((cache, sp), (_, dp)) in tagged(e).into_iter().zip(tagged(t)) {
+            if (sp.life_cycle, sp.group) != (dp.life_cycle, dp.group) {
                 return Err(PlanError::TicketMismatch(format!(
                     "page {sp:?} paired with {dp:?}"
                 )));
             }
             let pools =
                 pools_of
-                    .get(&(sp.cache, sp.group))
+                    .get(&(cache, sp.group))
                     .ok_or_else(|| PlanError::MissingRegion {
                         side: "source",
                         device: devs.first().copied().unwrap_or(0),
-                        cache: sp.cache,
+                        cache: cache,
                         tier: sp.tier,
                         group: sp.group,
                         pool: 0,
                     })?;
             for &d in &devs {
                 for &p in pools {
-                    let sk = (d, sp.cache, sp.tier, sp.group, p);
-                    let dk = (d, dp.cache, dp.tier, dp.group, p);
+                    let sk = (d, cache, sp.tier, sp.group, p);
+                    let dk = (d, cache, dp.tier, dp.group, p);
                     let missing = |side, k: PoolKey| PlanError::MissingRegion {
                         side,
                         device: k.0,
@@ -398,6 +383,8 @@ pub fn plan_writes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::BlockKey;
+    use crate::ids::LifeCycleId;
     use crate::transfer::MemKind;
 
     fn region(cache: CacheKind, tier: Tier, pool: u16, addr: u64, slot_bytes: u64) -> PoolRegion {
@@ -419,18 +406,22 @@ mod tests {
     }
 
     fn block(k: u8, slots: &[(CacheKind, Tier, u32)]) -> BlockPages {
-        BlockPages {
-            key: BlockKey([k; 32]),
-            pages: slots
+        let pages = |c: CacheKind| {
+            slots
                 .iter()
-                .map(|&(cache, tier, s)| PageLoc {
-                    cache,
+                .filter(|s| s.0 == c)
+                .map(|&(_, tier, s)| PageLoc {
                     life_cycle: LifeCycleId(0),
                     tier,
                     group: PoolGroupId(0),
                     slot: SlotId(s),
                 })
-                .collect(),
+                .collect()
+        };
+        BlockPages {
+            key: BlockKey([k; 32]),
+            target: pages(Target),
+            draft: pages(Draft),
         }
     }
 
@@ -554,7 +545,7 @@ mod tests {
             })
         ));
         let mut t = ticket.clone();
-        t.blocks[0].pages[0].slot = SlotId(16);
+        t.blocks[0].target[0].slot = SlotId(16);
         assert!(matches!(
             plan_writes(&export, &src, &t, &dst),
             Err(PlanError::BadPage { .. })

@@ -1,0 +1,269 @@
+//! Export and import of full blocks on the scheduler: the target cache and the mirrored
+//! draft cache in lockstep (see `core/transfer.rs` for the per-manager rules). Ids share
+//! one space with requests: an id in use by either is refused.
+
+use super::{SchedError, Scheduler};
+use crate::core::manager::SeqHandle;
+use crate::core::transfer::BlockLoc;
+use crate::core::{BlockKey, KvError, PageLoc, ReuseScope};
+use crate::ids::{Fence, RequestId, TokenId};
+use serde::{Deserialize, Serialize};
+
+/// A full block: its chained reuse key and its pages in the target and draft caches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockPages {
+    /// The chained reuse key.
+    pub key: BlockKey,
+    /// Target cache: one page per life cycle.
+    pub target: Vec<PageLoc>,
+    /// Draft cache: one page per life cycle (empty without a separate draft cache).
+    pub draft: Vec<PageLoc>,
+}
+
+/// A reservation for incoming blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImportReservation {
+    /// Leading blocks already cached here (not transferred).
+    pub skipped: u32,
+    /// Pages reserved for the blocks `skipped..`, in prefix order.
+    pub blocks: Vec<BlockPages>,
+    /// Device work that must complete before the reserved pages are written (their slots
+    /// may have been read by steps still in flight).
+    pub ready_after: Fence,
+}
+
+#[derive(Debug)]
+pub(super) enum TransferKind {
+    Export,
+    Import { tokens: Vec<TokenId> },
+}
+
+#[derive(Debug)]
+pub(super) struct Transfer {
+    kind: TransferKind,
+    target: SeqHandle,
+    draft: Option<SeqHandle>,
+}
+
+fn pair(t: Vec<BlockLoc>, d: Option<Vec<BlockLoc>>) -> Option<Vec<BlockPages>> {
+    match d {
+        None => Some(
+            t.into_iter()
+                .map(|b| BlockPages {
+                    key: b.key,
+                    target: b.pages,
+                    draft: Vec::new(),
+                })
+                .collect(),
+        ),
+        Some(d) if d.len() == t.len() && d.iter().zip(&t).all(|(a, b)| a.key == b.key) => Some(
+            t.into_iter()
+                .zip(d)
+                .map(|(t, d)| BlockPages {
+                    key: t.key,
+                    target: t.pages,
+                    draft: d.pages,
+                })
+                .collect(),
+        ),
+        Some(_) => None,
+    }
+}
+
+impl Scheduler {
+    fn check_free_id(&self, id: RequestId) -> Result<(), SchedError> {
+        if self.transfers.contains_key(&id) || self.reqs.iter().any(|r| r.id == id) {
+            return Err(KvError::DuplicateRequest { id }.into());
+        }
+        Ok(())
+    }
+
+    /// Open exports and imports.
+    pub fn num_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+
+    /// The chained reuse keys of `tokens`' full blocks under `scope`.
+    pub fn block_keys(&mut self, scope: ReuseScope, tokens: &[TokenId]) -> Vec<BlockKey> {
+        self.target.block_keys(scope, tokens)
+    }
+
+    /// Pins the cached full blocks of `tokens` in both caches for a transfer to read
+    /// (see [`KvCacheManager::export_blocks`](crate::core::KvCacheManager::export_blocks));
+    /// [`close_transfer`](Self::close_transfer) releases them.
+    pub fn export_blocks(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Vec<BlockPages>, SchedError> {
+        self.check_free_id(id)?;
+        let (mut th, tb) = self.target.export_blocks(id, scope, tokens)?;
+        let draft = match &mut self.draft {
+            Some(d) => match d.export_blocks(id, scope, tokens) {
+                Ok((dh, db)) => Some((dh, db)),
+                Err(e) => {
+                    self.target.close(&mut th)?;
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        let (dh, db) = match draft {
+            Some((h, b)) => (Some(h), Some(b)),
+            None => (None, None),
+        };
+        let mut t = Transfer {
+            kind: TransferKind::Export,
+            target: th,
+            draft: dh,
+        };
+        let Some(blocks) = pair(tb, db) else {
+            self.close_handles(&mut t)?;
+            return Err(SchedError::DraftDiverged {
+                id,
+                what: "the draft cache holds other blocks than the target cache",
+            });
+        };
+        self.transfers.insert(id, t);
+        Ok(blocks)
+    }
+
+    /// Reserves pages in both caches for the full blocks of `tokens`, whose chained keys
+    /// the exporter computed as `keys` (checked here against our own hashing). `Ok(None)`
+    /// when there is no room now; nothing stays reserved then, nor on an error.
+    pub fn begin_import(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+        keys: &[BlockKey],
+    ) -> Result<Option<ImportReservation>, SchedError> {
+        self.check_free_id(id)?;
+        let ours = self.target.block_keys(scope, tokens);
+        if ours.len() != keys.len() || tokens.len() % self.target.tokens_per_block() as usize != 0 {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "{} keys for {} tokens: one key per full {}-token block",
+                    keys.len(),
+                    tokens.len(),
+                    self.target.tokens_per_block()
+                ),
+            }
+            .into());
+        }
+        if let Some(b) = (0..keys.len()).find(|&b| keys[b] != ours[b]) {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "block {b}'s key is {} on the exporter and {} here: the engines disagree on \
+                     the scope (LoRA, salt) or the tokens; nothing was reserved",
+                    keys[b], ours[b]
+                ),
+            }
+            .into());
+        }
+        let Some(mut t) = self.target.begin_import(id, scope, tokens)? else {
+            return Ok(None);
+        };
+        let d = match &mut self.draft {
+            Some(d) => match d.begin_import(id, scope, tokens) {
+                Ok(Some(i)) if i.skipped == t.skipped => Some(i),
+                other => {
+                    if let Ok(Some(mut i)) = other {
+                        d.close(&mut i.handle)?;
+                    }
+                    self.target.close(&mut t.handle)?;
+                    return Err(SchedError::DraftDiverged {
+                        id,
+                        what: "the draft cache refused or skipped differently an import the \
+                               target accepted",
+                    });
+                }
+            },
+            None => None,
+        };
+        let mut ready = self.target.info_of(&t.handle)?.ready_after;
+        if let Some(i) = &d {
+            ready = ready.max(
+                self.draft
+                    .as_ref()
+                    .expect("draft")
+                    .info_of(&i.handle)?
+                    .ready_after,
+            );
+        }
+        let (dh, db) = match d {
+            Some(i) => (Some(i.handle), Some(i.blocks)),
+            None => (None, None),
+        };
+        let skipped = t.skipped;
+        let mut tr = Transfer {
+            kind: TransferKind::Import {
+                tokens: tokens.to_vec(),
+            },
+            target: t.handle,
+            draft: dh,
+        };
+        let Some(blocks) = pair(t.blocks, db) else {
+            self.close_handles(&mut tr)?;
+            return Err(SchedError::DraftDiverged {
+                id,
+                what: "the draft cache reserved other blocks than the target cache",
+            });
+        };
+        self.transfers.insert(id, tr);
+        Ok(Some(ImportReservation {
+            skipped,
+            blocks,
+            ready_after: ready,
+        }))
+    }
+
+    /// Links an import's blocks into both reuse trees (their bytes have landed) and
+    /// closes it; returns the blocks it brought.
+    pub fn commit_import(&mut self, id: RequestId) -> Result<u32, SchedError> {
+        let Some(t) = self.transfers.get(&id) else {
+            return Err(KvError::UnknownRequest { id }.into());
+        };
+        let TransferKind::Import { tokens } = &t.kind else {
+            return Err(KvError::Transfer {
+                id,
+                why: "this is an export: release it instead of committing".into(),
+            }
+            .into());
+        };
+        let tokens = tokens.clone();
+        let mut t = self.transfers.remove(&id).expect("checked");
+        let before = self.target.info_of(&t.target)?.committed;
+        let mut res = self.target.commit_import(&mut t.target, &tokens);
+        if let (Ok(()), Some(d), Some(h)) = (&res, &mut self.draft, &mut t.draft) {
+            res = d.commit_import(h, &tokens);
+        }
+        if let Err(e) = res {
+            // Close what is still open: nothing half-imported stays reserved.
+            self.close_handles(&mut t)?;
+            return Err(e.into());
+        }
+        Ok(((tokens.len() as u64 - before) / self.target.tokens_per_block()) as u32)
+    }
+
+    /// Releases an export, or aborts an import (its reserved pages are freed, nothing
+    /// enters the reuse tree).
+    pub fn close_transfer(&mut self, id: RequestId) -> Result<(), SchedError> {
+        let mut t = self
+            .transfers
+            .remove(&id)
+            .ok_or(KvError::UnknownRequest { id })?;
+        self.close_handles(&mut t)
+    }
+
+    fn close_handles(&mut self, t: &mut Transfer) -> Result<(), SchedError> {
+        self.target.close(&mut t.target)?;
+        if let (Some(d), Some(h)) = (&mut self.draft, &mut t.draft) {
+            d.close(h)?;
+        }
+        Ok(())
+    }
+}
