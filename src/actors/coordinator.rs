@@ -168,7 +168,7 @@ pub const EVENT_CAPACITY: usize = 1 << 16;
 
 /// The coordinator. See the module docs.
 pub struct Coordinator {
-    sched: Scheduler,
+    pub(super) sched: Scheduler,
     devices: Vec<Option<ActorRef<DeviceActor>>>,
     draft: Option<ActorRef<DraftReplayActor>>,
     watchers: HashMap<RequestId, Vec<Waiter>>,
@@ -416,7 +416,12 @@ impl Coordinator {
         }
     }
 
-    fn drain_events(&mut self) {
+    /// Devices of the engine (alive or not).
+    pub(super) fn num_devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub(super) fn drain_events(&mut self) {
         for e in self.sched.take_events() {
             match e {
                 KvEvent::Stored { .. } => self.event_counts.stored += 1,

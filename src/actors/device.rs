@@ -221,6 +221,17 @@ impl Message<Synchronize> for DeviceActor {
     }
 }
 
+/// The device's pools as memory regions a transport registers.
+pub struct PoolRegions;
+
+impl Message<PoolRegions> for DeviceActor {
+    type Reply = Vec<crate::transfer::PoolRegion>;
+
+    async fn handle(&mut self, _: PoolRegions, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.backend.pool_regions()
+    }
+}
+
 /// Digest of the device's cache contents.
 pub struct CacheDigest;
 

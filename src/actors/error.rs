@@ -67,6 +67,9 @@ pub enum RuntimeError {
     /// The runtime is not running (shut down, or its coordinator stopped).
     #[error("the KV-cache runtime is not running: {0}")]
     NotRunning(String),
+    /// A KV transfer between engines was refused (nothing was reserved or pinned).
+    #[error("KV transfer refused: {0}")]
+    Transfer(String),
     /// `start` was called outside a tokio runtime.
     #[error("KvCacheBuilder::start needs a tokio runtime (call it from async code)")]
     NoTokioRuntime,

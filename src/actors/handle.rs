@@ -417,7 +417,7 @@ impl KvCacheBuilder {
 /// A cheap-to-clone handle to a running runtime.
 #[derive(Clone)]
 pub struct KvCacheHandle {
-    coordinator: ActorRef<Coordinator>,
+    pub(super) coordinator: ActorRef<Coordinator>,
     draft: Option<ActorRef<DraftReplayActor>>,
     info: Arc<RuntimeInfo>,
     shared: Arc<RuntimeShared>,

@@ -13,6 +13,7 @@ mod handle;
 mod metrics;
 mod shared;
 mod stats;
+mod transfer;
 
 pub use coordinator::{
     CacheCounts, CommitAndStepReport, CommitReport, EventSnapshot, FinishedReport,

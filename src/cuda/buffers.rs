@@ -187,6 +187,11 @@ impl PinnedHost {
         self.dev
     }
 
+    /// The host address.
+    pub fn host_ptr(&self) -> u64 {
+        self.host as u64
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.bytes

@@ -342,6 +342,38 @@ impl DeviceBackend for CudaDevice {
             .map_err(|e| DeviceError::forward(self.core.index, e))
     }
 
+    fn pool_regions(&self) -> Vec<crate::transfer::PoolRegion> {
+        use crate::transfer::{CacheKind, MemKind, MemRegion};
+        let ordinal = self.gpu.ordinal() as u32;
+        let caches = std::iter::once((CacheKind::Target, &self.target))
+            .chain(self.draft.as_ref().map(|c| (CacheKind::Draft, c)));
+        caches
+            .flat_map(|(kind, c)| {
+                let d = &c.dev;
+                crate::device::backend::cache_regions(
+                    self.core.index,
+                    kind,
+                    &c.host.plan,
+                    d.slots(),
+                    |t, g, p| {
+                        Some(match t {
+                            Tier::Gpu => MemRegion {
+                                addr: d.pool_ptr(t, g, p),
+                                len: d.pool_len(t, g, p),
+                                mem: MemKind::Device { ordinal },
+                            },
+                            Tier::Host => MemRegion {
+                                addr: d.host_pool_ptr(g, p),
+                                len: d.pool_len(t, g, p),
+                                mem: MemKind::Host,
+                            },
+                        })
+                    },
+                )
+            })
+            .collect()
+    }
+
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
         self.gpu.bind().map_err(|e| self.cuda(e))?;
         // Streamed: a GPU pool is never copied to the host whole.

@@ -110,6 +110,16 @@ impl CudaStorage {
         }
     }
 
+    /// Slots per pool group, `[tier][group]` (a tier without counts does not exist).
+    pub fn slots(&self) -> &[Vec<u32>; 2] {
+        &self.slots
+    }
+
+    /// Host address of a host-tier pool (for registration with a transport).
+    pub fn host_pool_ptr(&self, group: PoolGroupId, pool: u16) -> u64 {
+        self.host_pools[group.index()][pool as usize].host_ptr()
+    }
+
     /// Bytes of a pool in use (slots × slot size).
     pub fn pool_len(&self, tier: Tier, group: PoolGroupId, pool: u16) -> u64 {
         self.slot_bytes[group.index()][pool as usize]

@@ -24,6 +24,7 @@ use crate::ops::mla::{quantize_fp8_ds_mla_row, quantize_nvfp4_row, RowView};
 use crate::ops::quant::{f32_to_e4m3, quantize_fp4_token, quantize_fp8_token, ScaleFormat};
 use crate::ops::OpError;
 use crate::storage::{BackendError, HostStorage, KvStorage, StorageError};
+use crate::transfer::{CacheKind, MemRegion, PoolRegion};
 
 /// A device failure.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -302,6 +303,56 @@ pub trait DeviceBackend: Send + 'static {
     fn bindings(&self) -> Option<crate::metadata::Bindings> {
         None
     }
+    /// Every pool of the target and draft caches on every tier, as memory a transport
+    /// registers (KV transfer between engines); empty for a backend that cannot share
+    /// its memory.
+    fn pool_regions(&self) -> Vec<PoolRegion> {
+        Vec::new()
+    }
+}
+
+/// The pool regions of one cache: `addr(tier, group, pool)` gives each pool's memory
+/// (`None`: the tier does not exist).
+pub(crate) fn cache_regions(
+    device: usize,
+    cache: CacheKind,
+    plan: &PoolPlan,
+    slots: &[Vec<u32>; 2],
+    addr: impl Fn(Tier, crate::ids::PoolGroupId, u16) -> Option<MemRegion>,
+) -> Vec<PoolRegion> {
+    let mut out = Vec::new();
+    for tier in Tier::ALL {
+        for g in plan.pool_groups() {
+            let Some(&n) = slots[tier.index()].get(g.id.index()) else {
+                continue;
+            };
+            for p in &g.pools {
+                let Some(region) = addr(tier, g.id, p.id.get()) else {
+                    continue;
+                };
+                let mut roles: Vec<Role> = plan
+                    .placements()
+                    .iter()
+                    .filter(|b| b.pool_group == g.id && b.pool == p.id)
+                    .map(|b| b.role)
+                    .collect();
+                roles.sort();
+                roles.dedup();
+                out.push(PoolRegion {
+                    device: device as u32,
+                    cache,
+                    tier,
+                    group: g.id,
+                    pool: p.id.get(),
+                    slot_bytes: p.slot_bytes,
+                    slots: n,
+                    roles,
+                    region,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// SHA-256 over pools in a fixed order: each pool's length, then its bytes (fed in

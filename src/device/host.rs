@@ -7,8 +7,9 @@
 use std::time::Instant;
 
 use super::backend::{
-    digest_pools, pool_ids, run_copies, verify_all, Cache, DeviceBackend, DeviceError, DeviceSetup,
-    DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef, VerifySpec,
+    cache_regions, digest_pools, pool_ids, run_copies, verify_all, Cache, DeviceBackend,
+    DeviceError, DeviceSetup, DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef,
+    VerifySpec,
 };
 use super::forward::{
     Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemoryKind, MetadataView,
@@ -17,6 +18,7 @@ use super::forward::{
 use crate::core::scheduler::StepPlan;
 use crate::ids::Tier;
 use crate::metadata::DraftSnapshot;
+use crate::transfer::{CacheKind, MemKind, MemRegion, PoolRegion};
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
@@ -170,6 +172,29 @@ impl DeviceBackend for HostDevice {
         verify_all(self.core.spec_verifies(specs), |r, out| {
             Ok(self.verify_one(r, out))
         })
+    }
+
+    fn pool_regions(&self) -> Vec<PoolRegion> {
+        let caches = std::iter::once((CacheKind::Target, &self.target))
+            .chain(self.draft.as_ref().map(|(c, _)| (CacheKind::Draft, c)));
+        caches
+            .flat_map(|(kind, c)| {
+                cache_regions(
+                    self.core.index,
+                    kind,
+                    &c.plan,
+                    c.store.slots(),
+                    |t, g, p| {
+                        let b = c.store.pool(t, g, p);
+                        Some(MemRegion {
+                            addr: b.as_ptr() as u64,
+                            len: b.len() as u64,
+                            mem: MemKind::Host,
+                        })
+                    },
+                )
+            })
+            .collect()
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {

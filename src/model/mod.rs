@@ -456,7 +456,7 @@ pub enum ModelError {
 }
 
 /// One token's output: the greedy next token and a digest of the logits' bits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TokenOut {
     /// Position of the token the logits follow.
     pub pos: u32,

@@ -77,6 +77,11 @@ impl HostStorage {
             .flat_map(|g| g.iter_mut().map(|p| p.as_mut_slice()))
     }
 
+    /// Slots per pool group, `[tier][group]` (a tier without counts does not exist).
+    pub fn slots(&self) -> &[Vec<u32>; 2] {
+        &self.slots
+    }
+
     /// The bytes of one pool.
     pub fn pool(&self, tier: Tier, group: PoolGroupId, pool: u16) -> &[u8] {
         &self.data[tier.index()][group.index()][pool as usize]

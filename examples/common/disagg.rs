@@ -1,0 +1,654 @@
+//! Prefill / decode disaggregation with the reference model: the engine loop, the two
+//! sides of the protocol, and the checks. Used by `examples/disagg.rs` (two processes,
+//! or two threads) and `tests/disagg.rs` (two threads, the local transport).
+//!
+//! Protocol (length-prefixed JSON frames over one TCP connection, blocking):
+//! 1. both sides send `Hello` (transport metadata, pool regions, layout);
+//! 2. per request, the prefill side prefills it (one token), exports the prompt's full
+//!    blocks and sends `Export`;
+//! 3. the decode side reserves pages (`begin_import`) and answers `Ticket`;
+//! 4. the prefill side writes the pages with the transport (notification
+//!    `req-<id>`), releases the export and sends `Written` (the report, the digests of
+//!    the blocks it wrote, the first token), or `Failed`;
+//! 5. the decode side waits for the notification, checks the digests (host memory),
+//!    commits the import (or aborts it on a failure), decodes the request from the
+//!    prompt plus the first token, and sends `Decoded` (tokens, reuse, checks).
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle};
+use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::ReuseScope;
+use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::layout::Role;
+use dsa_kv::model::paged::{ModelForward, Outputs};
+use dsa_kv::model::unpaged::{draft_reference, generate};
+use dsa_kv::model::{CacheFormat, Model, ModelConfig, TokenOut};
+use dsa_kv::ops::quant::ScaleFormat;
+use dsa_kv::transfer::{
+    plan_writes, push_plan, BlockPages, CacheKind, ExportedBlocks, ImportTicket, KvTransport,
+    MemKind, PeerId, PoolRegion, TransferReport,
+};
+use serde::{Deserialize, Serialize};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The reuse scope of every request.
+pub const SCOPE: ReuseScope = ReuseScope::SHARED;
+
+/// What a run is made of.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Setup {
+    /// Requests.
+    pub requests: u64,
+    /// Draft tokens per step (MTP in a separate draft cache); 0: no speculation.
+    pub drafts: u32,
+    /// Tokens to generate per request (the first on the prefill engine).
+    pub max_new: u32,
+    /// Model layers.
+    pub layers: usize,
+    /// `host` or `cuda`.
+    pub backend: String,
+    /// Mutation drill: the prefill side leaves out the pools holding this role
+    /// (`index_key`) or this cache (`draft`); the checks must then fail.
+    pub drop: Option<String>,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            requests: 3,
+            drafts: 2,
+            max_new: 12,
+            layers: 2,
+            backend: "host".into(),
+            drop: None,
+        }
+    }
+}
+
+pub fn format(layers: usize) -> CacheFormat {
+    CacheFormat {
+        kv_dtype: KvDtype::Fp8DsMla,
+        scale_format: ScaleFormat::Ue8m0,
+        indexer: vec![true; layers],
+    }
+}
+
+pub fn model(layers: usize) -> Result<Arc<Model>, BoxError> {
+    let cfg = ModelConfig {
+        layers,
+        ..ModelConfig::tiny(7)
+    };
+    Ok(Arc::new(Model::new(cfg, format(layers))?))
+}
+
+/// The engine configuration both sides run (they must agree: the layouts are checked).
+pub fn config(s: &Setup) -> EngineConfig {
+    let mut c = EngineConfig::default();
+    if s.drafts > 0 {
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = s.drafts;
+    }
+    c.model.num_layers = Some(s.layers as u32);
+    c.model.kv_dtype = Some(KvDtype::Fp8DsMla);
+    c.kv_cache.max_tokens = Some(4096);
+    c.kv_cache.host_cache_size = Some(16 << 20);
+    c.scheduler.max_num_sequences = 8;
+    c.scheduler.max_num_tokens = 512;
+    c.scheduler.max_seq_len = 2048;
+    c
+}
+
+/// Request `i`'s prompt: a 192-token system prompt (3 full blocks) every request shares,
+/// then 70–130 tokens of its own (so each prompt is longer than the indexer's top-64:
+/// the sparse selection matters).
+pub fn prompt(i: u64) -> Vec<u32> {
+    let own = 70 + (i as u32 * 29) % 61;
+    (0..192)
+        .map(|t| 1000 + t)
+        .chain((0..own).map(|k| (i as u32 * 7919 + k * 31) % 5000))
+        .collect()
+}
+
+/// One engine: the runtime with the reference model as its forward.
+pub struct Engine {
+    pub kv: KvCacheHandle,
+    outputs: Arc<Mutex<Outputs>>,
+    drafts: usize,
+}
+
+/// What one request produced on one engine.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Gen {
+    /// Committed output tokens (accepted drafts and sampled tokens).
+    pub tokens: Vec<u32>,
+    /// Draft proposals: the position they follow and the tokens.
+    pub proposals: Vec<(u32, Vec<u32>)>,
+    /// Every position the forward ran (device 0): its greedy token and logits digest.
+    pub outputs: Vec<TokenOut>,
+    /// Prompt tokens served from the cache.
+    pub reused: u64,
+}
+
+impl Engine {
+    /// Starts an engine on `backend` (`host`, or `cuda` on GPU `gpu`).
+    pub async fn start(model: Arc<Model>, s: &Setup, gpu: usize) -> Result<Engine, BoxError> {
+        let outputs = Arc::new(Mutex::new(Outputs::default()));
+        let drafts = s.drafts as usize;
+        let b = KvCacheBuilder::new().config(config(s));
+        let b = match s.backend.as_str() {
+            "host" => {
+                b.host_devices(1)
+                    .forward(ModelForward::speculative(model, outputs.clone(), drafts))
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => b
+                .backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu]))
+                .host_devices(1)
+                .forward(dsa_kv::model::cuda::CudaModelForward::speculative(
+                    model,
+                    outputs.clone(),
+                    false,
+                    Arc::default(),
+                    drafts,
+                )),
+            other => {
+                let _ = gpu;
+                return Err(format!("unknown or unavailable backend {other:?}").into());
+            }
+        };
+        Ok(Engine {
+            kv: b.start().await?,
+            outputs,
+            drafts,
+        })
+    }
+
+    /// Runs one request to the end (greedy, MTP drafts accepted while they match).
+    pub async fn generate(
+        &self,
+        id: RequestId,
+        prompt: &[u32],
+        max_new: u32,
+    ) -> Result<Gen, BoxError> {
+        self.kv
+            .submit(SubmitRequest {
+                id,
+                scope: SCOPE,
+                prompt: prompt.iter().map(|&t| TokenId(t)).collect(),
+                max_new_tokens: max_new,
+                priority: 35,
+            })
+            .await?;
+        let mut g = Gen::default();
+        let mut drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
+        for _ in 0..10_000 {
+            let rep = self.kv.step(drafts.clone()).await?;
+            let mut outs = Vec::new();
+            {
+                let mut o = self.outputs.lock().unwrap();
+                let nexts = std::mem::take(&mut o.next);
+                let accepts = std::mem::take(&mut o.accepted);
+                let props = std::mem::take(&mut o.drafts);
+                drafts.clear();
+                for r in &rep.scheduled {
+                    if !r.produces_token {
+                        outs.push(RequestOutcome {
+                            id: r.id,
+                            accepted_drafts: 0,
+                            next_token: None,
+                        });
+                        continue;
+                    }
+                    let next = nexts[&(0, r.id)];
+                    let accepted = accepts.get(&(0, r.id)).copied().unwrap_or(0);
+                    let used = rep_drafts(&g, r.num_drafts, &g.proposals);
+                    g.tokens.extend(&used[..accepted as usize]);
+                    g.tokens.push(next);
+                    outs.push(RequestOutcome {
+                        id: r.id,
+                        accepted_drafts: accepted,
+                        next_token: Some(TokenId(next)),
+                    });
+                    if self.drafts > 0 {
+                        if let Some((last, d)) = props.get(&(0, r.id)).cloned() {
+                            drafts.insert(r.id, d.iter().map(|&t| TokenId(t)).collect());
+                            g.proposals.push((last, d));
+                        }
+                    }
+                }
+            }
+            let c = self.kv.commit(outs).await?;
+            if let Some(f) = c.finished.iter().find(|f| f.finished.id == id) {
+                g.reused = f.finished.reused_tokens;
+                let mut o = self.outputs.lock().unwrap();
+                if let Some(m) = o.tokens.remove(&(0, id)) {
+                    g.outputs = m.into_values().collect();
+                }
+                return Ok(g);
+            }
+        }
+        Err(format!("request {id} did not finish in 10,000 steps").into())
+    }
+}
+
+/// The drafts the last step verified: the tokens of the latest proposal (truncated to
+/// what the step took).
+fn rep_drafts(_g: &Gen, n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
+    match proposals.last() {
+        Some((_, d)) if n > 0 => d[..(n as usize).min(d.len())].to_vec(),
+        _ => Vec::new(),
+    }
+}
+
+/// SHA-256 of each block's bytes in every pool of every page (host memory only): read
+/// straight from the registered pools, independent of the transfer plan.
+pub fn block_digests(
+    regions: &[PoolRegion],
+    blocks: &[BlockPages],
+) -> Result<Vec<String>, BoxError> {
+    use sha2::{Digest, Sha256};
+    let mut out = Vec::new();
+    for b in blocks {
+        let mut h = Sha256::new();
+        let pages = b
+            .target
+            .iter()
+            .map(|p| (CacheKind::Target, p))
+            .chain(b.draft.iter().map(|p| (CacheKind::Draft, p)));
+        for (cache, p) in pages {
+            let mut pools: Vec<&PoolRegion> = regions
+                .iter()
+                .filter(|r| (r.cache, r.tier, r.group) == (cache, p.tier, p.group))
+                .collect();
+            pools.sort_by_key(|r| (r.device, r.pool));
+            if pools.is_empty() {
+                return Err(format!("no region for page {p:?} of the {cache:?} cache").into());
+            }
+            for r in pools {
+                if r.region.mem != MemKind::Host {
+                    return Err("block digests read host memory only (host backend)".into());
+                }
+                let off = u64::from(p.slot.0) * r.slot_bytes;
+                if off + r.slot_bytes > r.region.len {
+                    return Err(format!("slot {} outside its pool", p.slot).into());
+                }
+                // SAFETY: inside a pool region the runtime reported (checked above); the
+                // pools live as long as the runtime, and these pages are pinned (export)
+                // or reserved (import): nothing writes them during the read.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(
+                        (r.region.addr + off) as *const u8,
+                        r.slot_bytes as usize,
+                    )
+                };
+                h.update(bytes);
+            }
+        }
+        out.push(format!("{:x}", h.finalize()));
+    }
+    Ok(out)
+}
+
+/// The checks of one decoded request against the unpaged reference: the tokens, every
+/// position's output the decode engine ran, and every draft proposal.
+pub fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<String> {
+    let mut bad = Vec::new();
+    let mut got = vec![first];
+    got.extend(&d.tokens);
+    let want = match generate(model, &format(s.layers), p, got.len() as u32) {
+        Ok(w) => w,
+        Err(e) => return vec![format!("reference failed: {e}")],
+    };
+    if got != want.tokens {
+        bad.push(format!("tokens {got:?}, reference {:?}", want.tokens));
+    }
+    if let Some(o) = d
+        .outputs
+        .iter()
+        .find(|o| want.outputs.get(o.pos as usize) != Some(*o))
+    {
+        bad.push(format!("the output after position {} differs", o.pos));
+    }
+    if s.drafts > 0 {
+        let all: Vec<u32> = p.iter().chain(&want.tokens).copied().collect();
+        match draft_reference(model, &format(s.layers), true, &all, s.drafts as usize) {
+            Ok(r) => {
+                if let Some((last, prop)) = d
+                    .proposals
+                    .iter()
+                    .find(|(l, pr)| r.get(*l as usize) != Some(pr))
+                {
+                    bad.push(format!(
+                        "the draft proposal after position {last} is {prop:?}"
+                    ));
+                }
+            }
+            Err(e) => bad.push(format!("draft reference failed: {e}")),
+        }
+    }
+    bad
+}
+
+/// The frames of the protocol.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Msg {
+    Hello {
+        metadata: Vec<u8>,
+        regions: Vec<PoolRegion>,
+        setup: Setup,
+    },
+    Export {
+        export: ExportedBlocks,
+        prompt: Vec<u32>,
+        first: u32,
+    },
+    Ticket(Option<ImportTicket>),
+    Written {
+        report: TransferReport,
+        digests: Vec<String>,
+    },
+    Failed(String),
+    Decoded {
+        gen: Gen,
+        imported: u32,
+        digests_match: bool,
+        bad: Vec<String>,
+    },
+    Bye,
+}
+
+/// Length-prefixed JSON frames on a blocking TCP stream.
+pub struct Wire(pub TcpStream);
+
+impl Wire {
+    pub fn send(&mut self, m: &Msg) -> Result<(), BoxError> {
+        let b = serde_json::to_vec(m)?;
+        self.0.write_all(&(b.len() as u64).to_le_bytes())?;
+        self.0.write_all(&b)?;
+        Ok(())
+    }
+
+    pub fn recv(&mut self) -> Result<Msg, BoxError> {
+        let mut n = [0u8; 8];
+        self.0.read_exact(&mut n)?;
+        let n = u64::from_le_bytes(n);
+        if n > 1 << 30 {
+            return Err(format!("frame of {n} bytes: not our protocol").into());
+        }
+        let mut b = vec![0u8; n as usize];
+        self.0.read_exact(&mut b)?;
+        Ok(serde_json::from_slice(&b)?)
+    }
+}
+
+/// One request's record on the prefill side.
+#[derive(Clone, Debug, Serialize)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub prompt_tokens: usize,
+    pub exported_blocks: usize,
+    pub transfer: TransferReport,
+    pub gb_per_s: f64,
+    /// Host memcpy of the same bytes in this process (the ceiling a host transfer can
+    /// reach), GB/s.
+    pub memcpy_gb_per_s: f64,
+    pub imported_blocks: u32,
+    pub decode_reused_tokens: u64,
+    pub digests_match: bool,
+    pub exact: bool,
+    pub problems: Vec<String>,
+}
+
+/// Everything the prefill side saw.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub transport: String,
+    pub backend: String,
+    pub requests: Vec<RequestRecord>,
+    /// Every request exact, every digest equal, every import used.
+    pub exact: bool,
+}
+
+fn memcpy_gb_per_s(bytes: u64) -> f64 {
+    let n = bytes.max(1) as usize;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    let reps = (64 << 20) / n + 1;
+    let t = Instant::now();
+    for _ in 0..reps {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    (n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Waits for a notification from `peer` equal to `want` (at most `timeout`).
+fn wait_notification(
+    t: &mut dyn KvTransport,
+    want: &[u8],
+    timeout: Duration,
+) -> Result<(), BoxError> {
+    let until = Instant::now() + timeout;
+    loop {
+        if t.take_notifications()?.iter().any(|(_, m)| m == want) {
+            return Ok(());
+        }
+        if Instant::now() > until {
+            return Err(format!(
+                "no notification {:?} within {timeout:?}",
+                String::from_utf8_lossy(want)
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn hello(
+    engine_regions: &[PoolRegion],
+    t: &mut dyn KvTransport,
+    s: &Setup,
+) -> Result<Msg, BoxError> {
+    let regions: Vec<_> = engine_regions.iter().map(|r| r.region).collect();
+    t.register(&regions)?;
+    Ok(Msg::Hello {
+        metadata: t.local_metadata()?,
+        regions: engine_regions.to_vec(),
+        setup: s.clone(),
+    })
+}
+
+/// The prefill side: runs every request's prefill, pushes its blocks, collects the
+/// decode side's verdicts.
+pub async fn prefill_side(
+    model: Arc<Model>,
+    s: &Setup,
+    gpu: usize,
+    transport: &mut dyn KvTransport,
+    mut wire: Wire,
+    progress: impl Fn(&str),
+) -> Result<RunReport, BoxError> {
+    let engine = Engine::start(model, s, gpu).await?;
+    let regions = engine.kv.transfer_regions().await?;
+    wire.send(&hello(&regions, transport, s)?)?;
+    let Msg::Hello {
+        metadata,
+        regions: remote,
+        ..
+    } = wire.recv()?
+    else {
+        return Err("expected Hello from the decode side".into());
+    };
+    let peer: PeerId = transport.connect(&metadata)?;
+    let mut records = Vec::new();
+    for i in 0..s.requests {
+        let id = RequestId(i);
+        let p = prompt(i);
+        let pre = engine.generate(id, &p, 1).await?;
+        let first = pre.tokens[0];
+        let full = p.len() / 64 * 64;
+        let toks: Vec<TokenId> = p[..full].iter().map(|&t| TokenId(t)).collect();
+        // The export id is the request's: the request is finished, its id free again.
+        let export = engine.kv.export_blocks(id, SCOPE, &toks).await?;
+        wire.send(&Msg::Export {
+            export: export.clone(),
+            prompt: p.clone(),
+            first,
+        })?;
+        let Msg::Ticket(ticket) = wire.recv()? else {
+            return Err("expected a Ticket".into());
+        };
+        let Some(ticket) = ticket else {
+            engine.kv.release_export(id).await?;
+            return Err(format!("the decode engine had no room for request {id}").into());
+        };
+        let pushed = plan_writes(&export, &regions, &ticket, &remote)
+            .map_err(BoxError::from)
+            .and_then(|plan| {
+                let plan = match s.drop.as_deref() {
+                    Some("index_key") => plan.without_pools(|r| r.roles.contains(&Role::IndexKey)),
+                    Some("draft") => plan.without_pools(|r| r.cache == CacheKind::Draft),
+                    _ => plan,
+                };
+                let note = format!("req-{}", id.0);
+                Ok(push_plan(
+                    transport,
+                    &peer,
+                    &ticket,
+                    &plan,
+                    note.as_bytes(),
+                )?)
+            });
+        let digests = if s.backend == "host" {
+            block_digests(&regions, &export.blocks[ticket.skipped as usize..])?
+        } else {
+            Vec::new()
+        };
+        engine.kv.release_export(id).await?;
+        let report = match pushed {
+            Ok(r) => r,
+            Err(e) => {
+                wire.send(&Msg::Failed(e.to_string()))?;
+                return Err(e);
+            }
+        };
+        wire.send(&Msg::Written { report, digests })?;
+        let Msg::Decoded {
+            gen,
+            imported,
+            digests_match,
+            bad,
+        } = wire.recv()?
+        else {
+            return Err("expected Decoded".into());
+        };
+        let exact = bad.is_empty() && digests_match && gen.reused >= full as u64;
+        progress(&format!(
+            "request {i}: {} prompt tokens, {} blocks exported, {} skipped, {} written in {} descriptors ({} before coalescing), {:.3} GB/s; decode reused {} tokens; {}",
+            p.len(),
+            export.blocks.len(),
+            report.skipped,
+            report.blocks,
+            report.write.descriptors,
+            report.uncoalesced,
+            report.write.gb_per_s(),
+            gen.reused,
+            if exact { "exact".to_string() } else { format!("MISMATCH {bad:?}") }
+        ));
+        records.push(RequestRecord {
+            id: i,
+            prompt_tokens: p.len(),
+            exported_blocks: export.blocks.len(),
+            transfer: report,
+            gb_per_s: report.write.gb_per_s(),
+            memcpy_gb_per_s: memcpy_gb_per_s(report.write.bytes),
+            imported_blocks: imported,
+            decode_reused_tokens: gen.reused,
+            digests_match,
+            exact,
+            problems: bad,
+        });
+    }
+    wire.send(&Msg::Bye)?;
+    engine.kv.check_invariants().await.map_err(BoxError::from)?;
+    engine.kv.shutdown().await;
+    let exact = records.iter().all(|r| r.exact);
+    Ok(RunReport {
+        transport: transport.name().to_string(),
+        backend: s.backend.clone(),
+        requests: records,
+        exact,
+    })
+}
+
+/// The decode side: imports what the prefill side pushes and decodes each request.
+pub async fn decode_side(
+    model: Arc<Model>,
+    gpu: usize,
+    transport: &mut dyn KvTransport,
+    mut wire: Wire,
+) -> Result<(), BoxError> {
+    let Msg::Hello {
+        metadata, setup: s, ..
+    } = wire.recv()?
+    else {
+        return Err("expected Hello from the prefill side".into());
+    };
+    let engine = Engine::start(model.clone(), &s, gpu).await?;
+    let regions = engine.kv.transfer_regions().await?;
+    wire.send(&hello(&regions, transport, &s)?)?;
+    transport.connect(&metadata)?;
+    loop {
+        let (export, p, first) = match wire.recv()? {
+            Msg::Export {
+                export,
+                prompt,
+                first,
+            } => (export, prompt, first),
+            Msg::Bye => break,
+            other => return Err(format!("unexpected {other:?}").into()),
+        };
+        let id = export.id;
+        let ticket = engine.kv.begin_import(&export).await?;
+        wire.send(&Msg::Ticket(ticket.clone()))?;
+        let Some(ticket) = ticket else { continue };
+        let digests = match wire.recv()? {
+            Msg::Written { digests, .. } => digests,
+            Msg::Failed(why) => {
+                engine.kv.abort_import(id).await?;
+                return Err(format!("the prefill side failed to push request {id}: {why}").into());
+            }
+            other => return Err(format!("unexpected {other:?}").into()),
+        };
+        let note = format!("req-{}", id.0);
+        if let Err(e) = wait_notification(transport, note.as_bytes(), Duration::from_secs(30)) {
+            engine.kv.abort_import(id).await?;
+            return Err(e);
+        }
+        let digests_match =
+            s.backend != "host" || block_digests(&regions, &ticket.blocks)? == digests;
+        let imported = engine.kv.commit_import(id).await?;
+        let mut p1 = p.clone();
+        p1.push(first);
+        let gen = engine.generate(id, &p1, s.max_new - 1).await?;
+        let bad = check(&model, &s, &p, first, &gen);
+        wire.send(&Msg::Decoded {
+            gen,
+            imported,
+            digests_match,
+            bad,
+        })?;
+    }
+    engine.kv.check_invariants().await.map_err(BoxError::from)?;
+    engine.kv.shutdown().await;
+    let _ = BTreeMap::<u8, u8>::new();
+    Ok(())
+}

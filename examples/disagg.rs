@@ -1,0 +1,260 @@
+//! Prefill / decode disaggregation: a prefill engine and a decode engine, each running
+//! the reference DSA model on its own dsa-kv runtime. Each request is prefilled on the
+//! first (its first token sampled there); its prompt's full blocks — every layer's MLA
+//! rows and indexer keys, in the target cache and the MTP draft cache — are pushed to
+//! the second over a KV transport; the second imports them into its reuse tree and
+//! decodes the request from there. Every token, every position's output and every
+//! draft proposal must equal the unpaged single-engine reference, the bytes of each
+//! block must arrive unchanged (host backend: SHA-256 of every page on both sides), and
+//! the decode engine must actually reuse the imported blocks.
+//!
+//! ```text
+//! # two processes over NIXL (UCX); the library comes from the nixl-cu13 wheel (README)
+//! cargo run --release --features nixl --example disagg -- --transport nixl
+//! # two threads of one process, no NIXL needed
+//! cargo run --release --example disagg -- --transport local
+//! # two hosts: on the decode host, then on the prefill host
+//! disagg --transport nixl --role decode --listen 0.0.0.0:7700
+//! disagg --transport nixl --role prefill --connect DECODE_HOST:7700
+//! ```
+//!
+//! `--drop index_key` (or `draft`) is the mutation drill: the prefill side leaves those
+//! pools out of the transfer, and the run must come out inexact (exit 2).
+
+mod common;
+#[path = "common/disagg.rs"]
+mod disagg;
+
+use std::net::{TcpListener, TcpStream};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use disagg::{BoxError, RunReport, Setup, Wire};
+use dsa_kv::transfer::{KvTransport, LocalTransport};
+
+/// Prefill on one engine, decode on another, KV pages moved between them.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "disagg", args_override_self = true)]
+struct Args {
+    /// The KV transport: `nixl` (two processes, UCX; feature `nixl`) or `local` (two
+    /// threads of this process).
+    #[arg(long, default_value = "local")]
+    transport: String,
+    /// `both` (this process prefills and starts the decode side), `prefill`, `decode`.
+    #[arg(long, default_value = "both")]
+    role: String,
+    /// Decode role: the address to listen on for the prefill side.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Prefill role: the decode side's address.
+    #[arg(long)]
+    connect: Option<String>,
+    /// Requests.
+    #[arg(long, default_value_t = 3)]
+    requests: u64,
+    /// MTP draft tokens per step (0: no speculation, no draft cache).
+    #[arg(long, default_value_t = 2)]
+    drafts: u32,
+    /// Tokens generated per request (the first on the prefill engine).
+    #[arg(long, default_value_t = 12)]
+    max_new: u32,
+    /// Model layers.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// `host` or `cuda`.
+    #[arg(long, default_value = "host")]
+    backend: String,
+    /// GPU of the prefill engine.
+    #[arg(long, default_value_t = 0)]
+    prefill_gpu: usize,
+    /// GPU of the decode engine (the same GPU as the prefill engine when only one is lent).
+    #[arg(long, default_value_t = 0)]
+    decode_gpu: usize,
+    /// Mutation drill: leave out the `index_key` pools or the `draft` cache.
+    #[arg(long)]
+    drop: Option<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn transport(kind: &str, name: &str) -> Result<Box<dyn KvTransport>, BoxError> {
+    match kind {
+        "local" => Ok(Box::new(LocalTransport::new(name))),
+        #[cfg(feature = "nixl")]
+        "nixl" => Ok(Box::new(dsa_kv::transfer::nixl::NixlTransport::new(name)?)),
+        #[cfg(not(feature = "nixl"))]
+        "nixl" => Err("this build has no NIXL transport: build with `--features nixl`".into()),
+        other => Err(format!("unknown transport {other:?}: use nixl or local").into()),
+    }
+}
+
+fn setup(a: &Args) -> Setup {
+    Setup {
+        requests: a.requests,
+        drafts: a.drafts,
+        max_new: a.max_new.max(2),
+        layers: a.layers,
+        backend: a.backend.clone(),
+        drop: a.drop.clone(),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// The decode role: listens, serves one prefill side, returns.
+fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
+    let (stream, _) = listener.accept()?;
+    stream.set_read_timeout(Some(Duration::from_secs(600)))?;
+    let mut t = transport(&a.transport, "decode")?;
+    let s = setup(a);
+    let model = disagg::model(s.layers)?;
+    runtime()?.block_on(disagg::decode_side(
+        model,
+        a.decode_gpu,
+        t.as_mut(),
+        Wire(stream),
+    ))
+}
+
+fn prefill(a: &Args, addr: &str) -> Result<RunReport, BoxError> {
+    let stream = connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(600)))?;
+    let mut t = transport(&a.transport, "prefill")?;
+    let s = setup(a);
+    let model = disagg::model(s.layers)?;
+    let quiet = a.json;
+    runtime()?.block_on(disagg::prefill_side(
+        model,
+        &s,
+        a.prefill_gpu,
+        t.as_mut(),
+        Wire(stream),
+        move |line| {
+            if !quiet {
+                eprintln!("{line}");
+            }
+        },
+    ))
+}
+
+fn connect(addr: &str) -> Result<TcpStream, BoxError> {
+    let mut last = None;
+    for _ in 0..100 {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(format!("cannot reach the decode side at {addr}: {last:?}").into())
+}
+
+fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
+    match a.role.as_str() {
+        "decode" => {
+            let l = TcpListener::bind(&a.listen)?;
+            // The parent (or the operator) reads the address from this line.
+            println!("listening {}", l.local_addr()?);
+            decode(a, l)?;
+            Ok(None)
+        }
+        "prefill" => {
+            let addr = a
+                .connect
+                .as_deref()
+                .ok_or("the prefill role needs --connect DECODE_ADDR")?;
+            Ok(Some(prefill(a, addr)?))
+        }
+        "both" if a.transport == "local" => {
+            // Two threads: the local transport reaches only this process.
+            let l = TcpListener::bind("127.0.0.1:0")?;
+            let addr = l.local_addr()?.to_string();
+            let b = a.clone();
+            let child = std::thread::spawn(move || decode(&b, l).map_err(|e| e.to_string()));
+            let report = prefill(a, &addr);
+            let decoded = child.join().map_err(|_| "the decode thread panicked")?;
+            let report = report?;
+            decoded.map_err(|e| format!("decode side: {e}"))?;
+            Ok(Some(report))
+        }
+        "both" => {
+            // Two processes: this one prefills, a child decodes.
+            use std::io::BufRead;
+            let exe = std::env::current_exe()?;
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args(std::env::args().skip(1))
+                .args(["--role", "decode", "--listen", "127.0.0.1:0"])
+                .stdout(std::process::Stdio::piped());
+            let mut child = cmd.spawn()?;
+            let out = child.stdout.take().ok_or("no child stdout")?;
+            let mut line = String::new();
+            std::io::BufReader::new(out).read_line(&mut line)?;
+            let addr = line
+                .trim()
+                .strip_prefix("listening ")
+                .ok_or_else(|| format!("the decode process said {line:?}"))?
+                .to_string();
+            let report = prefill(a, &addr);
+            let status = child.wait()?;
+            let report = report?;
+            if !status.success() {
+                return Err(format!("the decode process failed ({status})").into());
+            }
+            Ok(Some(report))
+        }
+        other => Err(format!("unknown role {other:?}: use both, prefill or decode").into()),
+    }
+}
+
+fn main() -> ExitCode {
+    common::quiet_on_closed_stdout();
+    let a = Args::parse();
+    match run(&a) {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(r)) => {
+            if a.json {
+                println!("{}", serde_json::to_string(&r).expect("report serializes"));
+            } else {
+                for q in &r.requests {
+                    println!(
+                        "request {}: {} blocks exported, {} skipped, {} pages in {} descriptors ({} uncoalesced), {} bytes, {:.3} GB/s (host memcpy {:.1} GB/s), reused {} tokens on decode, exact {}",
+                        q.id,
+                        q.exported_blocks,
+                        q.transfer.skipped,
+                        q.transfer.pages,
+                        q.transfer.write.descriptors,
+                        q.transfer.uncoalesced,
+                        q.transfer.write.bytes,
+                        q.gb_per_s,
+                        q.memcpy_gb_per_s,
+                        q.decode_reused_tokens,
+                        q.exact
+                    );
+                }
+                println!(
+                    "{} over {} ({} backend): exact {}",
+                    r.requests.len(),
+                    r.transport,
+                    r.backend,
+                    r.exact
+                );
+            }
+            if r.exact {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(2)
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
