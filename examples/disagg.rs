@@ -113,10 +113,8 @@ fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     let (stream, _) = listener.accept()?;
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
     let mut t = transport(&a.transport, "decode")?;
-    let s = setup(a);
-    let model = disagg::model(s.layers)?;
-    runtime()?.block_on(disagg::decode_side(
-        model,
+    // The setup (model, drafts, backend) comes from the prefill side.
+    runtime()?.block_on(disagg::decode_side_with(
         a.decode_gpu,
         t.as_mut(),
         Wire(stream),
@@ -172,18 +170,8 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
                 .ok_or("the prefill role needs --connect DECODE_ADDR")?;
             Ok(Some(prefill(a, addr)?))
         }
-        "both" if a.transport == "local" => {
-            // Two threads: the local transport reaches only this process.
-            let l = TcpListener::bind("127.0.0.1:0")?;
-            let addr = l.local_addr()?.to_string();
-            let b = a.clone();
-            let child = std::thread::spawn(move || decode(&b, l).map_err(|e| e.to_string()));
-            let report = prefill(a, &addr);
-            let decoded = child.join().map_err(|_| "the decode thread panicked")?;
-            let report = report?;
-            decoded.map_err(|e| format!("decode side: {e}"))?;
-            Ok(Some(report))
-        }
+        // Two threads: the local transport reaches only this process.
+        "both" if a.transport == "local" => Ok(Some(disagg::run_in_process(&setup(a))?)),
         "both" => {
             // Two processes: this one prefills, a child decodes.
             use std::io::BufRead;

@@ -15,7 +15,7 @@
 //!    prompt plus the first token, and sends `Decoded` (tokens, reuse, checks).
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
@@ -589,9 +589,9 @@ pub async fn prefill_side(
     })
 }
 
-/// The decode side: imports what the prefill side pushes and decodes each request.
-pub async fn decode_side(
-    model: Arc<Model>,
+/// The decode side: imports what the prefill side pushes and decodes each request. The
+/// setup (model, drafts, backend) comes from the prefill side's `Hello`.
+pub async fn decode_side_with(
     gpu: usize,
     transport: &mut dyn KvTransport,
     mut wire: Wire,
@@ -602,6 +602,7 @@ pub async fn decode_side(
     else {
         return Err("expected Hello from the prefill side".into());
     };
+    let model = model(s.layers)?;
     let engine = Engine::start(model.clone(), &s, gpu).await?;
     let regions = engine.kv.transfer_regions().await?;
     wire.send(&hello(&regions, transport, &s)?)?;
@@ -649,6 +650,46 @@ pub async fn decode_side(
     }
     engine.kv.check_invariants().await.map_err(BoxError::from)?;
     engine.kv.shutdown().await;
-    let _ = BTreeMap::<u8, u8>::new();
     Ok(())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Both sides in this process, each on its own thread and tokio runtime, over the
+/// local transport (host backend).
+pub fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let decode = std::thread::spawn(move || -> Result<(), String> {
+        let go = || -> Result<(), BoxError> {
+            let (stream, _) = listener.accept()?;
+            stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+            let mut t = dsa_kv::transfer::LocalTransport::new("decode");
+            runtime()?.block_on(async {
+                // The decode side learns the setup (and so the model) from Hello.
+                decode_side_with(0, &mut t, Wire(stream)).await
+            })
+        };
+        go().map_err(|e| e.to_string())
+    });
+    let stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let mut t = dsa_kv::transfer::LocalTransport::new("prefill");
+    let report = runtime()?.block_on(prefill_side(
+        model(s.layers)?,
+        s,
+        0,
+        &mut t,
+        Wire(stream),
+        |_| {},
+    ));
+    let decoded = decode.join().map_err(|_| "the decode thread panicked")?;
+    let report = report?;
+    decoded.map_err(|e| format!("decode side: {e}"))?;
+    Ok(report)
 }

@@ -1,0 +1,220 @@
+//! Prefill / decode disaggregation through the runtime, in one process over the local
+//! transport (the NIXL transport has its own two-process test and the `disagg` example):
+//!
+//! * a request prefilled on one engine and decoded on another gives exactly the unpaged
+//!   reference's tokens, outputs and draft proposals, every block's bytes arrive
+//!   unchanged, and the decode engine reuses the imported blocks (shared blocks already
+//!   there are skipped);
+//! * leaving the indexer pools, or the draft cache, out of the transfer is caught;
+//! * a failed or partial transfer leaves both engines clean, and bad imports are refused.
+#[path = "../examples/common/disagg.rs"]
+mod disagg;
+
+use disagg::{prompt, run_in_process, Engine, Setup, SCOPE};
+use dsa_kv::actors::RuntimeError;
+use dsa_kv::core::scheduler::SchedError;
+use dsa_kv::core::{BlockKey, KvError};
+use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::transfer::{
+    plan_writes, KvTransport, LocalTransport, MemRegion, PeerId, TransportError, WriteBatch,
+    WriteReport,
+};
+
+#[test]
+fn prefilled_here_decoded_there_is_exact() {
+    let r = run_in_process(&Setup::default()).unwrap();
+    assert!(r.exact, "{r:#?}");
+    assert_eq!(r.requests.len(), 3);
+    for (i, q) in r.requests.iter().enumerate() {
+        assert!(
+            q.digests_match && q.problems.is_empty(),
+            "request {i}: {q:#?}"
+        );
+        let full = prompt(i as u64).len() / 64 * 64;
+        assert_eq!(q.exported_blocks, full / 64);
+        assert!(q.decode_reused_tokens >= full as u64, "the import is used");
+        // Request 0 brings everything; the others share its 3-block system prompt.
+        let skipped = if i == 0 { 0 } else { 3 };
+        assert_eq!(q.transfer.skipped, skipped);
+        assert_eq!(q.imported_blocks as usize, full / 64 - skipped as usize);
+        // Pages: blocks × (target + draft cache); two pools each (MLA rows, indexer).
+        assert_eq!(q.transfer.pages, 2 * q.imported_blocks as u64);
+        assert_eq!(q.transfer.uncoalesced, 2 * q.transfer.pages as usize);
+        // Fresh slots on a fresh engine are contiguous: one descriptor per pool.
+        assert_eq!(q.transfer.write.descriptors, 4, "request {i}");
+    }
+}
+
+#[test]
+fn leaving_out_the_indexer_or_the_draft_cache_is_caught() {
+    for (drop, what) in [("index_key", "tokens"), ("draft", "draft proposal")] {
+        let r = run_in_process(&Setup {
+            requests: 1,
+            drop: Some(drop.into()),
+            ..Setup::default()
+        })
+        .unwrap();
+        let q = &r.requests[0];
+        assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
+        assert!(
+            q.problems.iter().any(|p| p.contains(what)),
+            "dropping {drop}: {:?}",
+            q.problems
+        );
+    }
+}
+
+/// Writes the first `keep` segments of a transfer, then fails.
+struct Partial {
+    inner: LocalTransport,
+    keep: usize,
+}
+
+impl KvTransport for Partial {
+    fn name(&self) -> &str {
+        "partial"
+    }
+    fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
+        self.inner.register(regions)
+    }
+    fn local_metadata(&mut self) -> Result<Vec<u8>, TransportError> {
+        self.inner.local_metadata()
+    }
+    fn connect(&mut self, remote: &[u8]) -> Result<PeerId, TransportError> {
+        self.inner.connect(remote)
+    }
+    fn write(
+        &mut self,
+        peer: &PeerId,
+        batches: &[WriteBatch],
+        _: &[u8],
+    ) -> Result<WriteReport, TransportError> {
+        let mut b = batches[0].clone();
+        b.segments.truncate(self.keep);
+        self.inner.write(peer, &[b], b"partial")?;
+        Err(TransportError::Failed {
+            transport: "partial",
+            op: "write",
+            detail: "the link went down".into(),
+        })
+    }
+    fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
+        self.inner.take_notifications()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_transfer_leaves_both_engines_clean() {
+    let s = Setup::default();
+    let model = disagg::model(s.layers).unwrap();
+    let a = Engine::start(model.clone(), &s, 0).await.unwrap();
+    let b = Engine::start(model.clone(), &s, 0).await.unwrap();
+    let p = prompt(0);
+    let id = RequestId(0);
+    a.generate(id, &p, 1).await.unwrap();
+    let toks: Vec<TokenId> = p[..256].iter().map(|&t| TokenId(t)).collect();
+    let mut probe = toks.clone();
+    probe.push(TokenId(1));
+    let cached_a = a.kv.probe_reuse(SCOPE, &probe).await.unwrap();
+    assert_eq!(cached_a, 256);
+
+    let (ra, rb) = (
+        a.kv.transfer_regions().await.unwrap(),
+        b.kv.transfer_regions().await.unwrap(),
+    );
+    let mut ta = Partial {
+        inner: LocalTransport::new("a"),
+        keep: 1,
+    };
+    let mut tb = LocalTransport::new("b");
+    ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
+        .unwrap();
+    tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
+        .unwrap();
+    let peer = ta.connect(&tb.local_metadata().unwrap()).unwrap();
+
+    let export = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
+    assert_eq!(export.blocks.len(), 4);
+    // The export's id is taken while it lives: a request with it is refused.
+    let dup =
+        a.kv.submit(dsa_kv::core::scheduler::SubmitRequest {
+            id,
+            scope: SCOPE,
+            prompt: toks.clone(),
+            max_new_tokens: 1,
+            priority: 35,
+        })
+        .await;
+    assert!(
+        matches!(
+            dup,
+            Err(RuntimeError::Scheduler(SchedError::Kv(
+                KvError::DuplicateRequest { .. }
+            )))
+        ),
+        "{dup:?}"
+    );
+    let ticket = b.kv.begin_import(&export).await.unwrap().unwrap();
+    assert_eq!((ticket.skipped, ticket.blocks.len()), (0, 4));
+    // One segment lands, then the link fails: the importer aborts.
+    let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
+    assert!(ta.write(&peer, &plan.batches, b"req-0").is_err());
+    b.kv.abort_import(id).await.unwrap();
+    a.kv.release_export(id).await.unwrap();
+    let cb = b.kv.check_invariants().await.unwrap();
+    assert_eq!(
+        (
+            cb.live_sequences,
+            cb.cached_blocks,
+            cb.pages,
+            cb.gpu_slots_used
+        ),
+        (0, 0, 0, 0),
+        "nothing of the import stays"
+    );
+    assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 0);
+    let ca = a.kv.check_invariants().await.unwrap();
+    assert_eq!(ca.live_sequences, 0, "the export is released");
+    assert_eq!(a.kv.probe_reuse(SCOPE, &probe).await.unwrap(), cached_a);
+    // Aborting or releasing again is an error that changes nothing.
+    assert!(b.kv.abort_import(id).await.is_err());
+    assert!(a.kv.release_export(id).await.is_err());
+
+    // Refusals: other keys than ours (another scope), and another engine layout.
+    let mut forged = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
+    forged.blocks[2].key = BlockKey([7; 32]);
+    let e = b.kv.begin_import(&forged).await.unwrap_err();
+    assert!(e.to_string().contains("block 2's key"), "{e}");
+    let mut other = forged.clone();
+    other.blocks =
+        a.kv.export_blocks(RequestId(9), SCOPE, &toks)
+            .await
+            .unwrap()
+            .blocks;
+    other.layout = "0123456789abcdef".into();
+    let e = b.kv.begin_import(&other).await.unwrap_err();
+    assert!(matches!(e, RuntimeError::Transfer(_)), "{e}");
+    assert_eq!(b.kv.check_invariants().await.unwrap().live_sequences, 0);
+
+    // The same import, complete this time, is committed and used.
+    let ticket = b.kv.begin_import(&export).await.unwrap().unwrap();
+    let mut ok = LocalTransport::new("a2");
+    ok.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
+        .unwrap();
+    let peer = ok.connect(&tb.local_metadata().unwrap()).unwrap();
+    let r = dsa_kv::transfer::push(&mut ok, &peer, &export, &ra, &ticket, &rb, b"req-0").unwrap();
+    assert_eq!((r.blocks, r.skipped), (4, 0));
+    assert!(tb
+        .take_notifications()
+        .unwrap()
+        .iter()
+        .any(|(_, m)| m == b"req-0"));
+    assert_eq!(b.kv.commit_import(id).await.unwrap(), 4);
+    assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 256);
+    for e in [&a, &b] {
+        e.kv.check_invariants().await.unwrap();
+    }
+    a.kv.release_export(id).await.unwrap();
+    a.kv.release_export(RequestId(9)).await.unwrap();
+    assert_eq!(a.kv.check_invariants().await.unwrap().live_sequences, 0);
+}
