@@ -77,7 +77,7 @@ impl KvCacheManager {
                     .into(),
             });
         }
-        if tokens.is_empty() || tokens.len() as u64 % self.tpb != 0 {
+        if tokens.is_empty() || !(tokens.len() as u64).is_multiple_of(self.tpb) {
             return Err(KvError::Transfer {
                 id,
                 why: format!(

@@ -280,7 +280,7 @@ pub fn plan_writes(
                     .ok_or_else(|| PlanError::MissingRegion {
                         side: "source",
                         device: devs.first().copied().unwrap_or(0),
-                        cache: cache,
+                        cache,
                         tier: sp.tier,
                         group: sp.group,
                         pool: 0,

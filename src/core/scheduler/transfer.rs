@@ -141,7 +141,11 @@ impl Scheduler {
     ) -> Result<Option<ImportReservation>, SchedError> {
         self.check_free_id(id)?;
         let ours = self.target.block_keys(scope, tokens);
-        if ours.len() != keys.len() || tokens.len() % self.target.tokens_per_block() as usize != 0 {
+        if ours.len() != keys.len()
+            || !tokens
+                .len()
+                .is_multiple_of(self.target.tokens_per_block() as usize)
+        {
             return Err(KvError::Transfer {
                 id,
                 why: format!(
