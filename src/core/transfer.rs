@@ -193,4 +193,16 @@ impl KvCacheManager {
         self.commit(h, &tokens[done..])?;
         self.close(h)
     }
+
+    /// Tier and slot of every page a live sequence holds (tests: an export's pages must
+    /// not move while it lives).
+    #[cfg(test)]
+    pub(super) fn seq_page_slots(&self, h: &SeqHandle) -> Vec<(Tier, SlotId)> {
+        let idx = self.seq_index(h).expect("live");
+        self.seq(idx)
+            .pages
+            .iter()
+            .map(|&p| (self.pages[p].tier, self.pages[p].slot))
+            .collect()
+    }
 }

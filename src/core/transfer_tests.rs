@@ -191,3 +191,110 @@ fn bad_transfers_are_typed_errors() {
     ));
     assert_eq!(SlotId(0).get(), 0);
 }
+
+/// Seeded random exports, imports (committed or aborted) and requests on one manager
+/// under eviction pressure: after every operation the invariants hold, every live
+/// export's pages sit exactly where they were exported, a committed import is served
+/// from the cache, and an aborted one leaves the cached blocks as they were.
+#[test]
+fn random_exports_and_imports_keep_every_rule() {
+    use crate::rng::SplitMix64;
+    for seed in 0..24u64 {
+        let mut rng = SplitMix64(seed);
+        let mut m = mgr(12, if seed % 2 == 0 { 8 } else { 0 });
+        // Prompts: one of 3 shared 8-token prefixes, then 0–3 blocks of a small family.
+        let mut prompt = |rng: &mut SplitMix64, extra: u64| -> Vec<TokenId> {
+            let p = rng.below(3) as u32;
+            let mut t = toks(p * 100..p * 100 + 8);
+            for _ in 0..rng.below(4) + extra {
+                let b = rng.below(4) as u32;
+                t.extend(toks(1000 + b * 10..1000 + b * 10 + 4));
+            }
+            t
+        };
+        let mut leases: Vec<(SeqHandle, Vec<(Tier, SlotId)>)> = Vec::new();
+        let mut imports: Vec<(Import, Vec<TokenId>)> = Vec::new();
+        let mut next_id = 0u64;
+        for op in 0..400 {
+            next_id += 1;
+            let id = RequestId(next_id);
+            match rng.below(6) {
+                0 | 1 => {
+                    // A request runs to its end (or does not fit and is closed).
+                    let p = prompt(&mut rng, 0);
+                    let mut h = m
+                        .create(id, ReuseScope::SHARED, &p, SeqOptions::default())
+                        .unwrap()
+                        .handle;
+                    if m.resume(&h).unwrap() {
+                        let have = m.info_of(&h).unwrap().committed;
+                        if m.resize(&h, p.len() as u64, have).unwrap() {
+                            m.commit(&h, &p[have as usize..]).unwrap();
+                        }
+                    }
+                    m.close(&mut h).unwrap();
+                }
+                2 => {
+                    let p = prompt(&mut rng, 0);
+                    let (h, blocks) = m.export_blocks(id, ReuseScope::SHARED, &p).unwrap();
+                    assert_eq!(
+                        blocks.iter().map(|b| b.key).collect::<Vec<_>>(),
+                        m.block_keys(ReuseScope::SHARED, &p)[..blocks.len()]
+                    );
+                    let at = m.seq_page_slots(&h);
+                    leases.push((h, at));
+                }
+                3 if !leases.is_empty() => {
+                    let (mut h, _) = leases.swap_remove(rng.below(leases.len() as u64) as usize);
+                    m.close(&mut h).unwrap();
+                }
+                4 => {
+                    let p = prompt(&mut rng, 1);
+                    match m.begin_import(id, ReuseScope::SHARED, &p) {
+                        Ok(Some(i)) => {
+                            assert_eq!(
+                                i.skipped as usize + i.blocks.len(),
+                                p.len() / 4,
+                                "seed {seed} op {op}"
+                            );
+                            assert!(i.blocks.iter().all(|b| b.pages[0].tier == Tier::Gpu));
+                            imports.push((i, p));
+                        }
+                        Ok(None) | Err(KvError::SequenceTooLong { .. }) => {}
+                        Err(e) => panic!("seed {seed} op {op}: {e}"),
+                    }
+                }
+                _ if !imports.is_empty() => {
+                    let (mut i, p) = imports.swap_remove(rng.below(imports.len() as u64) as usize);
+                    if rng.chance(70) {
+                        m.commit_import(&mut i.handle, &p).unwrap();
+                        let mut q = p.clone();
+                        q.push(TokenId(9999));
+                        assert_eq!(
+                            m.probe_reuse(ReuseScope::SHARED, &q).unwrap(),
+                            p.len() as u64,
+                            "seed {seed} op {op}: a committed import is served"
+                        );
+                    } else {
+                        let before = m.cached_blocks();
+                        m.close(&mut i.handle).unwrap();
+                        assert_eq!(m.cached_blocks(), before, "seed {seed} op {op}");
+                    }
+                }
+                _ => {}
+            }
+            m.check_invariants();
+            for (h, at) in &leases {
+                assert_eq!(&m.seq_page_slots(h), at, "seed {seed} op {op}: a pinned page moved");
+            }
+        }
+        for (mut h, _) in leases {
+            m.close(&mut h).unwrap();
+        }
+        for (mut i, _) in imports {
+            m.close(&mut i.handle).unwrap();
+        }
+        assert_eq!(m.num_sequences(), 0);
+        m.check_invariants();
+    }
+}
