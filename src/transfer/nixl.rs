@@ -171,9 +171,13 @@ impl NixlTransport {
         // Before any other call: a call into the stub without the library aborts.
         if !Self::available() {
             let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+            let seen = match path.split(':').find(|d| d.contains(".nixl_cu")) {
+                Some(dir) => format!("LD_LIBRARY_PATH holds {dir} but it did not load from there"),
+                None => "no .nixl_cu*.mesonpy.libs folder is on LD_LIBRARY_PATH".to_owned(),
+            };
             return Err(TransportError::Unavailable {
                 transport: TRANSPORT,
-                why: format!("{INSTALL_HINT} (LD_LIBRARY_PATH is {path:?})"),
+                why: format!("{INSTALL_HINT} ({seen})"),
             });
         }
         let agent = Agent::new(name).map_err(|e| failed("create agent", e))?;
@@ -289,15 +293,12 @@ impl KvTransport for NixlTransport {
 
     fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
         for r in regions {
-            let handle = self
-                .agent
-                .register_memory(&Region(*r), None)
-                .map_err(|e| {
-                    failed(
-                        "register memory",
-                        format!("{e} ({:?}, {} bytes at {:#x})", r.mem, r.len, r.addr),
-                    )
-                })?;
+            let handle = self.agent.register_memory(&Region(*r), None).map_err(|e| {
+                failed(
+                    "register memory",
+                    format!("{e} ({:?}, {} bytes at {:#x})", r.mem, r.len, r.addr),
+                )
+            })?;
             self.registrations.push(handle);
             self.regions.push(*r);
         }
@@ -359,8 +360,10 @@ impl KvTransport for NixlTransport {
         let last = batches.len() - 1;
         let mut reqs = Vec::with_capacity(batches.len());
         for (i, b) in batches.iter().enumerate() {
-            let mut src = XferDescList::new(mem_type(b.src_mem)).map_err(|e| failed("descriptors", e))?;
-            let mut dst = XferDescList::new(mem_type(b.dst_mem)).map_err(|e| failed("descriptors", e))?;
+            let mut src =
+                XferDescList::new(mem_type(b.src_mem)).map_err(|e| failed("descriptors", e))?;
+            let mut dst =
+                XferDescList::new(mem_type(b.dst_mem)).map_err(|e| failed("descriptors", e))?;
             for s in &b.segments {
                 src.add_desc(s.src as usize, s.len as usize, device_id(b.src_mem));
                 dst.add_desc(s.dst as usize, s.len as usize, device_id(b.dst_mem));
@@ -433,7 +436,9 @@ mod tests {
                 let why = e.to_string();
                 assert!(why.contains("LD_LIBRARY_PATH") || why.contains("NIXL_PLUGIN_DIR"));
                 assert!(why.contains("nixl-cu13==1.5.1") || why.contains("plugins"));
-                eprintln!("SKIPPED: NIXL not available: {e}");
+                // Straight to the process's stderr: the test harness captures `eprintln!`.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED: NIXL not available: {e}");
                 None
             }
             Err(e) => panic!("{e}"),
@@ -512,7 +517,10 @@ mod tests {
             got = b.take_notifications().unwrap();
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(got, vec![(PeerId("dsa-kv-unit-a".into()), b"req-7".to_vec())]);
+        assert_eq!(
+            got,
+            vec![(PeerId("dsa-kv-unit-a".into()), b"req-7".to_vec())]
+        );
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         // SAFETY: dst_buf is alive and nothing writes it any more (the notification came
         // after the last byte).
