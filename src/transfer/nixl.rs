@@ -432,13 +432,12 @@ mod tests {
     fn transport(name: &str) -> Option<NixlTransport> {
         match NixlTransport::new(name) {
             Ok(t) => Some(t),
-            Err(e @ TransportError::Unavailable { .. }) => {
-                let why = e.to_string();
+            Err(TransportError::Unavailable { why, .. }) => {
                 assert!(why.contains("LD_LIBRARY_PATH") || why.contains("NIXL_PLUGIN_DIR"));
                 assert!(why.contains("nixl-cu13==1.5.1") || why.contains("plugins"));
                 // Straight to the process's stderr: the test harness captures `eprintln!`.
                 use std::io::Write as _;
-                let _ = writeln!(std::io::stderr(), "SKIPPED: NIXL not available: {e}");
+                let _ = writeln!(std::io::stderr(), "SKIPPED: NIXL not available: {why}");
                 None
             }
             Err(e) => panic!("{e}"),
@@ -520,6 +519,19 @@ mod tests {
         assert_eq!(
             got,
             vec![(PeerId("dsa-kv-unit-a".into()), b"req-7".to_vec())]
+        );
+        // Nothing to move (no batch, or only empty ones): the peer is still notified.
+        let r = a.write(&peer, &[batch(vec![])], b"empty").unwrap();
+        assert_eq!((r.descriptors, r.bytes), (0, 0));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut got = Vec::new();
+        while got.is_empty() && Instant::now() < deadline {
+            got = b.take_notifications().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            got,
+            vec![(PeerId("dsa-kv-unit-a".into()), b"empty".to_vec())]
         );
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         // SAFETY: dst_buf is alive and nothing writes it any more (the notification came
