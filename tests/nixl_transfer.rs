@@ -258,13 +258,18 @@ fn write_outside_remote_registration_fails_and_moves_nothing() {
     ];
     let err = s.nixl.write(&s.peer, &batches, b"req-bad").unwrap_err();
     eprintln!("[prefill-bad] refused as expected: {err}");
-    match err {
-        TransportError::Unregistered { side, index, .. } => {
-            assert_eq!((side, index), ("remote", 1));
-        }
-        TransportError::Failed { .. } => {}
-        e => panic!("unexpected error: {e}"),
-    }
+    // NIXL refuses it at request creation; the transport names the segment.
+    assert!(
+        matches!(
+            err,
+            TransportError::Unregistered {
+                side: "remote",
+                index: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
     send_frame(&mut s.stream, b"attempted").unwrap();
     s.finish();
 }
