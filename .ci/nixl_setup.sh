@@ -31,8 +31,9 @@ t0=$SECONDS
 
 # 1. libclang for bindgen.
 have_libclang() {
-  ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*/libclang*.so* >/dev/null 2>&1 \
-    || { [ -n "${LIBCLANG_PATH:-}" ] && ls "$LIBCLANG_PATH"/libclang*.so* >/dev/null 2>&1; }
+  compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
+    || compgen -G '/usr/lib/*/libclang-[0-9]*.so*' >/dev/null \
+    || { [ -n "${LIBCLANG_PATH:-}" ] && compgen -G "$LIBCLANG_PATH/libclang*.so*" >/dev/null; }
 }
 if ! have_libclang; then
   log "installing libclang-dev (apt-get)"
