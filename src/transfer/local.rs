@@ -14,9 +14,12 @@ use super::{KvTransport, MemKind, MemRegion, PeerId, TransportError, WriteBatch,
 
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 
+/// The notifications waiting for one agent: (sender, message).
+type Inbox = Vec<(PeerId, Vec<u8>)>;
+
 /// Notifications waiting for each agent, by agent name.
-fn mailboxes() -> &'static Mutex<HashMap<String, Vec<(PeerId, Vec<u8>)>>> {
-    static M: OnceLock<Mutex<HashMap<String, Vec<(PeerId, Vec<u8>)>>>> = OnceLock::new();
+fn mailboxes() -> &'static Mutex<HashMap<String, Inbox>> {
+    static M: OnceLock<Mutex<HashMap<String, Inbox>>> = OnceLock::new();
     M.get_or_init(Mutex::default)
 }
 
