@@ -74,6 +74,13 @@ struct Args {
     /// Mutation drill: leave out the `index_key` pools or the `draft` cache.
     #[arg(long)]
     drop: Option<String>,
+    /// Blocks of the system prompt every request shares (request 0 transfers them).
+    #[arg(long, default_value_t = 3)]
+    system_blocks: u32,
+    /// Measure instead: move this many blocks (synthetic KV, DeepSeek-V3.2 page sizes with
+    /// `--layers` layers, MTP draft cache) between two engines of this process.
+    #[arg(long)]
+    bench_blocks: Option<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -98,6 +105,7 @@ fn setup(a: &Args) -> Setup {
         layers: a.layers,
         backend: a.backend.clone(),
         drop: a.drop.clone(),
+        system_blocks: a.system_blocks,
     }
 }
 
@@ -201,9 +209,38 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
     }
 }
 
+fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
+    let mut ta = transport(&a.transport, "bench-a")?;
+    let mut tb = transport(&a.transport, "bench-b")?;
+    let r = runtime()?.block_on(disagg::bench(a.layers, blocks, ta.as_mut(), tb.as_mut()))?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{} blocks x {} layers over {}: {} pages, {} bytes in {} descriptors ({} uncoalesced), {:.4} s, {:.3} GB/s (memcpy {:.1} GB/s), digests match {}, decode reuses {} tokens",
+            r.blocks, r.layers, r.transport, r.pages, r.bytes, r.descriptors, r.uncoalesced,
+            r.seconds, r.gb_per_s, r.memcpy_gb_per_s, r.digests_match, r.decode_reuse_tokens
+        );
+    }
+    if r.digests_match {
+        Ok(())
+    } else {
+        Err("the transferred bytes differ".into())
+    }
+}
+
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
     let a = Args::parse();
+    if let Some(n) = a.bench_blocks {
+        return match bench(&a, n) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match run(&a) {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(r)) => {

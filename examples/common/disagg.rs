@@ -58,6 +58,8 @@ pub struct Setup {
     /// Mutation drill: the prefill side leaves out the pools holding this role
     /// (`index_key`) or this cache (`draft`); the checks must then fail.
     pub drop: Option<String>,
+    /// Blocks of the system prompt every request shares.
+    pub system_blocks: u32,
 }
 
 impl Default for Setup {
@@ -69,6 +71,7 @@ impl Default for Setup {
             layers: 2,
             backend: "host".into(),
             drop: None,
+            system_blocks: 3,
         }
     }
 }
@@ -98,23 +101,30 @@ pub fn config(s: &Setup) -> EngineConfig {
     }
     c.model.num_layers = Some(s.layers as u32);
     c.model.kv_dtype = Some(KvDtype::Fp8DsMla);
-    c.kv_cache.max_tokens = Some(4096);
+    c.kv_cache.max_tokens = Some(u64::from(s.system_blocks) * 64 * 2 + 4096);
     c.kv_cache.host_cache_size = Some(16 << 20);
     c.scheduler.max_num_sequences = 8;
     c.scheduler.max_num_tokens = 512;
-    c.scheduler.max_seq_len = 2048;
+    c.scheduler.max_seq_len = s.system_blocks * 64 + 2048;
     c
 }
 
-/// Request `i`'s prompt: a 192-token system prompt (3 full blocks) every request shares,
-/// then 70–130 tokens of its own (so each prompt is longer than the indexer's top-64:
-/// the sparse selection matters).
+/// Request `i`'s prompt with the default setup.
 pub fn prompt(i: u64) -> Vec<u32> {
-    let own = 70 + (i as u32 * 29) % 61;
-    (0..192)
-        .map(|t| 1000 + t)
-        .chain((0..own).map(|k| (i as u32 * 7919 + k * 31) % 5000))
-        .collect()
+    Setup::default().prompt(i)
+}
+
+impl Setup {
+    /// Request `i`'s prompt: the system prompt every request shares (`system_blocks` full
+    /// blocks), then 70–130 tokens of its own (so each prompt is longer than the
+    /// indexer's top-64: the sparse selection matters).
+    pub fn prompt(&self, i: u64) -> Vec<u32> {
+        let own = 70 + (i as u32 * 29) % 61;
+        (0..self.system_blocks * 64)
+            .map(|t| 1000 + t % 3000)
+            .chain((0..own).map(|k| (i as u32 * 7919 + k * 31) % 5000))
+            .collect()
+    }
 }
 
 /// One engine: the runtime with the reference model as its forward.
@@ -421,7 +431,9 @@ fn memcpy_gb_per_s(bytes: u64) -> f64 {
     let n = bytes.max(1) as usize;
     let src = vec![1u8; n];
     let mut dst = vec![0u8; n];
-    let reps = (64 << 20) / n + 1;
+    // Untimed first copy: the destination's pages are faulted in, as the pools' are.
+    dst.copy_from_slice(&src);
+    let reps = ((256 << 20) / n).max(3);
     let t = Instant::now();
     for _ in 0..reps {
         dst.copy_from_slice(std::hint::black_box(&src));
@@ -491,7 +503,7 @@ pub async fn prefill_side(
     let mut records = Vec::new();
     for i in 0..s.requests {
         let id = RequestId(i);
-        let p = prompt(i);
+        let p = s.prompt(i);
         let pre = engine.generate(id, &p, 1).await?;
         let first = pre.tokens[0];
         let full = p.len() / 64 * 64;
@@ -692,4 +704,130 @@ pub fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
     let report = report?;
     decoded.map_err(|e| format!("decode side: {e}"))?;
     Ok(report)
+}
+
+/// What [`bench`] measured: one transfer of `blocks` full blocks between two engines of
+/// this process (synthetic KV, the model's real page sizes).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub transport: String,
+    pub layers: usize,
+    pub blocks: usize,
+    pub pages: u64,
+    pub bytes: u64,
+    pub descriptors: usize,
+    pub uncoalesced: usize,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    /// The same bytes copied by one `memcpy` in this process.
+    pub memcpy_gb_per_s: f64,
+    pub digests_match: bool,
+    pub decode_reuse_tokens: u64,
+}
+
+async fn run_synthetic(kv: &KvCacheHandle) -> Result<(), BoxError> {
+    for _ in 0..100_000 {
+        let report = kv.step(HashMap::new()).await?;
+        let outs: Vec<RequestOutcome> = report
+            .scheduled
+            .iter()
+            .map(|s| RequestOutcome {
+                id: s.id,
+                accepted_drafts: 0,
+                next_token: s.produces_token.then_some(TokenId(7)),
+            })
+            .collect();
+        if !outs.is_empty() {
+            kv.commit(outs).await?;
+        }
+        if kv.counters().in_flight == 0 {
+            return Ok(());
+        }
+    }
+    Err("the request did not finish".into())
+}
+
+/// Prefills `blocks` blocks on engine A (DeepSeek-V3.2 page sizes with `layers` layers,
+/// MTP draft cache, synthetic KV), then moves them to engine B through `ta` → `tb`:
+/// a 1-block warm-up (connection setup), then the timed transfer.
+pub async fn bench(
+    layers: usize,
+    blocks: usize,
+    ta: &mut dyn KvTransport,
+    tb: &mut dyn KvTransport,
+) -> Result<BenchReport, BoxError> {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(layers as u32);
+    c.spec_decode.mode = SpecMode::Mtp;
+    c.spec_decode.draft_tokens = 1;
+    c.kv_cache.max_tokens = Some((blocks as u64 + 4) * 64 * 2);
+    c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
+    c.scheduler.max_num_tokens = 4096;
+    let start = || async {
+        KvCacheBuilder::new()
+            .config(c.clone())
+            .host_devices(1)
+            .start()
+            .await
+    };
+    let (a, b) = (start().await?, start().await?);
+    let (ra, rb) = (a.transfer_regions().await?, b.transfer_regions().await?);
+    ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
+    tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
+    let peer = ta.connect(&tb.local_metadata()?)?;
+    tb.connect(&ta.local_metadata()?)?;
+    let mut out = None;
+    for (id, n) in [(1u64, 1usize), (2, blocks)] {
+        let id = RequestId(id);
+        let p: Vec<TokenId> = (0..n as u32 * 64 + 1)
+            .map(|t| TokenId(id.0 as u32 * 100_000 + t))
+            .collect();
+        a.submit(SubmitRequest {
+            id,
+            scope: SCOPE,
+            prompt: p.clone(),
+            max_new_tokens: 1,
+            priority: 35,
+        })
+        .await?;
+        run_synthetic(&a).await?;
+        let export = a.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+        let ticket = b
+            .begin_import(&export)
+            .await?
+            .ok_or("no room on engine B")?;
+        let plan = plan_writes(&export, &ra, &ticket, &rb)?;
+        let note = format!("req-{}", id.0);
+        let report = push_plan(ta, &peer, &ticket, &plan, note.as_bytes());
+        let want = block_digests(&ra, &export.blocks)?;
+        a.release_export(id).await?;
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                b.abort_import(id).await?;
+                return Err(e.into());
+            }
+        };
+        wait_notification(tb, note.as_bytes(), Duration::from_secs(60))?;
+        let digests_match = block_digests(&rb, &ticket.blocks)? == want;
+        b.commit_import(id).await?;
+        let reuse = b.probe_reuse(SCOPE, &p).await?;
+        out = Some(BenchReport {
+            transport: ta.name().to_string(),
+            layers,
+            blocks: n,
+            pages: report.pages,
+            bytes: report.write.bytes,
+            descriptors: report.write.descriptors,
+            uncoalesced: report.uncoalesced,
+            seconds: report.write.elapsed.as_secs_f64(),
+            gb_per_s: report.write.gb_per_s(),
+            memcpy_gb_per_s: memcpy_gb_per_s(report.write.bytes),
+            digests_match,
+            decode_reuse_tokens: reuse,
+        });
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    out.ok_or_else(|| "nothing measured".into())
 }

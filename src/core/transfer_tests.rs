@@ -285,7 +285,11 @@ fn random_exports_and_imports_keep_every_rule() {
             }
             m.check_invariants();
             for (h, at) in &leases {
-                assert_eq!(&m.seq_page_slots(h), at, "seed {seed} op {op}: a pinned page moved");
+                assert_eq!(
+                    &m.seq_page_slots(h),
+                    at,
+                    "seed {seed} op {op}: a pinned page moved"
+                );
             }
         }
         for (mut h, _) in leases {

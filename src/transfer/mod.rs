@@ -14,7 +14,7 @@
 //! * the importing runtime reserves pages for the blocks it does not hold yet
 //!   ([`KvCacheHandle::begin_import`]), the bytes arrive, and
 //!   [`KvCacheHandle::commit_import`] links them into its reuse tree at once; an
-//!   [`abort_import`](KvCacheHandle::abort_import) (or a failed transfer) frees them and
+//!   [`abort_import`](crate::actors::KvCacheHandle::abort_import) (or a failed transfer) frees them and
 //!   leaves nothing behind;
 //! * [`plan_writes`] turns the two sides' pages and pool regions into the writes, with
 //!   contiguous slot runs coalesced into one descriptor per pool;
