@@ -203,7 +203,7 @@ fn random_exports_and_imports_keep_every_rule() {
         let mut rng = SplitMix64(seed);
         let mut m = mgr(12, if seed % 2 == 0 { 8 } else { 0 });
         // Prompts: one of 3 shared 8-token prefixes, then 0–3 blocks of a small family.
-        let mut prompt = |rng: &mut SplitMix64, extra: u64| -> Vec<TokenId> {
+        let prompt = |rng: &mut SplitMix64, extra: u64| -> Vec<TokenId> {
             let p = rng.below(3) as u32;
             let mut t = toks(p * 100..p * 100 + 8);
             for _ in 0..rng.below(4) + extra {
