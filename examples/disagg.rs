@@ -212,14 +212,23 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
 fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
     let mut ta = transport(&a.transport, "bench-a")?;
     let mut tb = transport(&a.transport, "bench-b")?;
-    let r = runtime()?.block_on(disagg::bench(a.layers, blocks, ta.as_mut(), tb.as_mut()))?;
+    let r = runtime()?.block_on(disagg::bench(
+        a.layers,
+        blocks,
+        &a.backend,
+        (a.prefill_gpu, a.decode_gpu),
+        ta.as_mut(),
+        tb.as_mut(),
+    ))?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{} blocks x {} layers over {}: {} pages, {} bytes in {} descriptors ({} uncoalesced), {:.4} s, {:.3} GB/s (memcpy {:.1} GB/s), digests match {}, decode reuses {} tokens",
-            r.blocks, r.layers, r.transport, r.pages, r.bytes, r.descriptors, r.uncoalesced,
-            r.seconds, r.gb_per_s, r.memcpy_gb_per_s, r.digests_match, r.decode_reuse_tokens
+            "{} blocks x {} layers over {} ({} backend): {} pages, {} bytes in {} descriptors ({} uncoalesced), {:.4} s, {:.3} GB/s (host memcpy {:.1} GB/s{}), digests match {}, decode reuses {} tokens",
+            r.blocks, r.layers, r.transport, a.backend, r.pages, r.bytes, r.descriptors, r.uncoalesced,
+            r.seconds, r.gb_per_s, r.memcpy_gb_per_s,
+            r.dtod_gb_per_s.map_or(String::new(), |g| format!(", GPU device-to-device {g:.1} GB/s")),
+            r.digests_match, r.decode_reuse_tokens
         );
     }
     if r.digests_match {
