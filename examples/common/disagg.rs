@@ -657,7 +657,16 @@ pub async fn decode_side_with(
             other => return Err(format!("unexpected {other:?}").into()),
         };
         let id = export.id;
-        let ticket = engine.kv.begin_import(&export).await?;
+        // No room now: a step runs the copies that free slots (an idle engine's step
+        // only moves pages), then try again.
+        let mut ticket = engine.kv.begin_import(&export).await?;
+        for _ in 0..3 {
+            if ticket.is_some() {
+                break;
+            }
+            engine.kv.step(HashMap::new()).await?;
+            ticket = engine.kv.begin_import(&export).await?;
+        }
         wire.send(&Msg::Ticket(ticket.clone()))?;
         let Some(ticket) = ticket else { continue };
         let digests = match wire.recv()? {
@@ -811,7 +820,9 @@ pub async fn bench(
             #[cfg(feature = "cuda")]
             "cuda" => Ok(b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu]))),
             "host" => Ok(b),
-            other => Err(format!("unknown or unavailable backend {other:?} (gpu {gpu})")),
+            other => Err(format!(
+                "unknown or unavailable backend {other:?} (gpu {gpu})"
+            )),
         };
         async move { Ok::<_, BoxError>(b?.start().await?) }
     };

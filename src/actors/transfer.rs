@@ -149,7 +149,8 @@ impl KvCacheHandle {
     }
 
     /// Pins the cached full blocks of `tokens` (its longest cached prefix of whole blocks,
-    /// on the GPU or the host tier) in the target and draft caches, waits until every
+    /// on the GPU or the host tier, up to the first block still waiting for a planned
+    /// copy between tiers) in the target and draft caches, waits until every
     /// device has finished the work that wrote them, and describes them: chained reuse
     /// keys, tokens, slots. They stay where they are until
     /// [`release_export`](Self::release_export); `id` shares the requests' id space.
@@ -184,8 +185,9 @@ impl KvCacheHandle {
     /// Reserves GPU pages for the exported blocks this engine does not hold (leading
     /// blocks it already caches are skipped), after checking the layouts agree and the
     /// keys are what this engine computes for the tokens; waits until no device work
-    /// still reads the reserved slots. `Ok(None)` when there is no room now (nothing is
-    /// reserved: retry later). Write the bytes, then
+    /// still reads the reserved slots. `Ok(None)` when there is no room now, or when
+    /// making room planned copies (offloads) that only the next step runs: nothing is
+    /// reserved; retry after a step. Write the bytes, then
     /// [`commit_import`](Self::commit_import), or [`abort_import`](Self::abort_import).
     #[tracing::instrument(level = "debug", skip_all, fields(id = %export.id, blocks = export.blocks.len()))]
     pub async fn begin_import(

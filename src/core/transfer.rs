@@ -114,9 +114,12 @@ impl KvCacheManager {
     }
 
     /// Pins the cached full blocks of `tokens` (the longest cached prefix of its whole
-    /// blocks) for a transfer to read, wherever they are; returns the export's handle
-    /// (close it to release the pins) and the blocks, in prefix order. Fewer blocks than
-    /// `tokens` has are returned when the rest is not cached (none: an empty list).
+    /// blocks whose bytes are in place) for a transfer to read, wherever they are;
+    /// returns the export's handle (close it to release the pins) and the blocks, in
+    /// prefix order. Fewer blocks than `tokens` has are returned when the rest is not
+    /// cached, or when a block's page is still to be copied between tiers (a copy planned
+    /// but not yet run by a step: its slot does not hold the bytes yet); none: an empty
+    /// list.
     pub fn export_blocks(
         &mut self,
         id: RequestId,
@@ -125,7 +128,30 @@ impl KvCacheManager {
     ) -> Result<(SeqHandle, Vec<BlockLoc>), KvError> {
         self.reap_dropped();
         self.whole_blocks(id, tokens)?;
-        let c = self.open(id, scope, tokens, false, false, SeqOptions::default())?;
+        if self.by_id.contains_key(&id) {
+            return Err(KvError::DuplicateRequest { id });
+        }
+        let done = self.clock.completed();
+        let m = self.tree.match_prefix(
+            &mut self.hasher,
+            &scope.root_key(),
+            tokens,
+            self.tpb as usize,
+            false,
+        );
+        let ready = m
+            .full
+            .iter()
+            .take_while(|&&n| {
+                self.tree
+                    .node(n)
+                    .pages
+                    .iter()
+                    .all(|&p| self.pages[p].ready <= done)
+            })
+            .count();
+        let lookup = &tokens[..ready * self.tpb as usize];
+        let c = self.open(id, scope, lookup, false, false, SeqOptions::default())?;
         let idx = self.seq_index(&c.handle)?;
         self.seq_mut(idx).pinned = true;
         let pages = self.seq(idx).pages.clone();
@@ -143,7 +169,10 @@ impl KvCacheManager {
     }
 
     /// Reserves pages for importing the full blocks of `tokens`: leading blocks cached
-    /// here are skipped (and brought to the GPU), the others get fresh GPU pages.
+    /// here are skipped (and brought to the GPU), the others get fresh GPU pages. The
+    /// fresh pages are writable at once: a reservation whose slots still wait for copies
+    /// planned but not yet run (making room offloaded their previous pages) is undone and
+    /// refused as `Ok(None)`; it fits after the next step has run those copies.
     /// `Ok(None)` when there is no room on the GPU now, and an error for an import that
     /// can never fit; either way the reservation is undone (no page, hold or tree block
     /// of it stays).
@@ -157,9 +186,11 @@ impl KvCacheManager {
         self.whole_blocks(id, tokens)?;
         let mut c = self.open(id, scope, tokens, false, false, SeqOptions::default())?;
         let skipped = c.reused_tokens / self.tpb;
-        let placed = self
-            .resume(&c.handle)
-            .and_then(|ok| Ok(ok && self.resize(&c.handle, tokens.len() as u64, c.reused_tokens)?));
+        let placed = self.resume(&c.handle).and_then(|ok| {
+            Ok(ok
+                && self.resize(&c.handle, tokens.len() as u64, c.reused_tokens)?
+                && self.info_of(&c.handle)?.ready_after <= self.clock.completed())
+        });
         if placed != Ok(true) {
             // Nothing of the import stays: the held blocks are released.
             self.close(&mut c.handle)?;

@@ -6,6 +6,13 @@ use crate::ids::{RequestId, SlotId, Tier, TokenId};
 
 const X: RequestId = RequestId(900);
 
+/// What a step does for the manager: runs the planned copies, completes their fences.
+fn step(m: &mut KvCacheManager) {
+    m.take_copy_plans();
+    let f = m.issued_fence();
+    m.complete_fences(f).unwrap();
+}
+
 fn slots(blocks: &[BlockLoc]) -> Vec<(Tier, u32)> {
     blocks
         .iter()
@@ -59,7 +66,13 @@ fn a_resume_over_a_pinned_host_page_waits_for_the_release() {
     let mut h = start(&mut m, 2, &toks(100..116), 35);
     assert!(m.resize(&h, 16, 0).unwrap());
     m.close(&mut h).unwrap();
+    // The offload copies are planned, not run: no block's bytes are on the host yet.
+    let (mut early, none) = m.export_blocks(X, ReuseScope::SHARED, &p[..8]).unwrap();
+    assert!(none.is_empty());
+    m.close(&mut early).unwrap();
+    step(&mut m);
     let (mut lease, blocks) = m.export_blocks(X, ReuseScope::SHARED, &p[..8]).unwrap();
+    assert_eq!(blocks.len(), 2);
     assert!(blocks.iter().all(|b| b.pages[0].tier == Tier::Host));
     let c = m
         .create(RequestId(3), ReuseScope::SHARED, &p, SeqOptions::default())
@@ -199,6 +212,7 @@ fn bad_transfers_are_typed_errors() {
 #[test]
 fn random_exports_and_imports_keep_every_rule() {
     use crate::rng::SplitMix64;
+    let mut done = [0u32; 3]; // exports with blocks, commits, aborts (all seeds)
     for seed in 0..24u64 {
         let mut rng = SplitMix64(seed);
         let mut m = mgr(12, if seed % 2 == 0 { 8 } else { 0 });
@@ -213,11 +227,15 @@ fn random_exports_and_imports_keep_every_rule() {
             t
         };
         let mut leases: Vec<(SeqHandle, Vec<(Tier, SlotId)>)> = Vec::new();
+
         let mut imports: Vec<(Import, Vec<TokenId>)> = Vec::new();
         let mut next_id = 0u64;
         for op in 0..400 {
             next_id += 1;
             let id = RequestId(next_id);
+            if rng.chance(30) {
+                step(&mut m);
+            }
             match rng.below(6) {
                 0 | 1 => {
                     // A request runs to its end (or does not fit and is closed).
@@ -241,6 +259,7 @@ fn random_exports_and_imports_keep_every_rule() {
                         blocks.iter().map(|b| b.key).collect::<Vec<_>>(),
                         m.block_keys(ReuseScope::SHARED, &p)[..blocks.len()]
                     );
+                    done[0] += u32::from(!blocks.is_empty());
                     let at = m.seq_page_slots(&h);
                     leases.push((h, at));
                 }
@@ -267,6 +286,7 @@ fn random_exports_and_imports_keep_every_rule() {
                 _ if !imports.is_empty() => {
                     let (mut i, p) = imports.swap_remove(rng.below(imports.len() as u64) as usize);
                     if rng.chance(70) {
+                        done[1] += 1;
                         m.commit_import(&mut i.handle, &p).unwrap();
                         let mut q = p.clone();
                         q.push(TokenId(9999));
@@ -276,6 +296,7 @@ fn random_exports_and_imports_keep_every_rule() {
                             "seed {seed} op {op}: a committed import is served"
                         );
                     } else {
+                        done[2] += 1;
                         let before = m.cached_blocks();
                         m.close(&mut i.handle).unwrap();
                         assert_eq!(m.cached_blocks(), before, "seed {seed} op {op}");
@@ -301,4 +322,37 @@ fn random_exports_and_imports_keep_every_rule() {
         assert_eq!(m.num_sequences(), 0);
         m.check_invariants();
     }
+    assert!(
+        done[0] > 500 && done[1] > 100 && done[2] > 40,
+        "too few transfers: {done:?}"
+    );
+}
+
+#[test]
+fn an_import_waits_for_the_copies_that_free_its_slots() {
+    // 4 GPU slots, all cached; importing 2 blocks offloads 2 of them: their copies are
+    // planned for the next step, so the freed slots cannot be written yet.
+    let mut m = mgr(4, 4);
+    cache(&mut m, 1, &toks(0..16), 35);
+    step(&mut m);
+    let before = m.cached_blocks();
+    assert!(m
+        .begin_import(X, ReuseScope::SHARED, &toks(100..108))
+        .unwrap()
+        .is_none());
+    assert_eq!(m.num_sequences(), 0);
+    assert_eq!(
+        m.cached_blocks().len(),
+        before.len(),
+        "the offloads stand, no block is lost"
+    );
+    m.check_invariants();
+    step(&mut m);
+    let mut imp = m
+        .begin_import(X, ReuseScope::SHARED, &toks(100..108))
+        .unwrap()
+        .expect("the copies ran: room now");
+    assert_eq!(imp.blocks.len(), 2);
+    m.commit_import(&mut imp.handle, &toks(100..108)).unwrap();
+    m.check_invariants();
 }

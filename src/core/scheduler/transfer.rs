@@ -6,7 +6,7 @@ use super::{SchedError, Scheduler};
 use crate::core::manager::SeqHandle;
 use crate::core::transfer::BlockLoc;
 use crate::core::{BlockKey, KvError, PageLoc, ReuseScope};
-use crate::ids::{Fence, RequestId, TokenId};
+use crate::ids::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
 
 /// A full block: its chained reuse key and its pages in the target and draft caches.
@@ -27,9 +27,6 @@ pub struct ImportReservation {
     pub skipped: u32,
     /// Pages reserved for the blocks `skipped..`, in prefix order.
     pub blocks: Vec<BlockPages>,
-    /// Device work that must complete before the reserved pages are written (their slots
-    /// may have been read by steps still in flight).
-    pub ready_after: Fence,
 }
 
 #[derive(Debug)]
@@ -188,16 +185,6 @@ impl Scheduler {
             },
             None => None,
         };
-        let mut ready = self.target.info_of(&t.handle)?.ready_after;
-        if let Some(i) = &d {
-            ready = ready.max(
-                self.draft
-                    .as_ref()
-                    .expect("draft")
-                    .info_of(&i.handle)?
-                    .ready_after,
-            );
-        }
         let (dh, db) = match d {
             Some(i) => (Some(i.handle), Some(i.blocks)),
             None => (None, None),
@@ -218,11 +205,7 @@ impl Scheduler {
             });
         };
         self.transfers.insert(id, tr);
-        Ok(Some(ImportReservation {
-            skipped,
-            blocks,
-            ready_after: ready,
-        }))
+        Ok(Some(ImportReservation { skipped, blocks }))
     }
 
     /// Links an import's blocks into both reuse trees (their bytes have landed) and
