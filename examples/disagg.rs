@@ -217,6 +217,7 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
         blocks,
         &a.backend,
         (a.prefill_gpu, a.decode_gpu),
+        1,
         ta.as_mut(),
         tb.as_mut(),
     ))?;

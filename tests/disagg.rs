@@ -218,3 +218,24 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     a.kv.release_export(RequestId(9)).await.unwrap();
     assert_eq!(a.kv.check_invariants().await.unwrap().live_sequences, 0);
 }
+
+/// Tensor parallelism: each of two devices holds its own copy of every page; a transfer
+/// moves every device's pages to the same device index on the other engine.
+#[test]
+fn two_device_engines_move_every_devices_pages() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (mut a, mut b) = (LocalTransport::new("tp-a"), LocalTransport::new("tp-b"));
+    let r = rt
+        .block_on(disagg::bench(2, 6, "host", (0, 0), 2, &mut a, &mut b))
+        .unwrap();
+    assert!(r.digests_match, "{r:#?}");
+    assert_eq!(r.decode_reuse_tokens, 6 * 64);
+    // 6 blocks × (target + draft) × 2 devices; 2 pools each, one descriptor per pool run.
+    assert_eq!(r.pages, 24);
+    assert_eq!(r.uncoalesced, 48);
+    assert_eq!(r.descriptors, 8);
+}

@@ -804,6 +804,7 @@ pub async fn bench(
     blocks: usize,
     backend: &str,
     gpus: (usize, usize),
+    devices: usize,
     ta: &mut dyn KvTransport,
     tb: &mut dyn KvTransport,
 ) -> Result<BenchReport, BoxError> {
@@ -815,10 +816,12 @@ pub async fn bench(
     c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
     c.scheduler.max_num_tokens = 4096;
     let start = |gpu: usize| {
-        let b = KvCacheBuilder::new().config(c.clone()).host_devices(1);
+        let b = KvCacheBuilder::new()
+            .config(c.clone())
+            .host_devices(devices);
         let b = match backend {
             #[cfg(feature = "cuda")]
-            "cuda" => Ok(b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu]))),
+            "cuda" => Ok(b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu; devices]))),
             "host" => Ok(b),
             other => Err(format!(
                 "unknown or unavailable backend {other:?} (gpu {gpu})"
