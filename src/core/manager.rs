@@ -225,6 +225,8 @@ pub(super) struct Sequence {
     pub ready_after: Fence,
     /// An export lease: suspended, its pages pinned (see `transfer.rs`).
     pub pinned: bool,
+    /// An open import: active, its fresh pages written by a transfer (`transfer.rs`).
+    pub importing: bool,
 }
 
 impl Sequence {
@@ -684,6 +686,7 @@ impl KvCacheManager {
             reused: 0,
             ready_after: Fence::NONE,
             pinned: false,
+            importing: false,
         };
         if !lookup.is_empty() {
             let m = self.tree.match_prefix(

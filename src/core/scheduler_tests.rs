@@ -530,3 +530,65 @@ fn recycled_plans_change_nothing() {
     let (tokens, slots, _) = recycling.spare_counts();
     assert!(tokens > 0 && slots > 0, "buffers were kept for reuse");
 }
+
+/// Imports and exports with a separate draft cache under memory pressure: the draft
+/// cache mirrors every decision (refusals included), and the two caches stay equal.
+#[test]
+fn transfers_keep_the_draft_cache_in_lockstep() {
+    let mirror = |s: &Scheduler| {
+        let d = s.draft().expect("draft");
+        s.target().check_invariants();
+        d.check_invariants();
+        assert_eq!(
+            d.occupied_slots(Tier::Gpu),
+            s.target().occupied_slots(Tier::Gpu)
+        );
+        assert_eq!(
+            d.occupied_slots(Tier::Host),
+            s.target().occupied_slots(Tier::Host)
+        );
+        assert_eq!(d.cached_blocks().len(), s.target().cached_blocks().len());
+    };
+    let mut s = Scheduler::new(manager(8, 8), Some(manager(8, 8)), limits(0));
+    // Fill the GPU with cached blocks (two 16-token requests = 8 blocks).
+    for i in 0..2 {
+        s.submit(req(i, (i as u32 * 100..i as u32 * 100 + 16).collect(), 1))
+            .unwrap();
+    }
+    drive(&mut s, 1, 100);
+    mirror(&s);
+    let toks = |r: std::ops::Range<u32>| r.map(TokenId).collect::<Vec<_>>();
+    let keys = s.block_keys(ReuseScope::SHARED, &toks(500..508));
+    // Room needs offloads whose copies no step has run: both caches refuse, both keep
+    // the offloads they planned.
+    let r = s
+        .begin_import(RequestId(50), ReuseScope::SHARED, &toks(500..508), &keys)
+        .unwrap();
+    assert!(r.is_none());
+    mirror(&s);
+    // A step runs the copies; now both reserve the same slots.
+    let plan = s.schedule(&HashMap::new()).unwrap();
+    s.complete(plan.target_fence, plan.draft_fence).unwrap();
+    let r = s
+        .begin_import(RequestId(50), ReuseScope::SHARED, &toks(500..508), &keys)
+        .unwrap()
+        .expect("room after the copies ran");
+    assert_eq!(r.blocks.len(), 2);
+    for b in &r.blocks {
+        assert_eq!(b.target[0].slot, b.draft[0].slot);
+    }
+    mirror(&s);
+    // The id is taken while the import lives.
+    assert!(s.submit(req(50, vec![1, 2, 3], 1)).is_err());
+    assert_eq!(s.commit_import(RequestId(50)).unwrap(), 2);
+    mirror(&s);
+    let exported = s
+        .export_blocks(RequestId(51), ReuseScope::SHARED, &toks(500..508))
+        .unwrap();
+    assert_eq!(exported.len(), 2);
+    assert!(exported.iter().all(|b| b.draft.len() == 1));
+    s.close_transfer(RequestId(51)).unwrap();
+    assert!(s.close_transfer(RequestId(51)).is_err());
+    assert_eq!(s.num_transfers(), 0);
+    mirror(&s);
+}

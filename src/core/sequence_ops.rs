@@ -12,6 +12,28 @@ use super::radix::Insert;
 use crate::ids::{Fence, LifeCycleId, PageId, Tier, TokenId};
 
 impl KvCacheManager {
+    /// An export or an import is driven only through its own calls (`close`, and
+    /// `commit_import` for an import): any other operation could move pinned pages or
+    /// expose reserved ones.
+    fn refuse_transfer(&self, idx: usize, op: &'static str) -> Result<(), KvError> {
+        let s = self.seq(idx);
+        if s.pinned || s.importing {
+            return Err(KvError::Transfer {
+                id: s.id,
+                why: format!(
+                    "{op} is not allowed on an {}: close it{}",
+                    if s.pinned { "export" } else { "import" },
+                    if s.pinned {
+                        ""
+                    } else {
+                        ", or commit it with commit_import"
+                    }
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn require_active(&self, idx: usize, op: &'static str) -> Result<(), KvError> {
         let s = self.seq(idx);
         if s.status != SeqStatus::Active {
@@ -33,6 +55,7 @@ impl KvCacheManager {
     pub fn resize(&mut self, h: &SeqHandle, capacity: u64, history: u64) -> Result<bool, KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "resizing")?;
         self.require_active(idx, "resizing")?;
         let s = self.seq(idx);
         if history < s.history {
@@ -123,6 +146,7 @@ impl KvCacheManager {
     pub fn commit(&mut self, h: &SeqHandle, tokens: &[TokenId]) -> Result<(), KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "committing")?;
         Self::validate_tokens(tokens)?;
         let s = self.seq(idx);
         if s.stopped {
@@ -275,6 +299,7 @@ impl KvCacheManager {
     pub fn accept_tokens(&mut self, h: &SeqHandle, accepted: &[TokenId]) -> Result<(), KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "accepting tokens")?;
         self.require_active(idx, "accepting tokens")?;
         self.commit(h, accepted)?;
         let history = self.seq(idx).history;
@@ -288,6 +313,7 @@ impl KvCacheManager {
     pub fn stop_committing(&mut self, h: &SeqHandle) -> Result<(), KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "stopping commits")?;
         self.stop_committing_idx(idx);
         self.debug_check();
         Ok(())
@@ -311,6 +337,7 @@ impl KvCacheManager {
     pub fn suspend(&mut self, h: &SeqHandle) -> Result<(), KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "suspending")?;
         if self.seq(idx).status == SeqStatus::Suspended {
             return Ok(());
         }
@@ -333,6 +360,7 @@ impl KvCacheManager {
     pub fn resume(&mut self, h: &SeqHandle) -> Result<bool, KvError> {
         self.reap_dropped();
         let idx = self.seq_index(h)?;
+        self.refuse_transfer(idx, "resuming")?;
         if self.seq(idx).status == SeqStatus::Active {
             return Ok(true);
         }

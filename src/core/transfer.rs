@@ -197,6 +197,7 @@ impl KvCacheManager {
             return placed.map(|_| None);
         }
         let idx = self.seq_index(&c.handle)?;
+        self.seq_mut(idx).importing = true;
         let keys = self.block_keys(scope, tokens);
         let first = skipped as usize * self.n_lc;
         let blocks = self.block_locs(&self.seq(idx).pages[first..], &keys[skipped as usize..]);
@@ -221,7 +222,17 @@ impl KvCacheManager {
                 why: "commit_import got other tokens than begin_import".into(),
             });
         }
-        self.commit(h, &tokens[done..])?;
+        if !s.importing {
+            return Err(KvError::Transfer {
+                id: s.id,
+                why: "commit_import on a sequence that is not an import".into(),
+            });
+        }
+        self.seq_mut(idx).importing = false;
+        if let Err(e) = self.commit(h, &tokens[done..]) {
+            self.seq_mut(idx).importing = true;
+            return Err(e);
+        }
         self.close(h)
     }
 

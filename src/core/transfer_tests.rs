@@ -185,6 +185,35 @@ fn bad_transfers_are_typed_errors() {
             Err(KvError::Transfer { .. })
         ));
     }
+    // An export or an import is driven only through its own calls.
+    cache(&mut m, 1, &toks(0..4), 35);
+    let (mut lease, _) = m
+        .export_blocks(RequestId(801), ReuseScope::SHARED, &toks(0..4))
+        .unwrap();
+    assert!(matches!(m.resume(&lease), Err(KvError::Transfer { .. })));
+    assert!(matches!(
+        m.commit(&lease, &[]),
+        Err(KvError::Transfer { .. })
+    ));
+    m.close(&mut lease).unwrap();
+    let mut imp = m
+        .begin_import(RequestId(802), ReuseScope::SHARED, &toks(50..54))
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        m.suspend(&imp.handle),
+        Err(KvError::Transfer { .. })
+    ));
+    assert!(matches!(
+        m.resize(&imp.handle, 8, 0),
+        Err(KvError::Transfer { .. })
+    ));
+    assert!(matches!(
+        m.commit(&imp.handle, &toks(50..54)),
+        Err(KvError::Transfer { .. })
+    ));
+    m.close(&mut imp.handle).unwrap();
+    m.check_invariants();
     let _h = start(&mut m, 900, &toks(0..3), 35);
     assert!(matches!(
         m.begin_import(X, ReuseScope::SHARED, &toks(0..4)),

@@ -5,7 +5,7 @@
 use super::{SchedError, Scheduler};
 use crate::core::manager::SeqHandle;
 use crate::core::transfer::BlockLoc;
-use crate::core::{BlockKey, KvError, PageLoc, ReuseScope};
+use crate::core::{BlockKey, KvCacheManager, KvError, PageLoc, ReuseScope};
 use crate::ids::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
 
@@ -165,25 +165,39 @@ impl Scheduler {
             }
             .into());
         }
-        let Some(mut t) = self.target.begin_import(id, scope, tokens)? else {
-            return Ok(None);
-        };
-        let d = match &mut self.draft {
-            Some(d) => match d.begin_import(id, scope, tokens) {
-                Ok(Some(i)) if i.skipped == t.skipped => Some(i),
-                other => {
-                    if let Ok(Some(mut i)) = other {
-                        d.close(&mut i.handle)?;
-                    }
-                    self.target.close(&mut t.handle)?;
-                    return Err(SchedError::DraftDiverged {
-                        id,
-                        what: "the draft cache refused or skipped differently an import the \
-                               target accepted",
-                    });
+        // Both caches make the same calls whatever the target decides, so the draft cache
+        // mirrors every eviction the target's attempt made (it decides the same way).
+        let t = self.target.begin_import(id, scope, tokens);
+        let d = self
+            .draft
+            .as_mut()
+            .map(|d| d.begin_import(id, scope, tokens));
+        let (t, d) = match (t, d) {
+            (Ok(Some(t)), None) => (t, None),
+            (Ok(Some(t)), Some(Ok(Some(i)))) if i.skipped == t.skipped => (t, Some(i)),
+            (t, d) => {
+                let refused = matches!(t, Ok(None)) && matches!(d, None | Some(Ok(None)));
+                let mut first_err = None;
+                match t {
+                    Ok(Some(mut i)) => self.target.close(&mut i.handle)?,
+                    Err(e) => first_err = Some(SchedError::from(e)),
+                    Ok(None) => {}
                 }
-            },
-            None => None,
+                match d {
+                    Some(Ok(Some(mut i))) => {
+                        self.draft.as_mut().expect("draft").close(&mut i.handle)?
+                    }
+                    Some(Err(e)) if first_err.is_none() => first_err = Some(e.into()),
+                    _ => {}
+                }
+                if refused {
+                    return Ok(None);
+                }
+                return Err(first_err.unwrap_or(SchedError::DraftDiverged {
+                    id,
+                    what: "the draft cache decided an import differently from the target",
+                }));
+            }
         };
         let (dh, db) = match d {
             Some(i) => (Some(i.handle), Some(i.blocks)),
@@ -222,7 +236,24 @@ impl Scheduler {
             .into());
         };
         let tokens = tokens.clone();
+        // Both sequences are checked before either commits (the only ways a commit can
+        // fail), so the two trees gain the same blocks or neither does.
+        let fits = |m: &KvCacheManager, h: &SeqHandle| {
+            m.info_of(h).map(|i| i.capacity == tokens.len() as u64)
+        };
+        let ok = fits(&self.target, &t.target)?
+            && match (&self.draft, &t.draft) {
+                (Some(d), Some(h)) => fits(d, h)?,
+                _ => true,
+            };
         let mut t = self.transfers.remove(&id).expect("checked");
+        if !ok {
+            self.close_handles(&mut t)?;
+            return Err(SchedError::DraftDiverged {
+                id,
+                what: "the caches reserved different lengths for an import",
+            });
+        }
         let before = self.target.info_of(&t.target)?.committed;
         let mut res = self.target.commit_import(&mut t.target, &tokens);
         if let (Ok(()), Some(d), Some(h)) = (&res, &mut self.draft, &mut t.draft) {
