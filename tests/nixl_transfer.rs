@@ -133,7 +133,9 @@ struct Session {
 fn start(scenario: &str) -> Option<Session> {
     let mut nixl = nixl_or_skip(&format!("prefill-{scenario}"))?;
     let buf = HostBuf::patterned(BUF);
-    nixl.register(&[buf.region()]).unwrap();
+    // SAFETY: `buf` outlives the transport (dropped after it at the end of this function)
+    // and only the transfer writes it.
+    unsafe { nixl.register(&[buf.region()]) }.unwrap();
 
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -174,7 +176,8 @@ fn start(scenario: &str) -> Option<Session> {
         u64::from_le_bytes(region[8..16].try_into().unwrap()),
     );
     send_frame(&mut stream, &nixl.local_metadata().unwrap()).unwrap();
-    let peer = nixl.connect(&child_md).unwrap();
+    // SAFETY: the child's own metadata; its buffer lives until it has replied.
+    let peer = unsafe { nixl.connect(&child_md) }.unwrap();
     assert_eq!(peer.0, format!("decode-{scenario}"));
     Some(Session {
         nixl,
@@ -301,14 +304,16 @@ fn child_run(scenario: &str, stream: &mut TcpStream) -> Result<(), String> {
     let name = format!("decode-{scenario}");
     let mut nixl = NixlTransport::new(&name).map_err(|e| e.to_string())?;
     let buf = HostBuf::zeroed(BUF);
-    nixl.register(&[buf.region()]).map_err(|e| e.to_string())?;
+    // SAFETY: `buf` outlives the transport; only the parent's transfer writes it.
+    unsafe { nixl.register(&[buf.region()]) }.map_err(|e| e.to_string())?;
     let io = |e: std::io::Error| format!("socket: {e}");
     send_frame(stream, &nixl.local_metadata().map_err(|e| e.to_string())?).map_err(io)?;
     let mut region = (buf.ptr as u64).to_le_bytes().to_vec();
     region.extend_from_slice(&(BUF as u64).to_le_bytes());
     send_frame(stream, &region).map_err(io)?;
     let parent_md = recv_frame(stream).map_err(io)?;
-    let parent = nixl.connect(&parent_md).map_err(|e| e.to_string())?;
+    // SAFETY: the parent's own metadata, over our socket.
+    let parent = unsafe { nixl.connect(&parent_md) }.map_err(|e| e.to_string())?;
 
     let mut expect = vec![0u8; BUF];
     match scenario {

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle};
-use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
+use dsa_kv::config::{EngineConfig, KvDtype, SpecMode, DSA_TOKENS_PER_BLOCK};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
@@ -260,7 +260,13 @@ fn rep_drafts(_g: &Gen, n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
 
 /// SHA-256 of each block's bytes in every pool of every page (host memory only): read
 /// straight from the registered pools, independent of the transfer plan.
-pub fn block_digests(
+///
+/// # Safety
+///
+/// `regions` must be live pools of this process (an engine's `transfer_regions`, the
+/// engine running) and nothing may write the blocks' pages during the call (pinned by an
+/// export, or reserved by an import whose bytes have landed).
+pub unsafe fn block_digests(
     regions: &[PoolRegion],
     blocks: &[BlockPages],
 ) -> Result<Vec<String>, BoxError> {
@@ -365,7 +371,11 @@ pub enum Msg {
         report: TransferReport,
         digests: Vec<String>,
     },
-    Failed(String),
+    Failed {
+        why: String,
+        /// A write may still be landing: the importer must not free its pages.
+        in_flight: bool,
+    },
     Decoded {
         gen: Gen,
         imported: u32,
@@ -497,12 +507,72 @@ fn hello(
     s: &Setup,
 ) -> Result<Msg, BoxError> {
     let regions: Vec<_> = engine_regions.iter().map(|r| r.region).collect();
-    t.register(&regions)?;
+    // SAFETY: the engine's own pools; the engine outlives the transport (both live until
+    // the side returns, the engine shut down first but its pools are only written while
+    // it runs: the last write is before `Bye`), and only imports' reserved pages are
+    // written.
+    unsafe { t.register(&regions)? };
     Ok(Msg::Hello {
         metadata: t.local_metadata()?,
         regions: engine_regions.to_vec(),
         setup: s.clone(),
     })
+}
+
+/// One request's hand-over on the prefill side, after its export: sends it, gets the
+/// ticket, writes, releases the export, tells the peer. `None`: nothing was imported
+/// (the decode engine had no room, or nothing was exported); the bool says whether
+/// the prefill side's digests could be taken (host backend) and sent.
+#[allow(clippy::too_many_arguments)]
+async fn push_one(
+    engine: &Engine,
+    s: &Setup,
+    transport: &mut dyn KvTransport,
+    peer: &PeerId,
+    wire: &mut Wire,
+    regions: &[PoolRegion],
+    remote: &[PoolRegion],
+    export: &ExportedBlocks,
+    p: &[u32],
+    first: u32,
+) -> Result<(Option<TransferReport>, bool), BoxError> {
+    let id = export.id;
+    wire.send(&Msg::Export {
+        export: export.clone(),
+        prompt: p.to_vec(),
+        first,
+    })?;
+    let ticket = match wire.recv()? {
+        Msg::Ticket(t) => t,
+        Msg::Failed { why, .. } => {
+            return Err(format!("the decode side refused request {id}: {why}").into())
+        }
+        other => return Err(format!("expected a Ticket, got {other:?}").into()),
+    };
+    let Some(ticket) = ticket else {
+        // Decoded without an import (recomputed there): reported as not exact.
+        engine.kv.release_export(id).await?;
+        return Ok((None, true));
+    };
+    let plan = plan_writes(export, regions, &ticket, remote)?;
+    let plan = match s.drop.as_deref() {
+        Some("index_key") => plan.without_pools(|r| r.roles.contains(&Role::IndexKey)),
+        Some("draft") => plan.without_pools(|r| r.cache == CacheKind::Draft),
+        _ => plan,
+    };
+    let note = format!("req-{}", id.0);
+    let report = push_plan(transport, peer, &ticket, &plan, note.as_bytes())?;
+    // The plan checked the ticket against the export, so `skipped` is in range.
+    let digests = if s.backend == "host" {
+        // SAFETY: the engine's pools; these pages are pinned by the export, released
+        // only below.
+        unsafe { block_digests(regions, &export.blocks[ticket.skipped as usize..])? }
+    } else {
+        Vec::new()
+    };
+    engine.kv.release_export(id).await?;
+    wire.send(&Msg::Written { report, digests })?;
+    Ok((Some(report), true))
 }
 
 /// The prefill side: runs every request's prefill, pushes its blocks, collects the
@@ -526,70 +596,57 @@ pub async fn prefill_side(
     else {
         return Err("expected Hello from the decode side".into());
     };
-    let peer: PeerId = transport.connect(&metadata)?;
+    // SAFETY: the decode side's transport metadata, from its Hello.
+    let peer: PeerId = unsafe { transport.connect(&metadata)? };
     let mut records = Vec::new();
     for i in 0..s.requests {
         let id = RequestId(i);
         let p = s.prompt(i);
         let pre = engine.generate(id, &p, 1).await?;
         let first = pre.tokens[0];
-        let full = p.len() / 64 * 64;
-        let toks: Vec<TokenId> = p[..full].iter().map(|&t| TokenId(t)).collect();
+        let tpb = DSA_TOKENS_PER_BLOCK as usize;
+        let toks: Vec<TokenId> = p[..p.len() / tpb * tpb]
+            .iter()
+            .map(|&t| TokenId(t))
+            .collect();
         // The export id is the request's: the request is finished, its id free again.
         let export = engine.kv.export_blocks(id, SCOPE, &toks).await?;
-        wire.send(&Msg::Export {
-            export: export.clone(),
-            prompt: p.clone(),
-            first,
-        })?;
-        let Msg::Ticket(ticket) = wire.recv()? else {
-            return Err("expected a Ticket".into());
-        };
-        let Some(ticket) = ticket else {
-            engine.kv.release_export(id).await?;
-            return Err(format!("the decode engine had no room for request {id}").into());
-        };
-        let pushed = plan_writes(&export, &regions, &ticket, &remote)
-            .map_err(BoxError::from)
-            .and_then(|plan| {
-                let plan = match s.drop.as_deref() {
-                    Some("index_key") => plan.without_pools(|r| r.roles.contains(&Role::IndexKey)),
-                    Some("draft") => plan.without_pools(|r| r.cache == CacheKind::Draft),
-                    _ => plan,
-                };
-                let note = format!("req-{}", id.0);
-                Ok(push_plan(
-                    transport,
-                    &peer,
-                    &ticket,
-                    &plan,
-                    note.as_bytes(),
-                )?)
-            });
-        let digests = if s.backend == "host" {
-            block_digests(&regions, &export.blocks[ticket.skipped as usize..])?
-        } else {
-            Vec::new()
-        };
-        engine.kv.release_export(id).await?;
-        let report = match pushed {
+        let (report, digests_ok) = match push_one(
+            &engine, s, transport, &peer, &mut wire, &regions, &remote, &export, &p, first,
+        )
+        .await
+        {
             Ok(r) => r,
             Err(e) => {
-                wire.send(&Msg::Failed(e.to_string()))?;
+                // Whatever failed, the export is released and the peer told.
+                let _ = engine.kv.release_export(id).await;
+                let _ = wire.send(&Msg::Failed {
+                    why: e.to_string(),
+                    in_flight: e.to_string().contains("in flight"),
+                });
                 return Err(e);
             }
         };
-        wire.send(&Msg::Written { report, digests })?;
-        let Msg::Decoded {
-            gen,
-            imported,
-            digests_match,
-            bad,
-        } = wire.recv()?
-        else {
-            return Err("expected Decoded".into());
+        let (gen, imported, digests_match, bad) = match wire.recv()? {
+            Msg::Decoded {
+                gen,
+                imported,
+                digests_match,
+                bad,
+            } => (gen, imported, digests_match, bad),
+            Msg::Failed { why, .. } => {
+                return Err(format!("the decode side failed on request {id}: {why}").into())
+            }
+            other => return Err(format!("expected Decoded, got {other:?}").into()),
         };
-        let exact = bad.is_empty() && digests_match && gen.reused >= full as u64;
+        let digests_match = digests_match && digests_ok;
+        let report = report.unwrap_or_default();
+        // Exact: the reference's tokens, outputs and proposals; the bytes; and the decode
+        // engine served every exported token from the cache.
+        let exact = bad.is_empty()
+            && digests_match
+            && !export.blocks.is_empty()
+            && gen.reused >= export.tokens.len() as u64;
         progress(&format!(
             "request {i}: {} prompt tokens, {} blocks exported, {} skipped, {} written in {} descriptors ({} before coalescing), {:.3} GB/s; decode reused {} tokens; {}",
             p.len(),
@@ -628,6 +685,72 @@ pub async fn prefill_side(
     })
 }
 
+/// One request's import on the decode side: reserves pages, answers the ticket, waits
+/// for the bytes and commits (or aborts). `None`: nothing imported (no room, or nothing
+/// exported); else the blocks imported and whether the pages' digests match the
+/// exporter's (always true off the host backend, where they are not taken).
+async fn pull_one(
+    engine: &Engine,
+    s: &Setup,
+    transport: &mut dyn KvTransport,
+    wire: &mut Wire,
+    regions: &[PoolRegion],
+    export: &ExportedBlocks,
+) -> Result<Option<(u32, bool)>, BoxError> {
+    let id = export.id;
+    if export.blocks.is_empty() {
+        wire.send(&Msg::Ticket(None))?;
+        return Ok(None);
+    }
+    // No room now: a step runs the copies that free slots (an idle engine's step only
+    // moves pages), then try again.
+    let mut ticket = engine.kv.begin_import(export).await?;
+    for _ in 0..3 {
+        if ticket.is_some() {
+            break;
+        }
+        engine.kv.step(HashMap::new()).await?;
+        ticket = engine.kv.begin_import(export).await?;
+    }
+    wire.send(&Msg::Ticket(ticket.clone()))?;
+    let Some(ticket) = ticket else {
+        return Ok(None);
+    };
+    let digests = match wire.recv() {
+        Ok(Msg::Written { digests, .. }) => digests,
+        Ok(Msg::Failed { why, in_flight }) => {
+            if !in_flight {
+                engine.kv.abort_import(id).await?;
+            }
+            return Err(format!("the prefill side failed to push request {id}: {why}").into());
+        }
+        other => {
+            // The peer is gone or confused: whether bytes are still arriving is unknown,
+            // so the reserved pages stay reserved (the engine is shut down with the run).
+            return Err(format!("expected Written, got {other:?}").into());
+        }
+    };
+    let note = format!("req-{}", id.0);
+    let landed =
+        wait_notification(transport, note.as_bytes(), Duration::from_secs(30)).and_then(|()| {
+            if s.backend != "host" {
+                return Ok(true);
+            }
+            // SAFETY: our pools; these pages are reserved by the import, whose bytes
+            // have landed (notification), and nothing else writes them.
+            Ok(unsafe { block_digests(regions, &ticket.blocks)? } == digests)
+        });
+    let digests_match = match landed {
+        Ok(m) => m,
+        Err(e) => {
+            engine.kv.abort_import(id).await?;
+            return Err(e);
+        }
+    };
+    let imported = engine.kv.commit_import(id).await?;
+    Ok(Some((imported, digests_match)))
+}
+
 /// The decode side: imports what the prefill side pushes and decodes each request. The
 /// setup (model, drafts, backend) comes from the prefill side's `Hello`.
 pub async fn decode_side_with(
@@ -645,7 +768,8 @@ pub async fn decode_side_with(
     let engine = Engine::start(model.clone(), &s, gpu).await?;
     let regions = engine.kv.transfer_regions().await?;
     wire.send(&hello(&regions, transport, &s)?)?;
-    transport.connect(&metadata)?;
+    // SAFETY: the prefill side's transport metadata, from its Hello.
+    unsafe { transport.connect(&metadata)? };
     loop {
         let (export, p, first) = match wire.recv()? {
             Msg::Export {
@@ -657,42 +781,24 @@ pub async fn decode_side_with(
             other => return Err(format!("unexpected {other:?}").into()),
         };
         let id = export.id;
-        // No room now: a step runs the copies that free slots (an idle engine's step
-        // only moves pages), then try again.
-        let mut ticket = engine.kv.begin_import(&export).await?;
-        for _ in 0..3 {
-            if ticket.is_some() {
-                break;
+        let imported = match pull_one(&engine, &s, transport, &mut wire, &regions, &export).await {
+            Ok(i) => i,
+            Err(e) => {
+                let _ = wire.send(&Msg::Failed {
+                    why: e.to_string(),
+                    in_flight: false,
+                });
+                return Err(e);
             }
-            engine.kv.step(HashMap::new()).await?;
-            ticket = engine.kv.begin_import(&export).await?;
-        }
-        wire.send(&Msg::Ticket(ticket.clone()))?;
-        let Some(ticket) = ticket else { continue };
-        let digests = match wire.recv()? {
-            Msg::Written { digests, .. } => digests,
-            Msg::Failed(why) => {
-                engine.kv.abort_import(id).await?;
-                return Err(format!("the prefill side failed to push request {id}: {why}").into());
-            }
-            other => return Err(format!("unexpected {other:?}").into()),
         };
-        let note = format!("req-{}", id.0);
-        if let Err(e) = wait_notification(transport, note.as_bytes(), Duration::from_secs(30)) {
-            engine.kv.abort_import(id).await?;
-            return Err(e);
-        }
-        let digests_match =
-            s.backend != "host" || block_digests(&regions, &ticket.blocks)? == digests;
-        let imported = engine.kv.commit_import(id).await?;
         let mut p1 = p.clone();
         p1.push(first);
         let gen = engine.generate(id, &p1, s.max_new - 1).await?;
         let bad = check(&model, &s, &p, first, &gen);
         wire.send(&Msg::Decoded {
             gen,
-            imported,
-            digests_match,
+            imported: imported.map_or(0, |i| i.0),
+            digests_match: imported.is_none_or(|i| i.1),
             bad,
         })?;
     }
@@ -759,7 +865,8 @@ pub struct BenchReport {
     pub memcpy_gb_per_s: f64,
     /// The same bytes copied device to device on the prefill GPU (cuda backend).
     pub dtod_gb_per_s: Option<f64>,
-    pub digests_match: bool,
+    /// Every page's SHA-256 equal on both engines (host backend; `None`: not compared).
+    pub digests_match: Option<bool>,
     pub decode_reuse_tokens: u64,
 }
 
@@ -831,10 +938,15 @@ pub async fn bench(
     };
     let (a, b) = (start(gpus.0).await?, start(gpus.1).await?);
     let (ra, rb) = (a.transfer_regions().await?, b.transfer_regions().await?);
-    ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
-    tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
-    let peer = ta.connect(&tb.local_metadata()?)?;
-    tb.connect(&ta.local_metadata()?)?;
+    // SAFETY: the engines' own pools, alive until they shut down at the end of this
+    // function after the last write; writes go only into pages an import reserved; each
+    // transport loads the other's own metadata.
+    let peer = unsafe {
+        ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
+        tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
+        tb.connect(&ta.local_metadata()?)?;
+        ta.connect(&tb.local_metadata()?)?
+    };
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
@@ -860,7 +972,8 @@ pub async fn bench(
         let report = push_plan(ta, &peer, &ticket, &plan, note.as_bytes());
         let host = backend == "host";
         let want = if host {
-            block_digests(&ra, &export.blocks)?
+            // SAFETY: engine A's pools, pinned by the export until released below.
+            unsafe { block_digests(&ra, &export.blocks)? }
         } else {
             Vec::new()
         };
@@ -873,11 +986,21 @@ pub async fn bench(
             }
         };
         wait_notification(tb, note.as_bytes(), Duration::from_secs(60))?;
-        // On a GPU the pools are device memory: the digests are the host backend's check
-        // (the GPU run checks the tokens instead); the reuse below still must hold.
-        let digests_match = !host || block_digests(&rb, &ticket.blocks)? == want;
+        // On a GPU the pools are device memory: the bytes are not compared (the GPU model
+        // run checks the tokens instead); the reuse below must hold everywhere.
+        let digests_match = if host {
+            // SAFETY: engine B's pools; the import's pages, whose bytes have landed.
+            Some(unsafe { block_digests(&rb, &ticket.blocks)? } == want)
+        } else {
+            None
+        };
         b.commit_import(id).await?;
         let reuse = b.probe_reuse(SCOPE, &p).await?;
+        if reuse < n as u64 * 64 {
+            return Err(
+                format!("engine B serves {reuse} of the {} imported tokens", n * 64).into(),
+            );
+        }
         out = Some(BenchReport {
             transport: ta.name().to_string(),
             layers,

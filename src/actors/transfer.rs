@@ -11,7 +11,7 @@ use super::error::RuntimeError;
 use super::handle::KvCacheHandle;
 use crate::core::{BlockKey, ReuseScope};
 use crate::ids::{RequestId, TokenId};
-use crate::transfer::{ExportedBlocks, ImportTicket, PoolRegion};
+use crate::transfer::{CacheKind, ExportedBlocks, ImportTicket, PoolRef, PoolRegion};
 
 impl Coordinator {
     /// What both engines of a transfer must agree on: the pool plans of the target and
@@ -28,6 +28,23 @@ impl Coordinator {
         h.finalize()[..8]
             .iter()
             .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Every pool of both caches (what each transfer must cover).
+    fn layout_pools(&self) -> Vec<PoolRef> {
+        let caches = std::iter::once((CacheKind::Target, self.sched.target()))
+            .chain(self.sched.draft().map(|d| (CacheKind::Draft, d)));
+        caches
+            .flat_map(|(cache, m)| {
+                m.plan().pool_groups().iter().flat_map(move |g| {
+                    g.pools.iter().map(move |p| PoolRef {
+                        cache,
+                        group: g.id,
+                        pool: p.id.get(),
+                    })
+                })
+            })
             .collect()
     }
 }
@@ -53,6 +70,7 @@ impl Message<ExportBlocks> for Coordinator {
             tokens,
             tokens_per_block: tpb as u32,
             layout: self.layout_fingerprint(),
+            pools: self.layout_pools(),
             blocks,
         })
     }
@@ -86,6 +104,7 @@ impl Message<BeginImport> for Coordinator {
             id: m.id,
             skipped: r.skipped,
             layout,
+            pools: self.layout_pools(),
             blocks: r.blocks,
         }))
     }

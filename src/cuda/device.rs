@@ -342,7 +342,7 @@ impl DeviceBackend for CudaDevice {
             .map_err(|e| DeviceError::forward(self.core.index, e))
     }
 
-    fn pool_regions(&self) -> Vec<crate::transfer::PoolRegion> {
+    fn pool_regions(&mut self) -> Vec<crate::transfer::PoolRegion> {
         use crate::transfer::{CacheKind, MemKind, MemRegion};
         let ordinal = self.gpu.ordinal() as u32;
         let caches = std::iter::once((CacheKind::Target, &self.target))

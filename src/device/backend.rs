@@ -306,7 +306,7 @@ pub trait DeviceBackend: Send + 'static {
     /// Every pool of the target and draft caches on every tier, as memory a transport
     /// registers (KV transfer between engines); empty for a backend that cannot share
     /// its memory.
-    fn pool_regions(&self) -> Vec<PoolRegion> {
+    fn pool_regions(&mut self) -> Vec<PoolRegion> {
         Vec::new()
     }
 }

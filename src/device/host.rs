@@ -174,27 +174,36 @@ impl DeviceBackend for HostDevice {
         })
     }
 
-    fn pool_regions(&self) -> Vec<PoolRegion> {
-        let caches = std::iter::once((CacheKind::Target, &self.target))
-            .chain(self.draft.as_ref().map(|(c, _)| (CacheKind::Draft, c)));
-        caches
-            .flat_map(|(kind, c)| {
-                cache_regions(
-                    self.core.index,
-                    kind,
-                    &c.plan,
-                    c.store.slots(),
-                    |t, g, p| {
-                        let b = c.store.pool(t, g, p);
-                        Some(MemRegion {
-                            addr: b.as_ptr() as u64,
-                            len: b.len() as u64,
-                            mem: MemKind::Host,
-                        })
-                    },
-                )
-            })
-            .collect()
+    fn pool_regions(&mut self) -> Vec<PoolRegion> {
+        let index = self.core.index;
+        let caches = std::iter::once((CacheKind::Target, &mut self.target))
+            .chain(self.draft.as_mut().map(|(c, _)| (CacheKind::Draft, c)));
+        let mut out = Vec::new();
+        for (kind, c) in caches {
+            let slots = c.store.slots().clone();
+            let store = &mut c.store;
+            let mut addrs = std::collections::HashMap::new();
+            for t in Tier::ALL {
+                for (g, gp) in c.plan.pool_groups().iter().enumerate() {
+                    if slots[t.index()].get(g).is_none() {
+                        continue;
+                    }
+                    for p in &gp.pools {
+                        let len = store.pool(t, gp.id, p.id.get()).len() as u64;
+                        let addr = store.pool_ptr(t, gp.id, p.id.get()) as u64;
+                        addrs.insert((t, gp.id, p.id.get()), (addr, len));
+                    }
+                }
+            }
+            out.extend(cache_regions(index, kind, &c.plan, &slots, |t, g, p| {
+                addrs.get(&(t, g, p)).map(|&(addr, len)| MemRegion {
+                    addr,
+                    len,
+                    mem: MemKind::Host,
+                })
+            }));
+        }
+        out
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {

@@ -77,6 +77,12 @@ impl HostStorage {
             .flat_map(|g| g.iter_mut().map(|p| p.as_mut_slice()))
     }
 
+    /// Address of a pool's first byte, for registration with a transport (derived from a
+    /// unique borrow: the transport may write through it).
+    pub fn pool_ptr(&mut self, tier: Tier, group: PoolGroupId, pool: u16) -> *mut u8 {
+        self.data[tier.index()][group.index()][pool as usize].as_mut_ptr()
+    }
+
     /// Slots per pool group, `[tier][group]` (a tier without counts does not exist).
     pub fn slots(&self) -> &[Vec<u32>; 2] {
         &self.slots

@@ -75,7 +75,7 @@ impl KvTransport for LocalTransport {
         "local"
     }
 
-    fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
+    unsafe fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
         if let Some(r) = regions.iter().find(|r| r.mem != MemKind::Host) {
             return Err(failed(
                 "register",
@@ -98,7 +98,7 @@ impl KvTransport for LocalTransport {
         .map_err(|e| TransportError::BadMetadata(e.to_string()))
     }
 
-    fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError> {
+    unsafe fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError> {
         let md: Metadata = serde_json::from_slice(remote_metadata)
             .map_err(|e| TransportError::BadMetadata(e.to_string()))?;
         if md.pid != std::process::id() {
@@ -204,9 +204,12 @@ mod tests {
         let src: Vec<u8> = (0..64).collect();
         let dst = vec![0u8; 64];
         let (mut a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
-        a.register(&[host(&src)]).unwrap();
-        b.register(&[host(&dst)]).unwrap();
-        let peer = a.connect(&b.local_metadata().unwrap()).unwrap();
+        // SAFETY: both vectors outlive the transports; only the transfer writes `dst`.
+        let peer = unsafe {
+            a.register(&[host(&src)]).unwrap();
+            b.register(&[host(&dst)]).unwrap();
+            a.connect(&b.local_metadata().unwrap()).unwrap()
+        };
         let seg = |s: u64, d: u64, len: u64| Segment {
             src: src.as_ptr() as u64 + s,
             dst: dst.as_ptr() as u64 + d,

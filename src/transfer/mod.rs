@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 pub use local::LocalTransport;
 pub use plan::{
-    plan_writes, BlockPages, CacheKind, ExportedBlocks, ImportTicket, PageLoc, PlanError,
+    plan_writes, BlockPages, CacheKind, ExportedBlocks, ImportTicket, PageLoc, PlanError, PoolRef,
     PoolRegion, WritePlan,
 };
 
@@ -69,10 +69,12 @@ pub struct MemRegion {
 impl MemRegion {
     /// Whether `[addr, addr + len)` lies inside this region.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let end = self.addr.checked_add(self.len);
         addr >= self.addr
             && addr
                 .checked_add(len)
-                .is_some_and(|e| e <= self.addr + self.len)
+                .zip(end)
+                .is_some_and(|(e, end)| e <= end)
     }
 }
 
@@ -133,8 +135,10 @@ impl WriteReport {
     }
 }
 
-/// A transport failure. Every variant says what failed; nothing is half-written that the
-/// caller could mistake for data: a failed write is followed by an abort of the import.
+/// A transport failure. Every variant says what failed. After any error but
+/// [`InFlight`](Self::InFlight) nothing is writing the peer's memory any more (what was
+/// written is partial): the importer aborts the import. After `InFlight`, it must not
+/// reuse the reserved pages (keep the import open, or restart the engine).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransportError {
@@ -164,6 +168,15 @@ pub enum TransportError {
     /// The peer's metadata could not be read.
     #[error("bad peer metadata: {0}")]
     BadMetadata(String),
+    /// The write failed and some of it may still be landing in the peer's memory (a
+    /// request that did not end within the timeout): the importer must not abort.
+    #[error("{transport} failed and a write may still be in flight ({detail}): keep the import's pages reserved (do not abort it) or restart the importing engine")]
+    InFlight {
+        /// The transport.
+        transport: &'static str,
+        /// The first failure.
+        detail: String,
+    },
     /// The transport's library reported an error.
     #[error("{transport} failed in {op}: {detail}")]
     Failed {
@@ -185,14 +198,30 @@ pub trait KvTransport: Send {
 
     /// Registers memory the peer may write to or this side reads from (every pool of every
     /// cache: [`PoolRegion::region`]). Call before [`local_metadata`](Self::local_metadata).
-    fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError>;
+    ///
+    /// # Safety
+    ///
+    /// Every region must be memory of this process (or device memory of a GPU it uses)
+    /// that stays allocated while the transport lives, and that nothing but the transfer
+    /// protocol writes while a peer may write it: the runtime's pools
+    /// ([`KvCacheHandle::transfer_regions`](crate::actors::KvCacheHandle::transfer_regions))
+    /// with the runtime alive longer than the transport, written only into pages an import
+    /// reserved.
+    unsafe fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError>;
 
     /// This side's metadata (registered memory, connection addresses), sent to the peer
     /// over any channel.
     fn local_metadata(&mut self) -> Result<Vec<u8>, TransportError>;
 
     /// Loads a peer's metadata; returns its id.
-    fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError>;
+    ///
+    /// # Safety
+    ///
+    /// The metadata must come from the peer transport's
+    /// [`local_metadata`](Self::local_metadata), and the regions it registered must stay
+    /// valid (its own `register` contract) while this side writes to them: a forged
+    /// region list lets [`write`](Self::write) reach memory nobody registered.
+    unsafe fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError>;
 
     /// Writes every batch into the peer's registered memory, then delivers
     /// `notification` to it: the peer sees the notification only after every byte has

@@ -291,7 +291,7 @@ impl KvTransport for NixlTransport {
         "nixl/UCX"
     }
 
-    fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
+    unsafe fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
         for r in regions {
             let handle = self.agent.register_memory(&Region(*r), None).map_err(|e| {
                 failed(
@@ -311,7 +311,7 @@ impl KvTransport for NixlTransport {
             .map_err(|e| failed("get local metadata", e))
     }
 
-    fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError> {
+    unsafe fn connect(&mut self, remote_metadata: &[u8]) -> Result<PeerId, TransportError> {
         let name = self
             .agent
             .load_remote_md(remote_metadata)
@@ -389,14 +389,42 @@ impl KvTransport for NixlTransport {
         let t0 = Instant::now();
         let deadline = t0 + self.timeout;
         let (last_req, rest) = reqs.split_last().expect("at least one batch");
-        for (req, opt, ..) in rest {
-            self.post(req, opt)?;
+        let mut posted = 0;
+        let mut run = || -> Result<(), TransportError> {
+            for (req, opt, ..) in rest {
+                self.post(req, opt)?;
+                posted += 1;
+            }
+            for (req, ..) in rest {
+                self.wait(req, deadline)?;
+            }
+            self.post(&last_req.0, &last_req.1)?;
+            posted += 1;
+            self.wait(&last_req.0, deadline)
+        };
+        if let Err(e) = run() {
+            // Nothing may still be writing the peer's memory when we return: the caller
+            // aborts the import and its pages go to others. Wait (once more the timeout)
+            // until every posted request has ended; if one has not, say so.
+            let grace = Instant::now() + self.timeout;
+            let settled = reqs[..posted].iter().all(|(req, ..)| loop {
+                match self.agent.get_xfer_status(req) {
+                    Ok(XferStatus::InProgress) if Instant::now() < grace => {
+                        std::thread::yield_now()
+                    }
+                    Ok(XferStatus::InProgress) => break false,
+                    _ => break true,
+                }
+            });
+            return Err(if settled {
+                e
+            } else {
+                TransportError::InFlight {
+                    transport: "nixl",
+                    detail: e.to_string(),
+                }
+            });
         }
-        for (req, ..) in rest {
-            self.wait(req, deadline)?;
-        }
-        self.post(&last_req.0, &last_req.1)?;
-        self.wait(&last_req.0, deadline)?;
         report.elapsed = t0.elapsed();
         Ok(report)
     }
@@ -467,16 +495,20 @@ mod tests {
             len: len as u64,
             mem: MemKind::Host,
         };
-        a.register(&[host(src.as_ptr(), src.len())]).unwrap();
-        b.register(&[host(dst_ptr, 4096)]).unwrap();
+        // SAFETY: both buffers outlive the agents; only the transfer writes `dst_buf`.
+        unsafe {
+            a.register(&[host(src.as_ptr(), src.len())]).unwrap();
+            b.register(&[host(dst_ptr, 4096)]).unwrap();
+        }
         let unknown = PeerId("nobody".into());
         assert!(matches!(
             a.write(&unknown, &[], b"x"),
             Err(TransportError::UnknownPeer(_))
         ));
-        let peer = a.connect(&b.local_metadata().unwrap()).unwrap();
+        // SAFETY: each side's own metadata.
+        let peer = unsafe { a.connect(&b.local_metadata().unwrap()) }.unwrap();
         assert_eq!(peer.0, "dsa-kv-unit-b");
-        b.connect(&a.local_metadata().unwrap()).unwrap();
+        unsafe { b.connect(&a.local_metadata().unwrap()) }.unwrap();
         let seg = |s: u64, d: u64, len: u64| Segment {
             src: src.as_ptr() as u64 + s,
             dst: dst_ptr as u64 + d,

@@ -57,6 +57,17 @@ impl PoolRegion {
     }
 }
 
+/// One pool of the engine's layout (the pools every transfer must cover).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PoolRef {
+    /// Target or draft cache.
+    pub cache: CacheKind,
+    /// Pool group.
+    pub group: PoolGroupId,
+    /// Pool inside the group.
+    pub pool: u16,
+}
+
 /// The full blocks an engine exported: pinned where they are until released.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportedBlocks {
@@ -70,6 +81,8 @@ pub struct ExportedBlocks {
     pub tokens_per_block: u32,
     /// The engine's layout fingerprint: both sides must agree.
     pub layout: String,
+    /// Every pool of the layout (both caches): a plan must cover each of them.
+    pub pools: Vec<PoolRef>,
     /// The blocks, in prefix order.
     pub blocks: Vec<BlockPages>,
 }
@@ -83,6 +96,8 @@ pub struct ImportTicket {
     pub skipped: u32,
     /// The importer's layout fingerprint.
     pub layout: String,
+    /// Every pool of the importer's layout (both caches).
+    pub pools: Vec<PoolRef>,
     /// Pages reserved for blocks `skipped..`, in prefix order.
     pub blocks: Vec<BlockPages>,
 }
@@ -212,6 +227,20 @@ pub fn plan_writes(
             export.blocks.len()
         )));
     }
+    for (side, regions) in [("source", src), ("destination", dst)] {
+        if let Some(r) = regions.iter().find(|r| {
+            u64::from(r.slots)
+                .checked_mul(r.slot_bytes)
+                .is_none_or(|n| n > r.region.len)
+        }) {
+            return Err(PlanError::BadPage {
+                what: format!(
+                    "region: the {side}'s pool {} of group {} claims {} slots of {} B in {} B",
+                    r.pool, r.group, r.slots, r.slot_bytes, r.region.len
+                ),
+            });
+        }
+    }
     let (src_ix, dst_ix) = (index_regions(src), index_regions(dst));
     let devices = |ix: &BTreeMap<PoolKey, &PoolRegion>| {
         let mut d: Vec<u32> = ix.keys().map(|k| k.0).collect();
@@ -237,6 +266,28 @@ pub fn plan_writes(
         of
     };
     let pools_of = pools(&src_ix);
+    // The layout's own pool list, not the regions handed in, says what must be covered.
+    let mut ours = export.pools.clone();
+    ours.sort();
+    let mut theirs = ticket.pools.clone();
+    theirs.sort();
+    if ours != theirs {
+        return Err(PlanError::TicketMismatch(format!(
+            "the exporter's layout has pools {ours:?}, the importer's {theirs:?}"
+        )));
+    }
+    let mut want: BTreeMap<(CacheKind, PoolGroupId), Vec<u16>> = BTreeMap::new();
+    for p in &ours {
+        want.entry((p.cache, p.group)).or_default().push(p.pool);
+    }
+    let mut have = pools_of.clone();
+    have.values_mut().for_each(|v| v.sort());
+    if have != want {
+        return Err(PlanError::TicketMismatch(format!(
+            "the source regions cover pools {have:?}, the layout has {want:?}: register every \
+             pool of both caches"
+        )));
+    }
     if pools_of != pools(&dst_ix) {
         return Err(PlanError::TicketMismatch(format!(
             "the exporter registered pools {pools_of:?} (cache, group → pools), the importer {:?}",
@@ -351,7 +402,10 @@ pub fn plan_writes(
         while i < pairs.len() {
             let (s0, d0) = pairs[i];
             let mut n = 1;
-            while i + n < pairs.len() && pairs[i + n] == (s0 + n as u32, d0 + n as u32) {
+            let at = |k: usize| (u64::from(s0) + k as u64, u64::from(d0) + k as u64);
+            while i + n < pairs.len()
+                && (u64::from(pairs[i + n].0), u64::from(pairs[i + n].1)) == at(n)
+            {
                 n += 1;
             }
             let len = n as u64 * s.slot_bytes;
@@ -428,6 +482,15 @@ mod tests {
     use CacheKind::{Draft, Target};
     use Tier::{Gpu, Host};
 
+    fn pools() -> Vec<PoolRef> {
+        let p = |cache, pool| PoolRef {
+            cache,
+            group: PoolGroupId(0),
+            pool,
+        };
+        vec![p(Target, 0), p(Target, 1), p(Draft, 0), p(Draft, 1)]
+    }
+
     fn sides() -> (
         ExportedBlocks,
         Vec<PoolRegion>,
@@ -442,6 +505,7 @@ mod tests {
             tokens: vec![TokenId(1); 256],
             tokens_per_block: 64,
             layout: "L".into(),
+            pools: pools(),
             blocks: vec![
                 block(1, &[(Target, Gpu, 7), (Draft, Gpu, 7)]),
                 block(2, &[(Target, Gpu, 3), (Draft, Gpu, 3)]),
@@ -453,6 +517,7 @@ mod tests {
             id: RequestId(5),
             skipped: 1,
             layout: "L".into(),
+            pools: pools(),
             blocks: vec![
                 block(2, &[(Target, Gpu, 0), (Draft, Gpu, 0)]),
                 block(3, &[(Target, Gpu, 1), (Draft, Gpu, 1)]),
@@ -543,6 +608,22 @@ mod tests {
                 pool: 1,
                 ..
             })
+        ));
+        // Both sides leave the indexer pool out of their regions: the layout's pool list
+        // still requires it.
+        let no_ix = |v: &[PoolRegion]| -> Vec<PoolRegion> {
+            v.iter().filter(|r| r.pool != 1).cloned().collect()
+        };
+        assert!(matches!(
+            plan_writes(&export, &no_ix(&src), &ticket, &no_ix(&dst)),
+            Err(PlanError::TicketMismatch(_))
+        ));
+        // A region claiming more slots than its bytes hold.
+        let mut big = dst.clone();
+        big[0].slots = u32::MAX;
+        assert!(matches!(
+            plan_writes(&export, &src, &ticket, &big),
+            Err(PlanError::BadPage { .. })
         ));
         let mut t = ticket.clone();
         t.blocks[0].target[0].slot = SlotId(16);
