@@ -126,33 +126,8 @@ impl KvTransport for LocalTransport {
             .get(peer)
             .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
         // Every segment is checked before the first byte moves.
-        for b in batches {
-            for (index, s) in b.segments.iter().enumerate() {
-                if !self
-                    .regions
-                    .iter()
-                    .any(|r| r.mem == b.src_mem && r.contains(s.src, s.len))
-                {
-                    return Err(TransportError::Unregistered {
-                        index,
-                        side: "local",
-                        addr: s.src,
-                        len: s.len,
-                    });
-                }
-                if !remote
-                    .iter()
-                    .any(|r| r.mem == b.dst_mem && r.contains(s.dst, s.len))
-                {
-                    return Err(TransportError::Unregistered {
-                        index,
-                        side: "remote",
-                        addr: s.dst,
-                        len: s.len,
-                    });
-                }
-            }
-        }
+        super::check_segments(batches, &self.regions, "local")?;
+        super::check_segments(batches, remote, "remote")?;
         let t0 = Instant::now();
         let mut report = WriteReport::default();
         for b in batches {

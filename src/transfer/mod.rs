@@ -108,6 +108,37 @@ impl WriteBatch {
     }
 }
 
+/// Checks every segment's source (`side` `"local"`) or destination (`"remote"`) against
+/// `regions` of the batch's memory kind; the first one outside is the error.
+pub(crate) fn check_segments(
+    batches: &[WriteBatch],
+    regions: &[MemRegion],
+    side: &'static str,
+) -> Result<(), TransportError> {
+    for b in batches {
+        let mem = if side == "local" {
+            b.src_mem
+        } else {
+            b.dst_mem
+        };
+        for (index, s) in b.segments.iter().enumerate() {
+            let addr = if side == "local" { s.src } else { s.dst };
+            if !regions
+                .iter()
+                .any(|r| r.mem == mem && r.contains(addr, s.len))
+            {
+                return Err(TransportError::Unregistered {
+                    index,
+                    side,
+                    addr,
+                    len: s.len,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A connected peer (for NIXL, the remote agent's name).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PeerId(pub String);

@@ -329,22 +329,7 @@ impl KvTransport for NixlTransport {
         if !self.peers.contains(&peer.0) {
             return Err(TransportError::UnknownPeer(peer.0.clone()));
         }
-        for b in batches {
-            for (index, s) in b.segments.iter().enumerate() {
-                if !self
-                    .regions
-                    .iter()
-                    .any(|r| r.mem == b.src_mem && r.contains(s.src, s.len))
-                {
-                    return Err(TransportError::Unregistered {
-                        index,
-                        side: "local",
-                        addr: s.src,
-                        len: s.len,
-                    });
-                }
-            }
-        }
+        super::check_segments(batches, &self.regions, "local")?;
         let batches: Vec<&WriteBatch> = batches.iter().filter(|b| !b.segments.is_empty()).collect();
         let mut report = WriteReport::default();
         if batches.is_empty() {
