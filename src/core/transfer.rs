@@ -198,6 +198,22 @@ impl KvCacheManager {
         }
         let idx = self.seq_index(&c.handle)?;
         self.seq_mut(idx).importing = true;
+        // The fresh pages in ascending slot order along the prefix (they are private and
+        // unwritten, so which block gets which is free): a contiguous set of slots is then
+        // one run, one descriptor per pool, whatever order the allocator handed them out
+        // in (recycled slots come back last-freed first).
+        let n = self.n_lc;
+        let blocks = tokens.len() / self.tpb as usize;
+        let s = self.seqs[idx].as_mut().expect("invariant: live sequence");
+        for lc in 0..n {
+            let mut fresh: Vec<_> = (skipped as usize..blocks)
+                .map(|b| s.pages[b * n + lc])
+                .collect();
+            fresh.sort_by_key(|&p| self.pages[p].slot);
+            for (k, p) in fresh.into_iter().enumerate() {
+                s.pages[(skipped as usize + k) * n + lc] = p;
+            }
+        }
         let keys = self.block_keys(scope, tokens);
         let first = skipped as usize * self.n_lc;
         let blocks = self.block_locs(&self.seq(idx).pages[first..], &keys[skipped as usize..]);

@@ -385,3 +385,33 @@ fn an_import_waits_for_the_copies_that_free_its_slots() {
     m.commit_import(&mut imp.handle, &toks(100..108)).unwrap();
     m.check_invariants();
 }
+
+#[test]
+fn imported_blocks_get_their_slots_in_ascending_order() {
+    // Two requests take slots 0–1 and 2–3 and are closed uncommitted: the allocator hands
+    // the slots back last-freed first (2, 3, 0, 1). The import lays them out 0, 1, 2, 3
+    // so the four blocks are one run.
+    let mut m = mgr(8, 0);
+    let mut a = start(&mut m, 1, &toks(0..8), 35);
+    assert!(m.resize(&a, 8, 0).unwrap());
+    let mut b = start(&mut m, 2, &toks(100..108), 35);
+    assert!(m.resize(&b, 8, 0).unwrap());
+    m.close(&mut a).unwrap();
+    m.close(&mut b).unwrap();
+    let mut imp = m
+        .begin_import(X, ReuseScope::SHARED, &toks(500..516))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        slots(&imp.blocks),
+        [
+            (Tier::Gpu, 0),
+            (Tier::Gpu, 1),
+            (Tier::Gpu, 2),
+            (Tier::Gpu, 3)
+        ]
+    );
+    m.check_invariants();
+    m.commit_import(&mut imp.handle, &toks(500..516)).unwrap();
+    m.check_invariants();
+}
