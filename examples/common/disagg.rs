@@ -219,7 +219,7 @@ impl Engine {
                     }
                     let next = nexts[&(0, r.id)];
                     let accepted = accepts.get(&(0, r.id)).copied().unwrap_or(0);
-                    let used = rep_drafts(&g, r.num_drafts, &g.proposals);
+                    let used = step_drafts(r.num_drafts, &g.proposals);
                     g.tokens.extend(&used[..accepted as usize]);
                     g.tokens.push(next);
                     outs.push(RequestOutcome {
@@ -251,7 +251,7 @@ impl Engine {
 
 /// The drafts the last step verified: the tokens of the latest proposal (truncated to
 /// what the step took).
-fn rep_drafts(_g: &Gen, n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
+fn step_drafts(n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
     match proposals.last() {
         Some((_, d)) if n > 0 => d[..(n as usize).min(d.len())].to_vec(),
         _ => Vec::new(),

@@ -457,6 +457,17 @@ mod tests {
         }
     }
 
+    /// The first notifications to arrive (waits up to 30 s).
+    fn next_notifications(t: &mut NixlTransport) -> Vec<(PeerId, Vec<u8>)> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut got = Vec::new();
+        while got.is_empty() && Instant::now() < deadline {
+            got = t.take_notifications().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        got
+    }
+
     #[test]
     fn unavailable_is_an_error_not_an_abort() {
         // Either works or says what to install; never aborts the process.
@@ -527,27 +538,15 @@ mod tests {
             )
             .unwrap();
         assert_eq!((r.descriptors, r.bytes), (2, 58));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut got = Vec::new();
-        while got.is_empty() && Instant::now() < deadline {
-            got = b.take_notifications().unwrap();
-            std::thread::sleep(Duration::from_millis(1));
-        }
         assert_eq!(
-            got,
+            next_notifications(&mut b),
             vec![(PeerId("dsa-kv-unit-a".into()), b"req-7".to_vec())]
         );
         // Nothing to move (no batch, or only empty ones): the peer is still notified.
         let r = a.write(&peer, &[batch(vec![])], b"empty").unwrap();
         assert_eq!((r.descriptors, r.bytes), (0, 0));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut got = Vec::new();
-        while got.is_empty() && Instant::now() < deadline {
-            got = b.take_notifications().unwrap();
-            std::thread::sleep(Duration::from_millis(1));
-        }
         assert_eq!(
-            got,
+            next_notifications(&mut b),
             vec![(PeerId("dsa-kv-unit-a".into()), b"empty".to_vec())]
         );
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
