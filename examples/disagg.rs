@@ -13,6 +13,9 @@
 //! cargo run --release --features nixl --example disagg -- --transport nixl
 //! # two threads of one process, no NIXL needed
 //! cargo run --release --example disagg -- --transport local
+//! # two processes over NCCL (CUDA backend; libnccl.so.2 on LD_LIBRARY_PATH)
+//! cargo run --release --features nccl --example disagg -- --transport nccl --backend cuda \
+//!     --prefill-gpu 0 --decode-gpu 1
 //! # two hosts: on the decode host, then on the prefill host
 //! disagg --transport nixl --role decode --listen 0.0.0.0:7700
 //! disagg --transport nixl --role prefill --connect DECODE_HOST:7700
@@ -37,8 +40,8 @@ use dsa_kv::transfer::{KvTransport, LocalTransport};
 #[derive(Parser, Debug, Clone)]
 #[command(name = "disagg", args_override_self = true)]
 struct Args {
-    /// The KV transport: `nixl` (two processes, UCX; feature `nixl`) or `local` (two
-    /// threads of this process).
+    /// The KV transport: `nixl` (two processes, UCX; feature `nixl`), `nccl` (two
+    /// processes, CUDA backend; feature `nccl`) or `local` (two threads of this process).
     #[arg(long, default_value = "local")]
     transport: String,
     /// `both` (this process prefills and starts the decode side), `prefill`, `decode`.
@@ -78,7 +81,8 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     system_blocks: u32,
     /// Measure instead: move this many blocks (synthetic KV, DeepSeek-V3.2 page sizes with
-    /// `--layers` layers, MTP draft cache) between two engines of this process.
+    /// `--layers` layers, MTP draft cache) between two engines: of this process (local,
+    /// nixl), or of two processes (nccl: one rank per process).
     #[arg(long)]
     bench_blocks: Option<usize>,
     /// Print the report as JSON.
@@ -86,14 +90,23 @@ struct Args {
     json: bool,
 }
 
-fn transport(kind: &str, name: &str) -> Result<Box<dyn KvTransport>, BoxError> {
+fn transport(kind: &str, name: &str, gpu: usize) -> Result<Box<dyn KvTransport>, BoxError> {
     match kind {
         "local" => Ok(Box::new(LocalTransport::new(name))),
+        #[cfg(feature = "nccl")]
+        "nccl" => Ok(Box::new(dsa_kv::transfer::nccl::NcclTransport::new(
+            name, gpu,
+        )?)),
+        #[cfg(not(feature = "nccl"))]
+        "nccl" => {
+            let _ = gpu;
+            Err("this build has no NCCL transport: build with `--features nccl`".into())
+        }
         #[cfg(feature = "nixl")]
         "nixl" => Ok(Box::new(dsa_kv::transfer::nixl::NixlTransport::new(name)?)),
         #[cfg(not(feature = "nixl"))]
         "nixl" => Err("this build has no NIXL transport: build with `--features nixl`".into()),
-        other => Err(format!("unknown transport {other:?}: use nixl or local").into()),
+        other => Err(format!("unknown transport {other:?}: use nixl, nccl or local").into()),
     }
 }
 
@@ -106,6 +119,7 @@ fn setup(a: &Args) -> Setup {
         backend: a.backend.clone(),
         drop: a.drop.clone(),
         system_blocks: a.system_blocks,
+        bench_blocks: a.bench_blocks,
     }
 }
 
@@ -120,7 +134,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
 fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     let (stream, _) = listener.accept()?;
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let mut t = transport(&a.transport, "decode")?;
+    let mut t = transport(&a.transport, "decode", a.decode_gpu)?;
     // The setup (model, drafts, backend) comes from the prefill side.
     runtime()?.block_on(disagg::decode_side_with(
         a.decode_gpu,
@@ -129,25 +143,38 @@ fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     ))
 }
 
-fn prefill(a: &Args, addr: &str) -> Result<RunReport, BoxError> {
+/// What the prefill role did: a run, or a measurement.
+enum Outcome {
+    Run(RunReport),
+    Bench(disagg::BenchReport),
+}
+
+fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
     let stream = connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let mut t = transport(&a.transport, "prefill")?;
+    let mut t = transport(&a.transport, "prefill", a.prefill_gpu)?;
     let s = setup(a);
+    if s.bench_blocks.is_some() {
+        return Ok(Outcome::Bench(runtime()?.block_on(
+            disagg::bench_prefill_side(&s, a.prefill_gpu, t.as_mut(), Wire(stream)),
+        )?));
+    }
     let model = disagg::model(s.layers)?;
     let quiet = a.json;
-    runtime()?.block_on(disagg::prefill_side(
-        model,
-        &s,
-        a.prefill_gpu,
-        t.as_mut(),
-        Wire(stream),
-        move |line| {
-            if !quiet {
-                eprintln!("{line}");
-            }
-        },
-    ))
+    runtime()?
+        .block_on(disagg::prefill_side(
+            model,
+            &s,
+            a.prefill_gpu,
+            t.as_mut(),
+            Wire(stream),
+            move |line| {
+                if !quiet {
+                    eprintln!("{line}");
+                }
+            },
+        ))
+        .map(Outcome::Run)
 }
 
 fn connect(addr: &str) -> Result<TcpStream, BoxError> {
@@ -162,7 +189,7 @@ fn connect(addr: &str) -> Result<TcpStream, BoxError> {
     Err(format!("cannot reach the decode side at {addr}: {last:?}").into())
 }
 
-fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
+fn run(a: &Args) -> Result<Option<Outcome>, BoxError> {
     match a.role.as_str() {
         "decode" => {
             let l = TcpListener::bind(&a.listen)?;
@@ -179,7 +206,9 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
             Ok(Some(prefill(a, addr)?))
         }
         // Two threads: the local transport reaches only this process.
-        "both" if a.transport == "local" => Ok(Some(disagg::run_in_process(&setup(a))?)),
+        "both" if a.transport == "local" => {
+            Ok(Some(Outcome::Run(disagg::run_in_process(&setup(a))?)))
+        }
         "both" => {
             // Two processes: this one prefills, a child decodes.
             use std::io::BufRead;
@@ -188,10 +217,26 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
             cmd.args(std::env::args().skip(1))
                 .args(["--role", "decode", "--listen", "127.0.0.1:0"])
                 .stdout(std::process::Stdio::piped());
+            if a.transport == "nccl" && a.prefill_gpu == a.decode_gpu {
+                // NCCL refuses two ranks on one GPU of one host: the child gets a host
+                // id of its own, and NCCL moves the bytes over its socket transport (slow;
+                // see `dsa_kv::transfer::nccl`). A host id set by the caller is kept.
+                if std::env::var_os("NCCL_HOSTID").is_none() {
+                    cmd.env("NCCL_HOSTID", "dsa-kv-disagg-decode");
+                }
+            }
             let mut child = cmd.spawn()?;
             let out = child.stdout.take().ok_or("no child stdout")?;
+            let mut out = std::io::BufReader::new(out);
             let mut line = String::new();
-            std::io::BufReader::new(out).read_line(&mut line)?;
+            out.read_line(&mut line)?;
+            // The child's later output (NCCL prints its version there) goes to our
+            // stderr: a closed pipe would kill it with SIGPIPE.
+            std::thread::spawn(move || {
+                for l in out.lines().map_while(Result::ok) {
+                    eprintln!("[decode] {l}");
+                }
+            });
             let addr = line
                 .trim()
                 .strip_prefix("listening ")
@@ -210,9 +255,27 @@ fn run(a: &Args) -> Result<Option<RunReport>, BoxError> {
 }
 
 fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
-    let mut ta = transport(&a.transport, "bench-a")?;
-    let mut tb = transport(&a.transport, "bench-b")?;
-    let r = runtime()?.block_on(disagg::bench(
+    let r = if a.transport == "nccl" {
+        // One rank per process: the decode side is a child, as in a run.
+        match run(a)? {
+            Some(Outcome::Bench(r)) => r,
+            _ => return Ok(()), // the decode role
+        }
+    } else {
+        bench_in_process(a, blocks)?
+    };
+    print_bench(a, &r);
+    if r.digests_match == Some(false) {
+        Err("the transferred bytes differ".into())
+    } else {
+        Ok(())
+    }
+}
+
+fn bench_in_process(a: &Args, blocks: usize) -> Result<disagg::BenchReport, BoxError> {
+    let mut ta = transport(&a.transport, "bench-a", a.prefill_gpu)?;
+    let mut tb = transport(&a.transport, "bench-b", a.decode_gpu)?;
+    runtime()?.block_on(disagg::bench(
         a.layers,
         blocks,
         &a.backend,
@@ -220,9 +283,15 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
         1,
         ta.as_mut(),
         tb.as_mut(),
-    ))?;
+    ))
+}
+
+fn print_bench(a: &Args, r: &disagg::BenchReport) {
     if a.json {
-        println!("{}", serde_json::to_string(&r)?);
+        println!(
+            "{}",
+            serde_json::to_string(r).expect("the report serializes")
+        );
     } else {
         println!(
             "{} blocks x {} layers over {} ({} backend): {} pages, {} bytes in {} descriptors ({} uncoalesced), {:.4} s, {:.3} GB/s (host memcpy {:.1} GB/s{}), bytes compared: {}, decode reuses {} tokens",
@@ -232,11 +301,6 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
             r.digests_match.map_or("not compared (device memory)".to_string(), |m| format!("equal {m}")),
             r.decode_reuse_tokens
         );
-    }
-    if r.digests_match == Some(false) {
-        Err("the transferred bytes differ".into())
-    } else {
-        Ok(())
     }
 }
 
@@ -254,7 +318,11 @@ fn main() -> ExitCode {
     }
     match run(&a) {
         Ok(None) => ExitCode::SUCCESS,
-        Ok(Some(r)) => {
+        Ok(Some(Outcome::Bench(r))) => {
+            print_bench(&a, &r);
+            ExitCode::SUCCESS
+        }
+        Ok(Some(Outcome::Run(r))) => {
             if a.json {
                 println!("{}", serde_json::to_string(&r).expect("report serializes"));
             } else {

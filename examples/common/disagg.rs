@@ -60,6 +60,11 @@ pub struct Setup {
     pub drop: Option<String>,
     /// Blocks of the system prompt every request shares.
     pub system_blocks: u32,
+    /// Measure instead (two processes): move this many blocks of synthetic KV
+    /// (DeepSeek-V3.2 page sizes with `layers` layers, MTP draft cache) after a one-block
+    /// warm-up, and report the transfer ([`BenchReport`]).
+    #[serde(default)]
+    pub bench_blocks: Option<usize>,
 }
 
 impl Default for Setup {
@@ -72,6 +77,7 @@ impl Default for Setup {
             backend: "host".into(),
             drop: None,
             system_blocks: 3,
+            bench_blocks: None,
         }
     }
 }
@@ -152,6 +158,13 @@ impl Engine {
     pub async fn start(model: Arc<Model>, s: &Setup, gpu: usize) -> Result<Engine, BoxError> {
         let outputs = Arc::new(Mutex::new(Outputs::default()));
         let drafts = s.drafts as usize;
+        if let Some(blocks) = s.bench_blocks {
+            return Ok(Engine {
+                kv: bench_engine(s.layers, blocks, &s.backend, gpu, 1).await?,
+                outputs,
+                drafts,
+            });
+        }
         let b = KvCacheBuilder::new().config(config(s));
         let b = match s.backend.as_str() {
             "host" => {
@@ -525,7 +538,7 @@ fn hello(
 /// the prefill side's digests could be taken (host backend) and sent.
 #[allow(clippy::too_many_arguments)]
 async fn push_one(
-    engine: &Engine,
+    kv: &KvCacheHandle,
     s: &Setup,
     transport: &mut dyn KvTransport,
     peer: &PeerId,
@@ -551,7 +564,7 @@ async fn push_one(
     };
     let Some(ticket) = ticket else {
         // Decoded without an import (recomputed there): reported as not exact.
-        engine.kv.release_export(id).await?;
+        kv.release_export(id).await?;
         return Ok((None, true));
     };
     let plan = plan_writes(export, regions, &ticket, remote)?;
@@ -570,9 +583,32 @@ async fn push_one(
     } else {
         Vec::new()
     };
-    engine.kv.release_export(id).await?;
+    kv.release_export(id).await?;
     wire.send(&Msg::Written { report, digests })?;
     Ok((Some(report), true))
+}
+
+/// The prefill side's half of `Hello`: registers the engine's pools, exchanges
+/// metadata, connects. Returns (our regions, the decode side's, the peer).
+async fn greet(
+    kv: &KvCacheHandle,
+    s: &Setup,
+    transport: &mut dyn KvTransport,
+    wire: &mut Wire,
+) -> Result<(Vec<PoolRegion>, Vec<PoolRegion>, PeerId), BoxError> {
+    let regions = kv.transfer_regions().await?;
+    wire.send(&hello(&regions, transport, s)?)?;
+    let Msg::Hello {
+        metadata,
+        regions: remote,
+        ..
+    } = wire.recv()?
+    else {
+        return Err("expected Hello from the decode side".into());
+    };
+    // SAFETY: the decode side's transport metadata, from its Hello.
+    let peer: PeerId = unsafe { transport.connect(&metadata)? };
+    Ok((regions, remote, peer))
 }
 
 /// The prefill side: runs every request's prefill, pushes its blocks, collects the
@@ -586,18 +622,7 @@ pub async fn prefill_side(
     progress: impl Fn(&str),
 ) -> Result<RunReport, BoxError> {
     let engine = Engine::start(model, s, gpu).await?;
-    let regions = engine.kv.transfer_regions().await?;
-    wire.send(&hello(&regions, transport, s)?)?;
-    let Msg::Hello {
-        metadata,
-        regions: remote,
-        ..
-    } = wire.recv()?
-    else {
-        return Err("expected Hello from the decode side".into());
-    };
-    // SAFETY: the decode side's transport metadata, from its Hello.
-    let peer: PeerId = unsafe { transport.connect(&metadata)? };
+    let (regions, remote, peer) = greet(&engine.kv, s, transport, &mut wire).await?;
     let mut records = Vec::new();
     for i in 0..s.requests {
         let id = RequestId(i);
@@ -612,7 +637,7 @@ pub async fn prefill_side(
         // The export id is the request's: the request is finished, its id free again.
         let export = engine.kv.export_blocks(id, SCOPE, &toks).await?;
         let (report, digests_ok) = match push_one(
-            &engine, s, transport, &peer, &mut wire, &regions, &remote, &export, &p, first,
+            &engine.kv, s, transport, &peer, &mut wire, &regions, &remote, &export, &p, first,
         )
         .await
         {
@@ -690,7 +715,7 @@ pub async fn prefill_side(
 /// exported); else the blocks imported and whether the pages' digests match the
 /// exporter's (always true off the host backend, where they are not taken).
 async fn pull_one(
-    engine: &Engine,
+    kv: &KvCacheHandle,
     s: &Setup,
     transport: &mut dyn KvTransport,
     wire: &mut Wire,
@@ -704,13 +729,13 @@ async fn pull_one(
     }
     // No room now: a step runs the copies that free slots (an idle engine's step only
     // moves pages), then try again.
-    let mut ticket = engine.kv.begin_import(export).await?;
+    let mut ticket = kv.begin_import(export).await?;
     for _ in 0..3 {
         if ticket.is_some() {
             break;
         }
-        engine.kv.step(HashMap::new()).await?;
-        ticket = engine.kv.begin_import(export).await?;
+        kv.step(HashMap::new()).await?;
+        ticket = kv.begin_import(export).await?;
     }
     wire.send(&Msg::Ticket(ticket.clone()))?;
     let Some(ticket) = ticket else {
@@ -720,7 +745,7 @@ async fn pull_one(
         Ok(Msg::Written { digests, .. }) => digests,
         Ok(Msg::Failed { why, in_flight }) => {
             if !in_flight {
-                engine.kv.abort_import(id).await?;
+                kv.abort_import(id).await?;
             }
             return Err(format!("the prefill side failed to push request {id}: {why}").into());
         }
@@ -743,11 +768,11 @@ async fn pull_one(
     let digests_match = match landed {
         Ok(m) => m,
         Err(e) => {
-            engine.kv.abort_import(id).await?;
+            kv.abort_import(id).await?;
             return Err(e);
         }
     };
-    let imported = engine.kv.commit_import(id).await?;
+    let imported = kv.commit_import(id).await?;
     Ok(Some((imported, digests_match)))
 }
 
@@ -781,7 +806,8 @@ pub async fn decode_side_with(
             other => return Err(format!("unexpected {other:?}").into()),
         };
         let id = export.id;
-        let imported = match pull_one(&engine, &s, transport, &mut wire, &regions, &export).await {
+        let imported = match pull_one(&engine.kv, &s, transport, &mut wire, &regions, &export).await
+        {
             Ok(i) => i,
             Err(e) => {
                 let _ = wire.send(&Msg::Failed {
@@ -791,6 +817,23 @@ pub async fn decode_side_with(
                 return Err(e);
             }
         };
+        if s.bench_blocks.is_some() {
+            // Measuring: the import must be served from the cache; nothing is decoded.
+            // The prompt goes one token past the blocks (a fully cached prompt still
+            // computes its last token).
+            let prompt: Vec<TokenId> = p.iter().map(|&t| TokenId(t)).collect();
+            let reused = engine.kv.probe_reuse(SCOPE, &prompt).await?;
+            wire.send(&Msg::Decoded {
+                gen: Gen {
+                    reused,
+                    ..Gen::default()
+                },
+                imported: imported.map_or(0, |i| i.0),
+                digests_match: imported.is_none_or(|i| i.1),
+                bad: Vec::new(),
+            })?;
+            continue;
+        }
         let mut p1 = p.clone();
         p1.push(first);
         let gen = engine.generate(id, &p1, s.max_new - 1).await?;
@@ -903,6 +946,124 @@ async fn run_synthetic(kv: &KvCacheHandle) -> Result<(), BoxError> {
     Err("the request did not finish".into())
 }
 
+/// An engine for [`bench`]: DeepSeek-V3.2 page sizes with `layers` layers, an MTP draft
+/// cache, room for `blocks` blocks and a warm-up block, synthetic KV, on `devices`
+/// devices of `backend` (GPU `gpu`).
+pub async fn bench_engine(
+    layers: usize,
+    blocks: usize,
+    backend: &str,
+    gpu: usize,
+    devices: usize,
+) -> Result<KvCacheHandle, BoxError> {
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(layers as u32);
+    c.spec_decode.mode = SpecMode::Mtp;
+    c.spec_decode.draft_tokens = 1;
+    c.kv_cache.max_tokens = Some((blocks as u64 + 4) * 64 * 2);
+    c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
+    c.scheduler.max_num_tokens = 4096;
+    let b = KvCacheBuilder::new().config(c).host_devices(devices);
+    let b = match backend {
+        #[cfg(feature = "cuda")]
+        "cuda" => b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu; devices])),
+        "host" => b,
+        other => {
+            return Err(format!("unknown or unavailable backend {other:?} (gpu {gpu})").into())
+        }
+    };
+    Ok(b.start().await?)
+}
+
+/// The prompt of [`bench`]'s request `id`: `n` full blocks and one token.
+fn bench_prompt(id: RequestId, n: usize) -> Vec<TokenId> {
+    (0..n as u32 * 64 + 1)
+        .map(|t| TokenId(id.0 as u32 * 100_000 + t))
+        .collect()
+}
+
+/// [`bench`] across two processes: this side prefills and pushes over the protocol, the
+/// decode side (started with the same `Setup`, `bench_blocks` set) imports, and reports
+/// how much of the import it serves. Used where two transports cannot share a process
+/// (NCCL: one rank per process).
+pub async fn bench_prefill_side(
+    s: &Setup,
+    gpu: usize,
+    transport: &mut dyn KvTransport,
+    mut wire: Wire,
+) -> Result<BenchReport, BoxError> {
+    let blocks = s
+        .bench_blocks
+        .ok_or("bench_prefill_side needs bench_blocks")?;
+    let kv = bench_engine(s.layers, blocks, &s.backend, gpu, 1).await?;
+    let (regions, remote, peer) = greet(&kv, s, transport, &mut wire).await?;
+    let mut out = None;
+    for (id, n) in [(1u64, 1usize), (2, blocks)] {
+        let id = RequestId(id);
+        let p = bench_prompt(id, n);
+        kv.submit(SubmitRequest {
+            id,
+            scope: SCOPE,
+            prompt: p.clone(),
+            max_new_tokens: 1,
+            priority: 35,
+        })
+        .await?;
+        run_synthetic(&kv).await?;
+        let export = kv.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+        let words: Vec<u32> = p.iter().map(|t| t.0).collect();
+        let pushed = push_one(
+            &kv, s, transport, &peer, &mut wire, &regions, &remote, &export, &words, 0,
+        )
+        .await;
+        let report = match pushed {
+            Ok((Some(r), _)) => r,
+            Ok((None, _)) => return Err("the decode side had no room for the blocks".into()),
+            Err(e) => {
+                let _ = kv.release_export(id).await;
+                let _ = wire.send(&Msg::Failed {
+                    why: e.to_string(),
+                    in_flight: e.to_string().contains("in flight"),
+                });
+                return Err(e);
+            }
+        };
+        let (reuse, digests_match) = match wire.recv()? {
+            Msg::Decoded {
+                gen, digests_match, ..
+            } => (gen.reused, digests_match),
+            Msg::Failed { why, .. } => return Err(format!("the decode side failed: {why}").into()),
+            other => return Err(format!("expected Decoded, got {other:?}").into()),
+        };
+        if reuse < n as u64 * 64 {
+            return Err(format!(
+                "the decode side serves {reuse} of the {} imported tokens",
+                n * 64
+            )
+            .into());
+        }
+        out = Some(BenchReport {
+            transport: transport.name().to_string(),
+            layers: s.layers,
+            blocks: n,
+            pages: report.pages,
+            bytes: report.write.bytes,
+            descriptors: report.write.descriptors,
+            uncoalesced: report.uncoalesced,
+            seconds: report.write.elapsed.as_secs_f64(),
+            gb_per_s: report.write.gb_per_s(),
+            memcpy_gb_per_s: memcpy_gb_per_s(report.write.bytes),
+            dtod_gb_per_s: dtod(&s.backend, gpu, report.write.bytes)?,
+            digests_match: (s.backend == "host").then_some(digests_match),
+            decode_reuse_tokens: reuse,
+        });
+    }
+    wire.send(&Msg::Bye)?;
+    kv.check_invariants().await.map_err(BoxError::from)?;
+    kv.shutdown().await;
+    out.ok_or_else(|| "nothing measured".into())
+}
+
 /// Prefills `blocks` blocks on engine A (DeepSeek-V3.2 page sizes with `layers` layers,
 /// MTP draft cache, synthetic KV), then moves them to engine B through `ta` → `tb`:
 /// a 1-block warm-up (connection setup), then the timed transfer.
@@ -915,28 +1076,10 @@ pub async fn bench(
     ta: &mut dyn KvTransport,
     tb: &mut dyn KvTransport,
 ) -> Result<BenchReport, BoxError> {
-    let mut c = EngineConfig::default();
-    c.model.num_layers = Some(layers as u32);
-    c.spec_decode.mode = SpecMode::Mtp;
-    c.spec_decode.draft_tokens = 1;
-    c.kv_cache.max_tokens = Some((blocks as u64 + 4) * 64 * 2);
-    c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
-    c.scheduler.max_num_tokens = 4096;
-    let start = |gpu: usize| {
-        let b = KvCacheBuilder::new()
-            .config(c.clone())
-            .host_devices(devices);
-        let b = match backend {
-            #[cfg(feature = "cuda")]
-            "cuda" => Ok(b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu; devices]))),
-            "host" => Ok(b),
-            other => Err(format!(
-                "unknown or unavailable backend {other:?} (gpu {gpu})"
-            )),
-        };
-        async move { Ok::<_, BoxError>(b?.start().await?) }
-    };
-    let (a, b) = (start(gpus.0).await?, start(gpus.1).await?);
+    let (a, b) = (
+        bench_engine(layers, blocks, backend, gpus.0, devices).await?,
+        bench_engine(layers, blocks, backend, gpus.1, devices).await?,
+    );
     let (ra, rb) = (a.transfer_regions().await?, b.transfer_regions().await?);
     // SAFETY: the engines' own pools, alive until they shut down at the end of this
     // function after the last write; writes go only into pages an import reserved; each
@@ -950,9 +1093,7 @@ pub async fn bench(
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
-        let p: Vec<TokenId> = (0..n as u32 * 64 + 1)
-            .map(|t| TokenId(id.0 as u32 * 100_000 + t))
-            .collect();
+        let p = bench_prompt(id, n);
         a.submit(SubmitRequest {
             id,
             scope: SCOPE,

@@ -19,7 +19,9 @@
 //! * [`plan_writes`] turns the two sides' pages and pool regions into the writes, with
 //!   contiguous slot runs coalesced into one descriptor per pool;
 //! * a [`KvTransport`] moves the bytes: [`LocalTransport`] between runtimes of one
-//!   process (tests), `NixlTransport` (feature `nixl`) between processes and hosts.
+//!   process (tests), `NixlTransport` (feature `nixl`) between processes and hosts,
+//!   `NcclTransport` (feature `nccl`) between processes with one GPU each, where NIXL
+//!   is missing.
 //!   The runtime never knows which one it has.
 //!
 //! [`KvCacheHandle::export_blocks`]: crate::actors::KvCacheHandle::export_blocks
@@ -28,6 +30,8 @@
 //! [`abort_import`]: crate::actors::KvCacheHandle::abort_import
 
 mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod plan;
@@ -222,7 +226,8 @@ pub enum TransportError {
 
 /// Moves bytes between registered memory of two engines. Blocking: [`write`](Self::write)
 /// returns once every byte is written (or failed). Implementations: [`LocalTransport`]
-/// (one process), `nixl::NixlTransport` (feature `nixl`).
+/// (one process), `nixl::NixlTransport` (feature `nixl`), `nccl::NcclTransport`
+/// (feature `nccl`).
 pub trait KvTransport: Send {
     /// A short name for reports (`"local"`, `"nixl/UCX"`).
     fn name(&self) -> &str;

@@ -1,0 +1,277 @@
+//! NCCL between two processes on GPU memory: the test spawns itself (the `#[ignore]`d
+//! `child_target` test, told its role and the parent's address through the environment)
+//! as the receiving side, exchanges metadata over a TCP socket on 127.0.0.1, and writes
+//! into the child's registered device buffer.
+//!
+//! Needs a CUDA GPU and `libnccl.so.2`. Without them the test prints `SKIPPED: NCCL not
+//! available: ...` and passes, unless `DSA_KV_REQUIRE_NCCL=1` (the GPU machine's
+//! script), where it fails with that message. With one GPU both processes use it: the
+//! child gets its own `NCCL_HOSTID` (see `dsa_kv::transfer::nccl`).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use dsa_kv::transfer::nccl::NcclTransport;
+use dsa_kv::transfer::{
+    KvTransport, MemKind, MemRegion, PeerId, Segment, TransportError, WriteBatch,
+};
+
+const BUF: usize = 1 << 20;
+const NOTIF: &[u8] = b"req-42";
+const ROLE: &str = "DSA_KV_NCCL_CHILD";
+const PARENT: &str = "DSA_KV_NCCL_PARENT";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// (source offset, destination offset, length): three ranges, odd offsets and lengths,
+/// in two batches.
+const GOOD: [&[(usize, usize, usize)]; 2] = [
+    &[(0, 4096, 4096), (8192, 65536, 300_001)],
+    &[(20483, 500_003, 5000)],
+];
+
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(31).wrapping_add(7) % 251) as u8 + 1 // never 0
+}
+
+fn send_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(b.len() as u64).to_le_bytes())?;
+    s.write_all(b)
+}
+
+fn recv_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut n = [0u8; 8];
+    s.read_exact(&mut n)?;
+    let mut b = vec![0u8; u64::from_le_bytes(n) as usize];
+    s.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// GPU 0's context and a device buffer holding `bytes`.
+struct Gpu {
+    stream: Arc<CudaStream>,
+    buf: CudaSlice<u8>,
+}
+
+impl Gpu {
+    fn new(bytes: &[u8]) -> Gpu {
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let buf = stream.clone_htod(bytes).unwrap();
+        stream.synchronize().unwrap();
+        Gpu { stream, buf }
+    }
+    fn addr(&self) -> u64 {
+        let (p, _sync) = self.buf.device_ptr(&self.stream);
+        p
+    }
+    fn region(&self) -> MemRegion {
+        MemRegion {
+            addr: self.addr(),
+            len: BUF as u64,
+            mem: MemKind::Device { ordinal: 0 },
+        }
+    }
+    fn snapshot(&self) -> Vec<u8> {
+        self.stream.clone_dtoh(&self.buf).unwrap()
+    }
+}
+
+fn nccl_or_skip(name: &str) -> Option<NcclTransport> {
+    match NcclTransport::new(name, 0) {
+        Ok(mut t) => {
+            t.set_timeout(WAIT);
+            Some(t)
+        }
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("DSA_KV_REQUIRE_NCCL").as_deref() == Ok("1") {
+                panic!("DSA_KV_REQUIRE_NCCL=1 but NCCL is not available: {why}");
+            }
+            let _ = writeln!(std::io::stderr(), "SKIPPED: NCCL not available: {why}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// One parent, one child: a refused write (the child's metadata forged to claim more
+/// memory than it registered: the child refuses the header, nothing lands), a
+/// pageable host buffer refused at registration, then a good write over the same
+/// connection, checked byte for byte by the child.
+#[test]
+fn two_processes_refuse_a_forged_write_then_move_device_memory() {
+    let Some(mut nccl) = nccl_or_skip("prefill") else {
+        return;
+    };
+    let src: Vec<u8> = (0..BUF).map(pattern).collect();
+    let gpu = Gpu::new(&src);
+    // Pageable host memory: NCCL's kernels cannot reach it; refused, nothing registered.
+    let pageable = vec![0u8; 4096];
+    // SAFETY: refused before anything keeps the pointer.
+    let e = unsafe {
+        nccl.register(&[MemRegion {
+            addr: pageable.as_ptr() as u64,
+            len: 4096,
+            mem: MemKind::Host,
+        }])
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("not device-accessible"), "{e}");
+    // SAFETY: `gpu` outlives the transport (declared before it is dropped below).
+    unsafe { nccl.register(&[gpu.region()]) }.unwrap();
+
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "child_target", "--nocapture", "--ignored"])
+        .env(ROLE, "decode")
+        .env(PARENT, listener.local_addr().unwrap().to_string())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit());
+    if std::env::var_os("NCCL_HOSTID").is_none() {
+        // One GPU for both ranks: NCCL must take them for two hosts.
+        cmd.env("NCCL_HOSTID", "dsa-kv-nccl-test-child");
+    }
+    let mut child = cmd.spawn().unwrap();
+    let (mut stream, _) = listener.accept().unwrap();
+    stream.set_read_timeout(Some(WAIT * 2)).unwrap();
+    let child_md = recv_frame(&mut stream).unwrap();
+    let remote: MemRegion = serde_json::from_slice(&recv_frame(&mut stream).unwrap()).unwrap();
+    send_frame(&mut stream, &nccl.local_metadata().unwrap()).unwrap();
+    // Forged: the child's region claims twice its length.
+    let mut md: serde_json::Value = serde_json::from_slice(&child_md).unwrap();
+    md["regions"][0]["len"] = serde_json::json!(2 * BUF as u64);
+    // SAFETY: deliberately breaks the contract (the regions are forged); the receiver's
+    // own check is what is under test, and it must refuse before anything lands.
+    let peer = unsafe { nccl.connect(&serde_json::to_vec(&md).unwrap()) }.unwrap();
+    assert_eq!(peer, PeerId("decode".into()));
+    let batch = |segs: &[(usize, usize, usize)]| WriteBatch {
+        src_mem: MemKind::Device { ordinal: 0 },
+        dst_mem: MemKind::Device { ordinal: 0 },
+        segments: segs
+            .iter()
+            .map(|&(s, d, len)| Segment {
+                src: gpu.addr() + s as u64,
+                dst: remote.addr + d as u64,
+                len: len as u64,
+            })
+            .collect(),
+    };
+    let forged = [batch(GOOD[0]), batch(&[(0, BUF - 100, 4096)])];
+    let e = nccl.write(&peer, &forged, b"req-forged").unwrap_err();
+    assert!(e.to_string().contains("refused"), "{e}");
+    send_frame(&mut stream, b"refused").unwrap();
+
+    let batches: Vec<WriteBatch> = GOOD.iter().map(|b| batch(b)).collect();
+    let report = nccl.write(&peer, &batches, NOTIF).unwrap();
+    let bytes: usize = GOOD.iter().flat_map(|b| b.iter()).map(|c| c.2).sum();
+    assert_eq!((report.descriptors, report.bytes), (3, bytes as u64));
+    eprintln!(
+        "[prefill] {} descriptors, {} bytes in {:?}",
+        report.descriptors, report.bytes, report.elapsed
+    );
+    send_frame(&mut stream, b"written").unwrap();
+    let verdict = recv_frame(&mut stream).expect("the child's verdict");
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("child did not exit in {WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(
+        String::from_utf8_lossy(&verdict),
+        "ok",
+        "the child's verdict"
+    );
+    assert!(status.success(), "child: {status}");
+    drop(nccl);
+    drop(gpu);
+}
+
+/// The receiving side; only run when spawned by the test above.
+#[test]
+#[ignore = "the child process of the two-process test"]
+fn child_target() {
+    if std::env::var(ROLE).is_err() {
+        eprintln!("child_target: not spawned by the NCCL test, nothing to do");
+        return;
+    }
+    let addr = std::env::var(PARENT).expect(PARENT);
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    stream.set_read_timeout(Some(WAIT * 2)).unwrap();
+    let verdict = child_run(&mut stream);
+    let text = match &verdict {
+        Ok(()) => "ok".to_string(),
+        Err(e) => e.clone(),
+    };
+    let _ = send_frame(&mut stream, text.as_bytes());
+    if let Err(e) = verdict {
+        panic!("[decode] {e}");
+    }
+    eprintln!("[decode] OK");
+}
+
+fn child_run(stream: &mut TcpStream) -> Result<(), String> {
+    let s = |e: TransportError| e.to_string();
+    let io = |e: std::io::Error| format!("socket: {e}");
+    let mut nccl = NcclTransport::new("decode", 0).map_err(s)?;
+    nccl.set_timeout(WAIT);
+    let gpu = Gpu::new(&vec![0u8; BUF]);
+    // SAFETY: `gpu` outlives the transport; only the parent's writes land in it.
+    unsafe { nccl.register(&[gpu.region()]) }.map_err(s)?;
+    send_frame(stream, &nccl.local_metadata().map_err(s)?).map_err(io)?;
+    send_frame(stream, &serde_json::to_vec(&gpu.region()).unwrap()).map_err(io)?;
+    let parent_md = recv_frame(stream).map_err(io)?;
+    // SAFETY: the parent's own metadata, over our socket.
+    let parent = unsafe { nccl.connect(&parent_md) }.map_err(s)?;
+
+    // The forged write: refused here, reported once, nothing landed.
+    if recv_frame(stream).map_err(io)? != b"refused" {
+        return Err("expected the parent's refused write".into());
+    }
+    match nccl.take_notifications() {
+        Err(e)
+            if e.to_string()
+                .contains("outside this side's registered memory") => {}
+        other => return Err(format!("the refusal was not reported: {other:?}")),
+    }
+    if gpu.snapshot().iter().any(|&b| b != 0) {
+        return Err("bytes landed from a refused write".into());
+    }
+    // The good write: the notification is filed before the parent's write returns.
+    if recv_frame(stream).map_err(io)? != b"written" {
+        return Err("expected the parent's write".into());
+    }
+    let notes = nccl.take_notifications().map_err(s)?;
+    if notes != vec![(parent, NOTIF.to_vec())] {
+        return Err(format!("notifications {notes:?}"));
+    }
+    let mut expect = vec![0u8; BUF];
+    for &(s, d, len) in GOOD.iter().flat_map(|b| b.iter()) {
+        for k in 0..len {
+            expect[d + k] = pattern(s + k);
+        }
+    }
+    let got = gpu.snapshot();
+    let bad: Vec<usize> = (0..BUF).filter(|&i| got[i] != expect[i]).collect();
+    if !bad.is_empty() {
+        return Err(format!(
+            "{} of {BUF} bytes differ (first at {})",
+            bad.len(),
+            bad[0]
+        ));
+    }
+    eprintln!(
+        "[decode] checked {BUF} bytes ({} written, the rest still zero)",
+        expect.iter().filter(|&&b| b != 0).count()
+    );
+    drop(nccl);
+    Ok(())
+}
