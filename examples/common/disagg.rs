@@ -411,7 +411,13 @@ impl Wire {
 
     pub fn recv(&mut self) -> Result<Msg, BoxError> {
         let mut n = [0u8; 8];
-        self.0.read_exact(&mut n)?;
+        self.0.read_exact(&mut n).map_err(|e| -> BoxError {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "the other side closed the connection (its error says why)".into()
+            } else {
+                e.into()
+            }
+        })?;
         let n = u64::from_le_bytes(n);
         if n > 1 << 30 {
             return Err(format!("frame of {n} bytes: not our protocol").into());
