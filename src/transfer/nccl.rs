@@ -406,6 +406,15 @@ impl NcclTransport {
         }
     }
 
+    /// Joins the communicator `id` (as the sender, rank 0, or the receiver, rank 1) and
+    /// moves one byte over it.
+    fn open(&self, id: &[u8], sending: bool, deadline: Instant) -> Result<Comm, TransportError> {
+        let comm = init_comm(&self.ctx, id, if sending { 0 } else { 1 }, deadline)?;
+        self.bind()?;
+        self.warm_up(&comm, sending, deadline)?;
+        Ok(comm)
+    }
+
     /// Moves one byte over `comm` (sending or receiving) and waits for it.
     fn warm_up(&self, comm: &Comm, send: bool, deadline: Instant) -> Result<(), TransportError> {
         let s = self.stream.cu_stream() as nc::cudaStream_t;
@@ -761,26 +770,14 @@ impl KvTransport for NcclTransport {
         )?;
         // The peer's direction.
         let (incoming, in_id) = self.accept_from(&md.agent, deadline)?;
-        // Both communicators, then one byte over each, in the same order on both sides.
-        let ours_first = self.name < md.agent;
-        let mut out = None;
-        let mut inc = None;
-        for sending in [ours_first, !ours_first] {
-            let comm = if sending {
-                init_comm(&self.ctx, &out_id, 0, deadline)?
-            } else {
-                init_comm(&self.ctx, &in_id, 1, deadline)?
-            };
-            self.bind()?;
-            self.warm_up(&comm, sending, deadline)?;
-            if sending {
-                out = Some(comm);
-            } else {
-                inc = Some(comm);
-            }
-        }
-        let (Some(out), Some(inc)) = (out, inc) else {
-            unreachable!("both directions were set up above");
+        // Both communicators, each with its one-byte warm-up, in the same order on both
+        // sides (the lexically smaller agent's sending communicator first).
+        let (out, inc) = if self.name < md.agent {
+            let out = self.open(&out_id, true, deadline)?;
+            (out, self.open(&in_id, false, deadline)?)
+        } else {
+            let inc = self.open(&in_id, false, deadline)?;
+            (self.open(&out_id, true, deadline)?, inc)
         };
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
