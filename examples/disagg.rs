@@ -134,13 +134,9 @@ fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
 fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     let (stream, _) = listener.accept()?;
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let mut t = transport(&a.transport, "decode", a.decode_gpu)?;
+    let t = transport(&a.transport, "decode", a.decode_gpu)?;
     // The setup (model, drafts, backend) comes from the prefill side.
-    runtime()?.block_on(disagg::decode_side_with(
-        a.decode_gpu,
-        t.as_mut(),
-        Wire(stream),
-    ))
+    runtime()?.block_on(disagg::decode_side_with(a.decode_gpu, t, Wire(stream)))
 }
 
 /// What the prefill role did: a run, or a measurement.
@@ -152,11 +148,11 @@ enum Outcome {
 fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
     let stream = connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let mut t = transport(&a.transport, "prefill", a.prefill_gpu)?;
+    let t = transport(&a.transport, "prefill", a.prefill_gpu)?;
     let s = setup(a);
     if s.bench_blocks.is_some() {
         return Ok(Outcome::Bench(runtime()?.block_on(
-            disagg::bench_prefill_side(&s, a.prefill_gpu, t.as_mut(), Wire(stream)),
+            disagg::bench_prefill_side(&s, a.prefill_gpu, t, Wire(stream)),
         )?));
     }
     let model = disagg::model(s.layers)?;
@@ -166,7 +162,7 @@ fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
             model,
             &s,
             a.prefill_gpu,
-            t.as_mut(),
+            t,
             Wire(stream),
             move |line| {
                 if !quiet {
@@ -219,11 +215,10 @@ fn run(a: &Args) -> Result<Option<Outcome>, BoxError> {
                 .stdout(std::process::Stdio::piped());
             if a.transport == "nccl" && a.prefill_gpu == a.decode_gpu {
                 // NCCL refuses two ranks on one GPU of one host: the child gets a host
-                // id of its own, and NCCL moves the bytes over its socket transport (slow;
-                // see `dsa_kv::transfer::nccl`). A host id set by the caller is kept.
-                if std::env::var_os("NCCL_HOSTID").is_none() {
-                    cmd.env("NCCL_HOSTID", "dsa-kv-disagg-decode");
-                }
+                // id of its own (derived from ours when one is set), and NCCL moves the
+                // bytes over its socket transport (slow; see `dsa_kv::transfer::nccl`).
+                let ours = std::env::var("NCCL_HOSTID").unwrap_or_else(|_| "dsa-kv-disagg".into());
+                cmd.env("NCCL_HOSTID", format!("{ours}-decode"));
             }
             let mut child = cmd.spawn()?;
             let out = child.stdout.take().ok_or("no child stdout")?;
@@ -273,16 +268,16 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
 }
 
 fn bench_in_process(a: &Args, blocks: usize) -> Result<disagg::BenchReport, BoxError> {
-    let mut ta = transport(&a.transport, "bench-a", a.prefill_gpu)?;
-    let mut tb = transport(&a.transport, "bench-b", a.decode_gpu)?;
+    let ta = transport(&a.transport, "bench-a", a.prefill_gpu)?;
+    let tb = transport(&a.transport, "bench-b", a.decode_gpu)?;
     runtime()?.block_on(disagg::bench(
         a.layers,
         blocks,
         &a.backend,
         (a.prefill_gpu, a.decode_gpu),
         1,
-        ta.as_mut(),
-        tb.as_mut(),
+        ta,
+        tb,
     ))
 }
 

@@ -239,9 +239,17 @@ fn two_device_engines_move_every_devices_pages() {
         .enable_all()
         .build()
         .unwrap();
-    let (mut a, mut b) = (LocalTransport::new("tp-a"), LocalTransport::new("tp-b"));
+    let (a, b) = (LocalTransport::new("tp-a"), LocalTransport::new("tp-b"));
     let r = rt
-        .block_on(disagg::bench(2, 6, "host", (0, 0), 2, &mut a, &mut b))
+        .block_on(disagg::bench(
+            2,
+            6,
+            "host",
+            (0, 0),
+            2,
+            Box::new(a),
+            Box::new(b),
+        ))
         .unwrap();
     assert_eq!(r.digests_match, Some(true), "{r:#?}");
     assert_eq!(r.decode_reuse_tokens, 6 * 64);

@@ -366,6 +366,19 @@ pub fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<St
     bad
 }
 
+/// Whether `e` is a transport failure after which bytes may still land in the peer's
+/// pages (the importer must keep them reserved).
+pub fn in_flight(e: &BoxError) -> bool {
+    use dsa_kv::transfer::{PushError, TransportError};
+    matches!(
+        e.downcast_ref::<PushError>(),
+        Some(PushError::Transport(TransportError::InFlight { .. }))
+    ) || matches!(
+        e.downcast_ref::<TransportError>(),
+        Some(TransportError::InFlight { .. })
+    )
+}
+
 /// The frames of the protocol.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Msg {
@@ -619,16 +632,34 @@ async fn greet(
 
 /// The prefill side: runs every request's prefill, pushes its blocks, collects the
 /// decode side's verdicts.
+///
+/// The transport is dropped before the engine whatever happens: what it may still read
+/// or write lies in the engine's pools.
 pub async fn prefill_side(
     model: Arc<Model>,
     s: &Setup,
     gpu: usize,
-    transport: &mut dyn KvTransport,
+    mut transport: Box<dyn KvTransport>,
     mut wire: Wire,
     progress: impl Fn(&str),
 ) -> Result<RunReport, BoxError> {
     let engine = Engine::start(model, s, gpu).await?;
-    let (regions, remote, peer) = greet(&engine.kv, s, transport, &mut wire).await?;
+    let report = prefill_requests(&engine, s, transport.as_mut(), &mut wire, progress).await;
+    drop(transport);
+    let report = report?;
+    engine.kv.check_invariants().await.map_err(BoxError::from)?;
+    engine.kv.shutdown().await;
+    Ok(report)
+}
+
+async fn prefill_requests(
+    engine: &Engine,
+    s: &Setup,
+    transport: &mut dyn KvTransport,
+    wire: &mut Wire,
+    progress: impl Fn(&str),
+) -> Result<RunReport, BoxError> {
+    let (regions, remote, peer) = greet(&engine.kv, s, transport, wire).await?;
     let mut records = Vec::new();
     for i in 0..s.requests {
         let id = RequestId(i);
@@ -643,7 +674,7 @@ pub async fn prefill_side(
         // The export id is the request's: the request is finished, its id free again.
         let export = engine.kv.export_blocks(id, SCOPE, &toks).await?;
         let (report, digests_ok) = match push_one(
-            &engine.kv, s, transport, &peer, &mut wire, &regions, &remote, &export, &p, first,
+            &engine.kv, s, transport, &peer, wire, &regions, &remote, &export, &p, first,
         )
         .await
         {
@@ -653,7 +684,7 @@ pub async fn prefill_side(
                 let _ = engine.kv.release_export(id).await;
                 let _ = wire.send(&Msg::Failed {
                     why: e.to_string(),
-                    in_flight: e.to_string().contains("in flight"),
+                    in_flight: in_flight(&e),
                 });
                 return Err(e);
             }
@@ -705,8 +736,6 @@ pub async fn prefill_side(
         });
     }
     wire.send(&Msg::Bye)?;
-    engine.kv.check_invariants().await.map_err(BoxError::from)?;
-    engine.kv.shutdown().await;
     let exact = records.iter().all(|r| r.exact);
     Ok(RunReport {
         transport: transport.name().to_string(),
@@ -784,9 +813,12 @@ async fn pull_one(
 
 /// The decode side: imports what the prefill side pushes and decodes each request. The
 /// setup (model, drafts, backend) comes from the prefill side's `Hello`.
+///
+/// The transport is dropped before the engine whatever happens: a receive it may still
+/// have posted lands in the engine's pools.
 pub async fn decode_side_with(
     gpu: usize,
-    transport: &mut dyn KvTransport,
+    mut transport: Box<dyn KvTransport>,
     mut wire: Wire,
 ) -> Result<(), BoxError> {
     let Msg::Hello {
@@ -797,10 +829,35 @@ pub async fn decode_side_with(
     };
     let model = model(s.layers)?;
     let engine = Engine::start(model.clone(), &s, gpu).await?;
+    let r = decode_requests(
+        &engine,
+        &s,
+        &model,
+        transport.as_mut(),
+        &mut wire,
+        &metadata,
+    )
+    .await;
+    drop(transport);
+    r?;
+    engine.kv.check_invariants().await.map_err(BoxError::from)?;
+    engine.kv.shutdown().await;
+    Ok(())
+}
+
+async fn decode_requests(
+    engine: &Engine,
+    s: &Setup,
+    model: &Model,
+    transport: &mut dyn KvTransport,
+    wire: &mut Wire,
+    metadata: &[u8],
+) -> Result<(), BoxError> {
+    let s = s.clone();
     let regions = engine.kv.transfer_regions().await?;
     wire.send(&hello(&regions, transport, &s)?)?;
     // SAFETY: the prefill side's transport metadata, from its Hello.
-    unsafe { transport.connect(&metadata)? };
+    unsafe { transport.connect(metadata)? };
     loop {
         let (export, p, first) = match wire.recv()? {
             Msg::Export {
@@ -812,8 +869,7 @@ pub async fn decode_side_with(
             other => return Err(format!("unexpected {other:?}").into()),
         };
         let id = export.id;
-        let imported = match pull_one(&engine.kv, &s, transport, &mut wire, &regions, &export).await
-        {
+        let imported = match pull_one(&engine.kv, &s, transport, wire, &regions, &export).await {
             Ok(i) => i,
             Err(e) => {
                 let _ = wire.send(&Msg::Failed {
@@ -843,7 +899,7 @@ pub async fn decode_side_with(
         let mut p1 = p.clone();
         p1.push(first);
         let gen = engine.generate(id, &p1, s.max_new - 1).await?;
-        let bad = check(&model, &s, &p, first, &gen);
+        let bad = check(model, &s, &p, first, &gen);
         wire.send(&Msg::Decoded {
             gen,
             imported: imported.map_or(0, |i| i.0),
@@ -851,8 +907,6 @@ pub async fn decode_side_with(
             bad,
         })?;
     }
-    engine.kv.check_invariants().await.map_err(BoxError::from)?;
-    engine.kv.shutdown().await;
     Ok(())
 }
 
@@ -872,22 +926,22 @@ pub fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
         let go = || -> Result<(), BoxError> {
             let (stream, _) = listener.accept()?;
             stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-            let mut t = dsa_kv::transfer::LocalTransport::new("decode");
+            let t = Box::new(dsa_kv::transfer::LocalTransport::new("decode"));
             runtime()?.block_on(async {
                 // The decode side learns the setup (and so the model) from Hello.
-                decode_side_with(0, &mut t, Wire(stream)).await
+                decode_side_with(0, t, Wire(stream)).await
             })
         };
         go().map_err(|e| e.to_string())
     });
     let stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-    let mut t = dsa_kv::transfer::LocalTransport::new("prefill");
+    let t = Box::new(dsa_kv::transfer::LocalTransport::new("prefill"));
     let report = runtime()?.block_on(prefill_side(
         model(s.layers)?,
         s,
         0,
-        &mut t,
+        t,
         Wire(stream),
         |_| {},
     ));
@@ -995,14 +1049,31 @@ fn bench_prompt(id: RequestId, n: usize) -> Vec<TokenId> {
 pub async fn bench_prefill_side(
     s: &Setup,
     gpu: usize,
-    transport: &mut dyn KvTransport,
+    mut transport: Box<dyn KvTransport>,
     mut wire: Wire,
 ) -> Result<BenchReport, BoxError> {
     let blocks = s
         .bench_blocks
         .ok_or("bench_prefill_side needs bench_blocks")?;
     let kv = bench_engine(s.layers, blocks, &s.backend, gpu, 1).await?;
-    let (regions, remote, peer) = greet(&kv, s, transport, &mut wire).await?;
+    let r = bench_pushes(&kv, s, blocks, gpu, transport.as_mut(), &mut wire).await;
+    // The transport goes before the engine: what it may still read lies in its pools.
+    drop(transport);
+    let r = r?;
+    kv.check_invariants().await.map_err(BoxError::from)?;
+    kv.shutdown().await;
+    Ok(r)
+}
+
+async fn bench_pushes(
+    kv: &KvCacheHandle,
+    s: &Setup,
+    blocks: usize,
+    gpu: usize,
+    transport: &mut dyn KvTransport,
+    wire: &mut Wire,
+) -> Result<BenchReport, BoxError> {
+    let (regions, remote, peer) = greet(kv, s, transport, wire).await?;
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
@@ -1015,21 +1086,28 @@ pub async fn bench_prefill_side(
             priority: 35,
         })
         .await?;
-        run_synthetic(&kv).await?;
+        run_synthetic(kv).await?;
         let export = kv.export_blocks(id, SCOPE, &p[..n * 64]).await?;
         let words: Vec<u32> = p.iter().map(|t| t.0).collect();
         let pushed = push_one(
-            &kv, s, transport, &peer, &mut wire, &regions, &remote, &export, &words, 0,
+            kv, s, transport, &peer, wire, &regions, &remote, &export, &words, 0,
         )
         .await;
         let report = match pushed {
             Ok((Some(r), _)) => r,
-            Ok((None, _)) => return Err("the decode side had no room for the blocks".into()),
+            Ok((None, _)) => {
+                let why = "the decode side had no room for the blocks";
+                let _ = wire.send(&Msg::Failed {
+                    why: why.into(),
+                    in_flight: false,
+                });
+                return Err(why.into());
+            }
             Err(e) => {
                 let _ = kv.release_export(id).await;
                 let _ = wire.send(&Msg::Failed {
                     why: e.to_string(),
-                    in_flight: e.to_string().contains("in flight"),
+                    in_flight: in_flight(&e),
                 });
                 return Err(e);
             }
@@ -1065,8 +1143,6 @@ pub async fn bench_prefill_side(
         });
     }
     wire.send(&Msg::Bye)?;
-    kv.check_invariants().await.map_err(BoxError::from)?;
-    kv.shutdown().await;
     out.ok_or_else(|| "nothing measured".into())
 }
 
@@ -1079,13 +1155,43 @@ pub async fn bench(
     backend: &str,
     gpus: (usize, usize),
     devices: usize,
-    ta: &mut dyn KvTransport,
-    tb: &mut dyn KvTransport,
+    mut ta: Box<dyn KvTransport>,
+    mut tb: Box<dyn KvTransport>,
 ) -> Result<BenchReport, BoxError> {
     let (a, b) = (
         bench_engine(layers, blocks, backend, gpus.0, devices).await?,
         bench_engine(layers, blocks, backend, gpus.1, devices).await?,
     );
+    let r = bench_moves(
+        &a,
+        &b,
+        layers,
+        blocks,
+        backend,
+        gpus,
+        ta.as_mut(),
+        tb.as_mut(),
+    )
+    .await;
+    // The transports go before the engines: what they may still move lies in their pools.
+    drop((ta, tb));
+    let r = r?;
+    a.shutdown().await;
+    b.shutdown().await;
+    Ok(r)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn bench_moves(
+    a: &KvCacheHandle,
+    b: &KvCacheHandle,
+    layers: usize,
+    blocks: usize,
+    backend: &str,
+    gpus: (usize, usize),
+    ta: &mut dyn KvTransport,
+    tb: &mut dyn KvTransport,
+) -> Result<BenchReport, BoxError> {
     let (ra, rb) = (a.transfer_regions().await?, b.transfer_regions().await?);
     // SAFETY: the engines' own pools, alive until they shut down at the end of this
     // function after the last write; writes go only into pages an import reserved; each
@@ -1108,7 +1214,7 @@ pub async fn bench(
             priority: 35,
         })
         .await?;
-        run_synthetic(&a).await?;
+        run_synthetic(a).await?;
         let export = a.export_blocks(id, SCOPE, &p[..n * 64]).await?;
         let ticket = b
             .begin_import(&export)
@@ -1164,7 +1270,5 @@ pub async fn bench(
             decode_reuse_tokens: reuse,
         });
     }
-    a.shutdown().await;
-    b.shutdown().await;
     out.ok_or_else(|| "nothing measured".into())
 }

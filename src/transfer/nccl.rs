@@ -1,54 +1,72 @@
 //! [`NcclTransport`]: KV pages between processes over NCCL point-to-point (`ncclSend` /
 //! `ncclRecv`), the transport for machines without NIXL. The library is `dlopen`ed at
-//! run time (cudarc's dynamic loading): a build needs nothing of NCCL, and
-//! [`NcclTransport::new`] returns [`TransportError::Unavailable`] where `libnccl.so.2` or
-//! a CUDA device is missing.
+//! run time (cudarc's dynamic loading, which looks for the unversioned `libnccl.so`): a
+//! build needs nothing of NCCL, and [`NcclTransport::new`] returns
+//! [`TransportError::Unavailable`] where the library (NCCL 2.19 or later; tested with
+//! 2.28.3) or a CUDA device is missing.
 //!
 //! # What it moves
 //!
 //! GPU memory of **one** device (the transport's ordinal) and pinned, device-mapped host
 //! memory (the CUDA backend's host tier): NCCL's kernels read and write the pages
-//! directly. [`register`](KvTransport::register) asks the driver about every region and
-//! refuses pageable host memory (the host backend's pools: use the NIXL or the local
-//! transport there) and other devices' memory (one transport per GPU; an engine with
-//! several devices moves its pages over NIXL).
+//! directly. [`register`](KvTransport::register) asks the driver about the first and
+//! the last byte of every region and refuses pageable host memory (the host backend's
+//! pools: use the NIXL or the local transport there) and other devices' memory (one
+//! transport per GPU; an engine with several devices moves its pages over NIXL).
+//! Register every region before the first `connect`.
 //!
 //! # How a one-sided write runs on a two-sided library
 //!
 //! NCCL needs a receive posted for every send. Each transport therefore keeps, per
-//! connected peer, a small TCP control connection and a **receive thread**; the caller
-//! of the importing side does nothing but read notifications, as with NIXL:
+//! connected peer, a TCP control connection per direction and a **receive thread**; the
+//! importing side's caller does nothing but read notifications, as with NIXL:
 //!
 //! 1. [`write`](KvTransport::write) checks every segment against both sides'
-//!    registrations and sends the segment list (destination, length) and the
-//!    notification as a header on the control connection;
+//!    registrations and sends a header (a sequence number, the segments' destinations
+//!    and lengths, the notification) on its control connection;
 //! 2. the peer's receive thread checks every destination against **its own**
-//!    registrations (a forged or stale header is refused before anything is posted:
-//!    nothing moves), acknowledges, and posts one `ncclRecv` per segment (one NCCL
-//!    group);
-//! 3. the writer posts one `ncclSend` per segment (one group) and waits for its stream;
-//! 4. the receive thread waits for its stream, files the notification (it is visible to
+//!    registrations (a header that reaches outside them is refused before anything is
+//!    posted), acknowledges, and posts one `ncclRecv` per segment (one NCCL group);
+//! 3. the writer posts one `ncclSend` per segment (one group) and waits for its stream,
+//!    watching the control connection for the receiver's failure;
+//! 4. the receive thread waits for its stream, files the notification (visible to
 //!    [`take_notifications`](KvTransport::take_notifications) only after every byte has
-//!    landed), and reports `Done`; only then does `write` return.
+//!    landed), and answers `Done`; only then does `write` return. Every answer carries
+//!    the header's sequence number, and an answer to another write breaks the pair.
 //!
-//! Every wait has a deadline ([`NcclTransport::set_timeout`], 60 s by default). A side
-//! that times out aborts its communicator (`ncclCommAbort`: its kernels stop) and tells
-//! the other; the connection is then closed and the peer must be connected again. When
-//! the writer gives up before the receiver reported (no `Done`, no failure), the
-//! receiver's receives may still be landing and `write` returns
-//! [`TransportError::InFlight`]; after the receiver reported a failure it returns
-//! [`TransportError::Failed`] (nothing lands any more).
+//! # Failures
+//!
+//! Every wait has a deadline ([`NcclTransport::set_timeout`], 60 s by default; a control
+//! frame must arrive whole within it), and the communicators are non-blocking, so
+//! joining one and launching a group are waits with deadlines too. When the writer
+//! fails after the receiver acknowledged (a launch error, a timeout, the connection
+//! lost) it aborts its communicator (`ncclCommAbort`: its kernels stop) and asks the
+//! receiver to abort too; the receiver stops its kernels and confirms. With the
+//! confirmation (or a `Done`: everything had landed) `write` returns
+//! [`TransportError::Failed`]: nothing lands any more. Without one within the grace
+//! period (the timeout, at most 10 s), it returns [`TransportError::InFlight`]: the
+//! receiver's kernels may still write the destination pages. A receiver that fails on
+//! its own aborts and answers `Failed`, which the writer sees while it waits. A
+//! receiver that sees the control connection close while it waits aborts as well.
+//!
+//! Any failure but a refused header breaks the pair: both sides drop it, its receive
+//! thread ends, and a later `write` to it says to connect again; [`connect`] with the
+//! peer's metadata replaces a broken pair. [`NcclTransport::is_connected`] tells
+//! whether a pair is still up. A refused header breaks nothing: the writer gets
+//! `Failed`, the receiver logs it (`tracing`), no notification is filed.
 //!
 //! # Communicators
 //!
 //! Two 2-rank communicators per pair of transports, one per direction (sender rank 0,
 //! receiver rank 1): the writer's calls and the receive thread never share one.
 //! [`connect`](KvTransport::connect) exchanges their unique ids over the control
-//! connections, initializes both (in the same order on both sides: the lexically
-//! smaller agent's sending communicator first) and moves one byte each way, so that
-//! NCCL's point-to-point connections are set up there, while both sides are known to
-//! take part. Both sides must call `connect` with each other's metadata at about the
-//! same time (within the timeout).
+//! connections, joins both (in the same order on both sides: the lexically smaller
+//! agent's sending communicator first) and moves one byte over each, so that NCCL's
+//! point-to-point connections are set up there, while both sides are known to take
+//! part. Both sides must call `connect` with each other's metadata within the timeout.
+//! NCCL warns that communicators used concurrently on one device can deadlock when
+//! their kernels cannot all be resident; a write in each direction at once is the only
+//! case here, and each uses a few thread blocks.
 //!
 //! # Two ranks, one GPU
 //!
@@ -60,13 +78,15 @@
 //! each) NCCL uses its peer-to-peer transport (NVLink / PCIe) and no variable is needed.
 //! Across hosts the metadata's control address must be reachable from the peer:
 //! [`NcclTransport::with_control`] binds a given address.
+//!
+//! [`connect`]: KvTransport::connect
 
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -80,18 +100,30 @@ use super::{
 };
 
 const TRANSPORT: &str = "nccl";
-/// How often a waiting thread looks at its stream, its control socket and its stop flag.
+/// How often a waiting thread looks at its stream, its communicator, its control
+/// connection and its stop flag.
 const POLL: Duration = Duration::from_micros(50);
-/// How long a receive thread blocks on its control socket before it looks at its stop
-/// flag.
+/// How long a receive thread blocks on its control connection before it looks at its
+/// stop flag.
 const IDLE: Duration = Duration::from_millis(100);
-/// The largest control frame accepted (a header of about 500,000 segments).
+/// The longest a writer waits for the receiver's answer after it gave up.
+const GRACE: Duration = Duration::from_secs(10);
+/// The largest control frame (a header of roughly 300,000 segments).
 const MAX_FRAME: u64 = 16 << 20;
+/// The oldest NCCL accepted (the calls used here, and the non-blocking configuration).
+const MIN_NCCL: i32 = 21900;
 
 fn failed(op: &'static str, detail: impl Into<String>) -> TransportError {
     TransportError::Failed {
         transport: TRANSPORT,
         op,
+        detail: detail.into(),
+    }
+}
+
+fn in_flight(detail: impl Into<String>) -> TransportError {
+    TransportError::InFlight {
+        transport: TRANSPORT,
         detail: detail.into(),
     }
 }
@@ -115,9 +147,11 @@ fn nccl_message(r: nc::ncclResult_t) -> String {
     }
 }
 
+/// A call's result: success, or "in progress" (non-blocking communicators: settled by
+/// [`Comm::settle`]).
 fn nccl(op: &'static str, r: nc::ncclResult_t) -> Result<(), TransportError> {
     match r {
-        nc::ncclResult_t::ncclSuccess => Ok(()),
+        nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress => Ok(()),
         r => Err(failed(op, nccl_message(r))),
     }
 }
@@ -126,12 +160,44 @@ fn driver(op: &'static str, e: cudarc::driver::DriverError) -> TransportError {
     failed(op, format!("{e:?}"))
 }
 
-/// One communicator; aborted when dropped (`ncclCommAbort` is local: it never waits for
-/// the peer, and stops this side's kernels).
+/// The non-blocking configuration (NCCL's `NCCL_CONFIG_INITIALIZER` for 2.28, with
+/// `blocking = 0`; every other field left to NCCL).
+fn config() -> nc::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    nc::ncclConfig_t {
+        size: std::mem::size_of::<nc::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 22800,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    }
+}
+
+/// Why a wait ended early.
+enum WaitEnd {
+    Failed(TransportError),
+    TimedOut,
+    Stopped,
+}
+
+/// One non-blocking communicator; aborted when dropped (`ncclCommAbort` is local: it
+/// never waits for the peer, and stops this side's kernels).
 struct Comm(nc::ncclComm_t);
 
 // SAFETY: a communicator is used by one thread at a time (the writer, or its receive
-// thread); the handle itself is a plain pointer NCCL allows to move between threads.
+// thread); the handle is a plain pointer NCCL allows to move between threads.
 unsafe impl Send for Comm {}
 
 impl Comm {
@@ -143,14 +209,37 @@ impl Comm {
         }
     }
 
-    /// An error NCCL reported asynchronously (a network failure, a peer gone).
-    fn async_error(&self) -> Option<String> {
+    /// NCCL's state: `Ok(true)` settled, `Ok(false)` still in progress.
+    fn state(&self) -> Result<bool, String> {
+        if self.0.is_null() {
+            return Err("the communicator was aborted".into());
+        }
         let mut r = nc::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator, a valid out-pointer.
-        unsafe { nc::ncclCommGetAsyncError(self.0, &mut r) };
-        match r {
-            nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress => None,
-            r => Some(nccl_message(r)),
+        let q = unsafe { nc::ncclCommGetAsyncError(self.0, &mut r) };
+        match (q, r) {
+            (nc::ncclResult_t::ncclSuccess, nc::ncclResult_t::ncclSuccess) => Ok(true),
+            (nc::ncclResult_t::ncclSuccess, nc::ncclResult_t::ncclInProgress) => Ok(false),
+            (nc::ncclResult_t::ncclSuccess, r) | (r, _) => Err(nccl_message(r)),
+        }
+    }
+
+    /// Waits until the communicator has no operation in progress (joined, a group
+    /// launched).
+    fn settle(&self, deadline: Instant, stop: Option<&AtomicBool>) -> Result<(), WaitEnd> {
+        loop {
+            match self.state() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(WaitEnd::Failed(failed("ncclCommGetAsyncError", e))),
+            }
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                return Err(WaitEnd::Stopped);
+            }
+            if Instant::now() > deadline {
+                return Err(WaitEnd::TimedOut);
+            }
+            std::thread::sleep(POLL);
         }
     }
 }
@@ -161,7 +250,94 @@ impl Drop for Comm {
     }
 }
 
-/// The control frames, length-prefixed JSON.
+/// Posts one send (`send`) or receive per `(address, bytes)` on `comm` as one group.
+/// The group is launched when this returns; [`Comm::settle`] waits for it.
+fn post(
+    comm: &Comm,
+    stream: &CudaStream,
+    send: bool,
+    parts: impl Iterator<Item = (u64, u64)>,
+) -> Result<(), TransportError> {
+    let s = stream.cu_stream() as nc::cudaStream_t;
+    // SAFETY: group calls on this thread only.
+    nccl("ncclGroupStart", unsafe { nc::ncclGroupStart() })?;
+    let mut first_error = None;
+    for (addr, len) in parts {
+        // SAFETY: the callers pass registered memory (checked against the registrations)
+        // that stays allocated while the transport lives, and wait for the group.
+        let r = unsafe {
+            if send {
+                nc::ncclSend(
+                    addr as *const std::ffi::c_void,
+                    len as usize,
+                    nc::ncclDataType_t::ncclUint8,
+                    1,
+                    comm.0,
+                    s,
+                )
+            } else {
+                nc::ncclRecv(
+                    addr as *mut std::ffi::c_void,
+                    len as usize,
+                    nc::ncclDataType_t::ncclUint8,
+                    0,
+                    comm.0,
+                    s,
+                )
+            }
+        };
+        if let Err(e) = nccl(if send { "ncclSend" } else { "ncclRecv" }, r) {
+            first_error = Some(e);
+            break;
+        }
+    }
+    // SAFETY: closes the group opened above (also after a failed call in it).
+    let end = nccl("ncclGroupEnd", unsafe { nc::ncclGroupEnd() });
+    match first_error {
+        Some(e) => Err(e),
+        None => end,
+    }
+}
+
+/// Waits for `stream`'s work (and `comm` to have nothing in progress), polling, until
+/// `deadline`, `stop`, or `watch` says to end.
+fn wait_until(
+    stream: &CudaStream,
+    comm: &Comm,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+    mut watch: impl FnMut() -> Option<WaitEnd>,
+) -> Result<(), WaitEnd> {
+    loop {
+        // The communicator first: once it has settled, the group's kernels are on the
+        // stream, so the query below covers them.
+        let settled = comm
+            .state()
+            .map_err(|e| WaitEnd::Failed(failed("transfer", e)))?;
+        // SAFETY: a live stream of a context current on this thread.
+        let done = match unsafe { cu::cuStreamQuery(stream.cu_stream()) } {
+            cu::CUresult::CUDA_SUCCESS => true,
+            cu::CUresult::CUDA_ERROR_NOT_READY => false,
+            r => return Err(WaitEnd::Failed(failed("cuStreamQuery", format!("{r:?}")))),
+        };
+        if settled && done {
+            return Ok(());
+        }
+        if let Some(end) = watch() {
+            return Err(end);
+        }
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return Err(WaitEnd::Stopped);
+        }
+        if Instant::now() > deadline {
+            return Err(WaitEnd::TimedOut);
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// The control frames, length-prefixed JSON. `seq` numbers a writer's headers; every
+/// answer names the header it answers.
 #[derive(Debug, Serialize, Deserialize)]
 enum Ctrl {
     /// First frame on a control connection: who connects, and the unique id of the
@@ -169,38 +345,68 @@ enum Ctrl {
     Hello { agent: String, id: Vec<u8> },
     /// A write: `(memory, destination, bytes)` per segment, then the notification.
     Header {
+        seq: u64,
         segments: Vec<(MemKind, u64, u64)>,
         notification: Vec<u8>,
     },
-    /// The receives are posted.
-    Ack,
+    /// The destinations are registered; the receives are being posted.
+    Ack { seq: u64 },
     /// The header was refused; nothing was posted.
-    Refused(String),
+    Refused { seq: u64, why: String },
     /// Every byte has landed; the notification is filed.
-    Done,
+    Done { seq: u64 },
     /// The receiver failed and aborted its communicator: nothing lands any more.
-    Failed(String),
+    Failed { seq: u64, why: String },
+    /// The writer gave up: abort, then answer `Failed` (or `Done` if it all landed).
+    Abort { seq: u64 },
+}
+
+impl Ctrl {
+    fn encode(&self) -> Result<Vec<u8>, TransportError> {
+        let b = serde_json::to_vec(self).map_err(|e| failed("control", e.to_string()))?;
+        let mut f = (b.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(&b);
+        Ok(f)
+    }
 }
 
 fn send_ctrl(s: &mut TcpStream, m: &Ctrl) -> Result<(), TransportError> {
-    let b = serde_json::to_vec(m).map_err(|e| failed("control", e.to_string()))?;
-    s.write_all(&(b.len() as u64).to_le_bytes())
-        .and_then(|()| s.write_all(&b))
-        .map_err(io("control send"))
+    s.write_all(&m.encode()?).map_err(io("control send"))
 }
 
-/// Reads one frame, waiting at most `timeout` for it.
-fn recv_ctrl(s: &mut TcpStream, timeout: Duration) -> Result<Ctrl, TransportError> {
-    s.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
-        .map_err(io("control receive"))?;
+/// Fills `buf` from `s`, all of it before `deadline`.
+fn read_until(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), TransportError> {
+    let mut off = 0;
+    while off < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(failed("control receive", "the peer did not answer in time"));
+        }
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(io("control receive"))?;
+        match s.read(&mut buf[off..]) {
+            Ok(0) => {
+                return Err(failed(
+                    "control receive",
+                    "the peer closed the control connection",
+                ))
+            }
+            Ok(n) => off += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(failed("control receive", e.to_string())),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one whole frame before `deadline`.
+fn recv_ctrl(s: &mut TcpStream, deadline: Instant) -> Result<Ctrl, TransportError> {
     let mut n = [0u8; 8];
-    s.read_exact(&mut n).map_err(|e| match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => failed(
-            "control receive",
-            format!("the peer did not answer within {timeout:?}"),
-        ),
-        _ => failed("control receive", e.to_string()),
-    })?;
+    read_until(s, &mut n, deadline)?;
     let n = u64::from_le_bytes(n);
     if n > MAX_FRAME {
         return Err(failed(
@@ -209,8 +415,40 @@ fn recv_ctrl(s: &mut TcpStream, timeout: Duration) -> Result<Ctrl, TransportErro
         ));
     }
     let mut b = vec![0u8; n as usize];
-    s.read_exact(&mut b).map_err(io("control receive"))?;
+    read_until(s, &mut b, deadline)?;
     serde_json::from_slice(&b).map_err(|e| failed("control receive", e.to_string()))
+}
+
+/// What a control connection has without blocking: `Ok(None)` nothing yet,
+/// `Ok(Some(frame))`, or an error (closed, broken).
+fn poll_ctrl(s: &mut TcpStream, timeout: Duration) -> Result<Option<Ctrl>, TransportError> {
+    s.set_nonblocking(true).map_err(io("control receive"))?;
+    let mut one = [0u8; 1];
+    let peeked = s.peek(&mut one);
+    s.set_nonblocking(false).map_err(io("control receive"))?;
+    match peeked {
+        Ok(0) => Err(failed(
+            "control receive",
+            "the peer closed the control connection",
+        )),
+        Ok(_) => recv_ctrl(s, Instant::now() + timeout).map(Some),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => Ok(None),
+        Err(e) => Err(failed("control receive", e.to_string())),
+    }
+}
+
+/// Whether the other end closed `s` (nothing is read).
+fn closed(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let r = s.peek(&mut [0u8; 1]);
+    let _ = s.set_nonblocking(false);
+    match r {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -221,19 +459,24 @@ struct Metadata {
     regions: Vec<MemRegion>,
 }
 
-/// The writer's side of one peer.
+/// One connected peer. Fields drop in this order: the receive thread stops (aborting
+/// its communicator), then ours is aborted, then the connection closes.
 struct Peer {
-    regions: Vec<MemRegion>,
+    /// The receive thread of the other direction.
+    receiver: Receiver,
     /// The communicator this side sends on (rank 0).
     out: Comm,
     /// The control connection of this direction (headers out, answers in).
     ctrl: TcpStream,
-    /// The receive thread of the other direction (held for its `Drop`: stop, join).
-    _receiver: Receiver,
+    regions: Vec<MemRegion>,
+    /// The last header's sequence number.
+    seq: u64,
 }
 
 struct Receiver {
     stop: Arc<AtomicBool>,
+    /// Cleared by the receive thread when it ends (the pair is broken).
+    alive: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -246,8 +489,8 @@ impl Drop for Receiver {
     }
 }
 
-/// What the receive threads filed: notifications, and failures (reported once each).
-type Inbox = Arc<Mutex<Vec<Result<(PeerId, Vec<u8>), String>>>>;
+/// The notifications the receive threads filed.
+type Inbox = Arc<Mutex<Vec<(PeerId, Vec<u8>)>>>;
 
 /// See the module docs.
 pub struct NcclTransport {
@@ -262,7 +505,8 @@ pub struct NcclTransport {
     regions: Vec<MemRegion>,
     timeout: Duration,
     peers: HashMap<PeerId, Peer>,
-    /// Control connections accepted for a `connect` not made yet: agent → (stream, id).
+    /// Control connections accepted for a `connect` not made yet: agent → (stream, id);
+    /// the newest per agent.
     pending: HashMap<String, (TcpStream, Vec<u8>)>,
     inbox: Inbox,
 }
@@ -318,9 +562,20 @@ impl NcclTransport {
         // SAFETY: as above.
         if !unsafe { nc::is_culib_present() } {
             return Err(unavailable(
-                "libnccl.so.2 was not found: install NCCL (Debian/Ubuntu `libnccl2`, or \
-                 the `nvidia-nccl-cu13` wheel's `lib` folder) and put it on LD_LIBRARY_PATH",
+                "libnccl.so was not found on the library path. Install NCCL 2.19 or later \
+                 (Debian/Ubuntu `libnccl2` plus `libnccl-dev`, which adds the unversioned \
+                 `libnccl.so`; or the `nvidia-nccl-cu13` wheel's `lib` folder) and, where only \
+                 `libnccl.so.2` is there, add a `libnccl.so -> libnccl.so.2` link in a folder \
+                 on LD_LIBRARY_PATH",
             ));
+        }
+        let mut version = 0;
+        // SAFETY: a valid out-pointer; the library is present.
+        let r = unsafe { nc::ncclGetVersion(&mut version) };
+        if r != nc::ncclResult_t::ncclSuccess || version < MIN_NCCL {
+            return Err(unavailable(format!(
+                "NCCL {version} is loaded; this transport needs 2.19 or later (code {MIN_NCCL})"
+            )));
         }
         cudarc::driver::result::init().map_err(|e| unavailable(format!("cuInit: {e:?}")))?;
         let count = CudaContext::device_count()
@@ -330,13 +585,6 @@ impl NcclTransport {
                 "CUDA device {ordinal} was requested but {count} are present"
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuCtxCreate", e))?;
-        let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
-        ctx.bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
-        // SAFETY: the context is current; freed in Drop.
-        let scratch = unsafe { cudarc::driver::result::malloc_sync(1) }
-            .map_err(|e| driver("cuMemAlloc", e))?;
         let listener = TcpListener::bind(control).map_err(io("bind the control socket"))?;
         let control = listener
             .local_addr()
@@ -344,6 +592,13 @@ impl NcclTransport {
         listener
             .set_nonblocking(true)
             .map_err(io("bind the control socket"))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuCtxCreate", e))?;
+        let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the context is current; freed in Drop.
+        let scratch = unsafe { cudarc::driver::result::malloc_sync(1) }
+            .map_err(|e| driver("cuMemAlloc", e))?;
         Ok(NcclTransport {
             name: name.to_string(),
             ordinal: ordinal as u32,
@@ -360,9 +615,24 @@ impl NcclTransport {
         })
     }
 
-    /// How long any wait may last (connect, a write, a receive); 60 s by default.
+    /// How long any wait may last (connect, a write, a receive, a control frame); 60 s
+    /// by default. Peers already connected keep the timeout they were connected with
+    /// on their receive side.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// Whether `peer` is connected and its pair unbroken.
+    pub fn is_connected(&self, peer: &PeerId) -> bool {
+        self.peers
+            .get(peer)
+            .is_some_and(|p| p.receiver.alive.load(Ordering::Relaxed))
+    }
+
+    /// Drops the pair with `peer` (its receive thread ends, both communicators are
+    /// aborted); the peer sees its connections close. Whether it was connected.
+    pub fn disconnect(&mut self, peer: &PeerId) -> bool {
+        self.peers.remove(peer).is_some()
     }
 
     fn bind(&self) -> Result<(), TransportError> {
@@ -371,65 +641,129 @@ impl NcclTransport {
             .map_err(|e| driver("cuCtxSetCurrent", e))
     }
 
+    /// Accepts every control connection waiting, keeping the newest per agent.
+    fn accept_waiting(&mut self, deadline: Instant) -> Result<(), TransportError> {
+        loop {
+            match self.listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).map_err(io("accept"))?;
+                    s.set_nodelay(true).map_err(io("accept"))?;
+                    s.set_write_timeout(Some(self.timeout))
+                        .map_err(io("accept"))?;
+                    // A connection that sends no Hello in time is not a peer of ours.
+                    let hello_by = deadline.min(Instant::now() + Duration::from_secs(5));
+                    if let Ok(Ctrl::Hello { agent, id }) = recv_ctrl(&mut s, hello_by) {
+                        self.pending.insert(agent, (s, id));
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(failed("accept", e.to_string())),
+            }
+        }
+    }
+
     /// The control connection `agent` opened to us, with the id of the communicator it
-    /// sends on.
+    /// sends on. A connection the agent closed (left by an earlier, failed attempt) is
+    /// skipped.
     fn accept_from(
         &mut self,
         agent: &str,
         deadline: Instant,
     ) -> Result<(TcpStream, Vec<u8>), TransportError> {
         loop {
-            if let Some(c) = self.pending.remove(agent) {
-                return Ok(c);
-            }
-            match self.listener.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false).map_err(io("accept"))?;
-                    s.set_nodelay(true).map_err(io("accept"))?;
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    // Anything but a Hello is not a peer of ours: dropped.
-                    if let Ok(Ctrl::Hello { agent, id }) = recv_ctrl(&mut s, left) {
-                        self.pending.insert(agent, (s, id));
-                    }
+            self.accept_waiting(deadline)?;
+            if let Some((s, id)) = self.pending.remove(agent) {
+                if !closed(&s) {
+                    return Ok((s, id));
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        return Err(failed(
-                            "connect",
-                            format!("{agent} did not open its control connection within {:?}: both sides must connect", self.timeout),
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => return Err(failed("accept", e.to_string())),
             }
+            if Instant::now() > deadline {
+                return Err(failed(
+                    "connect",
+                    format!(
+                        "{agent} did not open its control connection within {:?}: both sides must connect",
+                        self.timeout
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
     /// Joins the communicator `id` (as the sender, rank 0, or the receiver, rank 1) and
     /// moves one byte over it.
-    fn open(&self, id: &[u8], sending: bool, deadline: Instant) -> Result<Comm, TransportError> {
-        let comm = init_comm(&self.ctx, id, if sending { 0 } else { 1 }, deadline)?;
+    fn open(
+        &self,
+        peer: &str,
+        id: &[u8],
+        sending: bool,
+        deadline: Instant,
+    ) -> Result<Comm, TransportError> {
+        let what = if sending { "sending" } else { "receiving" };
+        let timed = |step: &str, w: WaitEnd| {
+            match w {
+            WaitEnd::Failed(e) => e,
+            _ => failed(
+                "connect",
+                format!(
+                    "{step} of the {what} communicator with {peer} did not finish within {:?}: both sides must connect",
+                    self.timeout
+                ),
+            ),
+        }
+        };
+        let mut uid = nc::ncclUniqueId { internal: [0; 128] };
+        if id.len() != uid.internal.len() {
+            return Err(TransportError::BadMetadata(format!(
+                "an NCCL unique id of {} bytes from {peer} (want {})",
+                id.len(),
+                uid.internal.len()
+            )));
+        }
+        for (d, s) in uid.internal.iter_mut().zip(id) {
+            *d = *s as std::ffi::c_char;
+        }
         self.bind()?;
-        self.warm_up(&comm, sending, deadline)?;
+        let mut c: nc::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        // SAFETY: valid out-pointers, a unique id and a configuration NCCL reads during
+        // the call; the context is current.
+        let r = unsafe {
+            nc::ncclCommInitRankConfig(&mut c, 2, uid, if sending { 0 } else { 1 }, &mut cfg)
+        };
+        nccl("ncclCommInitRankConfig", r)?;
+        let comm = Comm(c);
+        comm.settle(deadline, None)
+            .map_err(|w| timed("joining", w))?;
+        let p = self.scratch;
+        post(&comm, &self.stream, sending, std::iter::once((p, 1)))?;
+        wait_until(&self.stream, &comm, deadline, None, || None)
+            .map_err(|w| timed("the one-byte warm-up", w))?;
         Ok(comm)
     }
 
-    /// Moves one byte over `comm` (sending or receiving) and waits for it.
-    fn warm_up(&self, comm: &Comm, send: bool, deadline: Instant) -> Result<(), TransportError> {
-        let s = self.stream.cu_stream() as nc::cudaStream_t;
-        let p = self.scratch as *mut std::ffi::c_void;
-        // SAFETY: one byte of our scratch allocation, on our stream, over a live
-        // communicator; waited for below.
-        let r = unsafe {
-            if send {
-                nc::ncclSend(p, 1, nc::ncclDataType_t::ncclUint8, 1, comm.0, s)
-            } else {
-                nc::ncclRecv(p, 1, nc::ncclDataType_t::ncclUint8, 0, comm.0, s)
-            }
-        };
-        nccl(if send { "ncclSend" } else { "ncclRecv" }, r)?;
-        wait(&self.stream, comm, deadline, None)
+    /// The writer's way out after the receiver acknowledged header `seq`: our kernels
+    /// stop, the receiver is asked to stop its own, and its answer decides whether
+    /// anything may still land. The caller drops the pair.
+    fn give_up(p: &mut Peer, seq: u64, why: String, grace: Duration) -> TransportError {
+        p.out.abort();
+        if send_ctrl(&mut p.ctrl, &Ctrl::Abort { seq }).is_err() {
+            return in_flight(format!(
+                "{why}; the receiver could not be told to stop (control connection lost)"
+            ));
+        }
+        match recv_ctrl(&mut p.ctrl, Instant::now() + grace) {
+            Ok(Ctrl::Failed { seq: s, .. } | Ctrl::Done { seq: s }) if s == seq => failed(
+                "write",
+                format!("{why}; the receiver stopped, nothing lands any more"),
+            ),
+            // Anything else after its Ack: the protocol is broken, the state of the
+            // receives unknown.
+            Ok(other) => in_flight(format!("{why}; then the receiver sent {other:?}")),
+            Err(e) => in_flight(format!(
+                "{why}; the receiver did not confirm it stopped ({e})"
+            )),
+        }
     }
 }
 
@@ -444,115 +778,17 @@ impl Drop for NcclTransport {
     }
 }
 
-/// Why a wait ended early.
-enum WaitEnd {
-    Failed(TransportError),
-    TimedOut,
-    Stopped,
-}
-
-impl From<WaitEnd> for TransportError {
-    fn from(w: WaitEnd) -> Self {
-        match w {
-            WaitEnd::Failed(e) => e,
-            WaitEnd::TimedOut => failed("wait", "timed out"),
-            WaitEnd::Stopped => failed("wait", "the transport is shutting down"),
-        }
-    }
-}
-
-/// Waits for `stream`'s work, polling, until `deadline` (or `stop`).
-fn wait_until(
-    stream: &CudaStream,
-    comm: &Comm,
-    deadline: Instant,
-    stop: Option<&AtomicBool>,
-) -> Result<(), WaitEnd> {
-    loop {
-        // SAFETY: a live stream of a context current on this thread.
-        match unsafe { cu::cuStreamQuery(stream.cu_stream()) } {
-            cu::CUresult::CUDA_SUCCESS => return Ok(()),
-            cu::CUresult::CUDA_ERROR_NOT_READY => {}
-            r => return Err(WaitEnd::Failed(failed("cuStreamQuery", format!("{r:?}")))),
-        }
-        if let Some(e) = comm.async_error() {
-            return Err(WaitEnd::Failed(failed("transfer", e)));
-        }
-        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-            return Err(WaitEnd::Stopped);
-        }
-        if Instant::now() > deadline {
-            return Err(WaitEnd::TimedOut);
-        }
-        std::thread::sleep(POLL);
-    }
-}
-
-fn wait(
-    stream: &CudaStream,
-    comm: &Comm,
-    deadline: Instant,
-    stop: Option<&AtomicBool>,
-) -> Result<(), TransportError> {
-    wait_until(stream, comm, deadline, stop).map_err(Into::into)
-}
-
-/// Initializes a 2-rank communicator as `rank`, waiting at most until `deadline` for the
-/// peer to join (on a helper thread: `ncclCommInitRank` blocks until it does; one left
-/// behind by a timeout aborts its communicator if the peer ever joins).
-fn init_comm(
-    ctx: &Arc<CudaContext>,
-    id: &[u8],
-    rank: i32,
-    deadline: Instant,
-) -> Result<Comm, TransportError> {
-    let mut uid = nc::ncclUniqueId { internal: [0; 128] };
-    if id.len() != uid.internal.len() {
-        return Err(TransportError::BadMetadata(format!(
-            "an NCCL unique id of {} bytes (want {})",
-            id.len(),
-            uid.internal.len()
-        )));
-    }
-    for (d, s) in uid.internal.iter_mut().zip(id) {
-        *d = *s as std::ffi::c_char;
-    }
-    let (tx, rx) = mpsc::channel();
-    let ctx = ctx.clone();
-    std::thread::spawn(move || {
-        let r = ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))
-            .and_then(|()| {
-                let mut c: nc::ncclComm_t = std::ptr::null_mut();
-                // SAFETY: a valid out-pointer and unique id; the context is current.
-                nccl("ncclCommInitRank", unsafe {
-                    nc::ncclCommInitRank(&mut c, 2, uid, rank)
-                })
-                .map(|()| Comm(c))
-            });
-        // A receiver gone (timed out) drops the communicator here: aborted.
-        let _ = tx.send(r);
-    });
-    let left = deadline.saturating_duration_since(Instant::now());
-    match rx.recv_timeout(left) {
-        Ok(r) => r,
-        Err(_) => Err(failed(
-            "ncclCommInitRank",
-            "the peer did not join the communicator in time: both sides must connect",
-        )),
-    }
-}
-
 fn unique_id() -> Result<Vec<u8>, TransportError> {
     let mut id = nc::ncclUniqueId { internal: [0; 128] };
     // SAFETY: a valid out-pointer.
-    nccl("ncclGetUniqueId", unsafe { nc::ncclGetUniqueId(&mut id) })?;
+    let r = unsafe { nc::ncclGetUniqueId(&mut id) };
+    nccl("ncclGetUniqueId", r)?;
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
 /// Whether `r` is memory NCCL's kernels on device `ordinal` can use at its own address:
-/// device memory of that device, or pinned, device-mapped host memory (UVA).
+/// device memory of that device, or pinned, device-mapped host memory (UVA). The first
+/// and the last byte are asked about.
 fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
     if let MemKind::Device { ordinal: o } = r.mem {
         if o != ordinal {
@@ -565,141 +801,179 @@ fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
     if r.len == 0 {
         return Ok(());
     }
-    let mut dev: cu::CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer of the attribute's type; the driver only looks the
-    // address up.
-    let q = unsafe {
-        cu::cuPointerGetAttribute(
-            (&mut dev as *mut cu::CUdeviceptr).cast(),
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-            r.addr,
+    let last = r.addr.checked_add(r.len - 1).ok_or_else(|| {
+        format!(
+            "the region at {:#x} of {} bytes wraps around",
+            r.addr, r.len
         )
-    };
-    if q != cu::CUresult::CUDA_SUCCESS || dev != r.addr {
-        return Err(format!(
-            "{:?} memory at {:#x} is not device-accessible at its own address ({q:?}): NCCL moves GPU memory and pinned, device-mapped host memory (the CUDA backend's pools); the host backend's pools need the NIXL or the local transport",
-            r.mem, r.addr
-        ));
+    })?;
+    for at in [r.addr, last] {
+        let mut dev: cu::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer of the attribute's type; the driver only looks the
+        // address up.
+        let q = unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut dev as *mut cu::CUdeviceptr).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                at,
+            )
+        };
+        if q != cu::CUresult::CUDA_SUCCESS || dev != at {
+            return Err(format!(
+                "{:?} memory at {at:#x} (in the region at {:#x}) is not device-accessible at its own address ({q:?}): NCCL moves GPU memory and pinned, device-mapped host memory (the CUDA backend's pools); the host backend's pools need the NIXL or the local transport",
+                r.mem, r.addr
+            ));
+        }
+        if let MemKind::Device { ordinal: want } = r.mem {
+            let mut o: std::ffi::c_int = -1;
+            // SAFETY: as above, an int attribute.
+            let q = unsafe {
+                cu::cuPointerGetAttribute(
+                    (&mut o as *mut std::ffi::c_int).cast(),
+                    cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    at,
+                )
+            };
+            if q != cu::CUresult::CUDA_SUCCESS || o != want as std::ffi::c_int {
+                return Err(format!(
+                    "memory at {at:#x} is said to be on device {want} but the driver places it on device {o} ({q:?})"
+                ));
+            }
+        }
     }
     Ok(())
 }
 
-/// The receive thread of one peer: serves its headers until the connection closes, the
-/// transport stops, or a transfer fails (then the communicator is aborted and the peer
-/// told).
-#[allow(clippy::too_many_arguments)]
-fn receive_loop(
+/// Everything a receive thread owns.
+struct ReceiveSide {
     ctx: Arc<CudaContext>,
     peer: PeerId,
-    mut comm: Comm,
-    mut ctrl: TcpStream,
+    comm: Comm,
+    ctrl: TcpStream,
     regions: Vec<MemRegion>,
     inbox: Inbox,
     stop: Arc<AtomicBool>,
+    alive: Arc<AtomicBool>,
     timeout: Duration,
-) {
-    let file = |e: String| {
-        tracing::warn!(peer = %peer.0, "nccl receive: {e}");
-        inbox.lock().expect("inbox lock").push(Err(e));
-    };
-    let stream = match ctx.bind_to_thread().and_then(|()| ctx.new_stream()) {
-        Ok(s) => s,
-        Err(e) => return file(format!("cannot create the receive stream: {e:?}")),
-    };
-    let s = stream.cu_stream() as nc::cudaStream_t;
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return;
+}
+
+impl ReceiveSide {
+    /// Serves headers until the connection closes, the transport stops, or a transfer
+    /// fails (then the communicator is aborted and the writer told). Clears `alive`
+    /// when it returns.
+    fn run(mut self) {
+        if let Err(e) = self.serve() {
+            tracing::warn!(peer = %self.peer.0, "nccl: the receive side of this pair ended: {e}");
         }
-        // Wait for a frame, looking at the stop flag between reads.
-        if ctrl.set_read_timeout(Some(IDLE)).is_err() {
-            return;
-        }
-        let mut one = [0u8; 1];
-        match ctrl.peek(&mut one) {
-            Ok(0) => return, // the peer closed the connection
-            Ok(_) => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
-            Err(e) => return file(format!("control connection: {e}")),
-        }
-        let (segments, notification) = match recv_ctrl(&mut ctrl, timeout) {
-            Ok(Ctrl::Header {
+        self.comm.abort();
+        self.alive.store(false, Ordering::Relaxed);
+    }
+
+    fn serve(&mut self) -> Result<(), String> {
+        let stream = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| self.ctx.new_stream())
+            .map_err(|e| format!("cannot create the receive stream: {e:?}"))?;
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            // Wait for a frame, looking at the stop flag between reads.
+            self.ctrl
+                .set_read_timeout(Some(IDLE))
+                .map_err(|e| e.to_string())?;
+            match self.ctrl.peek(&mut [0u8; 1]) {
+                Ok(0) => return Err("the writer closed the control connection".into()),
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    continue
+                }
+                Err(e) => return Err(format!("control connection: {e}")),
+            }
+            let frame = recv_ctrl(&mut self.ctrl, Instant::now() + self.timeout)
+                .map_err(|e| e.to_string())?;
+            let Ctrl::Header {
+                seq,
                 segments,
                 notification,
-            }) => (segments, notification),
-            Ok(other) => return file(format!("unexpected control frame {other:?}")),
-            Err(e) => return file(e.to_string()),
-        };
-        // Every destination must lie in memory this side registered: a header that says
-        // otherwise is refused before anything is posted.
-        let bad = segments.iter().enumerate().find(|(_, &(mem, dst, len))| {
-            !regions.iter().any(|r| r.mem == mem && r.contains(dst, len))
-        });
-        if let Some((index, &(mem, dst, len))) = bad {
-            let why = format!(
-                "segment {index} ({len} bytes of {mem:?} at {dst:#x}) lies outside this side's registered memory"
-            );
-            file(format!("refused a write: {why}"));
-            if send_ctrl(&mut ctrl, &Ctrl::Refused(why)).is_err() {
-                return;
+            } = frame
+            else {
+                return Err(format!("unexpected control frame {frame:?}"));
+            };
+            // Every destination must lie in memory this side registered: a header that
+            // says otherwise is refused before anything is posted.
+            let bad = segments.iter().enumerate().find(|(_, &(mem, dst, len))| {
+                !self
+                    .regions
+                    .iter()
+                    .any(|r| r.mem == mem && r.contains(dst, len))
+            });
+            if let Some((index, &(mem, dst, len))) = bad {
+                let why = format!(
+                    "segment {index} of the write ({len} bytes of {mem:?} at {dst:#x}) lies outside {:?}'s registered memory",
+                    self.peer.0
+                );
+                tracing::warn!(peer = %self.peer.0, "nccl: refused a write: {why}");
+                send_ctrl(&mut self.ctrl, &Ctrl::Refused { seq, why })
+                    .map_err(|e| e.to_string())?;
+                continue;
             }
-            continue;
-        }
-        // Acknowledged before posting: the writer's group and ours then run together
-        // (NCCL may set up a channel's connection inside either, and that needs both).
-        if send_ctrl(&mut ctrl, &Ctrl::Ack).is_err() {
-            return;
-        }
-        let posted = (|| {
-            // SAFETY: group calls on this thread only.
-            nccl("ncclGroupStart", unsafe { nc::ncclGroupStart() })?;
-            for &(_, dst, len) in &segments {
-                // SAFETY: inside registered memory (checked above), which stays
-                // allocated while the transport lives; only pages an import reserved are
-                // written (the register contract); waited for below.
-                let r = unsafe {
-                    nc::ncclRecv(
-                        dst as *mut std::ffi::c_void,
-                        len as usize,
-                        nc::ncclDataType_t::ncclUint8,
-                        0,
-                        comm.0,
-                        s,
-                    )
-                };
-                if let Err(e) = nccl("ncclRecv", r) {
-                    // SAFETY: closes the group opened above.
-                    let _ = unsafe { nc::ncclGroupEnd() };
-                    return Err(e);
+            // Acknowledged before posting: the writer's group and ours then launch
+            // together (NCCL may connect a channel inside either, and that needs both).
+            send_ctrl(&mut self.ctrl, &Ctrl::Ack { seq }).map_err(|e| e.to_string())?;
+            let deadline = Instant::now() + self.timeout;
+            let ended = post(
+                &self.comm,
+                &stream,
+                false,
+                segments.iter().map(|&(_, dst, len)| (dst, len)),
+            )
+            .map_err(WaitEnd::Failed)
+            .and_then(|()| {
+                let (ctrl, stop) = (&mut self.ctrl, &self.stop);
+                wait_until(&stream, &self.comm, deadline, Some(stop), || {
+                    // The writer gave up (Abort) or is gone: stop at once.
+                    match poll_ctrl(ctrl, self.timeout) {
+                        Ok(None) => None,
+                        Ok(Some(Ctrl::Abort { .. })) => {
+                            Some(WaitEnd::Failed(failed("receive", "the writer gave up")))
+                        }
+                        Ok(Some(other)) => Some(WaitEnd::Failed(failed(
+                            "receive",
+                            format!("unexpected control frame {other:?} during a transfer"),
+                        ))),
+                        Err(e) => Some(WaitEnd::Failed(e)),
+                    }
+                })
+            });
+            match ended {
+                Ok(()) => {
+                    self.inbox
+                        .lock()
+                        .expect("inbox lock")
+                        .push((self.peer.clone(), notification));
+                    send_ctrl(&mut self.ctrl, &Ctrl::Done { seq }).map_err(|e| e.to_string())?;
                 }
-            }
-            // SAFETY: closes the group opened above.
-            nccl("ncclGroupEnd", unsafe { nc::ncclGroupEnd() })
-        })();
-        let ended = posted.and_then(|()| {
-            wait_until(&stream, &comm, Instant::now() + timeout, Some(&stop)).map_err(|w| match w {
-                WaitEnd::TimedOut => failed(
-                    "receive",
-                    format!("the bytes did not land within {timeout:?}"),
-                ),
-                w => w.into(),
-            })
-        });
-        match ended {
-            Ok(()) => {
-                inbox
-                    .lock()
-                    .expect("inbox lock")
-                    .push(Ok((peer.clone(), notification)));
-                if send_ctrl(&mut ctrl, &Ctrl::Done).is_err() {
-                    return;
+                Err(w) => {
+                    let why = match w {
+                        WaitEnd::Failed(e) => e.to_string(),
+                        WaitEnd::TimedOut => {
+                            format!("the bytes did not land within {:?}", self.timeout)
+                        }
+                        WaitEnd::Stopped => "the transport is shutting down".into(),
+                    };
+                    // Stop our kernels before telling the writer nothing lands any more.
+                    self.comm.abort();
+                    let _ = send_ctrl(
+                        &mut self.ctrl,
+                        &Ctrl::Failed {
+                            seq,
+                            why: why.clone(),
+                        },
+                    );
+                    return Err(why);
                 }
-            }
-            Err(e) => {
-                // Stop our kernels before telling the writer nothing lands any more.
-                comm.abort();
-                let _ = send_ctrl(&mut ctrl, &Ctrl::Failed(e.to_string()));
-                return file(e.to_string());
             }
         }
     }
@@ -711,6 +985,12 @@ impl KvTransport for NcclTransport {
     }
 
     unsafe fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError> {
+        if !self.peers.is_empty() {
+            return Err(failed(
+                "register",
+                "register every region before the first connect (the receive threads check destinations against the regions registered when they started)",
+            ));
+        }
         self.bind()?;
         for r in regions {
             check_region(r, self.ordinal).map_err(|why| failed("register", why))?;
@@ -738,12 +1018,17 @@ impl KvTransport for NcclTransport {
             )));
         }
         let id = PeerId(md.agent.clone());
-        if self.peers.contains_key(&id) {
-            return Err(TransportError::BadMetadata(format!(
-                "{:?} is connected already",
-                md.agent
-            )));
+        if self.is_connected(&id) {
+            return Err(failed(
+                "connect",
+                format!(
+                    "{:?} is connected already: disconnect it first to connect again",
+                    md.agent
+                ),
+            ));
         }
+        // A broken pair is replaced.
+        self.peers.remove(&id);
         let deadline = Instant::now() + self.timeout;
         // Our direction: a control connection to the peer, and the unique id of the
         // communicator we send on.
@@ -761,6 +1046,8 @@ impl KvTransport for NcclTransport {
             }
         };
         ctrl.set_nodelay(true).map_err(io("connect"))?;
+        ctrl.set_write_timeout(Some(self.timeout))
+            .map_err(io("connect"))?;
         send_ctrl(
             &mut ctrl,
             &Ctrl::Hello {
@@ -773,39 +1060,41 @@ impl KvTransport for NcclTransport {
         // Both communicators, each with its one-byte warm-up, in the same order on both
         // sides (the lexically smaller agent's sending communicator first).
         let (out, inc) = if self.name < md.agent {
-            let out = self.open(&out_id, true, deadline)?;
-            (out, self.open(&in_id, false, deadline)?)
+            let out = self.open(&md.agent, &out_id, true, deadline)?;
+            (out, self.open(&md.agent, &in_id, false, deadline)?)
         } else {
-            let inc = self.open(&in_id, false, deadline)?;
-            (self.open(&out_id, true, deadline)?, inc)
+            let inc = self.open(&md.agent, &in_id, false, deadline)?;
+            (self.open(&md.agent, &out_id, true, deadline)?, inc)
         };
         let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (ctx, peer, regions, inbox, stop, timeout) = (
-                self.ctx.clone(),
-                id.clone(),
-                self.regions.clone(),
-                self.inbox.clone(),
-                stop.clone(),
-                self.timeout,
-            );
-            std::thread::Builder::new()
-                .name(format!("nccl-recv-{}", md.agent))
-                .spawn(move || {
-                    receive_loop(ctx, peer, inc, incoming, regions, inbox, stop, timeout)
-                })
-                .map_err(io("spawn the receive thread"))?
+        let alive = Arc::new(AtomicBool::new(true));
+        let side = ReceiveSide {
+            ctx: self.ctx.clone(),
+            peer: id.clone(),
+            comm: inc,
+            ctrl: incoming,
+            regions: self.regions.clone(),
+            inbox: self.inbox.clone(),
+            stop: stop.clone(),
+            alive: alive.clone(),
+            timeout: self.timeout,
         };
+        let thread = std::thread::Builder::new()
+            .name(format!("nccl-recv-{}", md.agent))
+            .spawn(move || side.run())
+            .map_err(io("spawn the receive thread"))?;
         self.peers.insert(
             id.clone(),
             Peer {
-                regions: md.regions,
-                out,
-                ctrl,
-                _receiver: Receiver {
+                receiver: Receiver {
                     stop,
+                    alive,
                     thread: Some(thread),
                 },
+                out,
+                ctrl,
+                regions: md.regions,
+                seq: 0,
             },
         );
         Ok(id)
@@ -817,92 +1106,143 @@ impl KvTransport for NcclTransport {
         batches: &[WriteBatch],
         notification: &[u8],
     ) -> Result<WriteReport, TransportError> {
-        let p = self
-            .peers
-            .get_mut(peer)
-            .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
+        if !self.peers.contains_key(peer) {
+            return Err(TransportError::UnknownPeer(peer.0.clone()));
+        }
+        if !self.is_connected(peer) {
+            self.peers.remove(peer);
+            return Err(failed(
+                "write",
+                format!(
+                    "the pair with {:?} is broken (its side failed or shut down): connect again",
+                    peer.0
+                ),
+            ));
+        }
         check_segments(batches, &self.regions, "local")?;
+        let p = self.peers.get_mut(peer).expect("checked above");
         check_segments(batches, &p.regions, "remote")?;
         let segments: Vec<_> = batches
             .iter()
             .flat_map(|b| b.segments.iter().map(move |s| (b.dst_mem, *s)))
             .filter(|(_, s)| s.len > 0)
             .collect();
+        let seq = p.seq + 1;
+        let header = Ctrl::Header {
+            seq,
+            segments: segments.iter().map(|(m, s)| (*m, s.dst, s.len)).collect(),
+            notification: notification.to_vec(),
+        }
+        .encode()?;
+        if header.len() as u64 > MAX_FRAME + 8 {
+            return Err(failed(
+                "write",
+                format!(
+                    "{} segments make a header of {} bytes, over the {MAX_FRAME}-byte control frame limit: split the write",
+                    segments.len(),
+                    header.len()
+                ),
+            ));
+        }
+        p.seq = seq;
+        let timeout = self.timeout;
         let t0 = Instant::now();
-        let deadline = t0 + self.timeout;
-        send_ctrl(
-            &mut p.ctrl,
-            &Ctrl::Header {
-                segments: segments.iter().map(|(m, s)| (*m, s.dst, s.len)).collect(),
-                notification: notification.to_vec(),
-            },
-        )?;
-        match recv_ctrl(&mut p.ctrl, self.timeout)? {
-            Ctrl::Ack => {}
-            Ctrl::Refused(why) => {
+        let deadline = t0 + timeout;
+        let answer = p
+            .ctrl
+            .write_all(&header)
+            .map_err(io("control send"))
+            .and_then(|()| recv_ctrl(&mut p.ctrl, deadline));
+        match answer {
+            Ok(Ctrl::Ack { seq: s }) if s == seq => {}
+            // Nothing was posted; the pair stays up.
+            Ok(Ctrl::Refused { seq: s, why }) if s == seq => {
                 return Err(failed(
                     "write",
                     format!("{} refused the write: {why}", peer.0),
                 ))
             }
-            Ctrl::Failed(why) => return Err(failed("write", format!("{} failed: {why}", peer.0))),
-            other => return Err(failed("write", format!("unexpected answer {other:?}"))),
-        }
-        // From here on the peer has receives posted into its pages: until it reports, a
-        // failure here leaves bytes possibly in flight.
-        let in_flight = |detail: String| TransportError::InFlight {
-            transport: TRANSPORT,
-            detail,
-        };
-        let result = (|| {
-            self.ctx
-                .bind_to_thread()
-                .map_err(|e| driver("cuCtxSetCurrent", e))?;
-            let s = self.stream.cu_stream() as nc::cudaStream_t;
-            // SAFETY: group calls on this thread only.
-            nccl("ncclGroupStart", unsafe { nc::ncclGroupStart() })?;
-            for (_, seg) in &segments {
-                // SAFETY: inside our registered memory (checked above), read only; the
-                // peer's receive for the same bytes is posted; waited for below.
-                let r = unsafe {
-                    nc::ncclSend(
-                        seg.src as *const std::ffi::c_void,
-                        seg.len as usize,
-                        nc::ncclDataType_t::ncclUint8,
-                        1,
-                        p.out.0,
-                        s,
-                    )
+            // No Ack: whatever the receiver posted is never matched (our communicator is
+            // aborted with the pair), so nothing lands.
+            other => {
+                self.peers.remove(peer);
+                let why = match other {
+                    Ok(f) => format!("unexpected answer {f:?} to write {seq}"),
+                    Err(e) => e.to_string(),
                 };
-                if let Err(e) = nccl("ncclSend", r) {
-                    // SAFETY: closes the group opened above.
-                    let _ = unsafe { nc::ncclGroupEnd() };
-                    return Err(e);
-                }
-            }
-            // SAFETY: closes the group opened above.
-            nccl("ncclGroupEnd", unsafe { nc::ncclGroupEnd() })?;
-            wait_until(&self.stream, &p.out, deadline, None).map_err(|w| match w {
-                WaitEnd::TimedOut => failed(
+                return Err(failed(
                     "write",
-                    format!("the sends did not complete within {:?}", self.timeout),
-                ),
-                w => w.into(),
+                    format!("{} ({why}): connect again", peer.0),
+                ));
+            }
+        }
+        // The receiver's receives are being posted into its pages: from here a failure
+        // goes through `give_up`.
+        let sent = self
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| WaitEnd::Failed(driver("cuCtxSetCurrent", e)))
+            .and_then(|()| {
+                post(
+                    &p.out,
+                    &self.stream,
+                    true,
+                    segments.iter().map(|(_, s)| (s.src, s.len)),
+                )
+                .map_err(WaitEnd::Failed)
             })
-        })();
-        let answer = match result {
-            Ok(()) => recv_ctrl(
-                &mut p.ctrl,
-                deadline.saturating_duration_since(Instant::now()),
-            ),
-            Err(e) => Err(e),
-        };
-        let outcome = match answer {
-            Ok(Ctrl::Done) => Ok(()),
-            // The receiver aborted its communicator: nothing lands any more.
-            Ok(Ctrl::Failed(why)) => Err(failed("write", format!("{} failed: {why}", peer.0))),
-            Ok(other) => Err(in_flight(format!("unexpected answer {other:?}"))),
-            Err(e) => Err(in_flight(e.to_string())),
+            .and_then(|()| {
+                let ctrl = &mut p.ctrl;
+                let mut early = None;
+                let r = wait_until(&self.stream, &p.out, deadline, None, || {
+                    // The receiver's failure (or the connection's) ends the wait.
+                    match poll_ctrl(ctrl, timeout) {
+                        Ok(None) => None,
+                        Ok(Some(f)) => {
+                            early = Some(f);
+                            Some(WaitEnd::Stopped)
+                        }
+                        Err(e) => Some(WaitEnd::Failed(e)),
+                    }
+                });
+                match (r, early) {
+                    (Err(WaitEnd::Stopped), Some(f)) => Ok(Some(f)),
+                    (r, _) => r.map(|()| None),
+                }
+            });
+        let outcome = match sent {
+            // Our sends are done; the receiver's answer follows.
+            Ok(None) => match recv_ctrl(&mut p.ctrl, deadline) {
+                Ok(Ctrl::Done { seq: s }) if s == seq => Ok(()),
+                Ok(Ctrl::Failed { seq: s, why }) if s == seq => {
+                    Err(failed("write", format!("{} failed: {why}", peer.0)))
+                }
+                Ok(other) => Err(Self::give_up(
+                    p,
+                    seq,
+                    format!("unexpected answer {other:?} to write {seq}"),
+                    GRACE.min(timeout),
+                )),
+                Err(e) => Err(Self::give_up(p, seq, e.to_string(), GRACE.min(timeout))),
+            },
+            // The receiver answered while our sends ran.
+            Ok(Some(Ctrl::Done { seq: s })) if s == seq => Ok(()),
+            Ok(Some(Ctrl::Failed { seq: s, why })) if s == seq => {
+                Err(failed("write", format!("{} failed: {why}", peer.0)))
+            }
+            Ok(Some(other)) => Err(Self::give_up(
+                p,
+                seq,
+                format!("unexpected answer {other:?} to write {seq}"),
+                GRACE.min(timeout),
+            )),
+            Err(w) => {
+                let why = match w {
+                    WaitEnd::Failed(e) => e.to_string(),
+                    _ => format!("the sends did not complete within {timeout:?}"),
+                };
+                Err(Self::give_up(p, seq, why, GRACE.min(timeout)))
+            }
         };
         match outcome {
             Ok(()) => Ok(WriteReport {
@@ -919,21 +1259,7 @@ impl KvTransport for NcclTransport {
     }
 
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
-        let mut inbox = self.inbox.lock().expect("inbox lock");
-        let mut out = Vec::new();
-        while !inbox.is_empty() {
-            match inbox.remove(0) {
-                Ok(n) => out.push(n),
-                Err(e) => {
-                    // Reported once; the notifications before it stay filed.
-                    for n in out.into_iter().rev() {
-                        inbox.insert(0, Ok(n));
-                    }
-                    return Err(failed("receive", e));
-                }
-            }
-        }
-        Ok(out)
+        Ok(std::mem::take(&mut *self.inbox.lock().expect("inbox lock")))
     }
 }
 
@@ -941,21 +1267,34 @@ impl KvTransport for NcclTransport {
 mod tests {
     use super::*;
 
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
     #[test]
     fn control_frames_round_trip_and_refuse_oversized_ones() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut b, _) = l.accept().unwrap();
+        let (mut a, mut b) = pair();
         let h = Ctrl::Header {
+            seq: 7,
             segments: vec![(MemKind::Device { ordinal: 0 }, 0x1000, 4096)],
             notification: b"req-7".to_vec(),
         };
+        assert!(matches!(
+            poll_ctrl(&mut b, Duration::from_secs(1)),
+            Ok(None)
+        ));
         send_ctrl(&mut a, &h).unwrap();
-        match recv_ctrl(&mut b, Duration::from_secs(5)).unwrap() {
+        let soon = || Instant::now() + Duration::from_secs(5);
+        match recv_ctrl(&mut b, soon()).unwrap() {
             Ctrl::Header {
+                seq,
                 segments,
                 notification,
             } => {
+                assert_eq!(seq, 7);
                 assert_eq!(
                     segments,
                     vec![(MemKind::Device { ordinal: 0 }, 0x1000, 4096)]
@@ -965,14 +1304,37 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Silence: a typed timeout, not a hang.
-        let e = recv_ctrl(&mut b, Duration::from_millis(50)).unwrap_err();
+        let e = recv_ctrl(&mut b, Instant::now() + Duration::from_millis(50)).unwrap_err();
         assert!(e.to_string().contains("did not answer"), "{e}");
         a.write_all(&(MAX_FRAME + 1).to_le_bytes()).unwrap();
-        let e = recv_ctrl(&mut b, Duration::from_secs(5)).unwrap_err();
+        let e = recv_ctrl(&mut b, soon()).unwrap_err();
         assert!(
             e.to_string().contains("not this transport's protocol"),
             "{e}"
         );
+        drop(a);
+        let e = poll_ctrl(&mut b, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+    }
+
+    #[test]
+    fn a_frame_dripped_slower_than_its_deadline_is_cut_off() {
+        let (mut a, mut b) = pair();
+        let frame = Ctrl::Ack { seq: 1 }.encode().unwrap();
+        let t = std::thread::spawn(move || {
+            for byte in frame {
+                if a.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let t0 = Instant::now();
+        let e = recv_ctrl(&mut b, Instant::now() + Duration::from_millis(150)).unwrap_err();
+        assert!(e.to_string().contains("did not answer"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        drop(b);
+        t.join().unwrap();
     }
 
     #[test]
@@ -992,5 +1354,14 @@ mod tests {
         }
         let e = NcclTransport::with_control("t", 0, "0.0.0.0:0".parse().unwrap()).unwrap_err();
         assert!(e.to_string().contains("unspecified"), "{e}");
+    }
+
+    #[test]
+    fn the_configuration_is_nccls_initializer_with_blocking_off() {
+        let c = config();
+        assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafe_beef, 22800, 0));
+        assert_eq!(c.minCTAs, i32::MIN);
+        assert!(c.netName.is_null() && c.commName.is_null());
     }
 }
