@@ -97,12 +97,15 @@ fn nccl_or_skip(name: &str) -> Option<NcclTransport> {
     }
 }
 
-/// One parent, one child: a refused write (the child's metadata forged to claim more
-/// memory than it registered: the child refuses the header, nothing lands), a
-/// pageable host buffer refused at registration, then a good write over the same
-/// connection, checked byte for byte by the child.
+/// One parent, one child:
+/// 1. a pageable host buffer is refused at registration;
+/// 2. a forged write (the child's metadata claims more memory than it registered): the
+///    child refuses the header, nothing lands, the pair stays up;
+/// 3. a stalled receiver (the child stopped with SIGSTOP): no acknowledgement within the
+///    timeout, the write fails, the pair breaks on both sides, nothing lands;
+/// 4. both sides connect again, and a good write lands, checked byte for byte.
 #[test]
-fn two_processes_refuse_a_forged_write_then_move_device_memory() {
+fn two_processes_refuse_a_forged_write_survive_a_stall_then_move_device_memory() {
     let Some(nccl) = nccl_or_skip("prefill") else {
         return;
     };
@@ -171,6 +174,45 @@ fn two_processes_refuse_a_forged_write_then_move_device_memory() {
     send_frame(&mut stream, b"refused").unwrap();
 
     let batches: Vec<WriteBatch> = GOOD.iter().map(|b| batch(b)).collect();
+    nccl.set_timeout(Duration::from_secs(3));
+    // SAFETY: signals our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) }, 0);
+    // Stopped for sure before the write starts (`T` in /proc).
+    let state = || {
+        std::fs::read_to_string(format!("/proc/{}/stat", child.id()))
+            .ok()
+            .and_then(|st| st.rsplit(')').next().map(|r| r.trim().to_string()))
+            .and_then(|r| r.chars().next())
+    };
+    let until = Instant::now() + Duration::from_secs(5);
+    while state() != Some('T') {
+        assert!(
+            Instant::now() < until,
+            "the child did not stop: {:?}",
+            state()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    let e = nccl.write(&peer, &batches, b"req-stalled").unwrap_err();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGCONT) }, 0);
+    eprintln!(
+        "[prefill] stalled write failed after {:?}: {e}",
+        t0.elapsed()
+    );
+    assert!(
+        matches!(e, TransportError::Failed { .. }) && e.to_string().contains("connect again"),
+        "no acknowledgement, nothing sent: {e}"
+    );
+    assert!(!nccl.is_connected(&peer));
+    let e = nccl.write(&peer, &batches, NOTIF).unwrap_err();
+    assert!(matches!(e, TransportError::UnknownPeer(_)), "{e}");
+    send_frame(&mut stream, b"stalled").unwrap();
+    nccl.set_timeout(WAIT);
+    // SAFETY: the child's own metadata (unforged this time); it connects again too.
+    let peer = unsafe { nccl.connect(&child_md) }.unwrap();
     let report = nccl.write(&peer, &batches, NOTIF).unwrap();
     let bytes: usize = GOOD.iter().flat_map(|b| b.iter()).map(|c| c.2).sum();
     assert_eq!((report.descriptors, report.bytes), (3, bytes as u64));
@@ -254,6 +296,24 @@ fn child_run(stream: &mut TcpStream) -> Result<(), String> {
     if !nccl.is_connected(&parent) {
         return Err("a refused write broke the pair".into());
     }
+    // The stalled write (we were stopped while it was sent): resumed, we see the pair
+    // break; nothing landed, no notification. Then we connect again.
+    if recv_frame(stream).map_err(io)? != b"stalled" {
+        return Err("expected the parent's stalled write".into());
+    }
+    let until = Instant::now() + Duration::from_secs(20);
+    while nccl.is_connected(&parent) {
+        if Instant::now() > until {
+            return Err("the pair did not break after the parent gave up".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let notes = nccl.take_notifications().map_err(s)?;
+    if !notes.is_empty() || gpu.snapshot().iter().any(|&b| b != 0) {
+        return Err(format!("a failed write left something: {notes:?}"));
+    }
+    // SAFETY: the parent's own metadata, as before.
+    let parent = unsafe { nccl.connect(&parent_md) }.map_err(s)?;
     // The good write: the notification is filed before the parent's write returns.
     if recv_frame(stream).map_err(io)? != b"written" {
         return Err("expected the parent's write".into());
