@@ -1035,11 +1035,27 @@ pub async fn bench_engine(
     Ok(b.start().await?)
 }
 
-/// The prompt of [`bench`]'s request `id`: `n` full blocks and one token.
-fn bench_prompt(id: RequestId, n: usize) -> Vec<TokenId> {
-    (0..n as u32 * 64 + 1)
+/// Prefills [`bench`]'s request `id` (`n` full blocks and one token) on `kv` with
+/// synthetic KV and exports its blocks. Returns the prompt and the export.
+async fn bench_export(
+    kv: &KvCacheHandle,
+    id: RequestId,
+    n: usize,
+) -> Result<(Vec<TokenId>, ExportedBlocks), BoxError> {
+    let p: Vec<TokenId> = (0..n as u32 * 64 + 1)
         .map(|t| TokenId(id.0 as u32 * 100_000 + t))
-        .collect()
+        .collect();
+    kv.submit(SubmitRequest {
+        id,
+        scope: SCOPE,
+        prompt: p.clone(),
+        max_new_tokens: 1,
+        priority: 35,
+    })
+    .await?;
+    run_synthetic(kv).await?;
+    let export = kv.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+    Ok((p, export))
 }
 
 /// [`bench`] across two processes: this side prefills and pushes over the protocol, the
@@ -1077,17 +1093,7 @@ async fn bench_pushes(
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
-        let p = bench_prompt(id, n);
-        kv.submit(SubmitRequest {
-            id,
-            scope: SCOPE,
-            prompt: p.clone(),
-            max_new_tokens: 1,
-            priority: 35,
-        })
-        .await?;
-        run_synthetic(kv).await?;
-        let export = kv.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+        let (p, export) = bench_export(kv, id, n).await?;
         let words: Vec<u32> = p.iter().map(|t| t.0).collect();
         let pushed = push_one(
             kv, s, transport, &peer, wire, &regions, &remote, &export, &words, 0,
@@ -1205,17 +1211,7 @@ async fn bench_moves(
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
-        let p = bench_prompt(id, n);
-        a.submit(SubmitRequest {
-            id,
-            scope: SCOPE,
-            prompt: p.clone(),
-            max_new_tokens: 1,
-            priority: 35,
-        })
-        .await?;
-        run_synthetic(a).await?;
-        let export = a.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+        let (p, export) = bench_export(a, id, n).await?;
         let ticket = b
             .begin_import(&export)
             .await?
