@@ -41,19 +41,26 @@
 //! joining one and launching a group are waits with deadlines too. When the writer
 //! fails after the receiver acknowledged (a launch error, a timeout, the connection
 //! lost) it aborts its communicator (`ncclCommAbort`: its kernels stop) and asks the
-//! receiver to abort too; the receiver stops its kernels and confirms. With the
-//! confirmation (or a `Done`: everything had landed) `write` returns
-//! [`TransportError::Failed`]: nothing lands any more. Without one within the grace
-//! period (the timeout, at most 10 s), it returns [`TransportError::InFlight`]: the
-//! receiver's kernels may still write the destination pages. A receiver that fails on
-//! its own aborts and answers `Failed`, which the writer sees while it waits. A
-//! receiver that sees the control connection close while it waits aborts as well.
+//! receiver to abort too; the receiver stops its kernels and confirms with `Failed`,
+//! and `write` returns [`TransportError::Failed`]: nothing lands any more. If the
+//! receiver had finished first (`Done`: everything landed, the notification is filed),
+//! `write` returns `Ok`. Without an answer within the grace period (the timeout, at
+//! most 10 s), it returns [`TransportError::InFlight`]: the receiver's kernels may still
+//! write the destination pages. A receiver that fails on its own aborts and answers
+//! `Failed`, which the writer sees while it waits. A receiver that sees the control
+//! connection close while it waits aborts as well.
 //!
-//! Any failure but a refused header breaks the pair: both sides drop it, its receive
-//! thread ends, and a later `write` to it says to connect again; [`connect`] with the
-//! peer's metadata replaces a broken pair. [`NcclTransport::is_connected`] tells
-//! whether a pair is still up. A refused header breaks nothing: the writer gets
+//! Any failure but a refused header breaks the pair: the side that fails drops it, and
+//! its connections close, so the other side's receive thread ends too (within its
+//! 100 ms idle poll); a later `write` to a broken pair says to connect again, and
+//! [`connect`] with the peer's metadata replaces it. [`NcclTransport::is_connected`]
+//! tells whether a pair is up. A refused header breaks nothing: the writer gets
 //! `Failed`, the receiver logs it (`tracing`), no notification is filed.
+//!
+//! Not bounded: a `connect` that fails before both sides joined a communicator leaves
+//! NCCL's bootstrap thread for that unique id waiting in the process that made it.
+//! `NCCL_COMM_BLOCKING=1` in the environment overrides the non-blocking configuration,
+//! and joining a communicator then has no deadline: leave it unset.
 //!
 //! # Communicators
 //!
@@ -65,8 +72,9 @@
 //! point-to-point connections are set up there, while both sides are known to take
 //! part. Both sides must call `connect` with each other's metadata within the timeout.
 //! NCCL warns that communicators used concurrently on one device can deadlock when
-//! their kernels cannot all be resident; a write in each direction at once is the only
-//! case here, and each uses a few thread blocks.
+//! their kernels cannot all be resident. Here the writer and every peer's receive
+//! thread may run a group at once (one communicator each); each uses a few thread
+//! blocks, so a handful of peers per GPU stays far from that limit.
 //!
 //! # Two ranks, one GPU
 //!
@@ -572,9 +580,14 @@ impl NcclTransport {
         let mut version = 0;
         // SAFETY: a valid out-pointer; the library is present.
         let r = unsafe { nc::ncclGetVersion(&mut version) };
-        if r != nc::ncclResult_t::ncclSuccess || version < MIN_NCCL {
+        if r != nc::ncclResult_t::ncclSuccess {
             return Err(unavailable(format!(
-                "NCCL {version} is loaded; this transport needs 2.19 or later (code {MIN_NCCL})"
+                "the loaded libnccl.so does not report its version ({r:?}): install NCCL 2.19 or later"
+            )));
+        }
+        if version < MIN_NCCL {
+            return Err(unavailable(format!(
+                "NCCL version code {version} is loaded; this transport needs 2.19 or later (code {MIN_NCCL})"
             )));
         }
         cudarc::driver::result::init().map_err(|e| unavailable(format!("cuInit: {e:?}")))?;
@@ -731,8 +744,9 @@ impl NcclTransport {
         let r = unsafe {
             nc::ncclCommInitRankConfig(&mut c, 2, uid, if sending { 0 } else { 1 }, &mut cfg)
         };
-        nccl("ncclCommInitRankConfig", r)?;
+        // Owned (and aborted when dropped) even when the call failed after creating it.
         let comm = Comm(c);
+        nccl("ncclCommInitRankConfig", r)?;
         comm.settle(deadline, None)
             .map_err(|w| timed("joining", w))?;
         let p = self.scratch;
@@ -743,26 +757,31 @@ impl NcclTransport {
     }
 
     /// The writer's way out after the receiver acknowledged header `seq`: our kernels
-    /// stop, the receiver is asked to stop its own, and its answer decides whether
-    /// anything may still land. The caller drops the pair.
-    fn give_up(p: &mut Peer, seq: u64, why: String, grace: Duration) -> TransportError {
+    /// stop, the receiver is asked to stop its own, and its answer decides: `Done`
+    /// (everything had landed, the notification is filed) is `Ok`, `Failed` (it
+    /// stopped) is [`TransportError::Failed`], no answer is
+    /// [`TransportError::InFlight`]. The caller drops the pair in every case.
+    fn give_up(p: &mut Peer, seq: u64, why: String, grace: Duration) -> Result<(), TransportError> {
         p.out.abort();
         if send_ctrl(&mut p.ctrl, &Ctrl::Abort { seq }).is_err() {
-            return in_flight(format!(
+            return Err(in_flight(format!(
                 "{why}; the receiver could not be told to stop (control connection lost)"
-            ));
+            )));
         }
         match recv_ctrl(&mut p.ctrl, Instant::now() + grace) {
-            Ok(Ctrl::Failed { seq: s, .. } | Ctrl::Done { seq: s }) if s == seq => failed(
+            Ok(Ctrl::Done { seq: s }) if s == seq => Ok(()),
+            Ok(Ctrl::Failed { seq: s, .. }) if s == seq => Err(failed(
                 "write",
                 format!("{why}; the receiver stopped, nothing lands any more"),
-            ),
+            )),
             // Anything else after its Ack: the protocol is broken, the state of the
             // receives unknown.
-            Ok(other) => in_flight(format!("{why}; then the receiver sent {other:?}")),
-            Err(e) => in_flight(format!(
+            Ok(other) => Err(in_flight(format!(
+                "{why}; then the receiver sent {other:?}"
+            ))),
+            Err(e) => Err(in_flight(format!(
                 "{why}; the receiver did not confirm it stopped ({e})"
-            )),
+            ))),
         }
     }
 }
@@ -846,6 +865,9 @@ fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
 
 /// Everything a receive thread owns.
 struct ReceiveSide {
+    /// The pair's other control connection (our writer's): shut down when this side
+    /// ends, so that the peer's receive thread sees the pair break too.
+    writer_ctrl: TcpStream,
     ctx: Arc<CudaContext>,
     peer: PeerId,
     comm: Comm,
@@ -867,6 +889,7 @@ impl ReceiveSide {
         }
         self.comm.abort();
         self.alive.store(false, Ordering::Relaxed);
+        let _ = self.writer_ctrl.shutdown(std::net::Shutdown::Both);
     }
 
     fn serve(&mut self) -> Result<(), String> {
@@ -886,7 +909,13 @@ impl ReceiveSide {
             match self.ctrl.peek(&mut [0u8; 1]) {
                 Ok(0) => return Err("the writer closed the control connection".into()),
                 Ok(_) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                // A signal (job control, a profiler) interrupts the wait: not an error.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) =>
+                {
                     continue
                 }
                 Err(e) => return Err(format!("control connection: {e}")),
@@ -911,8 +940,7 @@ impl ReceiveSide {
             });
             if let Some((index, &(mem, dst, len))) = bad {
                 let why = format!(
-                    "segment {index} of the write ({len} bytes of {mem:?} at {dst:#x}) lies outside {:?}'s registered memory",
-                    self.peer.0
+                    "segment {index} of the write (counting its non-empty segments across batches: {len} bytes of {mem:?} at {dst:#x}) lies outside the receiver's registered memory"
                 );
                 tracing::warn!(peer = %self.peer.0, "nccl: refused a write: {why}");
                 send_ctrl(&mut self.ctrl, &Ctrl::Refused { seq, why })
@@ -934,7 +962,8 @@ impl ReceiveSide {
                 let (ctrl, stop) = (&mut self.ctrl, &self.stop);
                 wait_until(&stream, &self.comm, deadline, Some(stop), || {
                     // The writer gave up (Abort) or is gone: stop at once.
-                    match poll_ctrl(ctrl, self.timeout) {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match poll_ctrl(ctrl, left) {
                         Ok(None) => None,
                         Ok(Some(Ctrl::Abort { .. })) => {
                             Some(WaitEnd::Failed(failed("receive", "the writer gave up")))
@@ -1069,6 +1098,7 @@ impl KvTransport for NcclTransport {
         let stop = Arc::new(AtomicBool::new(false));
         let alive = Arc::new(AtomicBool::new(true));
         let side = ReceiveSide {
+            writer_ctrl: ctrl.try_clone().map_err(io("connect"))?,
             ctx: self.ctx.clone(),
             peer: id.clone(),
             comm: inc,
@@ -1168,11 +1198,15 @@ impl KvTransport for NcclTransport {
                 self.peers.remove(peer);
                 let why = match other {
                     Ok(f) => format!("unexpected answer {f:?} to write {seq}"),
+                    Err(TransportError::Failed { detail, .. }) => detail,
                     Err(e) => e.to_string(),
                 };
                 return Err(failed(
                     "write",
-                    format!("{} ({why}): connect again", peer.0),
+                    format!(
+                        "{} did not acknowledge the write ({why}); nothing was sent and the pair is dropped: connect again",
+                        peer.0
+                    ),
                 ));
             }
         }
@@ -1196,7 +1230,8 @@ impl KvTransport for NcclTransport {
                 let mut early = None;
                 let r = wait_until(&self.stream, &p.out, deadline, None, || {
                     // The receiver's failure (or the connection's) ends the wait.
-                    match poll_ctrl(ctrl, timeout) {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match poll_ctrl(ctrl, left) {
                         Ok(None) => None,
                         Ok(Some(f)) => {
                             early = Some(f);
@@ -1210,52 +1245,48 @@ impl KvTransport for NcclTransport {
                     (r, _) => r.map(|()| None),
                 }
             });
-        let outcome = match sent {
+        let grace = GRACE.min(timeout);
+        let unexpected = |other: &Ctrl| format!("unexpected answer {other:?} to write {seq}");
+        // `(outcome, keep the pair)`.
+        let (outcome, keep) = match sent {
             // Our sends are done; the receiver's answer follows.
             Ok(None) => match recv_ctrl(&mut p.ctrl, deadline) {
-                Ok(Ctrl::Done { seq: s }) if s == seq => Ok(()),
-                Ok(Ctrl::Failed { seq: s, why }) if s == seq => {
-                    Err(failed("write", format!("{} failed: {why}", peer.0)))
-                }
-                Ok(other) => Err(Self::give_up(
-                    p,
-                    seq,
-                    format!("unexpected answer {other:?} to write {seq}"),
-                    GRACE.min(timeout),
-                )),
-                Err(e) => Err(Self::give_up(p, seq, e.to_string(), GRACE.min(timeout))),
+                Ok(Ctrl::Done { seq: s }) if s == seq => (Ok(()), true),
+                Ok(Ctrl::Failed { seq: s, why }) if s == seq => (
+                    Err(failed("write", format!("{} failed: {why}", peer.0))),
+                    false,
+                ),
+                Ok(other) => (Self::give_up(p, seq, unexpected(&other), grace), false),
+                Err(e) => (Self::give_up(p, seq, e.to_string(), grace), false),
             },
-            // The receiver answered while our sends ran.
-            Ok(Some(Ctrl::Done { seq: s })) if s == seq => Ok(()),
-            Ok(Some(Ctrl::Failed { seq: s, why })) if s == seq => {
-                Err(failed("write", format!("{} failed: {why}", peer.0)))
+            // The receiver answered while our sends ran. Everything landed; our group
+            // must have finished too before the communicator takes another one.
+            Ok(Some(Ctrl::Done { seq: s })) if s == seq => {
+                let ours = wait_until(&self.stream, &p.out, deadline, None, || None);
+                (Ok(()), ours.is_ok())
             }
-            Ok(Some(other)) => Err(Self::give_up(
-                p,
-                seq,
-                format!("unexpected answer {other:?} to write {seq}"),
-                GRACE.min(timeout),
-            )),
+            Ok(Some(Ctrl::Failed { seq: s, why })) if s == seq => (
+                Err(failed("write", format!("{} failed: {why}", peer.0))),
+                false,
+            ),
+            Ok(Some(other)) => (Self::give_up(p, seq, unexpected(&other), grace), false),
             Err(w) => {
                 let why = match w {
                     WaitEnd::Failed(e) => e.to_string(),
                     _ => format!("the sends did not complete within {timeout:?}"),
                 };
-                Err(Self::give_up(p, seq, why, GRACE.min(timeout)))
+                (Self::give_up(p, seq, why, grace), false)
             }
         };
-        match outcome {
-            Ok(()) => Ok(WriteReport {
-                descriptors: segments.len(),
-                bytes: segments.iter().map(|(_, s)| s.len).sum(),
-                elapsed: t0.elapsed(),
-            }),
-            Err(e) => {
-                // The pair is broken: our communicator stops, the peer must reconnect.
-                self.peers.remove(peer);
-                Err(e)
-            }
+        if !keep {
+            // The pair is broken: our communicator stops, the peer must reconnect.
+            self.peers.remove(peer);
         }
+        outcome.map(|()| WriteReport {
+            descriptors: segments.len(),
+            bytes: segments.iter().map(|(_, s)| s.len).sum(),
+            elapsed: t0.elapsed(),
+        })
     }
 
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
