@@ -6,7 +6,8 @@
 //!   unchanged, and the decode engine reuses the imported blocks (shared blocks already
 //!   there are skipped);
 //! * leaving the indexer pools, or the draft cache, out of the transfer is caught;
-//! * a failed or partial transfer leaves both engines clean, and bad imports are refused.
+//! * a failed or partial transfer leaves both engines clean, and bad imports are refused;
+//! * both engines keep serving other requests while a transfer is open.
 #[path = "../examples/common/disagg.rs"]
 mod disagg;
 
@@ -257,4 +258,155 @@ fn two_device_engines_move_every_devices_pages() {
     assert_eq!(r.pages, 24);
     assert_eq!(r.uncoalesced, 48);
     assert_eq!(r.descriptors, 8);
+}
+
+/// Both engines keep serving while a transfer is open: the exporter runs three more
+/// requests under eviction pressure (it evicts and offloads other cached blocks, more
+/// recently used than the exported ones), the importer runs its own request between
+/// reserving pages and committing them. The exported pages' bytes do not change while
+/// exported, the reserved pages hold exactly the exporter's bytes at the commit, the
+/// import is served afterwards, and both engines keep their invariants. (The pins
+/// themselves are proven by `core::transfer_tests`: removing the pin check from
+/// `is_evictable` fails those, not this test, whose engine finds room without moving
+/// held pages.)
+#[test]
+fn transfers_overlap_with_serving_on_both_engines() {
+    use dsa_kv::core::scheduler::SubmitRequest;
+    use dsa_kv::transfer::push_plan;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // Sequences up to 640 tokens; 28 blocks per engine (target and draft alike).
+        // A host tier too: a held page could be offloaded there, unless it is pinned.
+        let start = || disagg::bench_engine_with(2, 6, "host", 0, 1, Some(64 << 20));
+        let (a, b) = (start().await.unwrap(), start().await.unwrap());
+        let (ra, rb) = (
+            a.transfer_regions().await.unwrap(),
+            b.transfer_regions().await.unwrap(),
+        );
+        let (mut ta, mut tb) = (LocalTransport::new("ov-a"), LocalTransport::new("ov-b"));
+        // SAFETY: the engines' own pools, alive until the end of this block (the
+        // transports are dropped first); only pages an import reserved are written.
+        let peer = unsafe {
+            ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
+                .unwrap();
+            tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
+                .unwrap();
+            tb.connect(&ta.local_metadata().unwrap()).unwrap();
+            ta.connect(&tb.local_metadata().unwrap()).unwrap()
+        };
+        let prompt = |id: u32, blocks: u32| -> Vec<TokenId> {
+            (0..blocks * 64 + 1)
+                .map(|t| TokenId(id * 100_000 + t))
+                .collect()
+        };
+        let submit = |kv: &dsa_kv::actors::KvCacheHandle, id: u64, p: Vec<TokenId>| {
+            let kv = kv.clone();
+            async move {
+                kv.submit(SubmitRequest {
+                    id: RequestId(id),
+                    scope: SCOPE,
+                    prompt: p,
+                    max_new_tokens: 8,
+                    priority: 35,
+                })
+                .await
+                .unwrap()
+            }
+        };
+        let finish = |kv: &dsa_kv::actors::KvCacheHandle| {
+            let kv = kv.clone();
+            async move {
+                for _ in 0..10_000 {
+                    if !disagg::step_synthetic(&kv).await.unwrap() {
+                        return;
+                    }
+                }
+                panic!("the engine did not finish its requests");
+            }
+        };
+        // Engine A prefills request 1 (4 blocks), then requests 5 and 6 (4 blocks each,
+        // cached after them), and exports request 1's blocks: the least recently used
+        // ones, the first an eviction would pick if pins did not hold.
+        let p1 = prompt(1, 4);
+        submit(&a, 1, p1.clone()).await;
+        finish(&a).await;
+        for id in [5, 6] {
+            submit(&a, id, prompt(id as u32, 4)).await;
+            finish(&a).await;
+        }
+        let export = a
+            .export_blocks(RequestId(1), SCOPE, &p1[..256])
+            .await
+            .unwrap();
+        assert_eq!(export.blocks.len(), 4);
+        // SAFETY: A's pools; the blocks are pinned by the export until released below.
+        let pinned = unsafe { disagg::block_digests(&ra, &export.blocks) }.unwrap();
+        // A serves requests 2, 4 and 7 (10 blocks each with their tokens) while the
+        // export is open: 12 of its 28 blocks are cached (4 pinned), so A must evict and
+        // offload around the pins (the export's held pages would be next if they were
+        // not pinned).
+        submit(&a, 2, prompt(2, 9)).await;
+        submit(&a, 4, prompt(4, 9)).await;
+        submit(&a, 7, prompt(7, 9)).await;
+        for _ in 0..3 {
+            disagg::step_synthetic(&a).await.unwrap();
+        }
+        // B serves request 3 and reserves pages for the import in the middle of it.
+        submit(&b, 3, prompt(3, 6)).await;
+        disagg::step_synthetic(&b).await.unwrap();
+        let mut ticket = b.begin_import(&export).await.unwrap();
+        for _ in 0..3 {
+            if ticket.is_some() {
+                break;
+            }
+            disagg::step_synthetic(&b).await.unwrap();
+            ticket = b.begin_import(&export).await.unwrap();
+        }
+        let ticket = ticket.expect("B found room for the import");
+        for _ in 0..2 {
+            disagg::step_synthetic(&a).await.unwrap();
+            disagg::step_synthetic(&b).await.unwrap();
+        }
+        let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
+        push_plan(&mut ta, &peer, &ticket, &plan, b"req-1").unwrap();
+        // SAFETY: as above: still pinned.
+        let before_release = unsafe { disagg::block_digests(&ra, &export.blocks) }.unwrap();
+        assert_eq!(before_release, pinned, "A's serving changed pinned pages");
+        a.release_export(RequestId(1)).await.unwrap();
+        assert!(tb
+            .take_notifications()
+            .unwrap()
+            .iter()
+            .any(|(_, m)| m == b"req-1"));
+        // B keeps serving request 3 between the bytes landing and the commit.
+        disagg::step_synthetic(&b).await.unwrap();
+        // SAFETY: B's pools; the import's reserved pages, whose bytes have landed.
+        let landed = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
+        assert_eq!(landed, pinned, "the reserved pages differ from the export");
+        b.commit_import(RequestId(1)).await.unwrap();
+        finish(&a).await;
+        finish(&b).await;
+        assert_eq!(b.probe_reuse(SCOPE, &p1).await.unwrap(), 256);
+        // The pressure was real: A evicted (or offloaded) blocks of request 5, which
+        // were more recently used than the pinned ones.
+        let sa = a.stats().await.unwrap();
+        let r5 = a.probe_reuse(SCOPE, &prompt(5, 4)).await.unwrap();
+        eprintln!(
+            "A: request 5 would reuse {r5} tokens; {} bytes offloaded",
+            sa.offload_bytes
+        );
+        assert!(
+            r5 < 256 || sa.offload_bytes > 0,
+            "no eviction happened: {sa:?}"
+        );
+        a.check_invariants().await.unwrap();
+        b.check_invariants().await.unwrap();
+        drop((ta, tb));
+        a.shutdown().await;
+        b.shutdown().await;
+    });
 }

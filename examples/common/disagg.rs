@@ -986,24 +986,30 @@ fn dtod(backend: &str, gpu: usize, bytes: u64) -> Result<Option<f64>, BoxError> 
 
 async fn run_synthetic(kv: &KvCacheHandle) -> Result<(), BoxError> {
     for _ in 0..100_000 {
-        let report = kv.step(HashMap::new()).await?;
-        let outs: Vec<RequestOutcome> = report
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s.produces_token.then_some(TokenId(7)),
-            })
-            .collect();
-        if !outs.is_empty() {
-            kv.commit(outs).await?;
-        }
-        if kv.counters().in_flight == 0 {
+        if !step_synthetic(kv).await? {
             return Ok(());
         }
     }
     Err("the request did not finish".into())
+}
+
+/// One step of an engine with synthetic KV: every scheduled request that produces a
+/// token gets token 7. Whether requests are still in flight after it.
+pub async fn step_synthetic(kv: &KvCacheHandle) -> Result<bool, BoxError> {
+    let report = kv.step(HashMap::new()).await?;
+    let outs: Vec<RequestOutcome> = report
+        .scheduled
+        .iter()
+        .map(|s| RequestOutcome {
+            id: s.id,
+            accepted_drafts: 0,
+            next_token: s.produces_token.then_some(TokenId(7)),
+        })
+        .collect();
+    if !outs.is_empty() {
+        kv.commit(outs).await?;
+    }
+    Ok(kv.counters().in_flight > 0)
 }
 
 /// An engine for [`bench`]: DeepSeek-V3.2 page sizes with `layers` layers, an MTP draft
@@ -1016,6 +1022,18 @@ pub async fn bench_engine(
     gpu: usize,
     devices: usize,
 ) -> Result<KvCacheHandle, BoxError> {
+    bench_engine_with(layers, blocks, backend, gpu, devices, None).await
+}
+
+/// [`bench_engine`] with a host tier of `host_bytes` (`None`: the default).
+pub async fn bench_engine_with(
+    layers: usize,
+    blocks: usize,
+    backend: &str,
+    gpu: usize,
+    devices: usize,
+    host_bytes: Option<u64>,
+) -> Result<KvCacheHandle, BoxError> {
     let mut c = EngineConfig::default();
     c.model.num_layers = Some(layers as u32);
     c.spec_decode.mode = SpecMode::Mtp;
@@ -1023,6 +1041,7 @@ pub async fn bench_engine(
     c.kv_cache.max_tokens = Some((blocks as u64 + 4) * 64 * 2);
     c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
     c.scheduler.max_num_tokens = 4096;
+    c.kv_cache.host_cache_size = host_bytes;
     let b = KvCacheBuilder::new().config(c).host_devices(devices);
     let b = match backend {
         #[cfg(feature = "cuda")]
