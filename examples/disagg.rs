@@ -13,7 +13,7 @@
 //! cargo run --release --features nixl --example disagg -- --transport nixl
 //! # two threads of one process, no NIXL needed
 //! cargo run --release --example disagg -- --transport local
-//! # two processes over NCCL (CUDA backend; libnccl.so.2 on LD_LIBRARY_PATH)
+//! # two processes over NCCL (CUDA backend; libnccl.so on the library path)
 //! cargo run --release --features nccl --example disagg -- --transport nccl --backend cuda \
 //!     --prefill-gpu 0 --decode-gpu 1
 //! # two hosts: on the decode host, then on the prefill host
