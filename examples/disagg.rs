@@ -85,6 +85,10 @@ struct Args {
     /// nixl), or of two processes (nccl: one rank per process).
     #[arg(long)]
     bench_blocks: Option<usize>,
+    /// With `--bench-blocks`: run the two engines in two processes for every transport
+    /// (NCCL always does). Some paths exist only between processes (CUDA IPC).
+    #[arg(long)]
+    bench_two_processes: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -250,7 +254,7 @@ fn run(a: &Args) -> Result<Option<Outcome>, BoxError> {
 }
 
 fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
-    let r = if a.transport == "nccl" {
+    let r = if a.transport == "nccl" || (a.bench_two_processes && a.transport != "local") {
         // One rank per process: the decode side is a child, as in a run.
         match run(a)? {
             Some(Outcome::Bench(r)) => r,
