@@ -65,7 +65,8 @@ struct Args {
     /// Model layers.
     #[arg(long, default_value_t = 2)]
     layers: usize,
-    /// `host` or `cuda`.
+    /// `host`, `cuda`, or `cuda-ipc` (the CUDA backend with `cuMemAlloc` pools that
+    /// CUDA IPC exports: NIXL between processes on one host maps them directly).
     #[arg(long, default_value = "host")]
     backend: String,
     /// GPU of the prefill engine.

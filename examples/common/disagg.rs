@@ -172,8 +172,11 @@ impl Engine {
                     .forward(ModelForward::speculative(model, outputs.clone(), drafts))
             }
             #[cfg(feature = "cuda")]
-            "cuda" => b
-                .backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu]))
+            "cuda" | "cuda-ipc" => b
+                .backend(dsa_kv::cuda::CudaDevice::factory_with(
+                    vec![gpu],
+                    pool_alloc(&s.backend),
+                ))
                 .host_devices(1)
                 .forward(dsa_kv::model::cuda::CudaModelForward::speculative(
                     model,
@@ -482,6 +485,17 @@ fn memcpy_gb_per_s(bytes: u64) -> f64 {
         std::hint::black_box(&mut dst);
     }
     (n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// The GPU pool allocation of a backend name: `cuda-ipc` is the CUDA backend with
+/// pools a transport between processes maps directly (`GpuPoolAlloc::Ipc`).
+#[cfg(feature = "cuda")]
+pub fn pool_alloc(backend: &str) -> dsa_kv::cuda::GpuPoolAlloc {
+    if backend == "cuda-ipc" {
+        dsa_kv::cuda::GpuPoolAlloc::Ipc
+    } else {
+        dsa_kv::cuda::GpuPoolAlloc::Vmm
+    }
 }
 
 /// Device-to-device copy bandwidth of `bytes` on GPU `gpu` (the ceiling of a transfer
@@ -976,7 +990,7 @@ pub struct BenchReport {
 fn dtod(backend: &str, gpu: usize, bytes: u64) -> Result<Option<f64>, BoxError> {
     match backend {
         #[cfg(feature = "cuda")]
-        "cuda" => Ok(Some(dtod_gb_per_s(gpu, bytes)?)),
+        "cuda" | "cuda-ipc" => Ok(Some(dtod_gb_per_s(gpu, bytes)?)),
         _ => {
             let _ = (gpu, bytes);
             Ok(None)
@@ -1045,7 +1059,10 @@ pub async fn bench_engine_with(
     let b = KvCacheBuilder::new().config(c).host_devices(devices);
     let b = match backend {
         #[cfg(feature = "cuda")]
-        "cuda" => b.backend(dsa_kv::cuda::CudaDevice::factory(vec![gpu; devices])),
+        "cuda" | "cuda-ipc" => b.backend(dsa_kv::cuda::CudaDevice::factory_with(
+            vec![gpu; devices],
+            pool_alloc(backend),
+        )),
         "host" => b,
         other => {
             return Err(format!("unknown or unavailable backend {other:?} (gpu {gpu})").into())

@@ -13,7 +13,7 @@ use std::time::Instant;
 use cudarc::driver::CudaEvent;
 
 use super::metadata::DeviceMetadata;
-use super::{CudaError, CudaStorage, Gpu};
+use super::{CudaError, CudaStorage, Gpu, GpuPoolAlloc};
 use crate::core::scheduler::StepPlan;
 use crate::device::backend::{
     pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
@@ -62,6 +62,16 @@ impl CudaDevice {
     /// Opens GPU `ordinal` for device index `index` and allocates its pools (VMM), host
     /// tier (pinned) and metadata buffers.
     pub fn new(index: usize, ordinal: usize, setup: DeviceSetup) -> Result<Self, DeviceError> {
+        Self::with_pools(index, ordinal, setup, GpuPoolAlloc::Vmm)
+    }
+
+    /// [`new`](Self::new) with the GPU pools allocated as `alloc` says.
+    pub fn with_pools(
+        index: usize,
+        ordinal: usize,
+        setup: DeviceSetup,
+        alloc: GpuPoolAlloc,
+    ) -> Result<Self, DeviceError> {
         let cuda = |source: CudaError| DeviceError::Backend {
             device: index,
             source: source.into(),
@@ -84,7 +94,8 @@ impl CudaDevice {
         let gpu = Gpu::open(ordinal).map_err(cuda)?;
         let (g, h) = (&setup.target_slots.0, &setup.target_slots.1);
         let cache = |plan: &crate::layout::PoolPlan| -> Result<GpuCache, DeviceError> {
-            let dev = CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR).map_err(storage)?;
+            let dev = CudaStorage::new(gpu.clone(), plan, g, h, RESERVE_FACTOR, alloc)
+                .map_err(storage)?;
             let view = StepCore::cache_view(index, &setup, plan, |p| Region {
                 addr: dev.pool_ptr(Tier::Gpu, p.pool_group, p.pool.get()),
                 bytes: dev.pool_len(Tier::Gpu, p.pool_group, p.pool.get()),
@@ -127,6 +138,12 @@ impl CudaDevice {
 
     /// A [`BackendFactory`] that puts device index `i` on GPU `ordinals[i]`.
     pub fn factory(ordinals: Vec<usize>) -> BackendFactory {
+        Self::factory_with(ordinals, GpuPoolAlloc::Vmm)
+    }
+
+    /// [`factory`](Self::factory) with the GPU pools allocated as `alloc` says
+    /// ([`GpuPoolAlloc::Ipc`]: pools a KV transport between processes maps directly).
+    pub fn factory_with(ordinals: Vec<usize>, alloc: GpuPoolAlloc) -> BackendFactory {
         Arc::new(move |i, setup| {
             let ordinal = *ordinals.get(i).ok_or_else(|| DeviceError::Backend {
                 device: i,
@@ -138,7 +155,8 @@ impl CudaDevice {
                 }
                 .into(),
             })?;
-            Ok(Box::new(CudaDevice::new(i, ordinal, setup)?) as Box<dyn DeviceBackend>)
+            Ok(Box::new(CudaDevice::with_pools(i, ordinal, setup, alloc)?)
+                as Box<dyn DeviceBackend>)
         })
     }
 

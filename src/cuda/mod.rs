@@ -41,7 +41,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 pub use buffers::{DeviceBuffer, PinnedHost, Plain};
 pub use device::CudaDevice;
 pub use kernels::Kernels;
-pub use storage::CudaStorage;
+pub use storage::{CudaStorage, GpuPoolAlloc};
 pub use vmm::VmmPool;
 
 /// The architecture the kernels are compiled for (H100 / H200).

@@ -42,16 +42,31 @@ impl std::fmt::Debug for CudaStorage {
     }
 }
 
+/// How a device's GPU pools are allocated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuPoolAlloc {
+    /// VMM (`cuMemCreate` chunks mapped into a reserved range): pools can grow in place
+    /// and be shared with peer devices. The default.
+    #[default]
+    Vmm,
+    /// `cuMemAlloc`, fixed size: exportable by legacy CUDA IPC, so a KV transport
+    /// between processes on one host maps the pools directly (UCX's `cuda_ipc` under
+    /// NIXL) instead of staging the bytes through host memory. No growth, no peer
+    /// sharing.
+    Ipc,
+}
+
 impl CudaStorage {
-    /// Zeroed pools for `plan` on `gpu` (`host_slots` empty: no host tier). Each GPU pool
-    /// reserves `reserve_factor ×` its initial size of address space so it can grow in
-    /// place.
+    /// Zeroed pools for `plan` on `gpu` (`host_slots` empty: no host tier). With
+    /// [`GpuPoolAlloc::Vmm`] each GPU pool reserves `reserve_factor ×` its initial size
+    /// of address space so it can grow in place.
     pub fn new(
         gpu: Arc<Gpu>,
         plan: &PoolPlan,
         gpu_slots: &[u32],
         host_slots: &[u32],
         reserve_factor: usize,
+        alloc: GpuPoolAlloc,
     ) -> Result<Self, StorageError> {
         let groups = plan.pool_groups().len();
         let slot_bytes: Vec<Vec<u64>> = plan
@@ -74,7 +89,10 @@ impl CudaStorage {
             let mut pools = Vec::with_capacity(sizes.len());
             for &sb in sizes {
                 let bytes = (sb * u64::from(gpu_slots[g])) as usize;
-                pools.push(VmmPool::new(&gpu, bytes * reserve_factor.max(1), bytes)?);
+                pools.push(match alloc {
+                    GpuPoolAlloc::Vmm => VmmPool::new(&gpu, bytes * reserve_factor.max(1), bytes)?,
+                    GpuPoolAlloc::Ipc => VmmPool::ipc(&gpu, bytes)?,
+                });
             }
             gpu_pools.push(pools);
             if !host_slots.is_empty() {

@@ -769,6 +769,39 @@ fn slot_mapping_recompute_matches_host() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn ipc_pools_are_zeroed_fixed_and_exportable() {
+    let g = gpu();
+    let mut pool = VmmPool::ipc(&g, 3 << 20).unwrap();
+    let base = pool.base();
+    assert_eq!(pool.mapped(), 4 << 20, "rounded up to whole granules");
+    let mut back = vec![1u8; pool.mapped()];
+    unsafe { g.download_raw(base, &mut back).unwrap() };
+    assert!(back.iter().all(|&b| b == 0), "zeroed");
+    let pattern: Vec<u8> = (0..pool.mapped()).map(|i| (i * 7 % 251) as u8).collect();
+    let staging = buf(&g, &pattern);
+    device_copy(&g, base, staging.ptr(), pattern.len());
+    assert!(pool.grow_to(8 << 20).is_err(), "a fixed pool does not grow");
+    pool.shrink_to(1 << 20).unwrap();
+    assert_eq!((pool.base(), pool.mapped()), (base, 4 << 20), "nor shrink");
+    assert!(pool.grant_peer(g.ordinal() + 1).is_err(), "nor share");
+    unsafe { g.download_raw(base, &mut back).unwrap() };
+    assert!(back == pattern, "the contents stay");
+    // What makes it worth having: legacy CUDA IPC can export it (VMM pools cannot).
+    g.bind().unwrap();
+    let mut handle = cudarc::driver::sys::CUipcMemHandle { reserved: [0; 64] };
+    let r = unsafe { cudarc::driver::sys::cuIpcGetMemHandle(&mut handle, base) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    let vmm = VmmPool::new(&g, 4 << 20, 4 << 20).unwrap();
+    let r = unsafe { cudarc::driver::sys::cuIpcGetMemHandle(&mut handle, vmm.base()) };
+    assert_ne!(
+        r,
+        cudarc::driver::sys::CUresult::CUDA_SUCCESS,
+        "VMM memory is not IPC-exportable"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn vmm_pools_grow_and_shrink_in_place() {
     let g = gpu();
     let mut pool = VmmPool::new(&g, 64 << 20, 3 << 20).unwrap();
@@ -905,7 +938,7 @@ fn copy_plans_match_host_storage() {
     let groups = plan.pool_groups().len();
     let (gs, hs) = (vec![24u32; groups], vec![16u32; groups]);
     let mut host = HostStorage::new(&plan, &gs, &hs).unwrap();
-    let mut dev = CudaStorage::new(g.clone(), &plan, &gs, &hs, 2).unwrap();
+    let mut dev = CudaStorage::new(g.clone(), &plan, &gs, &hs, 2, GpuPoolAlloc::Vmm).unwrap();
     // Same random contents on both.
     for gi in 0..groups {
         for p in 0..plan.pool_groups()[gi].pools.len() {

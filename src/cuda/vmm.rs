@@ -22,6 +22,9 @@ pub struct VmmPool {
     mapped: usize,
     /// Devices with read/write access (this device first).
     access: Vec<i32>,
+    /// A plain `cuMemAlloc` allocation of fixed size ([`VmmPool::ipc`]) instead of
+    /// reserved and mapped chunks.
+    legacy: bool,
 }
 
 // SAFETY: the handles and addresses are plain values owned by this pool.
@@ -72,6 +75,47 @@ pub fn granularity(gpu: &Gpu) -> Result<usize, CudaError> {
 }
 
 impl VmmPool {
+    /// `bytes` zeroed bytes from `cuMemAlloc` (at least one granule): a fixed-size pool
+    /// that legacy CUDA IPC can export, so that a transport between processes (UCX's
+    /// `cuda_ipc` under NIXL) maps it instead of staging the bytes through the host.
+    /// It cannot grow or be shared with peer devices.
+    pub fn ipc(gpu: &Gpu, bytes: usize) -> Result<Self, CudaError> {
+        let granularity = granularity(gpu)?;
+        let size = bytes.max(1).next_multiple_of(granularity);
+        let mut base = 0;
+        // SAFETY: valid out-pointer; the context is current (granularity bound it).
+        let r = unsafe { sys::cuMemAlloc_v2(&mut base, size) };
+        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(CudaError::OutOfMemory {
+                device: gpu.ordinal(),
+                bytes: size as u64,
+                what: "an IPC-capable pool",
+            });
+        }
+        check(gpu.ordinal(), "cuMemAlloc", r)?;
+        let pool = VmmPool {
+            device: gpu.ordinal(),
+            ctx: gpu.context().clone(),
+            base,
+            reserved: size,
+            granularity,
+            chunks: Vec::new(),
+            mapped: size,
+            access: vec![gpu.ordinal() as i32],
+            legacy: true,
+        };
+        // Fresh memory is not guaranteed to be zero; the memset may run on the legacy
+        // stream, which our streams do not wait for. (Dropped on failure: freed.)
+        // SAFETY: `size` bytes allocated above.
+        check(pool.device, "cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(base, 0, size)
+        })?;
+        pool.ctx
+            .synchronize()
+            .map_err(|e| super::driver_error(pool.device, "cuCtxSynchronize", e))?;
+        Ok(pool)
+    }
+
     /// Reserves `max_bytes` of address space on `gpu` and maps `initial_bytes`.
     pub fn new(gpu: &Gpu, max_bytes: usize, initial_bytes: usize) -> Result<Self, CudaError> {
         let granularity = granularity(gpu)?;
@@ -90,6 +134,7 @@ impl VmmPool {
             chunks: Vec::new(),
             mapped: 0,
             access: vec![gpu.ordinal() as i32],
+            legacy: false,
         };
         pool.grow_to(initial_bytes)?;
         Ok(pool)
@@ -148,13 +193,20 @@ impl VmmPool {
         if bytes <= self.mapped {
             return Ok(());
         }
-        if bytes > self.reserved {
+        if bytes > self.reserved || self.legacy {
             return Err(CudaError::Invalid {
                 device: self.device,
-                what: format!(
-                    "pool growth to {bytes} bytes exceeds its reserved range of {} bytes",
-                    self.reserved
-                ),
+                what: if self.legacy {
+                    format!(
+                        "an IPC-capable pool has a fixed size ({} bytes): it cannot grow to {bytes}",
+                        self.reserved
+                    )
+                } else {
+                    format!(
+                        "pool growth to {bytes} bytes exceeds its reserved range of {} bytes",
+                        self.reserved
+                    )
+                },
             });
         }
         self.bind()?;
@@ -240,6 +292,10 @@ impl VmmPool {
     /// Unmaps whole chunks from the end while at least `bytes` stay mapped. The caller
     /// guarantees no queued work touches the released range.
     pub fn shrink_to(&mut self, bytes: usize) -> Result<(), CudaError> {
+        if self.legacy {
+            // A fixed allocation keeps its size.
+            return Ok(());
+        }
         self.bind()?;
         let mut keep = self.chunks.len();
         let mut mapped = self.mapped;
@@ -256,6 +312,14 @@ impl VmmPool {
         if self.access.contains(&p) {
             return Ok(());
         }
+        if self.legacy {
+            return Err(CudaError::Invalid {
+                device: self.device,
+                what: format!(
+                    "an IPC-capable pool cannot be shared with device {peer}: use VMM pools for tensor parallelism"
+                ),
+            });
+        }
         self.bind()?;
         let mut at = self.base;
         for &(_, size) in &self.chunks {
@@ -270,6 +334,11 @@ impl VmmPool {
 impl Drop for VmmPool {
     fn drop(&mut self) {
         if self.bind().is_err() {
+            return;
+        }
+        if self.legacy {
+            // SAFETY: allocated by `ipc` and not freed before.
+            let _ = unsafe { sys::cuMemFree_v2(self.base) };
             return;
         }
         // SAFETY: every chunk was mapped by this pool; the range was reserved by it.
