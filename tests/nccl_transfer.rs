@@ -8,7 +8,11 @@
 //! script), where it fails with that message. With one GPU both processes use it: the
 //! child gets its own `NCCL_HOSTID` (see `dsa_kv::transfer::nccl`).
 
-use std::io::{Read, Write};
+#[path = "common/frames.rs"]
+mod frames;
+
+use frames::{pattern, recv_frame, send_frame};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -32,23 +36,6 @@ const GOOD: [&[(usize, usize, usize)]; 2] = [
     &[(0, 4096, 4096), (8192, 65536, 300_001)],
     &[(20483, 500_003, 5000)],
 ];
-
-fn pattern(i: usize) -> u8 {
-    (i.wrapping_mul(31).wrapping_add(7) % 251) as u8 + 1 // never 0
-}
-
-fn send_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(b.len() as u64).to_le_bytes())?;
-    s.write_all(b)
-}
-
-fn recv_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    let mut n = [0u8; 8];
-    s.read_exact(&mut n)?;
-    let mut b = vec![0u8; u64::from_le_bytes(n) as usize];
-    s.read_exact(&mut b)?;
-    Ok(b)
-}
 
 /// GPU 0's context and a device buffer holding `bytes`.
 struct Gpu {

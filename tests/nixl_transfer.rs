@@ -7,7 +7,11 @@
 //! exports). Without it the tests print `SKIPPED: NIXL not available: ...` and pass,
 //! unless `DSA_KV_REQUIRE_NIXL=1`, where they fail with that message.
 
-use std::io::{Read, Write};
+#[path = "common/frames.rs"]
+mod frames;
+
+use frames::{pattern, recv_frame, send_frame};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -36,10 +40,6 @@ const GOOD: [&[(usize, usize, usize)]; 2] = [
 
 /// One test at a time in this process (each makes a NIXL agent and a child).
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn pattern(i: usize) -> u8 {
-    (i.wrapping_mul(31).wrapping_add(7) % 251) as u8 + 1 // never 0
-}
 
 /// A page-aligned heap buffer that the peer writes behind the compiler's back: read only
 /// through its raw pointer.
@@ -85,21 +85,6 @@ impl Drop for HostBuf {
         // SAFETY: allocated in `zeroed` with this layout.
         unsafe { std::alloc::dealloc(self.ptr, Self::layout(self.len)) }
     }
-}
-
-fn send_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(b.len() as u64).to_le_bytes())?;
-    s.write_all(b)
-}
-
-fn recv_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    let mut n = [0u8; 8];
-    s.read_exact(&mut n)?;
-    let n = u64::from_le_bytes(n) as usize;
-    assert!(n < 1 << 24, "frame of {n} bytes");
-    let mut b = vec![0u8; n];
-    s.read_exact(&mut b)?;
-    Ok(b)
 }
 
 /// The transport, or `None` after the SKIPPED line; fails under `DSA_KV_REQUIRE_NIXL=1`.

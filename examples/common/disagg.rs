@@ -987,6 +987,38 @@ pub struct BenchReport {
     pub decode_reuse_tokens: u64,
 }
 
+impl BenchReport {
+    /// The report of one timed transfer of `blocks` blocks: the transport's numbers,
+    /// and the host memcpy and (CUDA backends) device-to-device ceilings of the same
+    /// bytes, measured now on `(backend, gpu)`.
+    fn measured(
+        transport: &str,
+        layers: usize,
+        blocks: usize,
+        report: &TransferReport,
+        (backend, gpu): (&str, usize),
+        digests_match: Option<bool>,
+        decode_reuse_tokens: u64,
+    ) -> Result<BenchReport, BoxError> {
+        let w = &report.write;
+        Ok(BenchReport {
+            transport: transport.to_string(),
+            layers,
+            blocks,
+            pages: report.pages,
+            bytes: w.bytes,
+            descriptors: w.descriptors,
+            uncoalesced: report.uncoalesced,
+            seconds: w.elapsed.as_secs_f64(),
+            gb_per_s: w.gb_per_s(),
+            memcpy_gb_per_s: memcpy_gb_per_s(w.bytes),
+            dtod_gb_per_s: dtod(backend, gpu, w.bytes)?,
+            digests_match,
+            decode_reuse_tokens,
+        })
+    }
+}
+
 fn dtod(backend: &str, gpu: usize, bytes: u64) -> Result<Option<f64>, BoxError> {
     match backend {
         #[cfg(feature = "cuda")]
@@ -1168,21 +1200,15 @@ async fn bench_pushes(
             )
             .into());
         }
-        out = Some(BenchReport {
-            transport: transport.name().to_string(),
-            layers: s.layers,
-            blocks: n,
-            pages: report.pages,
-            bytes: report.write.bytes,
-            descriptors: report.write.descriptors,
-            uncoalesced: report.uncoalesced,
-            seconds: report.write.elapsed.as_secs_f64(),
-            gb_per_s: report.write.gb_per_s(),
-            memcpy_gb_per_s: memcpy_gb_per_s(report.write.bytes),
-            dtod_gb_per_s: dtod(&s.backend, gpu, report.write.bytes)?,
-            digests_match: (s.backend == "host").then_some(digests_match),
-            decode_reuse_tokens: reuse,
-        });
+        out = Some(BenchReport::measured(
+            transport.name(),
+            s.layers,
+            n,
+            &report,
+            (&s.backend, gpu),
+            (s.backend == "host").then_some(digests_match),
+            reuse,
+        )?);
     }
     wire.send(&Msg::Bye)?;
     out.ok_or_else(|| "nothing measured".into())
@@ -1286,21 +1312,15 @@ async fn bench_moves(
                 format!("engine B serves {reuse} of the {} imported tokens", n * 64).into(),
             );
         }
-        out = Some(BenchReport {
-            transport: ta.name().to_string(),
+        out = Some(BenchReport::measured(
+            ta.name(),
             layers,
-            blocks: n,
-            pages: report.pages,
-            bytes: report.write.bytes,
-            descriptors: report.write.descriptors,
-            uncoalesced: report.uncoalesced,
-            seconds: report.write.elapsed.as_secs_f64(),
-            gb_per_s: report.write.gb_per_s(),
-            memcpy_gb_per_s: memcpy_gb_per_s(report.write.bytes),
-            dtod_gb_per_s: dtod(backend, gpus.0, report.write.bytes)?,
+            n,
+            &report,
+            (backend, gpus.0),
             digests_match,
-            decode_reuse_tokens: reuse,
-        });
+            reuse,
+        )?);
     }
     out.ok_or_else(|| "nothing measured".into())
 }
