@@ -119,6 +119,7 @@ impl Engine {
                 encoding,
                 data_parallel_rank: Some(0),
                 replay_buffer: 100_000,
+                ..Default::default()
             },
         )
         .await
