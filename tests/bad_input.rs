@@ -489,3 +489,174 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
     assert!(counts.live_sequences <= 1);
     kv.shutdown().await;
 }
+
+/// A commit with one bad outcome among good ones, and a step with a bad draft token, are
+/// refused whole with a typed error and change nothing: the step stays pending with the
+/// same report, a corrected commit then lands, and every request finishes. Before the
+/// fix a `next_token` past `TokenId::MAX` was accepted and failed the *next* commit
+/// halfway (earlier requests committed, the failing one's step lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
+    let mut c = runtime_config();
+    c.spec_decode.mode = dsa_kv::config::SpecMode::Mtp;
+    c.spec_decode.draft_tokens = 2;
+    let kv = KvCacheBuilder::new().config(c).start().await.unwrap();
+    for id in 1..=3 {
+        kv.submit(SubmitRequest {
+            id: RequestId(id),
+            scope: ReuseScope::SHARED,
+            prompt: toks(40 + id as u32),
+            max_new_tokens: 3,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+    }
+    let good = |s: &dsa_kv::actors::StepReport| -> Vec<RequestOutcome> {
+        s.scheduled
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: 0,
+                next_token: r.produces_token.then_some(TokenId(5)),
+            })
+            .collect()
+    };
+    let step = kv.step(Default::default()).await.unwrap();
+    assert_eq!(step.scheduled.len(), 3);
+    let before = kv.stats().await.unwrap();
+    let mut got = Vec::new();
+    let mut bad = good(&step);
+    bad[1].next_token = Some(TokenId(u32::MAX));
+    got.push(err(kv.commit(bad).await));
+    let mut twice = good(&step);
+    twice.push(twice[0].clone());
+    got.push(err(kv.commit(twice).await));
+    assert_eq!(
+        got,
+        [
+            "request 2: next_token 4294967295 is above the largest token id 2147483647",
+            "request 1: two outcomes for one request",
+        ]
+    );
+    // Nothing changed: the same step is pending, the counters did not move.
+    assert_eq!(kv.pending_step().await.unwrap(), Some(step.clone()));
+    let after = kv.stats().await.unwrap();
+    assert_eq!(
+        (after.steps, after.prefill_tokens, after.decode_tokens, after.finished),
+        (before.steps, before.prefill_tokens, before.decode_tokens, before.finished)
+    );
+    kv.commit(good(&step)).await.unwrap();
+    // A draft token past the range: the step is refused before anything is planned.
+    let drafts = [(RequestId(3), vec![TokenId(9), TokenId(u32::MAX)])]
+        .into_iter()
+        .collect();
+    assert_eq!(
+        err(kv.step(drafts).await),
+        "request 3: draft token 4294967295 is above the largest token id 2147483647"
+    );
+    assert_eq!(kv.pending_step().await.unwrap(), None);
+    // And serving goes on to the end.
+    for _ in 0..10 {
+        let s = kv.step(Default::default()).await.unwrap();
+        if s.scheduled.is_empty() {
+            break;
+        }
+        kv.commit(good(&s)).await.unwrap();
+    }
+    assert_eq!(kv.counters().in_flight, 0);
+    assert_eq!(kv.check_invariants().await.unwrap().live_sequences, 0);
+    kv.shutdown().await;
+}
+
+/// Extreme limits — in the configuration and in the builder — are typed errors naming
+/// the field, returned before anything is allocated from them. Before the fix (run in a
+/// debug build, as CI now does): `max_seq_len = u32::MAX` panicked on an overflow,
+/// `max_seq_len = 1e9`, `max_num_sequences = u32::MAX` and `max_num_tokens = u32::MAX`
+/// aborted the process on a failed allocation of 16 GB to 8.8 TB, `max_tokens =
+/// u64::MAX` panicked on an overflow, and `tp_size = 10^6` started allocating a
+/// million devices' pools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_limits_are_typed_errors_before_any_allocation() {
+    type Edit = Box<dyn Fn(&mut EngineConfig)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (
+            Box::new(|c| c.scheduler.max_seq_len = u32::MAX),
+            "scheduler.max_seq_len = 4294967295 is invalid: must be at most 16777216",
+        ),
+        (
+            Box::new(|c| c.scheduler.max_seq_len = 1 << 24),
+            "scheduler.max_seq_len = 16777216 is invalid: with scheduler.max_num_sequences = 256 \
+             the page tables would hold 67109120 entries each",
+        ),
+        (
+            Box::new(|c| {
+                c.scheduler.max_seq_len = 1 << 24;
+                c.scheduler.max_num_sequences = 1 << 16;
+            }),
+            "scheduler.max_seq_len = 16777216 is invalid: with scheduler.max_num_sequences = \
+             65536 the page tables would hold 17179934720 entries each",
+        ),
+        (
+            Box::new(|c| c.scheduler.max_num_sequences = u32::MAX),
+            "scheduler.max_num_sequences = 4294967295 is invalid: must be at most 65536",
+        ),
+        (
+            Box::new(|c| c.scheduler.max_num_tokens = u32::MAX),
+            "scheduler.max_num_tokens = 4294967295 is invalid: must be at most 4194304",
+        ),
+        (
+            Box::new(|c| c.scheduler.max_prefill_chunk = u32::MAX),
+            "scheduler.max_prefill_chunk = 4294967295 is invalid: must be at most 4194304",
+        ),
+        (
+            Box::new(|c| c.kv_cache.max_tokens = Some(u64::MAX)),
+            "kv_cache.max_tokens = 18446744073709551615 is invalid: must be at most \
+             1099511627776 tokens",
+        ),
+        (
+            Box::new(|c| c.parallel.tp_size = 1_000_000),
+            "parallel.tp_size = 1000000 is invalid: must be at most 128",
+        ),
+        (
+            Box::new(|c| c.parallel.cp_size = u32::MAX),
+            "parallel.cp_size = 4294967295 is invalid: must be at most 1024",
+        ),
+    ];
+    for (edit, want) in cases {
+        let mut c = runtime_config();
+        edit(&mut c);
+        let got = match KvCacheBuilder::new().config(c).start().await {
+            Ok(kv) => {
+                kv.shutdown().await;
+                "<started>".to_string()
+            }
+            Err(e) => e.to_string(),
+        };
+        assert!(got.starts_with(want), "got  {got}\nwant {want}…");
+    }
+    let builder = |b: KvCacheBuilder| async move {
+        match b.config(runtime_config()).start().await {
+            Ok(kv) => {
+                kv.shutdown().await;
+                "<started>".to_string()
+            }
+            Err(e) => e.to_string(),
+        }
+    };
+    assert_eq!(
+        builder(KvCacheBuilder::new().host_devices(1 << 20)).await,
+        "KvCacheBuilder::host_devices(1048576) is too large: at most 128"
+    );
+    assert_eq!(
+        builder(KvCacheBuilder::new().event_stream_capacity(usize::MAX)).await,
+        format!(
+            "KvCacheBuilder::event_stream_capacity({}) is too large: at most 1048576",
+            usize::MAX
+        )
+    );
+    assert_eq!(
+        builder(KvCacheBuilder::new().device_mailbox(1 << 30)).await,
+        "KvCacheBuilder::device_mailbox(1073741824) is too large: at most 65536"
+    );
+}

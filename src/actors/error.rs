@@ -46,6 +46,16 @@ pub enum RuntimeError {
     /// Every device is gone.
     #[error("no device is left: restart the runtime")]
     NoDevices,
+    /// A builder setting past its limit.
+    #[error("KvCacheBuilder::{setting}({value}) is too large: at most {max}")]
+    BadSetting {
+        /// The builder method.
+        setting: &'static str,
+        /// Its value.
+        value: u64,
+        /// The largest accepted.
+        max: u64,
+    },
     /// The request failed.
     #[error("request {id} failed: {reason}")]
     RequestFailed {

@@ -36,6 +36,9 @@ use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
 use crate::synthetic::SyntheticWriter;
 
+/// The largest mailbox [`KvCacheBuilder`] accepts (messages).
+const MAX_MAILBOX: usize = 1 << 16;
+
 /// Builds and starts a runtime.
 ///
 /// ```
@@ -229,7 +232,9 @@ impl KvCacheBuilder {
         self
     }
 
-    /// Validates everything, sizes the pools, spawns the actors.
+    /// Validates everything (the configuration, and the builder's own sizes against
+    /// [`config::limits`](crate::config::limits) and a mailbox limit of 65,536), sizes the
+    /// pools, spawns the actors.
     #[tracing::instrument(name = "start", level = "info", skip_all)]
     pub async fn start(self) -> Result<KvCacheHandle, RuntimeError> {
         let rt = Handle::try_current().map_err(|_| RuntimeError::NoTokioRuntime)?;
@@ -256,6 +261,23 @@ impl KvCacheBuilder {
         if devices == 0 {
             return Err(RuntimeError::NoDevices);
         }
+        // The builder's own sizes, bounded like the configuration's before anything is
+        // allocated from them.
+        for (setting, value, max) in [
+            ("host_devices", devices, crate::config::limits::MAX_DEVICES as usize),
+            ("device_mailbox", self.device_mailbox, MAX_MAILBOX),
+            ("coordinator_mailbox", self.coordinator_mailbox, MAX_MAILBOX),
+            ("event_stream_capacity", self.event_stream_capacity, 1 << 20),
+            ("event_capacity", self.event_capacity, 1 << 24),
+        ] {
+            if value > max {
+                return Err(RuntimeError::BadSetting {
+                    setting,
+                    value: value as u64,
+                    max: max as u64,
+                });
+            }
+        }
         let t = c.kv_cache.tokens_per_block;
         // One budget pays for the target and the separate draft cache (same slot counts);
         // the host backend has no device memory to measure.
@@ -271,7 +293,10 @@ impl KvCacheBuilder {
             slots: budget.slots,
             max: u64::from(u32::MAX),
         })?;
-        let host = capacity.host_slots as u32;
+        let host = u32::try_from(capacity.host_slots).map_err(|_| RuntimeError::TooManySlots {
+            slots: capacity.host_slots,
+            max: u64::from(u32::MAX),
+        })?;
         let slots = TierSlots {
             gpu: vec![gpu; groups],
             host: if host > 0 { vec![host; groups] } else { vec![] },
@@ -296,9 +321,11 @@ impl KvCacheBuilder {
             None => None,
         };
         let s = &c.scheduler;
-        let max_context_kv = (u64::from(s.max_num_sequences) * u64::from(s.max_seq_len))
-            .min(u64::from(s.max_num_tokens).max(2 * u64::from(s.max_seq_len)))
-            as u32;
+        let max_context_kv = u32::try_from(
+            (u64::from(s.max_num_sequences) * u64::from(s.max_seq_len))
+                .min(u64::from(s.max_num_tokens).max(2 * u64::from(s.max_seq_len))),
+        )
+        .expect("invariant: resolve bounds max_num_tokens and max_seq_len well below 2^31");
         let limits = SchedulerLimits {
             max_num_sequences: s.max_num_sequences,
             max_num_tokens: s.max_num_tokens,

@@ -429,6 +429,28 @@ pub struct ResolvedConfig {
     pub config: EngineConfig,
 }
 
+/// The largest values [`EngineConfig::resolve`] accepts: everything sized from them
+/// (page tables, slot mappings, per-request state, device actors) then fits in memory
+/// and in the integer types that hold it, and a bad value is a typed error naming its
+/// field instead of an overflow or an aborted allocation.
+pub mod limits {
+    /// `scheduler.max_seq_len`: 16 Mi tokens (the longest DSA context is 1 Mi).
+    pub const MAX_SEQ_LEN: u32 = 1 << 24;
+    /// `scheduler.max_num_sequences`.
+    pub const MAX_NUM_SEQUENCES: u32 = 1 << 16;
+    /// `scheduler.max_num_tokens` and `scheduler.max_prefill_chunk`: 4 Mi tokens a step.
+    pub const MAX_NUM_TOKENS: u32 = 1 << 22;
+    /// `max_num_sequences × ceil((max_seq_len + drafts + 1) / 64)`: the entries of one
+    /// page table (256 MiB of `i32`; a runtime holds up to four).
+    pub const MAX_PAGE_TABLE_ENTRIES: u64 = 1 << 26;
+    /// `kv_cache.max_tokens`: 2^40 tokens.
+    pub const MAX_KV_TOKENS: u64 = 1 << 40;
+    /// `parallel.tp_size` (and the builder's device count).
+    pub const MAX_DEVICES: u32 = 128;
+    /// `parallel.cp_size`.
+    pub const MAX_CP_SIZE: u32 = 1024;
+}
+
 fn invalid<T>(
     field: &'static str,
     value: impl fmt::Display,
@@ -490,6 +512,13 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
             "must be positive (leave it out for no cap)",
         );
     }
+    if let Some(t) = kv.max_tokens.filter(|&t| t > limits::MAX_KV_TOKENS) {
+        return invalid(
+            "kv_cache.max_tokens",
+            t,
+            format!("must be at most {} tokens", limits::MAX_KV_TOKENS),
+        );
+    }
     if kv.max_gpu_total_bytes == Some(0) {
         return invalid(
             "kv_cache.max_gpu_total_bytes",
@@ -501,8 +530,25 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
     if p.tp_size == 0 {
         return invalid("parallel.tp_size", 0, "must be at least 1");
     }
+    if p.tp_size > limits::MAX_DEVICES {
+        return invalid(
+            "parallel.tp_size",
+            p.tp_size,
+            format!(
+                "must be at most {} (one device actor and thread per rank)",
+                limits::MAX_DEVICES
+            ),
+        );
+    }
     if p.cp_size == 0 {
         return invalid("parallel.cp_size", 0, "must be at least 1");
+    }
+    if p.cp_size > limits::MAX_CP_SIZE {
+        return invalid(
+            "parallel.cp_size",
+            p.cp_size,
+            format!("must be at most {}", limits::MAX_CP_SIZE),
+        );
     }
     if p.cp_rank >= p.cp_size {
         return invalid(
@@ -522,15 +568,50 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
     if s.max_beam_width == 0 {
         return invalid("scheduler.max_beam_width", 0, "must be at least 1");
     }
-    for (field, v) in [
-        ("scheduler.max_num_sequences", s.max_num_sequences),
-        ("scheduler.max_num_tokens", s.max_num_tokens),
-        ("scheduler.max_prefill_chunk", s.max_prefill_chunk),
-        ("scheduler.max_seq_len", s.max_seq_len),
+    for (field, v, max) in [
+        (
+            "scheduler.max_num_sequences",
+            s.max_num_sequences,
+            limits::MAX_NUM_SEQUENCES,
+        ),
+        (
+            "scheduler.max_num_tokens",
+            s.max_num_tokens,
+            limits::MAX_NUM_TOKENS,
+        ),
+        (
+            "scheduler.max_prefill_chunk",
+            s.max_prefill_chunk,
+            limits::MAX_NUM_TOKENS,
+        ),
+        ("scheduler.max_seq_len", s.max_seq_len, limits::MAX_SEQ_LEN),
     ] {
         if v == 0 {
             return invalid(field, 0, "must be positive");
         }
+        if v > max {
+            return invalid(
+                field,
+                v,
+                format!("must be at most {max} (positions, page tables and slot mappings are sized from it)"),
+            );
+        }
+    }
+    // The page tables are allocated at their maxima: bound their size before anything
+    // is (4 bytes an entry, two tables per set, a second set for the draft cache).
+    let entries = u64::from(s.max_num_sequences)
+        * (u64::from(s.max_seq_len) + 1 + 16).div_ceil(u64::from(DSA_TOKENS_PER_BLOCK));
+    if entries > limits::MAX_PAGE_TABLE_ENTRIES {
+        return invalid(
+            "scheduler.max_seq_len",
+            s.max_seq_len,
+            format!(
+                "with scheduler.max_num_sequences = {} the page tables would hold {entries} \
+                 entries each (the most is {}): lower max_seq_len or max_num_sequences",
+                s.max_num_sequences,
+                limits::MAX_PAGE_TABLE_ENTRIES
+            ),
+        );
     }
     let sd = &c.spec_decode;
     let draft_tokens = match sd.mode {

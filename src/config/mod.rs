@@ -17,7 +17,7 @@ mod engine;
 mod model;
 
 pub use engine::{
-    star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind, ModelConfig,
+    limits, star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind, ModelConfig,
     ParallelConfig, ResolvedConfig, SchedulerConfig, SpecDecodeConfig, SpecMode, V2Choice,
     DSA_TOKENS_PER_BLOCK,
 };

@@ -798,6 +798,21 @@ impl Scheduler {
         if self.step_pending {
             return Err(SchedError::StepNotCommitted { step: self.step });
         }
+        // Drafts become committed tokens when accepted: refuse a bad one now, before
+        // anything is planned, rather than at the commit that would accept it.
+        let used = self.limits.draft_tokens as usize;
+        for (id, d) in drafts {
+            if let Some(t) = d[..d.len().min(used)].iter().find(|t| t.get() > TokenId::MAX) {
+                return Err(SchedError::BadOutcome {
+                    id: *id,
+                    what: format!(
+                        "draft token {} is above the largest token id {}",
+                        t.get(),
+                        TokenId::MAX
+                    ),
+                });
+            }
+        }
         let mut budget = self.limits.max_num_tokens;
         let mut context_kv = 0u32;
         let mut seqs = 0;
@@ -1033,10 +1048,25 @@ impl Scheduler {
         if !self.step_pending {
             return Err(SchedError::NothingToCommit);
         }
-        let by_id: HashMap<RequestId, &RequestOutcome> =
-            outcomes.iter().map(|o| (o.id, o)).collect();
+        let mut by_id: HashMap<RequestId, &RequestOutcome> = HashMap::with_capacity(outcomes.len());
         // Validate everything before changing anything.
         for o in outcomes {
+            if by_id.insert(o.id, o).is_some() {
+                return Err(SchedError::BadOutcome {
+                    id: o.id,
+                    what: "two outcomes for one request".into(),
+                });
+            }
+            if let Some(t) = o.next_token.filter(|t| t.get() > TokenId::MAX) {
+                return Err(SchedError::BadOutcome {
+                    id: o.id,
+                    what: format!(
+                        "next_token {} is above the largest token id {}",
+                        t.get(),
+                        TokenId::MAX
+                    ),
+                });
+            }
             match self
                 .reqs
                 .iter()
