@@ -139,6 +139,7 @@ fn bare() -> Scheduler {
             draft_tokens: 3,
             livelock_steps: 1000,
             max_context_kv_tokens: 1 << 20,
+            transfer_lease: std::time::Duration::from_secs(30),
         },
     );
     for r in requests() {

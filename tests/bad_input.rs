@@ -543,8 +543,18 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
     assert_eq!(kv.pending_step().await.unwrap(), Some(step.clone()));
     let after = kv.stats().await.unwrap();
     assert_eq!(
-        (after.steps, after.prefill_tokens, after.decode_tokens, after.finished),
-        (before.steps, before.prefill_tokens, before.decode_tokens, before.finished)
+        (
+            after.steps,
+            after.prefill_tokens,
+            after.decode_tokens,
+            after.finished
+        ),
+        (
+            before.steps,
+            before.prefill_tokens,
+            before.decode_tokens,
+            before.finished
+        )
     );
     kv.commit(good(&step)).await.unwrap();
     // A draft token past the range: the step is refused before anything is planned.

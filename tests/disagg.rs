@@ -46,9 +46,13 @@ fn prefilled_here_decoded_there_is_exact() {
     }
 }
 
+/// The mutation drill: a transfer that leaves the indexer pools or the draft cache out
+/// is caught by the page digests (host backend), and the import is aborted: nothing of
+/// it enters the decode engine's cache (before, the digests differed and the blocks
+/// were committed anyway), which then recomputes the prompt and decodes it exactly.
 #[test]
-fn leaving_out_the_indexer_or_the_draft_cache_is_caught() {
-    for (drop, what) in [("index_key", "tokens"), ("draft", "draft proposal")] {
+fn leaving_out_the_indexer_or_the_draft_cache_is_caught_and_aborted() {
+    for drop in ["index_key", "draft"] {
         let r = run_in_process(&Setup {
             requests: 1,
             drop: Some(drop.into()),
@@ -57,9 +61,17 @@ fn leaving_out_the_indexer_or_the_draft_cache_is_caught() {
         .unwrap();
         let q = &r.requests[0];
         assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
+        assert_eq!(
+            q.imported_blocks, 0,
+            "dropping {drop}: the import was aborted"
+        );
         assert!(
-            q.problems.iter().any(|p| p.contains(what)),
-            "dropping {drop}: {:?}",
+            q.decode_reused_tokens < 64 * q.exported_blocks as u64,
+            "dropping {drop}: the decode engine served what it did not import: {q:#?}"
+        );
+        assert!(
+            q.problems.is_empty(),
+            "dropping {drop}: recomputed, the decode is exact: {:?}",
             q.problems
         );
     }
@@ -103,6 +115,19 @@ impl KvTransport for Partial {
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
         self.inner.take_notifications()
     }
+    unsafe fn open_window(
+        &mut self,
+        peer: &PeerId,
+        window: u64,
+        ranges: &[MemRegion],
+        deadline: std::time::Instant,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.open_window(peer, window, ranges, deadline) }
+    }
+    fn close_window(&mut self, window: u64) -> Result<(), TransportError> {
+        self.inner.close_window(window)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,12 +157,13 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     // SAFETY: the engines' own pools; both engines outlive the transports (dropped at
     // the end of this test, after the last write), and writes go only into pages an
     // import reserved. The metadata is the peer transport's own.
-    let peer = unsafe {
+    let (peer, peer_a) = unsafe {
         ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
             .unwrap();
         tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
             .unwrap();
-        ta.connect(&tb.local_metadata().unwrap()).unwrap()
+        let peer_a = tb.connect(&ta.local_metadata().unwrap()).unwrap();
+        (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
     };
 
     let export = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
@@ -161,12 +187,16 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         ),
         "{dup:?}"
     );
-    let ticket = b.kv.begin_import(&export).await.unwrap().unwrap();
+    let ticket =
+        b.kv.begin_import_with(&mut tb, &peer_a, &rb, id, SCOPE, &toks, &export)
+            .await
+            .unwrap()
+            .unwrap();
     assert_eq!((ticket.skipped, ticket.blocks.len()), (0, 4));
     // One segment lands, then the link fails: the importer aborts.
     let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
     assert!(ta.write(&peer, &plan.batches, b"req-0").is_err());
-    b.kv.abort_import(id).await.unwrap();
+    b.kv.abort_import_with(&mut tb, id).await.unwrap();
     a.kv.release_export(id).await.unwrap();
     let cb = b.kv.check_invariants().await.unwrap();
     assert_eq!(
@@ -190,7 +220,10 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     // Refusals: other keys than ours (another scope), and another engine layout.
     let mut forged = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
     forged.blocks[2].key = BlockKey([7; 32]);
-    let e = b.kv.begin_import(&forged).await.unwrap_err();
+    let e =
+        b.kv.begin_import(id, SCOPE, &toks, &forged)
+            .await
+            .unwrap_err();
     assert!(e.to_string().contains("block 2's key"), "{e}");
     let mut other = forged.clone();
     other.blocks =
@@ -199,7 +232,10 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
             .unwrap()
             .blocks;
     other.layout = "0123456789abcdef".into();
-    let e = b.kv.begin_import(&other).await.unwrap_err();
+    let e =
+        b.kv.begin_import(id, SCOPE, &toks, &other)
+            .await
+            .unwrap_err();
     assert!(matches!(e, RuntimeError::Transfer(_)), "{e}");
     assert_eq!(b.kv.check_invariants().await.unwrap().live_sequences, 0);
     a.kv.release_export(id).await.unwrap();
@@ -207,14 +243,19 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
 
     // The same blocks, exported again and complete this time, are committed and used.
     let export = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
-    let ticket = b.kv.begin_import(&export).await.unwrap().unwrap();
     let mut ok = LocalTransport::new("a2");
     // SAFETY: as above.
-    let peer = unsafe {
+    let (peer, peer_ok) = unsafe {
         ok.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
             .unwrap();
-        ok.connect(&tb.local_metadata().unwrap()).unwrap()
+        let peer_ok = tb.connect(&ok.local_metadata().unwrap()).unwrap();
+        (ok.connect(&tb.local_metadata().unwrap()).unwrap(), peer_ok)
     };
+    let ticket =
+        b.kv.begin_import_with(&mut tb, &peer_ok, &rb, id, SCOPE, &toks, &export)
+            .await
+            .unwrap()
+            .unwrap();
     let r = dsa_kv::transfer::push(&mut ok, &peer, &export, &ra, &ticket, &rb, b"req-0").unwrap();
     assert_eq!((r.blocks, r.skipped), (4, 0));
     assert!(tb
@@ -222,7 +263,7 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         .unwrap()
         .iter()
         .any(|(_, m)| m == b"req-0"));
-    assert_eq!(b.kv.commit_import(id).await.unwrap(), 4);
+    assert_eq!(b.kv.commit_import_with(&mut tb, id).await.unwrap(), 4);
     assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 256);
     for e in [&a, &b] {
         e.kv.check_invariants().await.unwrap();
@@ -290,13 +331,13 @@ fn transfers_overlap_with_serving_on_both_engines() {
         let (mut ta, mut tb) = (LocalTransport::new("ov-a"), LocalTransport::new("ov-b"));
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); only pages an import reserved are written.
-        let peer = unsafe {
+        let (peer, peer_a) = unsafe {
             ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
                 .unwrap();
             tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
                 .unwrap();
-            tb.connect(&ta.local_metadata().unwrap()).unwrap();
-            ta.connect(&tb.local_metadata().unwrap()).unwrap()
+            let peer_a = tb.connect(&ta.local_metadata().unwrap()).unwrap();
+            (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
         };
         let prompt = |id: u32, blocks: u32| -> Vec<TokenId> {
             (0..blocks * 64 + 1)
@@ -358,13 +399,19 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // B serves request 3 and reserves pages for the import in the middle of it.
         submit(&b, 3, prompt(3, 6)).await;
         disagg::step_synthetic(&b).await.unwrap();
-        let mut ticket = b.begin_import(&export).await.unwrap();
-        for _ in 0..3 {
+        let id1 = RequestId(1);
+        let mut ticket = None;
+        for attempt in 0..4 {
+            if attempt > 0 {
+                disagg::step_synthetic(&b).await.unwrap();
+            }
+            ticket = b
+                .begin_import_with(&mut tb, &peer_a, &rb, id1, SCOPE, &p1, &export)
+                .await
+                .unwrap();
             if ticket.is_some() {
                 break;
             }
-            disagg::step_synthetic(&b).await.unwrap();
-            ticket = b.begin_import(&export).await.unwrap();
         }
         let ticket = ticket.expect("B found room for the import");
         for _ in 0..2 {
@@ -387,7 +434,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // SAFETY: B's pools; the import's reserved pages, whose bytes have landed.
         let landed = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
         assert_eq!(landed, pinned, "the reserved pages differ from the export");
-        b.commit_import(RequestId(1)).await.unwrap();
+        b.commit_import_with(&mut tb, id1).await.unwrap();
         finish(&a).await;
         finish(&b).await;
         assert_eq!(b.probe_reuse(SCOPE, &p1).await.unwrap(), 256);
@@ -405,6 +452,148 @@ fn transfers_overlap_with_serving_on_both_engines() {
         );
         a.check_invariants().await.unwrap();
         b.check_invariants().await.unwrap();
+        drop((ta, tb));
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}
+
+/// The audit's cross-tenant poisoning, both halves. (a) An import is bound to the
+/// request the importer serves: blocks a peer computed under another tenant's salt (the
+/// victim's), under its own scope, or for other tokens are refused before anything is
+/// reserved, and the victim's scope on the importer holds nothing. Before the fix,
+/// `begin_import` took the scope and tokens from the export itself, so the first of
+/// these was accepted and the victim's next request reused the planted blocks. The
+/// legitimate case, the importer serving the victim's own request, is accepted. (b) A
+/// write aimed at the importer's committed pages — registered memory outside every
+/// open window — is refused by the receiving side and the pages keep their bytes.
+#[test]
+fn an_import_is_bound_to_the_request_the_importer_serves() {
+    use dsa_kv::core::scheduler::SubmitRequest;
+    use dsa_kv::core::ReuseScope;
+    use dsa_kv::transfer::{push, ImportTicket};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let start = || disagg::bench_engine_with(2, 6, "host", 0, 1, None);
+        let (a, b) = (start().await.unwrap(), start().await.unwrap());
+        let victim = ReuseScope {
+            lora_id: None,
+            salt: Some(0xbeef),
+        };
+        let attacker = ReuseScope {
+            lora_id: None,
+            salt: Some(7),
+        };
+        let p: Vec<TokenId> = (0..4 * 64 + 1).map(|t| TokenId(5000 + t)).collect();
+        a.submit(SubmitRequest {
+            id: RequestId(1),
+            scope: victim,
+            prompt: p.clone(),
+            max_new_tokens: 2,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+        while disagg::step_synthetic(&a).await.unwrap() {}
+        // A hostile exporter's offer: the victim's blocks, with keys for its salt.
+        let export = a
+            .export_blocks(RequestId(1), victim, &p[..256])
+            .await
+            .unwrap();
+        assert_eq!((export.scope, export.blocks.len()), (victim, 4));
+        for scope in [attacker, ReuseScope::SHARED] {
+            let e = b
+                .begin_import(RequestId(9), scope, &p, &export)
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("block 0's key"), "{e}");
+        }
+        let other: Vec<TokenId> = (0..257).map(|t| TokenId(9000 + t)).collect();
+        let e = b
+            .begin_import(RequestId(9), victim, &other, &export)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("block 0's key"), "{e}");
+        let e = b
+            .begin_import(RequestId(9), victim, &p[..100], &export)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("has 100 tokens"), "{e}");
+        let c = b.check_invariants().await.unwrap();
+        assert_eq!(
+            (c.live_sequences, c.gpu_slots_used),
+            (0, 0),
+            "nothing reserved"
+        );
+        assert_eq!(b.probe_reuse(victim, &p).await.unwrap(), 0);
+
+        // The importer serves the victim's own request: accepted, and only the victim
+        // reuses it.
+        let (ra, rb) = (
+            a.transfer_regions().await.unwrap(),
+            b.transfer_regions().await.unwrap(),
+        );
+        let (mut ta, mut tb) = (LocalTransport::new("bind-a"), LocalTransport::new("bind-b"));
+        // SAFETY: the engines' own pools, alive until the end of this block (the
+        // transports are dropped first); the windows admit only reserved pages.
+        let (peer, peer_a) = unsafe {
+            ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
+                .unwrap();
+            tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
+                .unwrap();
+            let peer_a = tb.connect(&ta.local_metadata().unwrap()).unwrap();
+            (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
+        };
+        let ticket = b
+            .begin_import_with(&mut tb, &peer_a, &rb, RequestId(9), victim, &p, &export)
+            .await
+            .unwrap()
+            .expect("room");
+        push(&mut ta, &peer, &export, &ra, &ticket, &rb, b"req-9").unwrap();
+        assert_eq!(
+            b.commit_import_with(&mut tb, RequestId(9)).await.unwrap(),
+            4
+        );
+        assert_eq!(b.probe_reuse(victim, &p).await.unwrap(), 256);
+        assert_eq!(b.probe_reuse(attacker, &p).await.unwrap(), 0);
+        assert_eq!(b.probe_reuse(ReuseScope::SHARED, &p).await.unwrap(), 0);
+
+        // (b) A write aimed at B's committed pages.
+        let held = b
+            .export_blocks(RequestId(20), victim, &p[..256])
+            .await
+            .unwrap();
+        // SAFETY: B's pools; the pages are pinned by this export.
+        let before = unsafe { disagg::block_digests(&rb, &held.blocks) }.unwrap();
+        let forged = ImportTicket {
+            id: RequestId(21),
+            export: export.id,
+            skipped: 0,
+            layout: export.layout.clone(),
+            pools: export.pools.clone(),
+            blocks: held.blocks.clone(),
+            write_within_ms: 0,
+            write_by: None,
+        };
+        let e = push(&mut ta, &peer, &export, &ra, &forged, &rb, b"poison").unwrap_err();
+        assert!(e.to_string().contains("no open window"), "{e}");
+        // SAFETY: as above.
+        let after = unsafe { disagg::block_digests(&rb, &held.blocks) }.unwrap();
+        assert_eq!(before, after, "a committed page changed");
+        assert!(tb
+            .take_notifications()
+            .unwrap()
+            .iter()
+            .all(|(_, m)| m != b"poison"));
+        b.release_export(RequestId(20)).await.unwrap();
+        a.release_export(RequestId(1)).await.unwrap();
+        for e in [&a, &b] {
+            assert_eq!(e.check_invariants().await.unwrap().live_sequences, 0);
+        }
         drop((ta, tb));
         a.shutdown().await;
         b.shutdown().await;

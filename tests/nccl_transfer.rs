@@ -87,7 +87,8 @@ fn nccl_or_skip(name: &str) -> Option<NcclTransport> {
 /// One parent, one child:
 /// 1. a pageable host buffer is refused at registration;
 /// 2. a forged write (the child's metadata claims more memory than it registered): the
-///    child refuses the header, nothing lands, the pair stays up;
+///    child refuses the header, nothing lands, the pair stays up; so is a write into
+///    registered memory outside the window the child opened (a "committed page");
 /// 3. a stalled receiver (the child stopped with SIGSTOP): no acknowledgement within the
 ///    timeout, the write fails, the pair breaks on both sides, nothing lands;
 /// 4. both sides connect again, and a good write lands, checked byte for byte.
@@ -158,6 +159,12 @@ fn two_processes_refuse_a_forged_write_survive_a_stall_then_move_device_memory()
         "{e}"
     );
     assert!(nccl.is_connected(&peer), "a refused write keeps the pair");
+    // Registered, but no window of ours covers it: refused the same way.
+    let e = nccl
+        .write(&peer, &[batch(&[(0, 1000, 64)])], b"req-outside")
+        .unwrap_err();
+    assert!(e.to_string().contains("no open window"), "{e}");
+    assert!(nccl.is_connected(&peer));
     send_frame(&mut stream, b"refused").unwrap();
 
     let batches: Vec<WriteBatch> = GOOD.iter().map(|b| batch(b)).collect();
@@ -267,6 +274,18 @@ fn child_run(stream: &mut TcpStream) -> Result<(), String> {
     let parent_md = recv_frame(stream).map_err(io)?;
     // SAFETY: the parent's own metadata, over our socket.
     let parent = unsafe { nccl.connect(&parent_md) }.map_err(s)?;
+    // The "reserved pages": the good write's destinations, for the parent only.
+    let window: Vec<MemRegion> = GOOD
+        .iter()
+        .flat_map(|b| b.iter())
+        .map(|&(_, d, len)| MemRegion {
+            addr: gpu.addr() + d as u64,
+            len: len as u64,
+            mem: MemKind::Device { ordinal: 0 },
+        })
+        .collect();
+    // SAFETY: registered memory only the parent's writes touch.
+    unsafe { nccl.open_window(&parent, 42, &window, Instant::now() + WAIT * 4) }.map_err(s)?;
 
     // The forged write: refused here (logged), no notification, nothing landed, and
     // the pair stays up.

@@ -6,13 +6,19 @@
 //! 1. both sides send `Hello` (transport metadata, pool regions, layout);
 //! 2. per request, the prefill side prefills it (one token), exports the prompt's full
 //!    blocks and sends `Export`;
-//! 3. the decode side reserves pages (`begin_import`) and answers `Ticket`;
+//! 3. the decode side reserves pages for the request it will serve (its own prompt and
+//!    scope: `begin_import_with`, which also opens the transport window for exactly
+//!    those pages until the ticket's deadline) and answers `Ticket`;
 //! 4. the prefill side writes the pages with the transport (notification
 //!    `req-<id>`), releases the export and sends `Written` (the report, the digests of
 //!    the blocks it wrote, the first token), or `Failed`;
 //! 5. the decode side waits for the notification, checks the digests (host memory),
-//!    commits the import (or aborts it on a failure), decodes the request from the
-//!    prompt plus the first token, and sends `Decoded` (tokens, reuse, checks).
+//!    commits the import (or aborts it on a failure or when a digest differs), decodes
+//!    the request from the prompt plus the first token, and sends `Decoded` (tokens,
+//!    reuse, checks).
+//!
+//! The metadata channel is trusted as it is (first connection wins): bind it to
+//! loopback (the default) or to an address only the two engines reach.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -435,7 +441,7 @@ impl Wire {
             }
         })?;
         let n = u64::from_le_bytes(n);
-        if n > 1 << 30 {
+        if n > 64 << 20 {
             return Err(format!("frame of {n} bytes: not our protocol").into());
         }
         let mut b = vec![0u8; n as usize];
@@ -525,7 +531,11 @@ pub fn dtod_gb_per_s(gpu: usize, bytes: u64) -> Result<f64, BoxError> {
     Ok((n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
-/// Waits for a notification from `peer` equal to `want` (at most `timeout`).
+/// Notifications taken from the transport but not waited for yet (another import's).
+static UNCLAIMED: Mutex<Vec<(PeerId, Vec<u8>)>> = Mutex::new(Vec::new());
+
+/// Waits for a notification equal to `want` (at most `timeout`); others taken meanwhile
+/// are kept for their own waits (at most 4,096 of them).
 fn wait_notification(
     t: &mut dyn KvTransport,
     want: &[u8],
@@ -533,9 +543,17 @@ fn wait_notification(
 ) -> Result<(), BoxError> {
     let until = Instant::now() + timeout;
     loop {
-        if t.take_notifications()?.iter().any(|(_, m)| m == want) {
+        let mut kept = UNCLAIMED.lock().unwrap_or_else(|e| e.into_inner());
+        kept.extend(t.take_notifications()?);
+        if let Some(i) = kept.iter().position(|(_, m)| m == want) {
+            kept.remove(i);
             return Ok(());
         }
+        let n = kept.len();
+        if n > 4096 {
+            kept.drain(..n - 4096);
+        }
+        drop(kept);
         if Instant::now() > until {
             return Err(format!(
                 "no notification {:?} within {timeout:?}",
@@ -759,32 +777,42 @@ async fn prefill_requests(
     })
 }
 
-/// One request's import on the decode side: reserves pages, answers the ticket, waits
-/// for the bytes and commits (or aborts). `None`: nothing imported (no room, or nothing
-/// exported); else the blocks imported and whether the pages' digests match the
-/// exporter's (always true off the host backend, where they are not taken).
+/// One request's import on the decode side: reserves pages for the request it will
+/// serve (its prompt, our scope) with a transport window over exactly them, answers the
+/// ticket, waits for the bytes and commits, or aborts (a failure, or digests that
+/// differ). `None`: nothing imported (no room, or nothing exported); else the blocks
+/// imported and whether the pages' digests match the exporter's (always true off the
+/// host backend, where they are not taken).
+#[allow(clippy::too_many_arguments)]
 async fn pull_one(
     kv: &KvCacheHandle,
     s: &Setup,
     transport: &mut dyn KvTransport,
+    peer: &PeerId,
     wire: &mut Wire,
     regions: &[PoolRegion],
     export: &ExportedBlocks,
+    prompt: &[u32],
 ) -> Result<Option<(u32, bool)>, BoxError> {
     let id = export.id;
     if export.blocks.is_empty() {
         wire.send(&Msg::Ticket(None))?;
         return Ok(None);
     }
+    let tokens: Vec<TokenId> = prompt.iter().map(|&t| TokenId(t)).collect();
     // No room now: a step runs the copies that free slots (an idle engine's step only
     // moves pages), then try again.
-    let mut ticket = kv.begin_import(export).await?;
-    for _ in 0..3 {
+    let mut ticket = None;
+    for attempt in 0..4 {
+        if attempt > 0 {
+            kv.step(HashMap::new()).await?;
+        }
+        ticket = kv
+            .begin_import_with(transport, peer, regions, id, SCOPE, &tokens, export)
+            .await?;
         if ticket.is_some() {
             break;
         }
-        kv.step(HashMap::new()).await?;
-        ticket = kv.begin_import(export).await?;
     }
     wire.send(&Msg::Ticket(ticket.clone()))?;
     let Some(ticket) = ticket else {
@@ -794,13 +822,14 @@ async fn pull_one(
         Ok(Msg::Written { digests, .. }) => digests,
         Ok(Msg::Failed { why, in_flight }) => {
             if !in_flight {
-                kv.abort_import(id).await?;
+                kv.abort_import_with(transport, id).await?;
             }
             return Err(format!("the prefill side failed to push request {id}: {why}").into());
         }
         other => {
-            // The peer is gone or confused: whether bytes are still arriving is unknown,
-            // so the reserved pages stay reserved (the engine is shut down with the run).
+            // The peer is gone or confused: the window is closed (a write still landing
+            // is stopped, where the transport can), then the import aborted.
+            kv.abort_import_with(transport, id).await?;
             return Err(format!("expected Written, got {other:?}").into());
         }
     };
@@ -814,15 +843,20 @@ async fn pull_one(
             // have landed (notification), and nothing else writes them.
             Ok(unsafe { block_digests(regions, &ticket.blocks)? } == digests)
         });
-    let digests_match = match landed {
-        Ok(m) => m,
+    match landed {
+        Ok(true) => {}
+        Ok(false) => {
+            // Bytes that are not the exporter's never enter the cache.
+            kv.abort_import_with(transport, id).await?;
+            return Ok(Some((0, false)));
+        }
         Err(e) => {
-            kv.abort_import(id).await?;
+            kv.abort_import_with(transport, id).await?;
             return Err(e);
         }
-    };
-    let imported = kv.commit_import(id).await?;
-    Ok(Some((imported, digests_match)))
+    }
+    let imported = kv.commit_import_with(transport, id).await?;
+    Ok(Some((imported, true)))
 }
 
 /// The decode side: imports what the prefill side pushes and decodes each request. The
@@ -871,7 +905,7 @@ async fn decode_requests(
     let regions = engine.kv.transfer_regions().await?;
     wire.send(&hello(&regions, transport, &s)?)?;
     // SAFETY: the prefill side's transport metadata, from its Hello.
-    unsafe { transport.connect(metadata)? };
+    let peer = unsafe { transport.connect(metadata)? };
     loop {
         let (export, p, first) = match wire.recv()? {
             Msg::Export {
@@ -883,7 +917,11 @@ async fn decode_requests(
             other => return Err(format!("unexpected {other:?}").into()),
         };
         let id = export.id;
-        let imported = match pull_one(&engine.kv, &s, transport, wire, &regions, &export).await {
+        let imported = match pull_one(
+            &engine.kv, &s, transport, &peer, wire, &regions, &export, &p,
+        )
+        .await
+        {
             Ok(i) => i,
             Err(e) => {
                 let _ = wire.send(&Msg::Failed {
@@ -1264,18 +1302,19 @@ async fn bench_moves(
     // SAFETY: the engines' own pools, alive until they shut down at the end of this
     // function after the last write; writes go only into pages an import reserved; each
     // transport loads the other's own metadata.
-    let peer = unsafe {
+    let (peer, peer_a) = unsafe {
         ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
         tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
-        tb.connect(&ta.local_metadata()?)?;
-        ta.connect(&tb.local_metadata()?)?
+        let peer_a = tb.connect(&ta.local_metadata()?)?;
+        (ta.connect(&tb.local_metadata()?)?, peer_a)
     };
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);
         let (p, export) = bench_export(a, id, n).await?;
+        // B's peer is A's agent; B serves the same prompt under the same scope.
         let ticket = b
-            .begin_import(&export)
+            .begin_import_with(tb, &peer_a, &rb, id, SCOPE, &p, &export)
             .await?
             .ok_or("no room on engine B")?;
         let plan = plan_writes(&export, &ra, &ticket, &rb)?;
@@ -1292,7 +1331,7 @@ async fn bench_moves(
         let report = match report {
             Ok(r) => r,
             Err(e) => {
-                b.abort_import(id).await?;
+                b.abort_import_with(tb, id).await?;
                 return Err(e.into());
             }
         };
@@ -1305,7 +1344,11 @@ async fn bench_moves(
         } else {
             None
         };
-        b.commit_import(id).await?;
+        if digests_match == Some(false) {
+            b.abort_import_with(tb, id).await?;
+            return Err("the imported pages differ from the exported ones: aborted".into());
+        }
+        b.commit_import_with(tb, id).await?;
         let reuse = b.probe_reuse(SCOPE, &p).await?;
         if reuse < n as u64 * 64 {
             return Err(

@@ -278,6 +278,7 @@ impl Actor for Coordinator {
         };
         let mut sched = args.sched;
         sched.set_record_router_events(true);
+        super::transfer::spawn_lease_timer(&me, sched.transfer_lease());
         Ok(Coordinator {
             sched,
             devices: args.devices.into_iter().map(Some).collect(),
@@ -512,6 +513,7 @@ impl Coordinator {
             utilization,
             events: self.event_counts,
             history_dropped: self.history.dropped(),
+            transfers: self.sched.transfer_stats(),
             ..self.stats.clone()
         }
     }

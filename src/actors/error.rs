@@ -80,6 +80,9 @@ pub enum RuntimeError {
     /// A KV transfer between engines was refused (nothing was reserved or pinned).
     #[error("KV transfer refused: {0}")]
     Transfer(String),
+    /// A KV transport failed (opening or closing an import's window).
+    #[error(transparent)]
+    Transport(#[from] crate::transfer::TransportError),
     /// `start` was called outside a tokio runtime.
     #[error("KvCacheBuilder::start needs a tokio runtime (call it from async code)")]
     NoTokioRuntime,

@@ -264,7 +264,11 @@ impl KvCacheBuilder {
         // The builder's own sizes, bounded like the configuration's before anything is
         // allocated from them.
         for (setting, value, max) in [
-            ("host_devices", devices, crate::config::limits::MAX_DEVICES as usize),
+            (
+                "host_devices",
+                devices,
+                crate::config::limits::MAX_DEVICES as usize,
+            ),
             ("device_mailbox", self.device_mailbox, MAX_MAILBOX),
             ("coordinator_mailbox", self.coordinator_mailbox, MAX_MAILBOX),
             ("event_stream_capacity", self.event_stream_capacity, 1 << 20),
@@ -334,6 +338,7 @@ impl KvCacheBuilder {
             draft_tokens: resolved.draft_tokens,
             livelock_steps: 10_000,
             max_context_kv_tokens: max_context_kv,
+            transfer_lease: Duration::from_millis(c.transfer.lease_ms),
         };
         let sched = Scheduler::new(target, draft, limits);
         let blocks = (s.max_seq_len + resolved.draft_tokens + 1).div_ceil(t) as usize;

@@ -31,3 +31,4 @@ pub use shared::{LiveCounters, RuntimeShared};
 pub use stats::{
     EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
 };
+pub use transfer::Lease;

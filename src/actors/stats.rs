@@ -106,6 +106,9 @@ pub struct RuntimeStats {
     /// Step samples dropped from the bounded history so far (it keeps the last
     /// [`HISTORY`]; read it with [`KvCacheHandle::history`](super::KvCacheHandle::history)).
     pub history_dropped: u64,
+    /// KV transfers between engines: open exports and imports, and those whose lease
+    /// ran out.
+    pub transfers: crate::core::scheduler::TransferStats,
 }
 
 /// Part of the per-step history, as

@@ -1,7 +1,10 @@
 //! KV transfer between engines on the runtime: the coordinator's export / import
-//! messages (thin: the scheduler does the work) and the handle's methods. See
-//! [`crate::transfer`] for the protocol.
+//! messages (thin: the scheduler does the work), the lease timer, and the handle's
+//! methods. See [`crate::transfer`] for the protocol.
 
+use std::time::{Duration, Instant};
+
+use kameo::actor::ActorRef;
 use kameo::message::{Context, Message};
 use sha2::{Digest, Sha256};
 
@@ -9,9 +12,12 @@ use super::coordinator::{Coordinator, Devices};
 use super::device::PoolRegions;
 use super::error::RuntimeError;
 use super::handle::KvCacheHandle;
+use crate::core::scheduler::TRANSFER_DRAIN;
 use crate::core::{BlockKey, ReuseScope};
 use crate::ids::{RequestId, TokenId};
-use crate::transfer::{CacheKind, ExportedBlocks, ImportTicket, PoolRef, PoolRegion};
+use crate::transfer::{
+    CacheKind, ExportedBlocks, ImportTicket, KvTransport, PeerId, PoolRef, PoolRegion,
+};
 
 impl Coordinator {
     /// What both engines of a transfer must agree on: the pool plans of the target and
@@ -49,6 +55,16 @@ impl Coordinator {
     }
 }
 
+/// The lease of an export or an import.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// When it ends: the export is then released, the import aborted.
+    pub expires: Instant,
+    /// The last moment an import's bytes may land (a drain margin before `expires`):
+    /// the deadline of the transport window the importer opens for it.
+    pub write_by: Instant,
+}
+
 /// Pin the cached full blocks of a prefix for a transfer.
 pub(super) struct ExportBlocks {
     id: RequestId,
@@ -60,7 +76,9 @@ impl Message<ExportBlocks> for Coordinator {
     type Reply = Result<ExportedBlocks, RuntimeError>;
 
     async fn handle(&mut self, m: ExportBlocks, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let blocks = self.sched.export_blocks(m.id, m.scope, &m.tokens)?;
+        let blocks = self
+            .sched
+            .export_blocks(m.id, m.scope, &m.tokens, Instant::now())?;
         let tpb = self.sched.target().tokens_per_block() as usize;
         let mut tokens = m.tokens;
         tokens.truncate(blocks.len() * tpb);
@@ -76,11 +94,12 @@ impl Message<ExportBlocks> for Coordinator {
     }
 }
 
-/// Reserve pages for incoming blocks.
+/// Reserve pages for incoming blocks, bound to the importer's own request.
 pub(super) struct BeginImport {
     id: RequestId,
     scope: ReuseScope,
     tokens: Vec<TokenId>,
+    export: RequestId,
     keys: Vec<BlockKey>,
     layout: String,
 }
@@ -97,15 +116,35 @@ impl Message<BeginImport> for Coordinator {
                 m.layout
             )));
         }
-        let Some(r) = self.sched.begin_import(m.id, m.scope, &m.tokens, &m.keys)? else {
+        // The importer's tokens say what is imported: the exporter's blocks must be the
+        // leading full blocks of the request this engine will serve.
+        let tpb = self.sched.target().tokens_per_block() as usize;
+        let want = m.keys.len() * tpb;
+        if m.keys.is_empty() || m.tokens.len() < want {
+            return Err(RuntimeError::Transfer(format!(
+                "import {}: the export has {} blocks ({want} tokens) but the request to serve has \
+                 {} tokens: import only blocks of the request's own prompt",
+                m.id,
+                m.keys.len(),
+                m.tokens.len()
+            )));
+        }
+        let now = Instant::now();
+        let Some(r) = self
+            .sched
+            .begin_import(m.id, m.scope, &m.tokens[..want], &m.keys, now)?
+        else {
             return Ok(None);
         };
         Ok(Some(ImportTicket {
             id: m.id,
+            export: m.export,
             skipped: r.skipped,
             layout,
             pools: self.layout_pools(),
             blocks: r.blocks,
+            write_within_ms: r.write_by.saturating_duration_since(now).as_millis() as u64,
+            write_by: Some(r.write_by),
         }))
     }
 }
@@ -117,10 +156,11 @@ impl Message<CommitImport> for Coordinator {
     type Reply = Result<u32, RuntimeError>;
 
     async fn handle(&mut self, m: CommitImport, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let n = self.sched.commit_import(m.0)?;
-        // The new blocks reach the router stream in order with everything else.
+        let n = self.sched.commit_import(m.0, Instant::now());
+        // The new blocks (or an expiry's freed pages) reach the router stream in order
+        // with everything else.
         self.drain_events();
-        Ok(n)
+        Ok(n?)
     }
 }
 
@@ -135,10 +175,76 @@ impl Message<CloseTransfer> for Coordinator {
         m: CloseTransfer,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        self.sched.close_transfer(m.0)?;
+        let r = self.sched.close_transfer(m.0);
         self.drain_events();
-        Ok(())
+        Ok(r?)
     }
+}
+
+/// Start a transfer's lease again.
+pub(super) struct RenewTransfer(RequestId);
+
+impl Message<RenewTransfer> for Coordinator {
+    type Reply = Result<Lease, RuntimeError>;
+
+    async fn handle(
+        &mut self,
+        m: RenewTransfer,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let expires = self.sched.renew_transfer(m.0, Instant::now());
+        self.drain_events();
+        let expires = expires?;
+        Ok(Lease {
+            expires,
+            write_by: expires - TRANSFER_DRAIN.min(self.sched.transfer_lease() / 2),
+        })
+    }
+}
+
+/// Close the transfers whose lease ran out (sent by the lease timer).
+pub(super) struct ExpireTransfers;
+
+impl Message<ExpireTransfers> for Coordinator {
+    type Reply = ();
+
+    async fn handle(&mut self, _: ExpireTransfers, _: &mut Context<Self, Self::Reply>) {
+        if self.sched.num_transfers() == 0 {
+            return;
+        }
+        match self.sched.expire_transfers(Instant::now()) {
+            Ok(e) if e.exports.is_empty() && e.imports.is_empty() => {}
+            Ok(e) => {
+                tracing::warn!(
+                    exports = ?e.exports,
+                    imports = ?e.imports,
+                    "KV transfers expired (their lease ran out): exports released, imports aborted and their pages freed"
+                );
+                metrics::counter!("dsa_kv_transfers_expired_total")
+                    .increment((e.exports.len() + e.imports.len()) as u64);
+                self.drain_events();
+            }
+            Err(e) => tracing::error!(error = %e, "expiring KV transfers failed"),
+        }
+    }
+}
+
+/// Sends [`ExpireTransfers`] to the coordinator a tenth of a lease apart (20 ms to 1 s)
+/// until it stops, so that an idle engine expires leases too.
+pub(super) fn spawn_lease_timer(me: &ActorRef<Coordinator>, lease: Duration) {
+    let weak = me.downgrade();
+    let every = (lease / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tick.tick().await;
+            let Some(c) = weak.upgrade() else { break };
+            if c.tell(ExpireTransfers).await.is_err() {
+                break;
+            }
+        }
+    });
 }
 
 impl KvCacheHandle {
@@ -172,7 +278,9 @@ impl KvCacheHandle {
     /// copy between tiers) in the target and draft caches, waits until every
     /// device has finished the work that wrote them, and describes them: chained reuse
     /// keys, tokens, slots. They stay where they are until
-    /// [`release_export`](Self::release_export); `id` shares the requests' id space.
+    /// [`release_export`](Self::release_export) or until the export's lease
+    /// (`transfer.lease_ms`) runs out; [`renew_transfer`](Self::renew_transfer) before a
+    /// push that could outlast it. `id` shares the requests' id space.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id, tokens = tokens.len()))]
     pub async fn export_blocks(
         &self,
@@ -202,30 +310,42 @@ impl KvCacheHandle {
     }
 
     /// Reserves GPU pages for the exported blocks this engine does not hold (leading
-    /// blocks it already caches are skipped), after checking the layouts agree and the
-    /// keys are what this engine computes for the tokens; waits until no device work
-    /// still reads the reserved slots. `Ok(None)` when there is no room now, or when
-    /// making room planned copies (offloads) that only the next step runs: nothing is
-    /// reserved; retry after a step. Write the bytes, then
+    /// blocks it already caches are skipped), for the request this engine will serve:
+    /// `scope` and `tokens` are **the importer's own** (the request's reuse scope and
+    /// prompt, not what the exporter says), and the exporter's block keys must equal
+    /// the keys this engine computes from them for the exported blocks, so a peer can
+    /// plant blocks only under the scope and tokens of a request this engine was asked
+    /// to serve. Checks the layouts agree, and waits until no device work still reads
+    /// the reserved slots. `id` is the import's own id here (it shares the requests' id
+    /// space). `Ok(None)` when there is no room now, or when making room planned copies
+    /// (offloads) that only the next step runs: nothing is reserved; retry after a
+    /// step. Then: open a window on the transport for the ticket's pages
+    /// ([`ImportTicket::write_ranges`], until [`ImportTicket::write_by`]), send the
+    /// ticket to the exporter, wait for its notification, then
     /// [`commit_import`](Self::commit_import), or [`abort_import`](Self::abort_import).
-    #[tracing::instrument(level = "debug", skip_all, fields(id = %export.id, blocks = export.blocks.len()))]
+    /// The import's lease (`transfer.lease_ms`) aborts it if neither comes in time.
+    #[tracing::instrument(level = "debug", skip_all, fields(id = %id, blocks = export.blocks.len()))]
     pub async fn begin_import(
         &self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
         export: &ExportedBlocks,
     ) -> Result<Option<ImportTicket>, RuntimeError> {
         let ticket = self
             .coordinator
             .ask(BeginImport {
-                id: export.id,
-                scope: export.scope,
-                tokens: export.tokens.clone(),
+                id,
+                scope,
+                tokens: tokens.to_vec(),
+                export: export.id,
                 keys: export.blocks.iter().map(|b| b.key).collect(),
                 layout: export.layout.clone(),
             })
             .await?;
         if ticket.is_some() {
             if let Err(err) = self.synchronize().await {
-                let _ = self.abort_import(export.id).await;
+                let _ = self.abort_import(id).await;
                 return Err(err);
             }
         }
@@ -234,15 +354,94 @@ impl KvCacheHandle {
 
     /// Links the imported blocks into the reuse trees at once (their bytes have landed);
     /// returns how many blocks it brought. A request submitted afterwards reuses them.
+    /// An import whose lease ran out is
+    /// [`SchedError::TransferExpired`](crate::core::scheduler::SchedError::TransferExpired):
+    /// it was aborted then.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
     pub async fn commit_import(&self, id: RequestId) -> Result<u32, RuntimeError> {
         Ok(self.coordinator.ask(CommitImport(id)).await?)
     }
 
     /// Abandons an import: its reserved pages are freed and nothing of it enters the
-    /// reuse tree (after a failed or partial transfer).
+    /// reuse tree (after a failed or partial transfer). Close the transport window first:
+    /// a write still landing would reach pages that are about to be reused.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
     pub async fn abort_import(&self, id: RequestId) -> Result<(), RuntimeError> {
         Ok(self.coordinator.ask(CloseTransfer(id)).await?)
+    }
+
+    /// [`begin_import`](Self::begin_import), then a window on `transport` for the
+    /// ticket's pages: `peer` (the exporter) may write exactly those
+    /// ([`ImportTicket::write_ranges`] of `regions`, this engine's
+    /// [`transfer_regions`](Self::transfer_regions)) until the ticket's
+    /// [`write_by`](ImportTicket::write_by), and nothing else. The window's id is the
+    /// import's. If the window cannot be opened, the import is aborted.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn begin_import_with(
+        &self,
+        transport: &mut dyn KvTransport,
+        peer: &PeerId,
+        regions: &[PoolRegion],
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+        export: &ExportedBlocks,
+    ) -> Result<Option<ImportTicket>, RuntimeError> {
+        let Some(ticket) = self.begin_import(id, scope, tokens, export).await? else {
+            return Ok(None);
+        };
+        let opened = ticket
+            .write_ranges(regions)
+            .map_err(|e| RuntimeError::Transfer(e.to_string()))
+            .and_then(|ranges| {
+                let by = ticket
+                    .write_by
+                    .expect("invariant: a ticket of this process has its deadline");
+                // SAFETY: the ranges are the pages this import reserved (from its own
+                // ticket and this engine's regions): nothing but the transfer writes
+                // them until the import is committed or aborted, which closes the
+                // window first.
+                unsafe { transport.open_window(peer, id.0, &ranges, by) }
+                    .map_err(RuntimeError::from)
+            });
+        if let Err(e) = opened {
+            let _ = self.abort_import(id).await;
+            return Err(e);
+        }
+        Ok(Some(ticket))
+    }
+
+    /// Closes import `id`'s window on `transport` (no write into it lands any more),
+    /// then [`commit_import`](Self::commit_import)s it: call it after the exporter's
+    /// notification, once the bytes have landed.
+    pub async fn commit_import_with(
+        &self,
+        transport: &mut dyn KvTransport,
+        id: RequestId,
+    ) -> Result<u32, RuntimeError> {
+        transport.close_window(id.0)?;
+        self.commit_import(id).await
+    }
+
+    /// Closes import `id`'s window on `transport`, then aborts the import (its pages
+    /// are freed). When the transport cannot establish that no write still lands
+    /// ([`TransportError::InFlight`](crate::transfer::TransportError::InFlight)), the
+    /// import is left open (its pages reserved) and the error returned; its lease
+    /// frees it later.
+    pub async fn abort_import_with(
+        &self,
+        transport: &mut dyn KvTransport,
+        id: RequestId,
+    ) -> Result<(), RuntimeError> {
+        transport.close_window(id.0)?;
+        self.abort_import(id).await
+    }
+
+    /// Starts the lease of export or import `id` again (a long transfer, a slow peer);
+    /// returns the new lease. An expired one is
+    /// [`SchedError::TransferExpired`](crate::core::scheduler::SchedError::TransferExpired).
+    #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
+    pub async fn renew_transfer(&self, id: RequestId) -> Result<Lease, RuntimeError> {
+        Ok(self.coordinator.ask(RenewTransfer(id)).await?)
     }
 }

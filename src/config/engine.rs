@@ -289,6 +289,27 @@ pub struct EngineConfig {
     pub spec_decode: SpecDecodeConfig,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
+    /// KV transfers between engines.
+    pub transfer: TransferConfig,
+}
+
+/// KV transfers between engines (prefill / decode disaggregation).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct TransferConfig {
+    /// How long an export or an import lives without a renewal, in milliseconds: an
+    /// export's pins are then released, an import aborted (its pages freed), so a peer
+    /// that dies mid-transfer costs at most this long. Writes into an import must land
+    /// a drain margin (2 s, at most half the lease) before it ends.
+    pub lease_ms: u64,
+}
+
+impl Default for TransferConfig {
+    /// A 30-second lease.
+    fn default() -> Self {
+        TransferConfig { lease_ms: 30_000 }
+    }
 }
 
 /// A configuration that cannot run.
@@ -562,6 +583,13 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
             "parallel.cp_size",
             p.cp_size,
             "is above 1 but cp_mode is none: choose helix or star",
+        );
+    }
+    if !(100..=86_400_000).contains(&c.transfer.lease_ms) {
+        return invalid(
+            "transfer.lease_ms",
+            c.transfer.lease_ms,
+            "must be between 100 (0.1 s) and 86400000 (a day)",
         );
     }
     let s = &c.scheduler;

@@ -17,9 +17,9 @@ mod engine;
 mod model;
 
 pub use engine::{
-    limits, star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind, ModelConfig,
-    ParallelConfig, ResolvedConfig, SchedulerConfig, SpecDecodeConfig, SpecMode, V2Choice,
-    DSA_TOKENS_PER_BLOCK,
+    limits, star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind,
+    ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig, SpecDecodeConfig, SpecMode,
+    TransferConfig, V2Choice, DSA_TOKENS_PER_BLOCK,
 };
 pub use model::{
     ComponentBytes, DsaModel, DsaModelSpec, IndexerDtype, IndexerLayers, KvDtype, LayerKind,

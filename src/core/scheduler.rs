@@ -9,7 +9,9 @@
 //! manager, which has the same slot counts, so its decisions mirror the target's.
 
 mod transfer;
-pub use transfer::{BlockPages, ImportReservation};
+pub use transfer::{
+    BlockPages, ExpiredTransfers, ImportReservation, TransferStats, TRANSFER_DRAIN,
+};
 
 use std::collections::HashMap;
 
@@ -40,6 +42,8 @@ pub struct SchedulerLimits {
     /// KV tokens (cached + new) of all context requests of one step: the size of the
     /// devices' full-KV mapping buffers. A context request that would exceed it waits.
     pub max_context_kv_tokens: u32,
+    /// How long an export or import lives without a renewal (see `transfer.rs`).
+    pub transfer_lease: std::time::Duration,
 }
 
 /// A request as a client submits it.
@@ -257,6 +261,17 @@ pub enum SchedError {
         /// What happened.
         what: &'static str,
     },
+    /// A transfer whose lease ran out: it was closed then (an export released, an
+    /// import aborted with its pages freed).
+    #[error(
+        "transfer {id} expired: its lease ran out before it was committed or closed, so it was \
+         closed then (an import's pages freed, nothing of it in the cache; an export's pins \
+         released); renew long transfers (renew_transfer) and import again"
+    )]
+    TransferExpired {
+        /// The export or import.
+        id: RequestId,
+    },
     /// `reset_prefix_cache` while requests hold pages.
     #[error(
         "cannot reset the prefix cache: {requests} request(s) hold KV pages (running, in the \
@@ -364,6 +379,8 @@ pub struct Scheduler {
     spare: Spare,
     /// Open exports and imports of blocks (`transfer.rs`).
     transfers: std::collections::HashMap<RequestId, transfer::Transfer>,
+    /// Transfers whose lease ran out.
+    expired: transfer::Expired,
 }
 
 /// Emptied buffers kept for the next plans: a step of 256 decoding requests otherwise
@@ -425,6 +442,7 @@ impl Scheduler {
                 ..Spare::default()
             },
             transfers: std::collections::HashMap::new(),
+            expired: transfer::Expired::default(),
         }
     }
 
@@ -802,7 +820,10 @@ impl Scheduler {
         // anything is planned, rather than at the commit that would accept it.
         let used = self.limits.draft_tokens as usize;
         for (id, d) in drafts {
-            if let Some(t) = d[..d.len().min(used)].iter().find(|t| t.get() > TokenId::MAX) {
+            if let Some(t) = d[..d.len().min(used)]
+                .iter()
+                .find(|t| t.get() > TokenId::MAX)
+            {
                 return Err(SchedError::BadOutcome {
                     id: *id,
                     what: format!(

@@ -2,6 +2,7 @@
 //! without a host tier (suspend vs. recompute preemption) and with a mirrored draft cache.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use super::scheduler::*;
 use super::*;
@@ -49,6 +50,7 @@ fn limits(draft_tokens: u32) -> SchedulerLimits {
         draft_tokens,
         livelock_steps: 50,
         max_context_kv_tokens: 256,
+        transfer_lease: std::time::Duration::from_secs(30),
     }
 }
 
@@ -562,7 +564,13 @@ fn transfers_keep_the_draft_cache_in_lockstep() {
     // Room needs offloads whose copies no step has run: both caches refuse, both keep
     // the offloads they planned.
     let r = s
-        .begin_import(RequestId(50), ReuseScope::SHARED, &toks(500..508), &keys)
+        .begin_import(
+            RequestId(50),
+            ReuseScope::SHARED,
+            &toks(500..508),
+            &keys,
+            Instant::now(),
+        )
         .unwrap();
     assert!(r.is_none());
     mirror(&s);
@@ -570,7 +578,13 @@ fn transfers_keep_the_draft_cache_in_lockstep() {
     let plan = s.schedule(&HashMap::new()).unwrap();
     s.complete(plan.target_fence, plan.draft_fence).unwrap();
     let r = s
-        .begin_import(RequestId(50), ReuseScope::SHARED, &toks(500..508), &keys)
+        .begin_import(
+            RequestId(50),
+            ReuseScope::SHARED,
+            &toks(500..508),
+            &keys,
+            Instant::now(),
+        )
         .unwrap()
         .expect("room after the copies ran");
     assert_eq!(r.blocks.len(), 2);
@@ -580,10 +594,15 @@ fn transfers_keep_the_draft_cache_in_lockstep() {
     mirror(&s);
     // The id is taken while the import lives.
     assert!(s.submit(req(50, vec![1, 2, 3], 1)).is_err());
-    assert_eq!(s.commit_import(RequestId(50)).unwrap(), 2);
+    assert_eq!(s.commit_import(RequestId(50), Instant::now()).unwrap(), 2);
     mirror(&s);
     let exported = s
-        .export_blocks(RequestId(51), ReuseScope::SHARED, &toks(500..508))
+        .export_blocks(
+            RequestId(51),
+            ReuseScope::SHARED,
+            &toks(500..508),
+            Instant::now(),
+        )
         .unwrap();
     assert_eq!(exported.len(), 2);
     assert!(exported.iter().all(|b| b.draft.len() == 1));
@@ -591,4 +610,122 @@ fn transfers_keep_the_draft_cache_in_lockstep() {
     assert!(s.close_transfer(RequestId(51)).is_err());
     assert_eq!(s.num_transfers(), 0);
     mirror(&s);
+}
+
+/// Leases: an export and an import left alone are closed when their lease ends (the
+/// export's pins released, the import's pages freed, nothing of it in the tree), their
+/// ids answer `TransferExpired`, a renewal moves the end, and the counts are reported.
+#[test]
+fn transfers_expire_at_the_end_of_their_lease() {
+    let lease = Duration::from_secs(30);
+    let mut s = Scheduler::new(manager(8, 8), Some(manager(8, 8)), limits(0));
+    assert_eq!(s.transfer_lease(), lease);
+    s.submit(req(1, (0..16).collect(), 1)).unwrap();
+    drive(&mut s, 1, 100);
+    let toks = |r: std::ops::Range<u32>| r.map(TokenId).collect::<Vec<_>>();
+    let t0 = Instant::now();
+    let used0 = s.target().occupied_slots(Tier::Gpu)[0];
+    let exported = s
+        .export_blocks(RequestId(10), ReuseScope::SHARED, &toks(0..16), t0)
+        .unwrap();
+    assert_eq!(exported.len(), 4, "16 tokens in 4-token blocks");
+    let keys = s.block_keys(ReuseScope::SHARED, &toks(500..508));
+    let r = s
+        .begin_import(
+            RequestId(11),
+            ReuseScope::SHARED,
+            &toks(500..508),
+            &keys,
+            t0,
+        )
+        .unwrap()
+        .expect("room");
+    assert_eq!(
+        (r.expires, r.write_by),
+        (t0 + lease, t0 + lease - TRANSFER_DRAIN)
+    );
+    assert_eq!(s.target().occupied_slots(Tier::Gpu)[0], used0 + 2);
+    // Renewing the export at t0 + 20 s moves its end to t0 + 50 s.
+    let later = t0 + Duration::from_secs(20);
+    assert_eq!(
+        s.renew_transfer(RequestId(10), later).unwrap(),
+        later + lease
+    );
+    assert_eq!(
+        s.transfer_stats(),
+        TransferStats {
+            open_exports: 1,
+            open_imports: 1,
+            expired_exports: 0,
+            expired_imports: 0
+        }
+    );
+    // Just before the import's end nothing expires; at it, the import goes.
+    let e = s
+        .expire_transfers(t0 + lease - Duration::from_millis(1))
+        .unwrap();
+    assert_eq!(e, ExpiredTransfers::default());
+    let e = s.expire_transfers(t0 + lease).unwrap();
+    assert_eq!((e.exports, e.imports), (vec![], vec![RequestId(11)]));
+    assert_eq!(
+        s.target().occupied_slots(Tier::Gpu)[0],
+        used0,
+        "the import's pages are free"
+    );
+    assert_eq!(
+        s.probe_reuse(ReuseScope::SHARED, &toks(500..509)).unwrap(),
+        0
+    );
+    assert_eq!(
+        s.commit_import(RequestId(11), t0 + lease),
+        Err(SchedError::TransferExpired { id: RequestId(11) })
+    );
+    assert_eq!(
+        s.close_transfer(RequestId(11)),
+        Err(SchedError::TransferExpired { id: RequestId(11) })
+    );
+    // A commit that comes after its end expires it then and is refused the same way.
+    let r = s
+        .begin_import(
+            RequestId(12),
+            ReuseScope::SHARED,
+            &toks(500..508),
+            &keys,
+            t0,
+        )
+        .unwrap()
+        .expect("room");
+    assert_eq!(r.blocks.len(), 2);
+    assert_eq!(
+        s.commit_import(RequestId(12), t0 + lease + Duration::from_secs(1)),
+        Err(SchedError::TransferExpired { id: RequestId(12) })
+    );
+    // The renewed export outlives them, then goes at its new end.
+    let e = s.expire_transfers(later + lease).unwrap();
+    assert_eq!(e.exports, vec![RequestId(10)]);
+    assert_eq!(
+        s.renew_transfer(RequestId(10), later + lease),
+        Err(SchedError::TransferExpired { id: RequestId(10) })
+    );
+    assert_eq!(
+        s.transfer_stats(),
+        TransferStats {
+            open_exports: 0,
+            open_imports: 0,
+            expired_exports: 1,
+            expired_imports: 2
+        }
+    );
+    assert_eq!(s.num_transfers(), 0);
+    s.target().check_invariants();
+    s.draft().unwrap().check_invariants();
+    // An expired id is free again.
+    s.export_blocks(
+        RequestId(10),
+        ReuseScope::SHARED,
+        &toks(0..16),
+        later + lease,
+    )
+    .unwrap();
+    s.close_transfer(RequestId(10)).unwrap();
 }

@@ -1,7 +1,10 @@
 //! [`LocalTransport`]: a transport between engines of one process, for host memory. It
 //! checks every segment against both sides' registrations exactly as a network
-//! transport does, then copies with `memcpy`; notifications go through a process-wide
-//! mailbox. Tests and single-process examples use it; it is not a fast path.
+//! transport does, and every destination against the target's open windows (the pages
+//! its imports reserved for this writer), then copies with `memcpy`; notifications go
+//! through a process-wide registry, at most [`MAX_PENDING_NOTIFICATIONS`] untaken per
+//! agent. Tests and single-process examples use it; it is not a fast path (writes of the
+//! whole process take one lock).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,17 +13,33 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::{KvTransport, MemKind, MemRegion, PeerId, TransportError, WriteBatch, WriteReport};
+use super::{
+    KvTransport, MemKind, MemRegion, PeerId, TransportError, Window, WriteBatch, WriteReport,
+    MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
+};
 
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 
-/// The notifications waiting for one agent: (sender, message).
-type Inbox = Vec<(PeerId, Vec<u8>)>;
+/// What the process-wide registry keeps for one agent: its untaken notifications and
+/// the windows its peers may write.
+#[derive(Default)]
+struct Agent {
+    /// (sender, message), at most [`MAX_PENDING_NOTIFICATIONS`].
+    inbox: Vec<(PeerId, Vec<u8>)>,
+    windows: HashMap<u64, Window>,
+}
 
-/// Notifications waiting for each agent, by agent name.
-fn mailboxes() -> &'static Mutex<HashMap<String, Inbox>> {
-    static M: OnceLock<Mutex<HashMap<String, Inbox>>> = OnceLock::new();
+/// Every live agent of the process, by name. A write holds this lock while it checks
+/// the target's windows and copies, so closing a window (which takes it too) returns
+/// only after any write into it has finished.
+fn agents() -> &'static Mutex<HashMap<String, Agent>> {
+    static M: OnceLock<Mutex<HashMap<String, Agent>>> = OnceLock::new();
     M.get_or_init(Mutex::default)
+}
+
+fn lock() -> std::sync::MutexGuard<'static, HashMap<String, Agent>> {
+    // A panic while holding the lock leaves plain data (lists and maps) behind.
+    agents().lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Serialize, Deserialize)]
@@ -42,10 +61,7 @@ impl LocalTransport {
     /// A transport named `name` plus a process-unique suffix.
     pub fn new(name: &str) -> Self {
         let name = format!("{name}-{}", NEXT_AGENT.fetch_add(1, Ordering::Relaxed));
-        mailboxes()
-            .lock()
-            .expect("mailbox lock")
-            .insert(name.clone(), Vec::new());
+        lock().insert(name.clone(), Agent::default());
         LocalTransport {
             name,
             regions: Vec::new(),
@@ -56,9 +72,7 @@ impl LocalTransport {
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        if let Ok(mut m) = mailboxes().lock() {
-            m.remove(&self.name);
-        }
+        lock().remove(&self.name);
     }
 }
 
@@ -83,6 +97,15 @@ impl KvTransport for LocalTransport {
                     "the local transport copies host memory only ({:?} at {:#x})",
                     r.mem, r.addr
                 ),
+            ));
+        }
+        if let Some(r) = regions
+            .iter()
+            .find(|r| r.addr == 0 || r.addr.checked_add(r.len).is_none())
+        {
+            return Err(failed(
+                "register",
+                format!("no memory lies at {:#x} ({} bytes)", r.addr, r.len),
             ));
         }
         self.regions.extend_from_slice(regions);
@@ -110,6 +133,12 @@ impl KvTransport for LocalTransport {
                 std::process::id()
             )));
         }
+        if !lock().contains_key(&md.agent) {
+            return Err(TransportError::BadMetadata(format!(
+                "no agent {:?} lives in this process",
+                md.agent
+            )));
+        }
         let id = PeerId(md.agent);
         self.peers.insert(id.clone(), md.regions);
         Ok(id)
@@ -125,18 +154,49 @@ impl KvTransport for LocalTransport {
             .peers
             .get(peer)
             .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
+        if notification.len() > MAX_NOTIFICATION {
+            return Err(failed(
+                "write",
+                format!(
+                    "a notification of {} bytes (at most {MAX_NOTIFICATION})",
+                    notification.len()
+                ),
+            ));
+        }
         // Every segment is checked before the first byte moves.
         super::check_segments(batches, &self.regions, "local")?;
         super::check_segments(batches, remote, "remote")?;
+        let mut agents = lock();
+        let target = agents
+            .get_mut(&peer.0)
+            .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
+        // The receiving side's rule: only the pages of one of our open windows there.
+        let dsts = batches
+            .iter()
+            .flat_map(|b| b.segments.iter().map(move |s| (b.dst_mem, s.dst, s.len)));
+        if dsts.clone().next().is_some() {
+            super::window_for(&target.windows, &self.name, dsts, Instant::now())
+                .map_err(|why| failed("write", format!("{} refused the write: {why}", peer.0)))?;
+        }
+        if target.inbox.len() >= MAX_PENDING_NOTIFICATIONS {
+            return Err(failed(
+                "write",
+                format!(
+                    "{} holds {MAX_PENDING_NOTIFICATIONS} untaken notifications: it is not reading them",
+                    peer.0
+                ),
+            ));
+        }
         let t0 = Instant::now();
         let mut report = WriteReport::default();
         for b in batches {
             for s in &b.segments {
                 // SAFETY: both ranges lie inside memory registered by live transports of
                 // this process (checked above); registered pools are allocated once and
-                // never move or shrink while registered, and the importer writes only
-                // into pages it reserved for this transfer, which nothing else touches
-                // until the import commits. Source and destination are different pools.
+                // never move or shrink while registered. The destination lies in an open
+                // window of the target, whose `open_window` contract is that only the
+                // transfer writes it until the window closes, and closing waits for this
+                // lock, which the copy holds. Source and destination are different pools.
                 unsafe {
                     std::ptr::copy(s.src as *const u8, s.dst as *mut u8, s.len as usize);
                 }
@@ -145,19 +205,46 @@ impl KvTransport for LocalTransport {
             report.descriptors += b.segments.len();
         }
         report.elapsed = t0.elapsed();
-        let mut m = mailboxes().lock().expect("mailbox lock");
-        let inbox = m
-            .get_mut(&peer.0)
-            .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
-        inbox.push((PeerId(self.name.clone()), notification.to_vec()));
+        target
+            .inbox
+            .push((PeerId(self.name.clone()), notification.to_vec()));
         Ok(report)
     }
 
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
-        let mut m = mailboxes().lock().expect("mailbox lock");
-        Ok(m.get_mut(&self.name)
-            .map(std::mem::take)
+        Ok(lock()
+            .get_mut(&self.name)
+            .map(|a| std::mem::take(&mut a.inbox))
             .unwrap_or_default())
+    }
+
+    unsafe fn open_window(
+        &mut self,
+        peer: &PeerId,
+        window: u64,
+        ranges: &[MemRegion],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let w = Window::new(peer, ranges, deadline, &self.regions)?;
+        let mut agents = lock();
+        let me = agents
+            .get_mut(&self.name)
+            .expect("invariant: an agent is registered while its transport lives");
+        if me.windows.contains_key(&window) {
+            return Err(failed(
+                "open window",
+                format!("window {window} is open already"),
+            ));
+        }
+        me.windows.insert(window, w);
+        Ok(())
+    }
+
+    fn close_window(&mut self, window: u64) -> Result<(), TransportError> {
+        if let Some(me) = lock().get_mut(&self.name) {
+            me.windows.remove(&window);
+        }
+        Ok(())
     }
 }
 
@@ -165,6 +252,7 @@ impl KvTransport for LocalTransport {
 mod tests {
     use super::*;
     use crate::transfer::Segment;
+    use std::time::Duration;
 
     fn host(v: &[u8]) -> MemRegion {
         MemRegion {
@@ -175,7 +263,7 @@ mod tests {
     }
 
     #[test]
-    fn writes_checked_segments_then_notifies() {
+    fn writes_checked_segments_into_open_windows_then_notifies() {
         let src: Vec<u8> = (0..64).collect();
         let dst = vec![0u8; 64];
         let (mut a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
@@ -185,6 +273,7 @@ mod tests {
             b.register(&[host(&dst)]).unwrap();
             a.connect(&b.local_metadata().unwrap()).unwrap()
         };
+        let writer = PeerId(a.name.clone());
         let seg = |s: u64, d: u64, len: u64| Segment {
             src: src.as_ptr() as u64 + s,
             dst: dst.as_ptr() as u64 + d,
@@ -195,6 +284,35 @@ mod tests {
             dst_mem: MemKind::Host,
             segments,
         };
+        let range = |off: u64, len: u64| MemRegion {
+            addr: dst.as_ptr() as u64 + off,
+            len,
+            mem: MemKind::Host,
+        };
+        let good = [batch(vec![seg(8, 0, 8), seg(32, 40, 4)])];
+        // No window yet: the receiving side refuses, nothing lands, nothing is filed.
+        let e = a.write(&peer, &good, b"req-7").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no open window of this peer covers the write"),
+            "{e}"
+        );
+        assert!(dst.iter().all(|&x| x == 0));
+        // A window over [0, 8) and [40, 48); writes elsewhere (a "committed page") stay
+        // refused, so does a window outside the registered memory.
+        let soon = Instant::now() + Duration::from_secs(60);
+        // SAFETY: `dst` is registered and written only by the transfer.
+        unsafe {
+            assert!(matches!(
+                b.open_window(&writer, 7, &[range(60, 8)], soon),
+                Err(TransportError::Unregistered { side: "window", .. })
+            ));
+            b.open_window(&writer, 7, &[range(40, 8), range(0, 8)], soon)
+                .unwrap();
+            assert!(b.open_window(&writer, 7, &[range(0, 8)], soon).is_err());
+        }
+        let outside = [batch(vec![seg(0, 16, 8)])];
+        assert!(a.write(&peer, &outside, b"x").is_err());
         // One segment past the end of the remote region: refused, nothing written.
         let bad = [batch(vec![seg(0, 0, 8), seg(0, 60, 8)])];
         assert!(matches!(
@@ -207,13 +325,15 @@ mod tests {
         ));
         assert!(dst.iter().all(|&x| x == 0));
         assert!(b.take_notifications().unwrap().is_empty());
-        let r = a
-            .write(
-                &peer,
-                &[batch(vec![seg(8, 0, 8), seg(32, 40, 4)])],
-                b"req-7",
-            )
-            .unwrap();
+        // Another writer may not use a's window.
+        let mut c = LocalTransport::new("c");
+        // SAFETY: as above.
+        let cpeer = unsafe {
+            c.register(&[host(&src)]).unwrap();
+            c.connect(&b.local_metadata().unwrap()).unwrap()
+        };
+        assert!(c.write(&cpeer, &good, b"x").is_err());
+        let r = a.write(&peer, &good, b"req-7").unwrap();
         assert_eq!((r.descriptors, r.bytes), (2, 12));
         assert_eq!(&dst[..8], &src[8..16]);
         assert_eq!(&dst[40..44], &src[32..36]);
@@ -222,5 +342,35 @@ mod tests {
         assert_eq!(n.len(), 1);
         assert_eq!(n[0].1, b"req-7");
         assert!(b.take_notifications().unwrap().is_empty());
+        // Closed: refused again.
+        b.close_window(7).unwrap();
+        assert!(a.write(&peer, &good, b"x").is_err());
+        // Past its deadline: refused.
+        // SAFETY: as above.
+        unsafe {
+            b.open_window(&writer, 8, &[range(0, 64)], Instant::now())
+                .unwrap()
+        };
+        let e = a.write(&peer, &good, b"x").unwrap_err();
+        assert!(e.to_string().contains("passed its deadline"), "{e}");
+        b.close_window(8).unwrap();
+    }
+
+    #[test]
+    fn untaken_notifications_are_bounded() {
+        let (mut a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
+        // SAFETY: nothing is registered; notifications only.
+        let peer = unsafe { a.connect(&b.local_metadata().unwrap()).unwrap() };
+        for _ in 0..MAX_PENDING_NOTIFICATIONS {
+            a.write(&peer, &[], b"n").unwrap();
+        }
+        let e = a.write(&peer, &[], b"n").unwrap_err();
+        assert!(e.to_string().contains("untaken notifications"), "{e}");
+        assert!(a.write(&peer, &[], &vec![0; MAX_NOTIFICATION + 1]).is_err());
+        assert_eq!(
+            b.take_notifications().unwrap().len(),
+            MAX_PENDING_NOTIFICATIONS
+        );
+        a.write(&peer, &[], b"n").unwrap();
     }
 }

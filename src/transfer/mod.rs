@@ -29,6 +29,8 @@
 //! [`KvCacheHandle::commit_import`]: crate::actors::KvCacheHandle::commit_import
 //! [`abort_import`]: crate::actors::KvCacheHandle::abort_import
 
+#[cfg(feature = "nccl")]
+mod control;
 mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -36,7 +38,7 @@ pub mod nccl;
 pub mod nixl;
 mod plan;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +73,14 @@ pub struct MemRegion {
 }
 
 impl MemRegion {
+    /// A sort key for the memory kind (host first, then devices by ordinal).
+    pub(crate) fn mem_key(&self) -> (u8, u32) {
+        match self.mem {
+            MemKind::Host => (0, 0),
+            MemKind::Device { ordinal } => (1, ordinal),
+        }
+    }
+
     /// Whether `[addr, addr + len)` lies inside this region.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         let end = self.addr.checked_add(self.len);
@@ -272,6 +282,121 @@ pub trait KvTransport: Send {
 
     /// Notifications received since the last call, with the peer that sent each.
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError>;
+
+    /// Opens window `window` (the import's id, by convention): `peer` may write into
+    /// `ranges` until [`close_window`](Self::close_window) or `deadline`. Every write a
+    /// peer makes into this side's memory must lie in one open, unexpired window of that
+    /// peer, or it is refused before any of its bytes land (the local and the NCCL
+    /// transports check on the receiving side; NIXL's one-sided writes cannot be checked
+    /// by their target: see the NIXL transport's docs). A write accepted before
+    /// the deadline that has not landed by then is stopped (NCCL) or was a single
+    /// synchronous copy (local).
+    ///
+    /// # Safety
+    ///
+    /// `ranges` must be registered memory that only the transfer writes until the window
+    /// closes: the pages an open import reserved,
+    /// [`ImportTicket::write_ranges`] of its ticket.
+    unsafe fn open_window(
+        &mut self,
+        peer: &PeerId,
+        window: u64,
+        ranges: &[MemRegion],
+        deadline: Instant,
+    ) -> Result<(), TransportError>;
+
+    /// Closes `window` (an unknown one is `Ok`): returns once no write into it can land
+    /// any more, or [`TransportError::InFlight`] when that cannot be established (keep
+    /// the import's pages reserved then). Close it before aborting the import.
+    fn close_window(&mut self, window: u64) -> Result<(), TransportError>;
+}
+
+/// The most notifications a transport keeps untaken; a write that would file one more is
+/// refused before any byte moves (the importer is not reading its notifications).
+pub const MAX_PENDING_NOTIFICATIONS: usize = 4096;
+
+/// The largest notification a write may carry.
+pub const MAX_NOTIFICATION: usize = 64 << 10;
+
+/// An import's window as the receiving side keeps it.
+#[derive(Clone, Debug)]
+pub(crate) struct Window {
+    /// Who may write it.
+    pub peer: String,
+    /// Where, sorted by (memory, address).
+    pub ranges: Vec<MemRegion>,
+    /// Until when.
+    pub deadline: Instant,
+}
+
+impl Window {
+    /// Checks `ranges` lie in `registered` memory and builds the window.
+    pub(crate) fn new(
+        peer: &PeerId,
+        ranges: &[MemRegion],
+        deadline: Instant,
+        registered: &[MemRegion],
+    ) -> Result<Window, TransportError> {
+        if let Some((index, r)) = ranges.iter().enumerate().find(|(_, r)| {
+            !registered
+                .iter()
+                .any(|g| g.mem == r.mem && g.contains(r.addr, r.len))
+        }) {
+            return Err(TransportError::Unregistered {
+                index,
+                side: "window",
+                addr: r.addr,
+                len: r.len,
+            });
+        }
+        let mut ranges = ranges.to_vec();
+        ranges.sort_by_key(|m| (m.mem_key(), m.addr));
+        Ok(Window {
+            peer: peer.0.clone(),
+            ranges,
+            deadline,
+        })
+    }
+
+    /// Whether `len` bytes of `mem` at `addr` lie inside one of the window's ranges.
+    pub(crate) fn covers(&self, mem: MemKind, addr: u64, len: u64) -> bool {
+        // The last range starting at or before `addr` is the only candidate.
+        let key = (MemRegion { addr, len, mem }.mem_key(), addr);
+        let i = self
+            .ranges
+            .partition_point(|m| (m.mem_key(), m.addr) <= key);
+        i > 0 && self.ranges[i - 1].mem == mem && self.ranges[i - 1].contains(addr, len)
+    }
+}
+
+/// Finds the window of `peer` that covers every destination of `dsts` (`(memory,
+/// address, length)`), open at `now`: its id, or why the write is refused.
+pub(crate) fn window_for<'w>(
+    windows: impl IntoIterator<Item = (&'w u64, &'w Window)>,
+    peer: &str,
+    dsts: impl Iterator<Item = (MemKind, u64, u64)> + Clone,
+    now: Instant,
+) -> Result<u64, String> {
+    let mut expired = false;
+    for (&id, w) in windows {
+        if w.peer != peer {
+            continue;
+        }
+        if dsts.clone().all(|(m, a, l)| w.covers(m, a, l)) {
+            if now < w.deadline {
+                return Ok(id);
+            }
+            expired = true;
+        }
+    }
+    Err(if expired {
+        "the import's window has passed its deadline".into()
+    } else {
+        let first = dsts.clone().next();
+        format!(
+            "no open window of this peer covers the write (first destination {first:?}): only pages an import reserved for it may be written"
+        )
+    })
 }
 
 /// What [`push`] moved.
@@ -303,7 +428,9 @@ pub enum PushError {
 /// The exporter's half of a transfer: pairs the exported blocks with the importer's
 /// ticket and pool regions ([`plan_writes`]) and writes them through `transport`, which
 /// then delivers `notification` to the importer. The importer commits after the
-/// notification (or aborts when told the push failed).
+/// notification (or aborts when told the push failed). Renew the export's lease
+/// ([`KvCacheHandle::renew_transfer`](crate::actors::KvCacheHandle::renew_transfer))
+/// first when the push may outlast what is left of it.
 pub fn push(
     transport: &mut dyn KvTransport,
     peer: &PeerId,

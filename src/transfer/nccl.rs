@@ -25,14 +25,35 @@
 //!    registrations and sends a header (a sequence number, the segments' destinations
 //!    and lengths, the notification) on its control connection;
 //! 2. the peer's receive thread checks every destination against **its own**
-//!    registrations (a header that reaches outside them is refused before anything is
-//!    posted), acknowledges, and posts one `ncclRecv` per segment (one NCCL group);
+//!    registrations and its open **windows** (a header is admitted only if every
+//!    destination lies in one window the importer opened for this writer,
+//!    [`KvTransport::open_window`], and before its deadline; and only if the inbox has
+//!    room: at most [`MAX_PENDING_NOTIFICATIONS`] untaken notifications of at most
+//!    [`MAX_NOTIFICATION`] bytes), refuses anything else before posting, acknowledges,
+//!    and posts one `ncclRecv` per segment (one NCCL group);
 //! 3. the writer posts one `ncclSend` per segment (one group) and waits for its stream,
 //!    watching the control connection for the receiver's failure;
 //! 4. the receive thread waits for its stream, files the notification (visible to
 //!    [`take_notifications`](KvTransport::take_notifications) only after every byte has
 //!    landed), and answers `Done`; only then does `write` return. Every answer carries
 //!    the header's sequence number, and an answer to another write breaks the pair.
+//!
+//! # Who may connect
+//!
+//! Each transport makes a random secret and puts it in its metadata; a control
+//! connection is taken for peer `A`'s only if its first frame proves it holds `A`'s
+//! metadata and ours (an HMAC over a fresh challenge: `control.rs`), so a local process
+//! that merely names itself `A` is refused. Handshakes run concurrently and are
+//! bounded in number and time: silent sockets cannot use up `connect`'s deadline. The
+//! metadata must travel over a channel both engines trust.
+//!
+//! # Windows
+//!
+//! A receive admitted into a window must land before the window's deadline; past it,
+//! or when [`close_window`](KvTransport::close_window) is called while it runs, the
+//! receive thread aborts its communicator (its kernels stop, the pair breaks) and
+//! `close_window` returns once it has; if it does not within the grace period,
+//! `close_window` returns [`TransportError::InFlight`].
 //!
 //! # Failures
 //!
@@ -91,7 +112,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CStr;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,9 +123,10 @@ use cudarc::driver::{sys as cu, CudaContext, CudaStream};
 use cudarc::nccl::sys as nc;
 use serde::{Deserialize, Serialize};
 
+use super::control::{self, Acceptor, SECRET_LEN};
 use super::{
-    check_segments, KvTransport, MemKind, MemRegion, PeerId, TransportError, WriteBatch,
-    WriteReport,
+    check_segments, window_for, KvTransport, MemKind, MemRegion, PeerId, TransportError, Window,
+    WriteBatch, WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
 };
 
 const TRANSPORT: &str = "nccl";
@@ -348,9 +370,6 @@ fn wait_until(
 /// answer names the header it answers.
 #[derive(Debug, Serialize, Deserialize)]
 enum Ctrl {
-    /// First frame on a control connection: who connects, and the unique id of the
-    /// communicator it sends on (this connection's direction).
-    Hello { agent: String, id: Vec<u8> },
     /// A write: `(memory, destination, bytes)` per segment, then the notification.
     Header {
         seq: u64,
@@ -382,49 +401,19 @@ fn send_ctrl(s: &mut TcpStream, m: &Ctrl) -> Result<(), TransportError> {
     s.write_all(&m.encode()?).map_err(io("control send"))
 }
 
-/// Fills `buf` from `s`, all of it before `deadline`.
-fn read_until(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), TransportError> {
-    let mut off = 0;
-    while off < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(failed("control receive", "the peer did not answer in time"));
-        }
-        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
-            .map_err(io("control receive"))?;
-        match s.read(&mut buf[off..]) {
-            Ok(0) => {
-                return Err(failed(
-                    "control receive",
-                    "the peer closed the control connection",
-                ))
-            }
-            Ok(n) => off += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(failed("control receive", e.to_string())),
-        }
-    }
-    Ok(())
+/// Reads one whole frame before `deadline` (ending early when `stop` is set).
+fn recv_ctrl_or_stop(
+    s: &mut TcpStream,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<Ctrl, TransportError> {
+    let b = control::read_frame(s, MAX_FRAME, deadline, stop)?;
+    serde_json::from_slice(&b).map_err(|e| failed("control receive", e.to_string()))
 }
 
 /// Reads one whole frame before `deadline`.
 fn recv_ctrl(s: &mut TcpStream, deadline: Instant) -> Result<Ctrl, TransportError> {
-    let mut n = [0u8; 8];
-    read_until(s, &mut n, deadline)?;
-    let n = u64::from_le_bytes(n);
-    if n > MAX_FRAME {
-        return Err(failed(
-            "control receive",
-            format!("a frame of {n} bytes: not this transport's protocol"),
-        ));
-    }
-    let mut b = vec![0u8; n as usize];
-    read_until(s, &mut b, deadline)?;
-    serde_json::from_slice(&b).map_err(|e| failed("control receive", e.to_string()))
+    recv_ctrl_or_stop(s, deadline, None)
 }
 
 /// What a control connection has without blocking: `Ok(None)` nothing yet,
@@ -465,6 +454,25 @@ struct Metadata {
     /// Where this transport accepts control connections.
     control: SocketAddr,
     regions: Vec<MemRegion>,
+    /// This transport's secret (hex): a connection proves it holds it (`control.rs`).
+    secret: String,
+}
+
+/// An import's window on the receiving side, with the receives using it.
+struct NcclWindow {
+    window: Window,
+    /// Headers into it being received now.
+    in_use: u32,
+    /// `close_window` waits for `in_use` to reach 0; no new header is accepted.
+    closing: bool,
+}
+
+/// Every open window of a transport, shared with its receive threads.
+type Windows = Arc<Mutex<HashMap<u64, NcclWindow>>>;
+
+fn lock_windows(w: &Windows) -> std::sync::MutexGuard<'_, HashMap<u64, NcclWindow>> {
+    // Plain data: a panic elsewhere leaves it consistent.
+    w.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One connected peer. Fields drop in this order: the receive thread stops (aborting
@@ -508,15 +516,16 @@ pub struct NcclTransport {
     stream: Arc<CudaStream>,
     /// One byte of device memory for the connection warm-up.
     scratch: cu::CUdeviceptr,
-    listener: TcpListener,
+    /// Accepts control connections and runs their authenticated handshakes.
+    acceptor: Acceptor,
     control: SocketAddr,
+    /// This transport's secret, sent in its metadata.
+    secret: [u8; SECRET_LEN],
     regions: Vec<MemRegion>,
     timeout: Duration,
     peers: HashMap<PeerId, Peer>,
-    /// Control connections accepted for a `connect` not made yet: agent → (stream, id);
-    /// the newest per agent.
-    pending: HashMap<String, (TcpStream, Vec<u8>)>,
     inbox: Inbox,
+    windows: Windows,
 }
 
 impl std::fmt::Debug for NcclTransport {
@@ -602,8 +611,8 @@ impl NcclTransport {
         let control = listener
             .local_addr()
             .map_err(io("bind the control socket"))?;
-        listener
-            .set_nonblocking(true)
+        let secret = control::random_bytes()?;
+        let acceptor = Acceptor::new(listener, secret, Duration::from_secs(5))
             .map_err(io("bind the control socket"))?;
         let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuCtxCreate", e))?;
         let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
@@ -618,13 +627,14 @@ impl NcclTransport {
             ctx,
             stream,
             scratch,
-            listener,
+            acceptor,
             control,
+            secret,
             regions: Vec::new(),
             timeout: Duration::from_secs(60),
             peers: HashMap::new(),
-            pending: HashMap::new(),
             inbox: Arc::default(),
+            windows: Arc::default(),
         })
     }
 
@@ -654,39 +664,23 @@ impl NcclTransport {
             .map_err(|e| driver("cuCtxSetCurrent", e))
     }
 
-    /// Accepts every control connection waiting, keeping the newest per agent.
-    fn accept_waiting(&mut self, deadline: Instant) -> Result<(), TransportError> {
-        loop {
-            match self.listener.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false).map_err(io("accept"))?;
-                    s.set_nodelay(true).map_err(io("accept"))?;
-                    s.set_write_timeout(Some(self.timeout))
-                        .map_err(io("accept"))?;
-                    // A connection that sends no Hello in time is not a peer of ours.
-                    let hello_by = deadline.min(Instant::now() + Duration::from_secs(5));
-                    if let Ok(Ctrl::Hello { agent, id }) = recv_ctrl(&mut s, hello_by) {
-                        self.pending.insert(agent, (s, id));
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
-                Err(e) => return Err(failed("accept", e.to_string())),
-            }
-        }
-    }
-
     /// The control connection `agent` opened to us, with the id of the communicator it
-    /// sends on. A connection the agent closed (left by an earlier, failed attempt) is
-    /// skipped.
+    /// sends on, once its handshake proves it holds `agent`'s secret and ours. Every
+    /// connection waiting is served meanwhile, concurrently ([`Acceptor`]); one the
+    /// agent closed (left by an earlier, failed attempt) is skipped.
     fn accept_from(
         &mut self,
         agent: &str,
+        peer_secret: &[u8; SECRET_LEN],
         deadline: Instant,
     ) -> Result<(TcpStream, Vec<u8>), TransportError> {
         loop {
-            self.accept_waiting(deadline)?;
-            if let Some((s, id)) = self.pending.remove(agent) {
+            self.acceptor.poll()?;
+            while let Some((s, id)) = self.acceptor.take(agent, peer_secret) {
                 if !closed(&s) {
+                    s.set_nodelay(true).map_err(io("accept"))?;
+                    s.set_write_timeout(Some(self.timeout))
+                        .map_err(io("accept"))?;
                     return Ok((s, id));
                 }
             }
@@ -694,7 +688,7 @@ impl NcclTransport {
                 return Err(failed(
                     "connect",
                     format!(
-                        "{agent} did not open its control connection within {:?}: both sides must connect",
+                        "{agent} did not open an authenticated control connection within {:?}: both sides must connect, each with the other's metadata",
                         self.timeout
                     ),
                 ));
@@ -806,8 +800,9 @@ fn unique_id() -> Result<Vec<u8>, TransportError> {
 }
 
 /// Whether `r` is memory NCCL's kernels on device `ordinal` can use at its own address:
-/// device memory of that device, or pinned, device-mapped host memory (UVA). The first
-/// and the last byte are asked about.
+/// device memory of that device, or pinned, device-mapped host memory (UVA). Every
+/// allocation the region spans is asked about, from its first byte to its last (the
+/// driver's allocation ranges, walked), so a hole in the middle is refused too.
 fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
     if let MemKind::Device { ordinal: o } = r.mem {
         if o != ordinal {
@@ -820,27 +815,30 @@ fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
     if r.len == 0 {
         return Ok(());
     }
-    let last = r.addr.checked_add(r.len - 1).ok_or_else(|| {
+    let end = r.addr.checked_add(r.len).ok_or_else(|| {
         format!(
             "the region at {:#x} of {} bytes wraps around",
             r.addr, r.len
         )
     })?;
-    for at in [r.addr, last] {
-        let mut dev: cu::CUdeviceptr = 0;
-        // SAFETY: a valid out-pointer of the attribute's type; the driver only looks the
-        // address up.
-        let q = unsafe {
-            cu::cuPointerGetAttribute(
-                (&mut dev as *mut cu::CUdeviceptr).cast(),
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-                at,
-            )
-        };
+    // SAFETY: valid out-pointers of each attribute's type; the driver only looks the
+    // address up.
+    let attr = |at: u64, a: cu::CUpointer_attribute| -> (cu::CUresult, u64) {
+        let mut v: u64 = 0;
+        let q = unsafe { cu::cuPointerGetAttribute((&mut v as *mut u64).cast(), a, at) };
+        (q, v)
+    };
+    let mut at = r.addr;
+    // A region spans few allocations (one, or a VMM pool's chunks): bound the walk.
+    for _ in 0..1 << 20 {
+        let (q, dev) = attr(
+            at,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+        );
         if q != cu::CUresult::CUDA_SUCCESS || dev != at {
             return Err(format!(
-                "{:?} memory at {at:#x} (in the region at {:#x}) is not device-accessible at its own address ({q:?}): NCCL moves GPU memory and pinned, device-mapped host memory (the CUDA backend's pools); the host backend's pools need the NIXL or the local transport",
-                r.mem, r.addr
+                "{:?} memory at {at:#x} (in the region at {:#x} of {} bytes) is not device-accessible at its own address ({q:?}): NCCL moves GPU memory and pinned, device-mapped host memory (the CUDA backend's pools); the host backend's pools need the NIXL or the local transport",
+                r.mem, r.addr, r.len
             ));
         }
         if let MemKind::Device { ordinal: want } = r.mem {
@@ -859,8 +857,33 @@ fn check_region(r: &MemRegion, ordinal: u32) -> Result<(), String> {
                 ));
             }
         }
+        let (q1, start) = attr(
+            at,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        );
+        let (q2, size) = attr(at, cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE);
+        let next = start.checked_add(size);
+        match (q1, q2, next) {
+            (cu::CUresult::CUDA_SUCCESS, cu::CUresult::CUDA_SUCCESS, Some(next))
+                if start <= at && next > at =>
+            {
+                if next >= end {
+                    return Ok(());
+                }
+                at = next;
+            }
+            _ => {
+                return Err(format!(
+                    "the driver gives no allocation range for {at:#x} ({q1:?}, {q2:?}: start {start:#x}, {size} bytes), in the region at {:#x} of {} bytes",
+                    r.addr, r.len
+                ))
+            }
+        }
     }
-    Ok(())
+    Err(format!(
+        "the region at {:#x} of {} bytes spans more than 2^20 allocations",
+        r.addr, r.len
+    ))
 }
 
 /// Everything a receive thread owns.
@@ -874,12 +897,68 @@ struct ReceiveSide {
     ctrl: TcpStream,
     regions: Vec<MemRegion>,
     inbox: Inbox,
+    windows: Windows,
     stop: Arc<AtomicBool>,
     alive: Arc<AtomicBool>,
     timeout: Duration,
 }
 
 impl ReceiveSide {
+    /// Why header `segments` may not be received, or the window it writes (counted in
+    /// use until [`release`](Self::release)). Checked before anything is posted: every
+    /// destination in memory this side registered and in one open window of this peer;
+    /// room in the inbox for its notification.
+    fn admit(
+        &self,
+        segments: &[(MemKind, u64, u64)],
+        notification: &[u8],
+    ) -> Result<Option<(u64, Instant)>, String> {
+        if let Some((index, &(mem, dst, len))) =
+            segments.iter().enumerate().find(|(_, &(mem, dst, len))| {
+                !self
+                    .regions
+                    .iter()
+                    .any(|r| r.mem == mem && r.contains(dst, len))
+            })
+        {
+            return Err(format!(
+                "segment {index} of the write (counting its non-empty segments across batches: {len} bytes of {mem:?} at {dst:#x}) lies outside the receiver's registered memory"
+            ));
+        }
+        if notification.len() > MAX_NOTIFICATION {
+            return Err(format!(
+                "a notification of {} bytes (at most {MAX_NOTIFICATION})",
+                notification.len()
+            ));
+        }
+        if self.inbox.lock().expect("inbox lock").len() >= MAX_PENDING_NOTIFICATIONS {
+            return Err(format!(
+                "{MAX_PENDING_NOTIFICATIONS} notifications wait untaken: the importer is not reading them"
+            ));
+        }
+        if segments.is_empty() {
+            return Ok(None);
+        }
+        let mut ws = lock_windows(&self.windows);
+        let open = ws
+            .iter()
+            .filter(|(_, w)| !w.closing)
+            .map(|(id, w)| (id, &w.window));
+        let id = window_for(open, &self.peer.0, segments.iter().copied(), Instant::now())?;
+        let w = ws.get_mut(&id).expect("found above");
+        w.in_use += 1;
+        Ok(Some((id, w.window.deadline)))
+    }
+
+    /// The receive into `window` ended.
+    fn release(&self, window: Option<(u64, Instant)>) {
+        if let Some((id, _)) = window {
+            if let Some(w) = lock_windows(&self.windows).get_mut(&id) {
+                w.in_use -= 1;
+            }
+        }
+    }
+
     /// Serves headers until the connection closes, the transport stops, or a transfer
     /// fails (then the communicator is aborted and the writer told). Clears `alive`
     /// when it returns.
@@ -920,8 +999,12 @@ impl ReceiveSide {
                 }
                 Err(e) => return Err(format!("control connection: {e}")),
             }
-            let frame = recv_ctrl(&mut self.ctrl, Instant::now() + self.timeout)
-                .map_err(|e| e.to_string())?;
+            let frame = recv_ctrl_or_stop(
+                &mut self.ctrl,
+                Instant::now() + self.timeout,
+                Some(&self.stop),
+            )
+            .map_err(|e| e.to_string())?;
             let Ctrl::Header {
                 seq,
                 segments,
@@ -930,27 +1013,31 @@ impl ReceiveSide {
             else {
                 return Err(format!("unexpected control frame {frame:?}"));
             };
-            // Every destination must lie in memory this side registered: a header that
+            // Every destination must lie in memory this side registered and in an open
+            // window of this peer (the pages an import reserved for it): a header that
             // says otherwise is refused before anything is posted.
-            let bad = segments.iter().enumerate().find(|(_, &(mem, dst, len))| {
-                !self
-                    .regions
-                    .iter()
-                    .any(|r| r.mem == mem && r.contains(dst, len))
-            });
-            if let Some((index, &(mem, dst, len))) = bad {
-                let why = format!(
-                    "segment {index} of the write (counting its non-empty segments across batches: {len} bytes of {mem:?} at {dst:#x}) lies outside the receiver's registered memory"
-                );
-                tracing::warn!(peer = %self.peer.0, "nccl: refused a write: {why}");
-                send_ctrl(&mut self.ctrl, &Ctrl::Refused { seq, why })
-                    .map_err(|e| e.to_string())?;
-                continue;
-            }
+            let window = match self.admit(&segments, &notification) {
+                Ok(w) => w,
+                Err(why) => {
+                    tracing::warn!(peer = %self.peer.0, "nccl: refused a write: {why}");
+                    send_ctrl(&mut self.ctrl, &Ctrl::Refused { seq, why })
+                        .map_err(|e| e.to_string())?;
+                    continue;
+                }
+            };
             // Acknowledged before posting: the writer's group and ours then launch
             // together (NCCL may connect a channel inside either, and that needs both).
-            send_ctrl(&mut self.ctrl, &Ctrl::Ack { seq }).map_err(|e| e.to_string())?;
-            let deadline = Instant::now() + self.timeout;
+            if let Err(e) = send_ctrl(&mut self.ctrl, &Ctrl::Ack { seq }) {
+                self.release(window);
+                return Err(e.to_string());
+            }
+            // The receives end by the window's deadline at the latest: past it they are
+            // stopped (the import's pages are about to be freed).
+            let deadline = window.map_or(Instant::now() + self.timeout, |(_, d)| {
+                d.min(Instant::now() + self.timeout)
+            });
+            let windows = self.windows.clone();
+            let window_id = window.map(|(id, _)| id);
             let ended = post(
                 &self.comm,
                 &stream,
@@ -961,6 +1048,15 @@ impl ReceiveSide {
             .and_then(|()| {
                 let (ctrl, stop) = (&mut self.ctrl, &self.stop);
                 wait_until(&stream, &self.comm, deadline, Some(stop), || {
+                    // The importer closed the window (an abort, an expired lease): stop.
+                    if let Some(id) = window_id {
+                        if lock_windows(&windows).get(&id).is_none_or(|w| w.closing) {
+                            return Some(WaitEnd::Failed(failed(
+                                "receive",
+                                "the import's window was closed",
+                            )));
+                        }
+                    }
                     // The writer gave up (Abort) or is gone: stop at once.
                     let left = deadline.saturating_duration_since(Instant::now());
                     match poll_ctrl(ctrl, left) {
@@ -978,6 +1074,7 @@ impl ReceiveSide {
             });
             match ended {
                 Ok(()) => {
+                    self.release(window);
                     self.inbox
                         .lock()
                         .expect("inbox lock")
@@ -987,13 +1084,16 @@ impl ReceiveSide {
                 Err(w) => {
                     let why = match w {
                         WaitEnd::Failed(e) => e.to_string(),
-                        WaitEnd::TimedOut => {
-                            format!("the bytes did not land within {:?}", self.timeout)
-                        }
+                        WaitEnd::TimedOut => format!(
+                            "the bytes did not land within {:?} or by the window's deadline",
+                            self.timeout
+                        ),
                         WaitEnd::Stopped => "the transport is shutting down".into(),
                     };
-                    // Stop our kernels before telling the writer nothing lands any more.
+                    // Stop our kernels before telling the writer (and `close_window`)
+                    // that nothing lands any more.
                     self.comm.abort();
+                    self.release(window);
                     let _ = send_ctrl(
                         &mut self.ctrl,
                         &Ctrl::Failed {
@@ -1033,6 +1133,7 @@ impl KvTransport for NcclTransport {
             agent: self.name.clone(),
             control: self.control,
             regions: self.regions.clone(),
+            secret: control::hex(&self.secret),
         })
         .map_err(|e| TransportError::BadMetadata(e.to_string()))
     }
@@ -1046,6 +1147,12 @@ impl KvTransport for NcclTransport {
                 md.agent
             )));
         }
+        let peer_secret = control::unhex(&md.secret).ok_or_else(|| {
+            TransportError::BadMetadata(format!(
+                "{:?}'s metadata has no 32-byte secret: it is not an NCCL transport's metadata of this version",
+                md.agent
+            ))
+        })?;
         let id = PeerId(md.agent.clone());
         if self.is_connected(&id) {
             return Err(failed(
@@ -1077,15 +1184,16 @@ impl KvTransport for NcclTransport {
         ctrl.set_nodelay(true).map_err(io("connect"))?;
         ctrl.set_write_timeout(Some(self.timeout))
             .map_err(io("connect"))?;
-        send_ctrl(
+        control::introduce(
             &mut ctrl,
-            &Ctrl::Hello {
-                agent: self.name.clone(),
-                id: out_id.clone(),
-            },
+            &self.name,
+            &out_id,
+            &self.secret,
+            &peer_secret,
+            deadline,
         )?;
         // The peer's direction.
-        let (incoming, in_id) = self.accept_from(&md.agent, deadline)?;
+        let (incoming, in_id) = self.accept_from(&md.agent, &peer_secret, deadline)?;
         // Both communicators, each with its one-byte warm-up, in the same order on both
         // sides (the lexically smaller agent's sending communicator first).
         let (out, inc) = if self.name < md.agent {
@@ -1105,6 +1213,7 @@ impl KvTransport for NcclTransport {
             ctrl: incoming,
             regions: self.regions.clone(),
             inbox: self.inbox.clone(),
+            windows: self.windows.clone(),
             stop: stop.clone(),
             alive: alive.clone(),
             timeout: self.timeout,
@@ -1291,6 +1400,58 @@ impl KvTransport for NcclTransport {
 
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
         Ok(std::mem::take(&mut *self.inbox.lock().expect("inbox lock")))
+    }
+
+    unsafe fn open_window(
+        &mut self,
+        peer: &PeerId,
+        window: u64,
+        ranges: &[MemRegion],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let w = Window::new(peer, ranges, deadline, &self.regions)?;
+        let mut ws = lock_windows(&self.windows);
+        if ws.contains_key(&window) {
+            return Err(failed(
+                "open window",
+                format!("window {window} is open already"),
+            ));
+        }
+        ws.insert(
+            window,
+            NcclWindow {
+                window: w,
+                in_use: 0,
+                closing: false,
+            },
+        );
+        Ok(())
+    }
+
+    fn close_window(&mut self, window: u64) -> Result<(), TransportError> {
+        // The receive thread stops a receive into a closing window at its next poll and
+        // aborts its communicator; wait for that, at most the grace period.
+        let until = Instant::now() + GRACE.min(self.timeout);
+        loop {
+            {
+                let mut ws = lock_windows(&self.windows);
+                match ws.get_mut(&window) {
+                    None => return Ok(()),
+                    Some(w) if w.in_use == 0 => {
+                        ws.remove(&window);
+                        return Ok(());
+                    }
+                    Some(w) => w.closing = true,
+                }
+            }
+            if Instant::now() > until {
+                return Err(in_flight(format!(
+                    "window {window} is closing but a receive into it did not stop within {:?}",
+                    GRACE.min(self.timeout)
+                )));
+            }
+            std::thread::sleep(POLL);
+        }
     }
 }
 

@@ -414,6 +414,26 @@ impl KvTransport for NixlTransport {
         Ok(report)
     }
 
+    /// NIXL's writes are one-sided (RDMA, UCX): the target's CPU never sees them, so a
+    /// window cannot be enforced on this side. The ranges are checked against the
+    /// registrations and nothing else is kept: with NIXL a connected peer can write any
+    /// byte this side registered, and a write cut off at a deadline cannot be stopped
+    /// here. Use NIXL only between engines that trust each other; the local and NCCL
+    /// transports enforce windows.
+    unsafe fn open_window(
+        &mut self,
+        peer: &PeerId,
+        _window: u64,
+        ranges: &[MemRegion],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        super::Window::new(peer, ranges, deadline, &self.regions).map(|_| ())
+    }
+
+    fn close_window(&mut self, _window: u64) -> Result<(), TransportError> {
+        Ok(())
+    }
+
     fn take_notifications(&mut self) -> Result<Vec<(PeerId, Vec<u8>)>, TransportError> {
         let mut map = NotificationMap::new().map_err(|e| failed("notifications", e))?;
         self.agent

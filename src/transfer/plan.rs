@@ -8,6 +8,7 @@
 //! the source and `d, d+1, …` on the destination, same pool) become one descriptor.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -52,8 +53,24 @@ pub struct PoolRegion {
 }
 
 impl PoolRegion {
-    fn slot_addr(&self, slot: SlotId) -> u64 {
-        self.region.addr + u64::from(slot.0) * self.slot_bytes
+    /// The address of `slot`; `None` past the pool or past the address space (a
+    /// region from a peer is not trusted to be sensible).
+    fn slot_addr(&self, slot: SlotId) -> Option<u64> {
+        if slot.0 >= self.slots {
+            return None;
+        }
+        self.region
+            .addr
+            .checked_add(u64::from(slot.0).checked_mul(self.slot_bytes)?)
+    }
+
+    /// Whether the region's own numbers hold: `slots × slot_bytes` bytes fit in its
+    /// memory, which ends inside the address space.
+    fn is_consistent(&self) -> bool {
+        u64::from(self.slots)
+            .checked_mul(self.slot_bytes)
+            .is_some_and(|n| n <= self.region.len)
+            && self.region.addr.checked_add(self.region.len).is_some()
     }
 }
 
@@ -90,8 +107,10 @@ pub struct ExportedBlocks {
 /// The importer's reservation: pages for the blocks it did not hold.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImportTicket {
-    /// The import's id.
+    /// The import's id on the importer.
     pub id: RequestId,
+    /// The export it answers (the exporter's id).
+    pub export: RequestId,
     /// Leading blocks already cached here: not transferred.
     pub skipped: u32,
     /// The importer's layout fingerprint.
@@ -100,6 +119,81 @@ pub struct ImportTicket {
     pub pools: Vec<PoolRef>,
     /// Pages reserved for blocks `skipped..`, in prefix order.
     pub blocks: Vec<BlockPages>,
+    /// Milliseconds from the ticket's issue within which every byte must have landed
+    /// (the importer's window closes then; its lease ends a drain margin later).
+    pub write_within_ms: u64,
+    /// The same deadline as a moment of the importer's process (not sent: `None` on
+    /// the exporter's side).
+    #[serde(skip)]
+    pub write_by: Option<Instant>,
+}
+
+impl ImportTicket {
+    /// The bytes the exporter may write for this import: every reserved page's slot in
+    /// every pool of its group, in both caches, on every device, as ranges of
+    /// `regions` (the importer's own
+    /// [`KvCacheHandle::transfer_regions`](crate::actors::KvCacheHandle::transfer_regions)),
+    /// adjacent ranges merged, sorted.
+    /// A transport window opened with them accepts writes there and nowhere else.
+    pub fn write_ranges(&self, regions: &[PoolRegion]) -> Result<Vec<MemRegion>, PlanError> {
+        let mut out: Vec<MemRegion> = Vec::new();
+        for r in regions {
+            if !r.is_consistent() {
+                return Err(PlanError::BadPage {
+                    what: format!(
+                        "region: pool {} of group {} claims {} slots of {} B in {} B at {:#x}",
+                        r.pool, r.group, r.slots, r.slot_bytes, r.region.len, r.region.addr
+                    ),
+                });
+            }
+        }
+        for b in &self.blocks {
+            let pages = b
+                .target
+                .iter()
+                .map(|p| (CacheKind::Target, p))
+                .chain(b.draft.iter().map(|p| (CacheKind::Draft, p)));
+            for (cache, p) in pages {
+                let mut found = false;
+                for r in regions
+                    .iter()
+                    .filter(|r| (r.cache, r.tier, r.group) == (cache, p.tier, p.group))
+                {
+                    let addr = r.slot_addr(p.slot).ok_or_else(|| PlanError::BadPage {
+                        what: format!(
+                            "slot {} of the ticket: pool {} of group {} has {} slots",
+                            p.slot, r.pool, r.group, r.slots
+                        ),
+                    })?;
+                    out.push(MemRegion {
+                        addr,
+                        len: r.slot_bytes,
+                        mem: r.region.mem,
+                    });
+                    found = true;
+                }
+                if !found {
+                    return Err(PlanError::MissingRegion {
+                        side: "destination",
+                        device: 0,
+                        cache,
+                        tier: p.tier,
+                        group: p.group,
+                        pool: 0,
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|m| (m.mem_key(), m.addr));
+        let mut merged: Vec<MemRegion> = Vec::with_capacity(out.len());
+        for m in out {
+            match merged.last_mut() {
+                Some(l) if l.mem == m.mem && l.addr + l.len == m.addr => l.len += m.len,
+                _ => merged.push(m),
+            }
+        }
+        Ok(merged)
+    }
 }
 
 /// Why two sides cannot be paired.
@@ -212,10 +306,10 @@ pub fn plan_writes(
             importer: ticket.layout.clone(),
         });
     }
-    if ticket.id != export.id {
+    if ticket.export != export.id {
         return Err(PlanError::TicketMismatch(format!(
-            "ticket {} for export {}",
-            ticket.id, export.id
+            "ticket {} answers export {}, not export {}",
+            ticket.id, ticket.export, export.id
         )));
     }
     let skipped = ticket.skipped as usize;
@@ -228,15 +322,11 @@ pub fn plan_writes(
         )));
     }
     for (side, regions) in [("source", src), ("destination", dst)] {
-        if let Some(r) = regions.iter().find(|r| {
-            u64::from(r.slots)
-                .checked_mul(r.slot_bytes)
-                .is_none_or(|n| n > r.region.len)
-        }) {
+        if let Some(r) = regions.iter().find(|r| !r.is_consistent()) {
             return Err(PlanError::BadPage {
                 what: format!(
-                    "region: the {side}'s pool {} of group {} claims {} slots of {} B in {} B",
-                    r.pool, r.group, r.slots, r.slot_bytes, r.region.len
+                    "region: the {side}'s pool {} of group {} claims {} slots of {} B in {} B at {:#x}",
+                    r.pool, r.group, r.slots, r.slot_bytes, r.region.len, r.region.addr
                 ),
             });
         }
@@ -413,9 +503,15 @@ pub fn plan_writes(
                 .entry(sk)
                 .or_default()
                 .push((bi, batches[bi].segments.len()));
+            // Both slots were checked against their pools above, and consistent
+            // regions end inside the address space.
             batches[bi].segments.push(Segment {
-                src: s.slot_addr(SlotId(s0)),
-                dst: t.slot_addr(SlotId(d0)),
+                src: s
+                    .slot_addr(SlotId(s0))
+                    .expect("invariant: a checked slot of a consistent region"),
+                dst: t
+                    .slot_addr(SlotId(d0))
+                    .expect("invariant: a checked slot of a consistent region"),
                 len,
             });
             bytes += len;
@@ -514,7 +610,10 @@ mod tests {
             ],
         };
         let ticket = ImportTicket {
-            id: RequestId(5),
+            id: RequestId(70),
+            export: RequestId(5),
+            write_within_ms: 28_000,
+            write_by: None,
             skipped: 1,
             layout: "L".into(),
             pools: pools(),
@@ -630,6 +729,53 @@ mod tests {
         assert!(matches!(
             plan_writes(&export, &src, &t, &dst),
             Err(PlanError::BadPage { .. })
+        ));
+        // A ticket answering another export.
+        let mut t = ticket.clone();
+        t.export = RequestId(6);
+        assert!(matches!(
+            plan_writes(&export, &src, &t, &dst),
+            Err(PlanError::TicketMismatch(_))
+        ));
+        // The audit's peer-supplied address: a remote region ending past the address
+        // space is refused (it used to overflow: a panic in a debug build, a wrapped
+        // address in a release build).
+        let mut wrap = dst.clone();
+        for r in &mut wrap {
+            r.region.addr = u64::MAX - 10;
+        }
+        assert!(matches!(
+            plan_writes(&export, &src, &ticket, &wrap),
+            Err(PlanError::BadPage { .. })
+        ));
+        assert!(ticket.write_ranges(&wrap).is_err());
+    }
+
+    #[test]
+    fn write_ranges_are_the_reserved_slots_of_every_pool() {
+        let (_, _, ticket, dst) = sides();
+        let r = ticket.write_ranges(&dst).unwrap();
+        // Destination slots 0, 1, 2 of each of the four pools (two caches × two pools),
+        // adjacent slots merged: one range of three slots per pool.
+        let want: Vec<MemRegion> = [
+            (0x90_0000, 1000),
+            (0x91_0000, 100),
+            (0xA0_0000, 1000),
+            (0xA1_0000, 100),
+        ]
+        .iter()
+        .map(|&(addr, slot)| MemRegion {
+            addr,
+            len: 3 * slot,
+            mem: MemKind::Host,
+        })
+        .collect();
+        assert_eq!(r, want);
+        // Without the draft cache's regions: refused, not skipped.
+        let d: Vec<_> = dst.iter().filter(|r| r.cache == Target).cloned().collect();
+        assert!(matches!(
+            ticket.write_ranges(&d),
+            Err(PlanError::MissingRegion { cache: Draft, .. })
         ));
     }
 }

@@ -1,6 +1,20 @@
 //! Export and import of full blocks on the scheduler: the target cache and the mirrored
 //! draft cache in lockstep (see `core/transfer.rs` for the per-manager rules). Ids share
 //! one space with requests: an id in use by either is refused.
+//!
+//! Every export and import holds a **lease**
+//! ([`SchedulerLimits::transfer_lease`](super::SchedulerLimits::transfer_lease)) from when
+//! it opens; [`Scheduler::renew_transfer`] starts it again. [`Scheduler::expire_transfers`] closes those whose lease ran out, as
+//! a release or an abort would (an export's pins go, an import's reserved pages are
+//! freed and nothing of it enters the reuse tree), and remembers their ids, so that a
+//! late commit, renewal or close gets [`SchedError::TransferExpired`] instead of an
+//! unknown-id error. An importer whose exporter died therefore gets its pages back
+//! within one lease; the transport side of that promise (no write lands after the
+//! window closes, a margin before the lease ends) is the window's deadline
+//! ([`ImportReservation::write_by`]).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use super::{SchedError, Scheduler};
 use crate::core::manager::SeqHandle;
@@ -27,6 +41,71 @@ pub struct ImportReservation {
     pub skipped: u32,
     /// Pages reserved for the blocks `skipped..`, in prefix order.
     pub blocks: Vec<BlockPages>,
+    /// When the lease ends (the import is then aborted).
+    pub expires: Instant,
+    /// The last moment a write may land: the lease's end less its drain margin
+    /// ([`TRANSFER_DRAIN`]). A transport window opened for the import closes here.
+    pub write_by: Instant,
+}
+
+/// The margin between the last moment an import's bytes may land (its window's
+/// deadline) and the end of its lease (its pages freed): time for a transport to stop a
+/// write cut off at the deadline. At most half the lease.
+pub const TRANSFER_DRAIN: Duration = Duration::from_secs(2);
+
+/// Transfers that expired: how many of each kind, and the most recent ids.
+#[derive(Debug, Default)]
+pub(super) struct Expired {
+    /// Recent expired ids, oldest first, at most [`EXPIRED_KEPT`].
+    ids: VecDeque<RequestId>,
+    exports: u64,
+    imports: u64,
+}
+
+/// Expired ids remembered for their typed error (older ones get "unknown").
+const EXPIRED_KEPT: usize = 4096;
+
+impl Expired {
+    fn remember(&mut self, id: RequestId, import: bool) {
+        if self.ids.len() == EXPIRED_KEPT {
+            self.ids.pop_front();
+        }
+        self.ids.push_back(id);
+        if import {
+            self.imports += 1;
+        } else {
+            self.exports += 1;
+        }
+    }
+
+    /// Forgets `id` (it is reused by a new request or transfer).
+    fn forget(&mut self, id: RequestId) {
+        if let Some(i) = self.ids.iter().position(|&x| x == id) {
+            self.ids.remove(i);
+        }
+    }
+}
+
+/// Open and expired transfers, for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferStats {
+    /// Open exports.
+    pub open_exports: u32,
+    /// Open imports.
+    pub open_imports: u32,
+    /// Exports whose lease ran out (released by the scheduler).
+    pub expired_exports: u64,
+    /// Imports whose lease ran out (aborted by the scheduler: their pages freed).
+    pub expired_imports: u64,
+}
+
+/// What [`Scheduler::expire_transfers`] closed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExpiredTransfers {
+    /// Exports released.
+    pub exports: Vec<RequestId>,
+    /// Imports aborted.
+    pub imports: Vec<RequestId>,
 }
 
 #[derive(Debug)]
@@ -40,6 +119,8 @@ pub(super) struct Transfer {
     kind: TransferKind,
     target: SeqHandle,
     draft: Option<SeqHandle>,
+    /// When the lease ends.
+    expires: Instant,
 }
 
 fn pair(t: Vec<BlockLoc>, d: Option<Vec<BlockLoc>>) -> Option<Vec<BlockPages>> {
@@ -68,16 +149,91 @@ fn pair(t: Vec<BlockLoc>, d: Option<Vec<BlockLoc>>) -> Option<Vec<BlockPages>> {
 }
 
 impl Scheduler {
-    fn check_free_id(&self, id: RequestId) -> Result<(), SchedError> {
+    fn check_free_id(&mut self, id: RequestId) -> Result<(), SchedError> {
         if self.transfers.contains_key(&id) || self.reqs.iter().any(|r| r.id == id) {
             return Err(KvError::DuplicateRequest { id }.into());
         }
+        self.expired.forget(id);
         Ok(())
     }
 
     /// Open exports and imports.
     pub fn num_transfers(&self) -> usize {
         self.transfers.len()
+    }
+
+    /// Open and expired exports and imports.
+    pub fn transfer_stats(&self) -> TransferStats {
+        let imports = self
+            .transfers
+            .values()
+            .filter(|t| matches!(t.kind, TransferKind::Import { .. }))
+            .count() as u32;
+        TransferStats {
+            open_exports: self.transfers.len() as u32 - imports,
+            open_imports: imports,
+            expired_exports: self.expired.exports,
+            expired_imports: self.expired.imports,
+        }
+    }
+
+    /// The transfer `id`, or why there is none: expired (its lease ran out) or unknown.
+    fn open_transfer(&self, id: RequestId) -> Result<&Transfer, SchedError> {
+        match self.transfers.get(&id) {
+            Some(t) => Ok(t),
+            None if self.expired.ids.contains(&id) => Err(SchedError::TransferExpired { id }),
+            None => Err(KvError::UnknownRequest { id }.into()),
+        }
+    }
+
+    /// Closes every transfer whose lease ended by `now`: exports are released, imports
+    /// aborted (their reserved pages freed). Their ids are remembered, so a late
+    /// commit, renewal or close is told [`SchedError::TransferExpired`].
+    pub fn expire_transfers(&mut self, now: Instant) -> Result<ExpiredTransfers, SchedError> {
+        let mut due: Vec<RequestId> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.expires <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        due.sort_unstable();
+        let mut out = ExpiredTransfers::default();
+        for id in due {
+            let mut t = self.transfers.remove(&id).expect("listed above");
+            let import = matches!(t.kind, TransferKind::Import { .. });
+            self.close_handles(&mut t)?;
+            self.expired.remember(id, import);
+            if import {
+                out.imports.push(id);
+            } else {
+                out.exports.push(id);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Starts the lease of transfer `id` again from `now`; returns when it now ends.
+    pub fn renew_transfer(&mut self, id: RequestId, now: Instant) -> Result<Instant, SchedError> {
+        self.expire_transfers(now)?;
+        self.open_transfer(id)?;
+        let expires = now + self.limits.transfer_lease;
+        self.transfers.get_mut(&id).expect("checked").expires = expires;
+        Ok(expires)
+    }
+
+    /// How long a transfer lives without a renewal.
+    pub fn transfer_lease(&self) -> Duration {
+        self.limits.transfer_lease
+    }
+
+    /// When transfer `id`'s lease ends.
+    pub fn transfer_expires(&self, id: RequestId) -> Result<Instant, SchedError> {
+        Ok(self.open_transfer(id)?.expires)
+    }
+
+    /// The last moment bytes may land for a lease ending at `expires`.
+    pub(super) fn write_by(&self, expires: Instant) -> Instant {
+        expires - TRANSFER_DRAIN.min(self.limits.transfer_lease / 2)
     }
 
     /// The chained reuse keys of `tokens`' full blocks under `scope`.
@@ -93,7 +249,9 @@ impl Scheduler {
         id: RequestId,
         scope: ReuseScope,
         tokens: &[TokenId],
+        now: Instant,
     ) -> Result<Vec<BlockPages>, SchedError> {
+        self.expire_transfers(now)?;
         self.check_free_id(id)?;
         let (mut th, tb) = self.target.export_blocks(id, scope, tokens)?;
         let draft = match &mut self.draft {
@@ -114,6 +272,7 @@ impl Scheduler {
             kind: TransferKind::Export,
             target: th,
             draft: dh,
+            expires: now + self.limits.transfer_lease,
         };
         let Some(blocks) = pair(tb, db) else {
             self.close_handles(&mut t)?;
@@ -127,15 +286,18 @@ impl Scheduler {
     }
 
     /// Reserves pages in both caches for the full blocks of `tokens`, whose chained keys
-    /// the exporter computed as `keys` (checked here against our own hashing). `Ok(None)`
-    /// when there is no room now; nothing stays reserved then, nor on an error.
+    /// the exporter computed as `keys` (checked here against our own hashing of `scope`
+    /// and `tokens`, which must be the importer's own: the request it will serve).
+    /// `Ok(None)` when there is no room now; nothing stays reserved then, nor on an error.
     pub fn begin_import(
         &mut self,
         id: RequestId,
         scope: ReuseScope,
         tokens: &[TokenId],
         keys: &[BlockKey],
+        now: Instant,
     ) -> Result<Option<ImportReservation>, SchedError> {
+        self.expire_transfers(now)?;
         self.check_free_id(id)?;
         let ours = self.target.block_keys(scope, tokens);
         if ours.len() != keys.len()
@@ -204,12 +366,14 @@ impl Scheduler {
             None => (None, None),
         };
         let skipped = t.skipped;
+        let expires = now + self.limits.transfer_lease;
         let mut tr = Transfer {
             kind: TransferKind::Import {
                 tokens: tokens.to_vec(),
             },
             target: t.handle,
             draft: dh,
+            expires,
         };
         let Some(blocks) = pair(t.blocks, db) else {
             self.close_handles(&mut tr)?;
@@ -219,15 +383,21 @@ impl Scheduler {
             });
         };
         self.transfers.insert(id, tr);
-        Ok(Some(ImportReservation { skipped, blocks }))
+        Ok(Some(ImportReservation {
+            skipped,
+            blocks,
+            expires,
+            write_by: self.write_by(expires),
+        }))
     }
 
     /// Links an import's blocks into both reuse trees (their bytes have landed) and
-    /// closes it; returns the blocks it brought.
-    pub fn commit_import(&mut self, id: RequestId) -> Result<u32, SchedError> {
-        let Some(t) = self.transfers.get(&id) else {
-            return Err(KvError::UnknownRequest { id }.into());
-        };
+    /// closes it; returns the blocks it brought. An import whose lease ended by `now` is
+    /// aborted instead ([`SchedError::TransferExpired`]): its window has closed, so its
+    /// bytes may be partial.
+    pub fn commit_import(&mut self, id: RequestId, now: Instant) -> Result<u32, SchedError> {
+        self.expire_transfers(now)?;
+        let t = self.open_transfer(id)?;
         let TransferKind::Import { tokens } = &t.kind else {
             return Err(KvError::Transfer {
                 id,
@@ -268,12 +438,11 @@ impl Scheduler {
     }
 
     /// Releases an export, or aborts an import (its reserved pages are freed, nothing
-    /// enters the reuse tree).
+    /// enters the reuse tree). An expired one is [`SchedError::TransferExpired`] (it was
+    /// closed when its lease ran out).
     pub fn close_transfer(&mut self, id: RequestId) -> Result<(), SchedError> {
-        let mut t = self
-            .transfers
-            .remove(&id)
-            .ok_or(KvError::UnknownRequest { id })?;
+        self.open_transfer(id)?;
+        let mut t = self.transfers.remove(&id).expect("checked");
         self.close_handles(&mut t)
     }
 
