@@ -16,9 +16,10 @@
 //! # two processes over NCCL (CUDA backend; libnccl.so on the library path)
 //! cargo run --release --features nccl --example disagg -- --transport nccl --backend cuda \
 //!     --prefill-gpu 0 --decode-gpu 1
-//! # two hosts: on the decode host, then on the prefill host
-//! disagg --transport nixl --role decode --listen 0.0.0.0:7700
-//! disagg --transport nixl --role prefill --connect DECODE_HOST:7700
+//! # two hosts: on the decode host (its address on the engines' own network: the
+//! # metadata socket trusts its first connection), then on the prefill host
+//! disagg --transport nixl --role decode --listen DECODE_HOST_IP:7700
+//! disagg --transport nixl --role prefill --connect DECODE_HOST_IP:7700
 //! ```
 //!
 //! `--drop index_key` (or `draft`) is the mutation drill: the prefill side leaves those
@@ -47,7 +48,8 @@ struct Args {
     /// `both` (this process prefills and starts the decode side), `prefill`, `decode`.
     #[arg(long, default_value = "both")]
     role: String,
-    /// Decode role: the address to listen on for the prefill side.
+    /// Decode role: the address to listen on for the prefill side (loopback by
+    /// default; the socket trusts its first connection).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
     /// Prefill role: the decode side's address.
@@ -194,6 +196,13 @@ fn run(a: &Args) -> Result<Option<Outcome>, BoxError> {
     match a.role.as_str() {
         "decode" => {
             let l = TcpListener::bind(&a.listen)?;
+            if l.local_addr()?.ip().is_unspecified() {
+                eprintln!(
+                    "warning: the metadata socket listens on every interface ({}); it trusts \
+                     the first connection, so bind the address of the engines' own network",
+                    a.listen
+                );
+            }
             // The parent (or the operator) reads the address from this line.
             println!("listening {}", l.local_addr()?);
             decode(a, l)?;

@@ -599,3 +599,104 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         b.shutdown().await;
     });
 }
+
+/// The audit's lease finding: an exporter that dies after the ticket left the importer's
+/// reserved pages held forever. Now the import's lease (here 400 ms) runs out on an idle
+/// engine (the coordinator's timer), its pages return, `stats()` counts it, the window
+/// closes a margin before, and the late commit is told `TransferExpired`. An export
+/// nobody releases ends the same way. A renewal keeps a transfer alive past its first
+/// lease.
+#[test]
+fn leases_free_what_a_dead_peer_left() {
+    use dsa_kv::core::scheduler::SubmitRequest;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = disagg::bench_config(2, 6, None);
+        c.transfer.lease_ms = 400;
+        let a = disagg::bench_engine_config(c.clone(), "host", 0, 1)
+            .await
+            .unwrap();
+        let b = disagg::bench_engine_config(c, "host", 0, 1).await.unwrap();
+        let p: Vec<TokenId> = (0..4 * 64 + 1).map(|t| TokenId(700 + t)).collect();
+        a.submit(SubmitRequest {
+            id: RequestId(1),
+            scope: SCOPE,
+            prompt: p.clone(),
+            max_new_tokens: 2,
+            priority: 35,
+        })
+        .await
+        .unwrap();
+        while disagg::step_synthetic(&a).await.unwrap() {}
+        let export = a
+            .export_blocks(RequestId(1), SCOPE, &p[..256])
+            .await
+            .unwrap();
+        let ticket = b
+            .begin_import(RequestId(1), SCOPE, &p, &export)
+            .await
+            .unwrap()
+            .expect("room");
+        assert_eq!(ticket.blocks.len(), 4);
+        // The window's deadline: the lease less the drain margin (half of 400 ms).
+        assert!(
+            (150..=200).contains(&ticket.write_within_ms),
+            "{}",
+            ticket.write_within_ms
+        );
+        let held = b.check_invariants().await.unwrap().gpu_slots_used;
+        assert_eq!(
+            held, 4,
+            "4 blocks reserved (the draft cache mirrors the slots)"
+        );
+        // A renewal at 300 ms keeps the export alive until 700 ms.
+        let t0 = std::time::Instant::now();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        a.renew_transfer(RequestId(1)).await.unwrap();
+        // Nobody writes, nobody commits: the "dead exporter". At 500 ms the import's
+        // lease (400 ms, checked every 40 ms) has run out.
+        tokio::time::sleep(std::time::Duration::from_millis(500).saturating_sub(t0.elapsed()))
+            .await;
+        let sb = b.stats().await.unwrap();
+        assert_eq!(
+            (sb.transfers.open_imports, sb.transfers.expired_imports),
+            (0, 1)
+        );
+        let cb = b.check_invariants().await.unwrap();
+        assert_eq!(
+            (cb.live_sequences, cb.gpu_slots_used),
+            (0, 0),
+            "the pages are back"
+        );
+        let e = b.commit_import(RequestId(1)).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RuntimeError::Scheduler(SchedError::TransferExpired { id: RequestId(1) })
+            ),
+            "{e}"
+        );
+        let sa = a.stats().await.unwrap();
+        assert_eq!(
+            sa.transfers.open_exports, 1,
+            "the renewed export still lives"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        let sa = a.stats().await.unwrap();
+        assert_eq!(
+            (sa.transfers.open_exports, sa.transfers.expired_exports),
+            (0, 1)
+        );
+        assert_eq!(a.check_invariants().await.unwrap().live_sequences, 0);
+        assert!(matches!(
+            a.release_export(RequestId(1)).await,
+            Err(RuntimeError::Scheduler(SchedError::TransferExpired { .. }))
+        ));
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}

@@ -1118,6 +1118,18 @@ pub async fn bench_engine_with(
     devices: usize,
     host_bytes: Option<u64>,
 ) -> Result<KvCacheHandle, BoxError> {
+    bench_engine_config(
+        bench_config(layers, blocks, host_bytes),
+        backend,
+        gpu,
+        devices,
+    )
+    .await
+}
+
+/// The configuration of [`bench_engine_with`]: `layers` of DeepSeek-V3.2 with an MTP
+/// draft cache, room for sequences of `blocks + 4` blocks, twice over.
+pub fn bench_config(layers: usize, blocks: usize, host_bytes: Option<u64>) -> EngineConfig {
     let mut c = EngineConfig::default();
     c.model.num_layers = Some(layers as u32);
     c.spec_decode.mode = SpecMode::Mtp;
@@ -1126,6 +1138,16 @@ pub async fn bench_engine_with(
     c.scheduler.max_seq_len = (blocks as u32 + 4) * 64;
     c.scheduler.max_num_tokens = 4096;
     c.kv_cache.host_cache_size = host_bytes;
+    c
+}
+
+/// A synthetic-writer engine of configuration `c` on `backend`.
+pub async fn bench_engine_config(
+    c: EngineConfig,
+    backend: &str,
+    gpu: usize,
+    devices: usize,
+) -> Result<KvCacheHandle, BoxError> {
     let b = KvCacheBuilder::new().config(c).host_devices(devices);
     let b = match backend {
         #[cfg(feature = "cuda")]

@@ -162,7 +162,67 @@ pub struct CommitReport {
 
 type Waiter = oneshot::Sender<Result<FinishedReport, RuntimeError>>;
 
-const DONE_CAPACITY: usize = 100_000;
+/// Results of finished requests nobody waited for yet, kept for a later
+/// [`wait`](super::KvCacheHandle::wait): the newest [`DONE_CAPACITY`], at most
+/// [`DONE_BYTES`] of their token lists and block tables (an engine loop that never calls
+/// `wait` must not accumulate every request it ever served).
+pub(super) const DONE_CAPACITY: usize = 1024;
+/// See [`DONE_CAPACITY`].
+pub(super) const DONE_BYTES: usize = 16 << 20;
+
+/// The bounded store of unwaited results (see [`DONE_CAPACITY`]).
+#[derive(Default)]
+struct Done {
+    results: HashMap<RequestId, (u64, usize, Result<FinishedReport, RuntimeError>)>,
+    /// (id, insertion number), oldest first; entries whose result was taken are skipped.
+    order: VecDeque<(RequestId, u64)>,
+    next: u64,
+    bytes: usize,
+}
+
+impl Done {
+    fn size(r: &Result<FinishedReport, RuntimeError>) -> usize {
+        match r {
+            Ok(f) => {
+                256 + 4
+                    * (f.finished.tokens.len()
+                        + f.finished.block_slots.len()
+                        + f.finished.draft_block_slots.as_ref().map_or(0, Vec::len))
+                    + 64 * f.mismatches.len()
+            }
+            Err(e) => 256 + e.to_string().len(),
+        }
+    }
+
+    fn insert(&mut self, id: RequestId, r: Result<FinishedReport, RuntimeError>) {
+        self.take(id);
+        let n = Self::size(&r);
+        self.next += 1;
+        self.results.insert(id, (self.next, n, r));
+        self.order.push_back((id, self.next));
+        self.bytes += n;
+        while self.results.len() > DONE_CAPACITY || self.bytes > DONE_BYTES {
+            let Some((old, k)) = self.order.pop_front() else {
+                break;
+            };
+            if self.results.get(&old).is_some_and(|e| e.0 == k) {
+                self.take(old);
+            }
+        }
+        // Taken results leave their ids in `order`: compact now and then.
+        if self.order.len() > 2 * DONE_CAPACITY {
+            let results = &self.results;
+            self.order
+                .retain(|(id, k)| results.get(id).is_some_and(|e| e.0 == *k));
+        }
+    }
+
+    fn take(&mut self, id: RequestId) -> Option<Result<FinishedReport, RuntimeError>> {
+        let (_, n, r) = self.results.remove(&id)?;
+        self.bytes -= n;
+        Some(r)
+    }
+}
 /// Default number of untaken KV events the coordinator keeps.
 pub const EVENT_CAPACITY: usize = 1 << 16;
 
@@ -172,8 +232,7 @@ pub struct Coordinator {
     devices: Vec<Option<ActorRef<DeviceActor>>>,
     draft: Option<ActorRef<DraftReplayActor>>,
     watchers: HashMap<RequestId, Vec<Waiter>>,
-    done: HashMap<RequestId, Result<FinishedReport, RuntimeError>>,
-    done_order: VecDeque<RequestId>,
+    done: Done,
     events: VecDeque<KvEvent>,
     event_counts: EventCounts,
     /// Events dropped from the full buffer since the last take.
@@ -284,8 +343,7 @@ impl Actor for Coordinator {
             devices: args.devices.into_iter().map(Some).collect(),
             draft: args.draft,
             watchers: HashMap::new(),
-            done: HashMap::new(),
-            done_order: VecDeque::new(),
+            done: Done::default(),
             events: VecDeque::new(),
             event_counts: EventCounts::default(),
             events_lost_since_take: 0,
@@ -407,13 +465,7 @@ impl Coordinator {
                 let _ = w.send(result.clone());
             }
         } else {
-            if self.done_order.len() == DONE_CAPACITY {
-                if let Some(old) = self.done_order.pop_front() {
-                    self.done.remove(&old);
-                }
-            }
             self.done.insert(id, result);
-            self.done_order.push_back(id);
         }
     }
 
@@ -561,7 +613,7 @@ impl Message<Submit> for Coordinator {
             max_new_tokens = msg.0.max_new_tokens,
             reused = tracing::field::Empty,
         );
-        self.done.remove(&id);
+        self.done.take(id);
         let r = self.sched.submit(msg.0)?;
         self.stats.submitted = self.sched.stats().submitted;
         self.publish_counters();
@@ -1033,8 +1085,7 @@ impl Message<Watch> for Coordinator {
 
     async fn handle(&mut self, msg: Watch, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let Watch(id, tx) = msg;
-        if let Some(result) = self.done.remove(&id) {
-            self.done_order.retain(|x| *x != id);
+        if let Some(result) = self.done.take(id) {
             let _ = tx.send(result);
         } else if self.sched.status(id).is_some() {
             self.watchers.entry(id).or_default().push(tx);

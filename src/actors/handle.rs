@@ -599,7 +599,10 @@ impl KvCacheHandle {
         Ok(rep)
     }
 
-    /// Waits until a request finishes (or fails).
+    /// Waits until a request finishes (or fails). A request that finished before the
+    /// call is answered from the runtime's store of unwaited results, which keeps the
+    /// newest 1,024 of them (at most 16 MiB of their tokens and block tables); an older
+    /// one is an unknown request.
     #[tracing::instrument(level = "debug", skip_all, fields(request = %id))]
     pub async fn wait(&self, id: RequestId) -> Result<FinishedReport, RuntimeError> {
         let (tx, rx) = oneshot::channel();

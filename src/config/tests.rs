@@ -272,7 +272,7 @@ fn files_round_trip() {
         EngineConfig::from_file(&yaml).unwrap_err().to_string(),
         format!(
             "invalid config {}: unknown field `x`, expected one of `model`, `kv_cache`, \
-             `parallel`, `spec_decode`, `scheduler`",
+             `parallel`, `spec_decode`, `scheduler`, `transfer`",
             yaml.display()
         )
     );
@@ -313,4 +313,21 @@ fn readme_config_examples_agree() {
     let yaml = EngineConfig::from_yaml_str(block("yaml")).unwrap();
     assert_eq!(toml, yaml);
     assert_eq!(toml.kv_cache.max_tokens, Some(200_000));
+}
+
+#[test]
+fn the_transfer_lease_is_read_and_bounded() {
+    let r = resolve_toml("[transfer]\nlease_ms = 5000\n").unwrap();
+    assert_eq!(r.config.transfer.lease_ms, 5000);
+    assert_eq!(
+        resolve_toml("").unwrap().config.transfer,
+        TransferConfig { lease_ms: 30_000 }
+    );
+    for bad in ["0", "99", "86400001"] {
+        let err = resolve_toml(&format!("[transfer]\nlease_ms = {bad}\n")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("transfer.lease_ms = {bad} is invalid: must be between 100 (0.1 s) and 86400000 (a day)")
+        );
+    }
 }
