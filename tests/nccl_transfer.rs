@@ -91,7 +91,11 @@ fn nccl_or_skip(name: &str) -> Option<NcclTransport> {
 ///    registered memory outside the window the child opened (a "committed page");
 /// 3. a stalled receiver (the child stopped with SIGSTOP): no acknowledgement within the
 ///    timeout, the write fails, the pair breaks on both sides, nothing lands;
-/// 4. both sides connect again, and a good write lands, checked byte for byte.
+/// 4. both sides connect again, and a good write lands, checked byte for byte;
+/// 5. (feature `fault-injection`) the receiver stalls after acknowledging a write: the
+///    writer gives up, asks it to stop, hears nothing within the grace period and
+///    returns `InFlight`; the receiver then closes the import's window, which returns
+///    once its receive has stopped, and nothing of that write landed.
 #[test]
 fn two_processes_refuse_a_forged_write_survive_a_stall_then_move_device_memory() {
     let Some(nccl) = nccl_or_skip("prefill") else {
@@ -215,6 +219,19 @@ fn two_processes_refuse_a_forged_write_survive_a_stall_then_move_device_memory()
         report.descriptors, report.bytes, report.elapsed
     );
     send_frame(&mut stream, b"written").unwrap();
+    if cfg!(feature = "fault-injection") {
+        // The child stalls after its next Ack for longer than our timeout and grace.
+        assert_eq!(recv_frame(&mut stream).unwrap(), b"stalling");
+        nccl.set_timeout(Duration::from_secs(2));
+        let t0 = Instant::now();
+        let e = nccl
+            .write(&peer, &[batch(&[(0, 4096, 4096)])], b"req-inflight")
+            .unwrap_err();
+        eprintln!("[prefill] stalled-after-Ack write: {e} after {:?}", t0.elapsed());
+        assert!(e.in_flight(), "{e}");
+        assert!(!nccl.is_connected(&peer), "an InFlight write drops the pair");
+        send_frame(&mut stream, b"inflight").unwrap();
+    }
     let verdict = recv_frame(&mut stream).expect("the child's verdict");
     let deadline = Instant::now() + WAIT;
     let status = loop {
@@ -347,6 +364,28 @@ fn child_run(stream: &mut TcpStream) -> Result<(), String> {
         "[decode] checked {BUF} bytes ({} written, the rest still zero)",
         expect.iter().filter(|&&b| b != 0).count()
     );
+    #[cfg(feature = "fault-injection")]
+    {
+        // Overwrite the first window range with zeros so a late write would show.
+        let before = gpu.snapshot();
+        nccl.stall_after_ack(Duration::from_secs(6));
+        send_frame(stream, b"stalling").map_err(io)?;
+        if recv_frame(stream).map_err(io)? != b"inflight" {
+            return Err("expected the parent's InFlight".into());
+        }
+        // Our receive thread wakes, posts, sees the writer gone and aborts: closing
+        // the window waits for that.
+        let t0 = Instant::now();
+        nccl.close_window(42).map_err(s)?;
+        eprintln!("[decode] the window closed after {:?}", t0.elapsed());
+        std::thread::sleep(Duration::from_millis(500));
+        if gpu.snapshot() != before {
+            return Err("the InFlight write landed something".into());
+        }
+        if !nccl.take_notifications().map_err(s)?.is_empty() {
+            return Err("the InFlight write filed a notification".into());
+        }
+    }
     drop(nccl);
     Ok(())
 }

@@ -177,8 +177,164 @@ fn hello_mac(
     m
 }
 
+/// Whether the other end closed `s` (nothing is read).
+pub(crate) fn closed(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let r = s.peek(&mut [0u8; 1]);
+    let _ = s.set_nonblocking(false);
+    match r {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+    }
+}
+
+/// Who we are and who we pair with, for [`pair`].
+pub(crate) struct PairSpec<'a> {
+    /// Our name.
+    pub me: &'a str,
+    /// Our secret.
+    pub own_secret: &'a [u8; SECRET_LEN],
+    /// The unique id of the communicator we send on.
+    pub out_id: &'a [u8],
+    /// The peer's name, control address and secret (from its metadata).
+    pub agent: &'a str,
+    pub control: std::net::SocketAddr,
+    pub peer_secret: &'a [u8; SECRET_LEN],
+}
+
+/// Both directions of the introduction between us and a peer that does the same at the
+/// same time: our connection to it (we answer its challenge) and its connection to us
+/// (its `Hello` checked by `acceptor`), served together, so that neither side waits for
+/// the other to finish its half first. Returns (our connection, its connection, the id
+/// of the communicator it sends on).
+pub(crate) fn pair(
+    acceptor: &mut Acceptor,
+    p: &PairSpec<'_>,
+    deadline: Instant,
+) -> Result<(TcpStream, TcpStream, Vec<u8>), TransportError> {
+    let mut out = loop {
+        match TcpStream::connect_timeout(&p.control, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => {
+                return Err(failed(
+                    "connect",
+                    format!("cannot reach {} at {}: {e}", p.agent, p.control),
+                ))
+            }
+            Err(_) => {
+                acceptor.poll()?;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    out.set_nodelay(true)
+        .and_then(|()| out.set_nonblocking(true))
+        .map_err(|e| failed("connect", e.to_string()))?;
+    let mut challenge: Vec<u8> = Vec::new();
+    let mut introduced = false;
+    let mut incoming: Option<(TcpStream, Vec<u8>)> = None;
+    loop {
+        acceptor.poll()?;
+        if !introduced {
+            if let Some(nonce) = read_challenge(&mut out, &mut challenge)? {
+                out.set_nonblocking(false)
+                    .map_err(|e| failed("connect", e.to_string()))?;
+                let mac = hello_mac(p.peer_secret, p.own_secret, &nonce, p.me, p.out_id)
+                    .finalize()
+                    .into_bytes();
+                let hello = Hello {
+                    agent: p.me.to_string(),
+                    id: p.out_id.to_vec(),
+                    mac: hex(&mac),
+                };
+                write_frame(
+                    &mut out,
+                    &serde_json::to_vec(&hello).map_err(|e| failed("connect", e.to_string()))?,
+                )?;
+                introduced = true;
+            }
+        }
+        while incoming.is_none() {
+            match acceptor.take(p.agent, p.peer_secret) {
+                // One the agent closed (left by an earlier, failed attempt) is skipped.
+                Some((s, id)) if !closed(&s) => incoming = Some((s, id)),
+                Some(_) => {}
+                None => break,
+            }
+        }
+        if introduced {
+            if let Some((s, id)) = incoming.take() {
+                return Ok((out, s, id));
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(failed(
+                "connect",
+                format!(
+                    "{} did not complete the authenticated introduction in time ({}): both sides must connect, each with the other's metadata",
+                    p.agent,
+                    match (introduced, incoming.is_some()) {
+                        (false, _) => "it sent no challenge on our connection",
+                        (true, _) => "no connection from it proved it holds our metadata",
+                    }
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Reads what has arrived of the peer's challenge on the non-blocking `s` into `buf`:
+/// its nonce once whole.
+fn read_challenge(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> Result<Option<[u8; SECRET_LEN]>, TransportError> {
+    let mut chunk = [0u8; 512];
+    loop {
+        let want = if buf.len() < 8 {
+            8
+        } else {
+            let n = u64::from_le_bytes(buf[..8].try_into().expect("eight bytes"));
+            if n > MAX_HELLO {
+                return Err(failed(
+                    "connect",
+                    format!("the peer's challenge claims {n} bytes"),
+                ));
+            }
+            8 + n as usize
+        };
+        if buf.len() == want && want > 8 {
+            let c: Challenge = serde_json::from_slice(&buf[8..])
+                .map_err(|e| failed("connect", format!("the peer's challenge: {e}")))?;
+            return unhex(&c.nonce)
+                .map(Some)
+                .ok_or_else(|| failed("connect", "the peer's challenge is not a 32-byte nonce"));
+        }
+        let room = (want - buf.len()).min(chunk.len());
+        match s.read(&mut chunk[..room]) {
+            Ok(0) => {
+                return Err(failed(
+                    "connect",
+                    "the peer closed our control connection before its challenge",
+                ))
+            }
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(failed("connect", e.to_string())),
+        }
+    }
+}
+
 /// The connecting side of an introduction on a fresh connection to the peer: reads its
-/// challenge, answers with our `Hello` (name, communicator id, proof).
+/// challenge, answers with our `Hello` (name, communicator id, proof). (Blocking: for a
+/// peer whose acceptor runs on its own, as in the tests; two transports connecting to
+/// each other use [`pair`].)
+#[cfg(test)]
 pub(crate) fn introduce(
     s: &mut TcpStream,
     agent: &str,
@@ -494,6 +650,70 @@ mod tests {
         assert!(poll_until(&mut a, |a| a.counts().0 == 0));
         assert_eq!(a.refused, 2 + 12 + 1);
         drop(silent);
+    }
+
+    /// Two transports introducing themselves to each other at the same time (what
+    /// `NcclTransport::connect` does on both sides): each completes both directions.
+    /// A first version answered its own challenge before serving its acceptor, and
+    /// two peers doing that waited for each other until the deadline (found on the
+    /// H200 run).
+    #[test]
+    fn two_peers_pair_at_the_same_time() {
+        let (mut a, addr_a, sa) = acceptor(Duration::from_secs(5));
+        let (mut b, addr_b, sb) = acceptor(Duration::from_secs(5));
+        let d = Instant::now() + Duration::from_secs(5);
+        let t = std::thread::spawn(move || {
+            let p = PairSpec {
+                me: "b",
+                own_secret: &sb,
+                out_id: b"id-b",
+                agent: "a",
+                control: addr_a,
+                peer_secret: &sa,
+            };
+            // The streams are kept until the other side is done, as a transport would.
+            pair(&mut b, &p, d)
+        });
+        let p = PairSpec {
+            me: "a",
+            own_secret: &sa,
+            out_id: b"id-a",
+            agent: "b",
+            control: addr_b,
+            peer_secret: &sb,
+        };
+        let t0 = Instant::now();
+        let (_out, _in, id) = pair(&mut a, &p, d).unwrap();
+        assert_eq!(id, b"id-b");
+        assert_eq!(t.join().unwrap().unwrap().2, b"id-a");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        // A peer that pairs with the wrong secret for us is never taken.
+        let (mut a, addr_a, sa) = acceptor(Duration::from_secs(5));
+        let (mut b, addr_b, sb) = acceptor(Duration::from_secs(5));
+        let wrong = random_bytes().unwrap();
+        let d = Instant::now() + Duration::from_millis(800);
+        let t = std::thread::spawn(move || {
+            let p = PairSpec {
+                me: "b",
+                own_secret: &wrong,
+                out_id: b"id-b",
+                agent: "a",
+                control: addr_a,
+                peer_secret: &sa,
+            };
+            pair(&mut b, &p, d).map(|_| ())
+        });
+        let p = PairSpec {
+            me: "a",
+            own_secret: &sa,
+            out_id: b"id-a",
+            agent: "b",
+            control: addr_b,
+            peer_secret: &sb,
+        };
+        let e = pair(&mut a, &p, d).unwrap_err();
+        assert!(e.to_string().contains("proved"), "{e}");
+        let _ = t.join().unwrap();
     }
 
     #[test]

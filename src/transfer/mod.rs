@@ -234,6 +234,14 @@ pub enum TransportError {
     },
 }
 
+impl TransportError {
+    /// Whether some of the write may still land ([`InFlight`](Self::InFlight)): keep
+    /// the import's pages reserved then.
+    pub fn in_flight(&self) -> bool {
+        matches!(self, TransportError::InFlight { .. })
+    }
+}
+
 /// Moves bytes between registered memory of two engines. Blocking: [`write`](Self::write)
 /// returns once every byte is written (or failed). Implementations: [`LocalTransport`]
 /// (one process), `nixl::NixlTransport` (feature `nixl`), `nccl::NcclTransport`

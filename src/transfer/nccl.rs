@@ -434,19 +434,6 @@ fn poll_ctrl(s: &mut TcpStream, timeout: Duration) -> Result<Option<Ctrl>, Trans
     }
 }
 
-/// Whether the other end closed `s` (nothing is read).
-fn closed(s: &TcpStream) -> bool {
-    if s.set_nonblocking(true).is_err() {
-        return true;
-    }
-    let r = s.peek(&mut [0u8; 1]);
-    let _ = s.set_nonblocking(false);
-    match r {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
-    }
-}
 
 #[derive(Serialize, Deserialize)]
 struct Metadata {
@@ -526,6 +513,9 @@ pub struct NcclTransport {
     peers: HashMap<PeerId, Peer>,
     inbox: Inbox,
     windows: Windows,
+    /// Fault drill: how long receive threads wait after acknowledging a header before
+    /// they post its receives (microseconds; 0: not at all).
+    stall_after_ack: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for NcclTransport {
@@ -635,6 +625,7 @@ impl NcclTransport {
             peers: HashMap::new(),
             inbox: Arc::default(),
             windows: Arc::default(),
+            stall_after_ack: Arc::default(),
         })
     }
 
@@ -643,6 +634,17 @@ impl NcclTransport {
     /// on their receive side.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// Fault drill (feature `fault-injection`): from now on this side's receive threads
+    /// wait `d` after acknowledging a write before they post its receives, as a
+    /// receiver that stalls mid-protocol would. With `d` longer than the writer's timeout
+    /// and grace period, the writer's `write` returns [`TransportError::InFlight`]: the
+    /// deterministic test of that path.
+    #[cfg(feature = "fault-injection")]
+    pub fn stall_after_ack(&self, d: Duration) {
+        self.stall_after_ack
+            .store(d.as_micros() as u64, Ordering::Relaxed);
     }
 
     /// Whether `peer` is connected and its pair unbroken.
@@ -662,39 +664,6 @@ impl NcclTransport {
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver("cuCtxSetCurrent", e))
-    }
-
-    /// The control connection `agent` opened to us, with the id of the communicator it
-    /// sends on, once its handshake proves it holds `agent`'s secret and ours. Every
-    /// connection waiting is served meanwhile, concurrently ([`Acceptor`]); one the
-    /// agent closed (left by an earlier, failed attempt) is skipped.
-    fn accept_from(
-        &mut self,
-        agent: &str,
-        peer_secret: &[u8; SECRET_LEN],
-        deadline: Instant,
-    ) -> Result<(TcpStream, Vec<u8>), TransportError> {
-        loop {
-            self.acceptor.poll()?;
-            while let Some((s, id)) = self.acceptor.take(agent, peer_secret) {
-                if !closed(&s) {
-                    s.set_nodelay(true).map_err(io("accept"))?;
-                    s.set_write_timeout(Some(self.timeout))
-                        .map_err(io("accept"))?;
-                    return Ok((s, id));
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(failed(
-                    "connect",
-                    format!(
-                        "{agent} did not open an authenticated control connection within {:?}: both sides must connect, each with the other's metadata",
-                        self.timeout
-                    ),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
     }
 
     /// Joins the communicator `id` (as the sender, rank 0, or the receiver, rank 1) and
@@ -898,6 +867,7 @@ struct ReceiveSide {
     regions: Vec<MemRegion>,
     inbox: Inbox,
     windows: Windows,
+    stall_after_ack: Arc<std::sync::atomic::AtomicU64>,
     stop: Arc<AtomicBool>,
     alive: Arc<AtomicBool>,
     timeout: Duration,
@@ -1030,6 +1000,10 @@ impl ReceiveSide {
             if let Err(e) = send_ctrl(&mut self.ctrl, &Ctrl::Ack { seq }) {
                 self.release(window);
                 return Err(e.to_string());
+            }
+            let stall = self.stall_after_ack.load(Ordering::Relaxed);
+            if stall > 0 {
+                std::thread::sleep(Duration::from_micros(stall));
             }
             // The receives end by the window's deadline at the latest: past it they are
             // stopped (the import's pages are about to be freed).
@@ -1169,31 +1143,24 @@ impl KvTransport for NcclTransport {
         // Our direction: a control connection to the peer, and the unique id of the
         // communicator we send on.
         let out_id = unique_id()?;
-        let mut ctrl = loop {
-            match TcpStream::connect_timeout(&md.control, Duration::from_secs(1)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() > deadline => {
-                    return Err(failed(
-                        "connect",
-                        format!("cannot reach {} at {}: {e}", md.agent, md.control),
-                    ))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        ctrl.set_nodelay(true).map_err(io("connect"))?;
-        ctrl.set_write_timeout(Some(self.timeout))
-            .map_err(io("connect"))?;
-        control::introduce(
-            &mut ctrl,
-            &self.name,
-            &out_id,
-            &self.secret,
-            &peer_secret,
+        let (ctrl, incoming, in_id) = control::pair(
+            &mut self.acceptor,
+            &control::PairSpec {
+                me: &self.name,
+                own_secret: &self.secret,
+                out_id: &out_id,
+                agent: &md.agent,
+                control: md.control,
+                peer_secret: &peer_secret,
+            },
             deadline,
         )?;
-        // The peer's direction.
-        let (incoming, in_id) = self.accept_from(&md.agent, &peer_secret, deadline)?;
+        ctrl.set_write_timeout(Some(self.timeout))
+            .map_err(io("connect"))?;
+        incoming
+            .set_nodelay(true)
+            .and_then(|()| incoming.set_write_timeout(Some(self.timeout)))
+            .map_err(io("accept"))?;
         // Both communicators, each with its one-byte warm-up, in the same order on both
         // sides (the lexically smaller agent's sending communicator first).
         let (out, inc) = if self.name < md.agent {
@@ -1214,6 +1181,7 @@ impl KvTransport for NcclTransport {
             regions: self.regions.clone(),
             inbox: self.inbox.clone(),
             windows: self.windows.clone(),
+            stall_after_ack: self.stall_after_ack.clone(),
             stop: stop.clone(),
             alive: alive.clone(),
             timeout: self.timeout,
