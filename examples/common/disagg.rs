@@ -444,8 +444,13 @@ impl Wire {
         if n > 64 << 20 {
             return Err(format!("frame of {n} bytes: not our protocol").into());
         }
-        let mut b = vec![0u8; n as usize];
-        self.0.read_exact(&mut b)?;
+        // Grown as the bytes arrive: a peer claiming 64 MiB and sending nothing costs
+        // nothing.
+        let mut b = Vec::new();
+        (&mut self.0).take(n).read_to_end(&mut b)?;
+        if (b.len() as u64) < n {
+            return Err("the other side closed the connection mid-frame".into());
+        }
         Ok(serde_json::from_slice(&b)?)
     }
 }

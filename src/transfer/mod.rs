@@ -357,8 +357,18 @@ impl Window {
                 len: r.len,
             });
         }
-        let mut ranges = ranges.to_vec();
-        ranges.sort_by_key(|m| (m.mem_key(), m.addr));
+        let mut sorted = ranges.to_vec();
+        sorted.sort_by_key(|m| (m.mem_key(), m.addr));
+        // Overlapping and adjacent ranges merged: the search in `covers` is then exact.
+        let mut ranges: Vec<MemRegion> = Vec::with_capacity(sorted.len());
+        for m in sorted {
+            match ranges.last_mut() {
+                Some(l) if l.mem == m.mem && m.addr <= l.addr + l.len => {
+                    l.len = l.len.max(m.addr + m.len - l.addr);
+                }
+                _ => ranges.push(m),
+            }
+        }
         Ok(Window {
             peer: peer.0.clone(),
             ranges,
@@ -469,4 +479,73 @@ pub fn push_plan(
         uncoalesced: plan.uncoalesced,
         write,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+    /// `Window::covers` (a binary search) against a plain scan, and `window_for`'s
+    /// rules, on random windows and writes.
+    #[test]
+    fn windows_cover_exactly_their_ranges() {
+        let range = (0u64..4, 0u64..4096, 1u64..512);
+        let input = (
+            proptest::collection::vec(range.clone(), 0..8),
+            proptest::collection::vec(range, 1..6),
+        );
+        let mut runner = TestRunner::new_with_rng(
+            Config::with_cases(512),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[31; 32]),
+        );
+        let mem = |k: u64| {
+            if k == 0 {
+                MemKind::Host
+            } else {
+                MemKind::Device { ordinal: k as u32 }
+            }
+        };
+        runner
+            .run(&input, |(ranges, writes)| {
+                let ranges: Vec<MemRegion> = ranges
+                    .iter()
+                    .map(|&(m, addr, len)| MemRegion {
+                        addr,
+                        len,
+                        mem: mem(m),
+                    })
+                    .collect();
+                let registered: Vec<MemRegion> = (0..4)
+                    .map(|m| MemRegion {
+                        addr: 0,
+                        len: 1 << 20,
+                        mem: mem(m),
+                    })
+                    .collect();
+                let now = Instant::now();
+                let w = Window::new(&PeerId("p".into()), &ranges, now, &registered).unwrap();
+                for &(m, addr, len) in &writes {
+                    // A plain scan over the union of the ranges, byte by byte.
+                    let plain = (addr..addr + len).all(|b| {
+                        ranges.iter().any(|r| r.mem == mem(m) && r.contains(b, 1))
+                    });
+                    prop_assert_eq!(w.covers(mem(m), addr, len), plain);
+                }
+                let windows: HashMap<u64, Window> = [(1, w.clone())].into_iter().collect();
+                let dsts = writes.iter().map(|&(m, a, l)| (mem(m), a, l));
+                let later = now + Duration::from_secs(1);
+                let open = Window { deadline: later, ..w.clone() };
+                let open: HashMap<u64, Window> = [(1, open)].into_iter().collect();
+                let all = dsts.clone().all(|(m, a, l)| w.covers(m, a, l));
+                prop_assert_eq!(window_for(&open, "p", dsts.clone(), now).is_ok(), all);
+                prop_assert!(window_for(&open, "q", dsts.clone(), now).is_err());
+                prop_assert!(window_for(&windows, "p", dsts, now).is_err(), "past its deadline");
+                Ok(())
+            })
+            .unwrap();
+    }
+
 }

@@ -1525,3 +1525,69 @@ mod tests {
         assert!(c.netName.is_null() && c.commName.is_null());
     }
 }
+
+/// Fuzzing the control protocol's JSON and the metadata (proptest, a fixed seed and
+/// case budget): random bytes and mutated encodings of every frame decode to a frame or
+/// a typed error, never a panic.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+    #[test]
+    fn control_frames_and_metadata_refuse_or_decode() {
+        let frames: Vec<Vec<u8>> = [
+            Ctrl::Header {
+                seq: 3,
+                segments: vec![(MemKind::Device { ordinal: 0 }, 1 << 40, 4096)],
+                notification: b"req-1".to_vec(),
+            },
+            Ctrl::Ack { seq: 3 },
+            Ctrl::Refused {
+                seq: 3,
+                why: "x".into(),
+            },
+            Ctrl::Done { seq: 3 },
+            Ctrl::Failed {
+                seq: 3,
+                why: "y".into(),
+            },
+            Ctrl::Abort { seq: 3 },
+        ]
+        .iter()
+        .map(|c| c.encode().unwrap()[8..].to_vec())
+        .chain(std::iter::once(
+            serde_json::to_vec(&Metadata {
+                agent: "a".into(),
+                control: "127.0.0.1:1".parse().unwrap(),
+                regions: vec![],
+                secret: "ab".repeat(32),
+            })
+            .unwrap(),
+        ))
+        .collect();
+        let input = prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..128),
+            (0..frames.len(), any::<usize>(), any::<u8>()).prop_map(move |(f, i, x)| {
+                let mut b = frames[f].clone();
+                let i = i % b.len();
+                b[i] = x;
+                b
+            }),
+        ];
+        let mut runner = TestRunner::new_with_rng(
+            Config::with_cases(512),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[29; 32]),
+        );
+        runner
+            .run(&input, |b| {
+                let _ = serde_json::from_slice::<Ctrl>(&b);
+                if let Ok(md) = serde_json::from_slice::<Metadata>(&b) {
+                    let _ = control::unhex(&md.secret);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+}

@@ -1,0 +1,458 @@
+//! Fuzzing every decoder that reads bytes from outside, through the public API
+//! (proptest with a fixed seed and case budget; the decoders the public API cannot
+//! reach directly, the NCCL control frames and handshakes, are fuzzed the same way
+//! beside their code in `src/transfer/{control,nccl}.rs` and `src/publish/zmtp.rs`):
+//!
+//! * the ZMQ publisher's two sockets (the ZMTP front and the replay request), with raw
+//!   TCP bytes: random, a greeting followed by random frames, and a full handshake
+//!   followed by random frames;
+//! * the transports' metadata (`connect` of the local transport, and of NIXL where its
+//!   library is installed);
+//! * the disagg example's wire (`Wire::recv`);
+//! * the transfer plan's inputs (`ExportedBlocks`, `ImportTicket`, `PoolRegion`s as a
+//!   peer sends them): JSON decoding, and `plan_writes` on random structured inputs.
+//!
+//! Pass, for every case: a decoded value or a typed refusal, no panic, no abort, and no
+//! single allocation larger than a bound (a counting global allocator records the
+//! largest one made while a case runs); the publisher then still answers an honest
+//! replay.
+#[path = "../examples/common/disagg.rs"]
+mod disagg;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dsa_kv::actors::{EventBatch, StreamItem};
+use dsa_kv::core::{Medium, RouterEvent};
+use dsa_kv::publish::{EventSource, ZmqPublisher, ZmqPublisherConfig, END_OF_REPLAY};
+use dsa_kv::transfer::{
+    plan_writes, ExportedBlocks, ImportTicket, KvTransport, LocalTransport, PoolRegion,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use tokio::sync::mpsc;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// The system allocator, recording the largest single allocation.
+struct Counting;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LARGEST.fetch_max(l.size(), Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LARGEST.fetch_max(new, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+/// The largest allocation any case may cause: far below what a hostile length field
+/// claims (up to 2^64), above the buffers a connection legitimately holds (64 KiB
+/// write buffers, the replay buffer's growth).
+const BOUND: usize = 4 << 20;
+
+/// One test at a time: the allocation bound is process-wide.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn runner(cases: u32, seed: u8) -> TestRunner {
+    TestRunner::new_with_rng(
+        Config::with_cases(cases),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &[seed; 32]),
+    )
+}
+
+fn greeting() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+fn ready(ty: &str) -> Vec<u8> {
+    let mut b = vec![5];
+    b.extend_from_slice(b"READY");
+    b.push(11);
+    b.extend_from_slice(b"Socket-Type");
+    b.extend_from_slice(&(ty.len() as u32).to_be_bytes());
+    b.extend_from_slice(ty.as_bytes());
+    let mut f = vec![0x04, b.len() as u8];
+    f.extend(b);
+    f
+}
+
+/// Frames with random flags and lengths (long ones claiming anything), random bodies.
+fn frames() -> impl Strategy<Value = Vec<u8>> {
+    proptest::collection::vec(
+        (
+            any::<u8>(),
+            prop_oneof![
+                (0u64..300).boxed(),
+                any::<u64>().boxed(),
+                Just(1u64 << 62).boxed()
+            ],
+            proptest::collection::vec(any::<u8>(), 0..48),
+        ),
+        1..6,
+    )
+    .prop_map(|fs| {
+        let mut out = Vec::new();
+        for (flags, len, body) in fs {
+            let flags = flags & 0x0f;
+            out.push(flags);
+            if flags & 2 != 0 {
+                out.extend_from_slice(&len.to_be_bytes());
+            } else {
+                out.push(len as u8);
+            }
+            out.extend(body);
+        }
+        out
+    })
+}
+
+/// What a client sends: random bytes; a greeting then frames; a handshake then frames.
+fn client_bytes(ty: &'static str) -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..200),
+        frames().prop_map(|f| [greeting(), f].concat()),
+        frames().prop_map(move |f| [greeting(), ready(ty), f].concat()),
+    ]
+}
+
+struct Fed(mpsc::UnboundedReceiver<StreamItem>);
+
+impl EventSource for Fed {
+    async fn recv(&mut self) -> Option<StreamItem> {
+        self.0.recv().await
+    }
+    fn try_recv(&mut self) -> Option<StreamItem> {
+        self.0.try_recv().ok()
+    }
+}
+
+fn batch(seq: u64) -> StreamItem {
+    StreamItem::Batch(Arc::new(EventBatch {
+        seq,
+        timestamp: 1.7e9,
+        events: vec![RouterEvent::BlockStored {
+            block_hashes: vec![seq + 1],
+            parent_block_hash: None,
+            token_ids: (0..64).collect(),
+            block_size: 64,
+            medium: Medium::Gpu,
+            lora_id: None,
+            lora_name: None,
+        }],
+    }))
+}
+
+/// Sends `bytes` to `addr`, reads what comes back for a moment, closes.
+fn poke(addr: &str, bytes: &[u8]) {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return;
+    };
+    let _ = s.write_all(bytes);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = [0u8; 4096];
+    let until = Instant::now() + Duration::from_millis(40);
+    while Instant::now() < until {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+}
+
+#[test]
+fn the_publishers_sockets_refuse_what_they_cannot_decode() {
+    let _serial = SERIAL.lock().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let p = rt.block_on(async {
+        ZmqPublisher::start(
+            Fed(rx),
+            ZmqPublisherConfig {
+                endpoint: "tcp://127.0.0.1:0".into(),
+                replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+    });
+    for s in 0..50 {
+        tx.send(batch(s)).unwrap();
+    }
+    let pub_addr = p.endpoint().strip_prefix("tcp://").unwrap().to_string();
+    let replay = p.replay_endpoint().unwrap().to_string();
+    let replay_addr = replay.strip_prefix("tcp://").unwrap().to_string();
+    let input = (client_bytes("SUB"), client_bytes("DEALER"));
+    runner(160, 11)
+        .run(&input, |(to_pub, to_replay)| {
+            LARGEST.store(0, Ordering::Relaxed);
+            poke(&pub_addr, &to_pub);
+            poke(&replay_addr, &to_replay);
+            let largest = LARGEST.load(Ordering::Relaxed);
+            prop_assert!(largest < BOUND, "an allocation of {largest} bytes");
+            Ok(())
+        })
+        .unwrap();
+    // Still serving: an honest replay of the last batches.
+    let got = rt.block_on(async {
+        let mut d = DealerSocket::new();
+        d.connect(&replay).await.unwrap();
+        d.send(
+            ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&45u64.to_be_bytes())])
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let mut seqs = Vec::new();
+        loop {
+            let f = tokio::time::timeout(Duration::from_secs(5), d.recv())
+                .await
+                .expect("replay answers")
+                .unwrap()
+                .into_vec();
+            if f[1].as_ref() == END_OF_REPLAY {
+                break seqs;
+            }
+            seqs.push(u64::from_be_bytes(f[1].as_ref().try_into().unwrap()));
+        }
+    });
+    assert_eq!(got, (45..50).collect::<Vec<_>>());
+    let r = p.report();
+    assert!(r.dropped_peers > 100, "{r:?}");
+    rt.block_on(p.shutdown());
+}
+
+/// A JSON-ish input: random bytes, or a valid document with one byte changed.
+fn json_like(valid: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..256),
+        (0..valid.len(), any::<usize>(), any::<u8>()).prop_map(move |(d, i, x)| {
+            let mut b = valid[d].clone();
+            let i = i % b.len();
+            b[i] = x;
+            b
+        }),
+    ]
+}
+
+#[test]
+fn transport_metadata_is_refused_or_understood() {
+    let _serial = SERIAL.lock().unwrap();
+    let t = std::cell::RefCell::new(LocalTransport::new("fuzz"));
+    let other = LocalTransport::new("fuzz-peer");
+    let mut o = other;
+    let valid = vec![o.local_metadata().unwrap()];
+    runner(512, 13)
+        .run(&json_like(valid), |md| {
+            LARGEST.store(0, Ordering::Relaxed);
+            // SAFETY: nothing is written: the transport only parses and checks.
+            let _ = unsafe { t.borrow_mut().connect(&md) };
+            prop_assert!(LARGEST.load(Ordering::Relaxed) < BOUND);
+            Ok(())
+        })
+        .unwrap();
+    #[cfg(feature = "nixl")]
+    {
+        use dsa_kv::transfer::nixl::NixlTransport;
+        if let (Ok(a), Ok(mut b)) = (NixlTransport::new("fuzz-a"), NixlTransport::new("fuzz-b"))
+        {
+            let a = std::cell::RefCell::new(a);
+            let valid = vec![b.local_metadata().unwrap()];
+            runner(64, 17)
+                .run(&json_like(valid), |md| {
+                    // SAFETY: as above; NIXL parses the blob and refuses or loads it.
+                    let _ = unsafe { a.borrow_mut().connect(&md) };
+                    Ok(())
+                })
+                .unwrap();
+        } else {
+            assert!(
+                std::env::var("DSA_KV_REQUIRE_NIXL").as_deref() != Ok("1"),
+                "DSA_KV_REQUIRE_NIXL=1 but NIXL is not available"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_disagg_wire_refuses_or_decodes() {
+    let _serial = SERIAL.lock().unwrap();
+    let input = prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..256),
+        (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..128)).prop_map(|(n, b)| {
+            let mut f = n.to_le_bytes().to_vec();
+            f.extend(b);
+            f
+        }),
+        (prop_oneof![Just(0u64), Just(1 << 26), Just(64 << 20)]).prop_map(|n| n
+            .to_le_bytes()
+            .to_vec()),
+    ];
+    runner(192, 19)
+        .run(&input, |bytes| {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (b, _) = l.accept().unwrap();
+            a.write_all(&bytes).unwrap();
+            a.shutdown(std::net::Shutdown::Write).unwrap();
+            LARGEST.store(0, Ordering::Relaxed);
+            let mut w = disagg::Wire(b);
+            let _ = w.recv();
+            let largest = LARGEST.load(Ordering::Relaxed);
+            prop_assert!(largest < BOUND, "an allocation of {largest} bytes");
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// A small random engine side: regions of 1–3 pools per cache, random slot counts and
+/// addresses (some near the end of the address space), random pages.
+fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
+    use dsa_kv::core::{BlockKey, PageLoc};
+    use dsa_kv::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
+    use dsa_kv::transfer::{BlockPages, CacheKind, MemKind, MemRegion, PoolRef};
+    let region = (
+        0u32..2,
+        prop_oneof![Just(CacheKind::Target), Just(CacheKind::Draft)],
+        0u16..3,
+        1u64..4096,
+        0u32..64,
+        prop_oneof![(0u64..1 << 40).boxed(), (u64::MAX - 1 << 20..u64::MAX).boxed()],
+    )
+        .prop_map(|(device, cache, pool, slot_bytes, slots, addr)| PoolRegion {
+            device,
+            cache,
+            tier: Tier::Gpu,
+            group: PoolGroupId(0),
+            pool,
+            slot_bytes,
+            slots,
+            roles: vec![],
+            region: MemRegion {
+                addr,
+                len: slot_bytes.saturating_mul(u64::from(slots)),
+                mem: MemKind::Host,
+            },
+        });
+    let page = (0u32..80).prop_map(|s| PageLoc {
+        life_cycle: LifeCycleId(0),
+        tier: Tier::Gpu,
+        group: PoolGroupId(0),
+        slot: SlotId(s),
+    });
+    let block = (any::<u8>(), proptest::collection::vec(page.clone(), 1..2), proptest::collection::vec(page, 0..2))
+        .prop_map(|(k, target, draft)| BlockPages {
+            key: BlockKey([k; 32]),
+            target,
+            draft,
+        });
+    let pools = proptest::collection::vec(
+        (
+            prop_oneof![Just(CacheKind::Target), Just(CacheKind::Draft)],
+            0u16..3,
+        )
+            .prop_map(|(cache, pool)| PoolRef {
+                cache,
+                group: PoolGroupId(0),
+                pool,
+            }),
+        1..4,
+    );
+    (
+        proptest::collection::vec(region.clone(), 1..6),
+        proptest::collection::vec(region, 1..6),
+        proptest::collection::vec(block, 0..5),
+        0u32..3,
+        pools,
+    )
+        .prop_map(|(src, dst, blocks, skipped, pools)| {
+            let export = ExportedBlocks {
+                id: RequestId(1),
+                scope: Default::default(),
+                tokens: vec![TokenId(1); blocks.len() * 64],
+                tokens_per_block: 64,
+                layout: "L".into(),
+                pools: pools.clone(),
+                blocks: blocks.clone(),
+            };
+            let skip = (skipped as usize).min(blocks.len());
+            let ticket = ImportTicket {
+                id: RequestId(2),
+                export: RequestId(1),
+                skipped: skip as u32,
+                layout: "L".into(),
+                pools,
+                blocks: blocks[skip..].to_vec(),
+                write_within_ms: 1000,
+                write_by: None,
+            };
+            (
+                serde_json::to_string(&export).unwrap(),
+                serde_json::to_string(&src).unwrap(),
+                serde_json::to_string(&ticket).unwrap(),
+                serde_json::to_string(&dst).unwrap(),
+            )
+        })
+}
+
+/// `plan_writes` on what a peer could send: a typed refusal, or a plan whose every
+/// segment lies inside the regions it was given (source and destination).
+#[test]
+fn transfer_plans_from_peer_inputs_stay_inside_the_regions() {
+    let _serial = SERIAL.lock().unwrap();
+    runner(512, 37)
+        .run(&plan_inputs(), |(e, s, t, d)| {
+            let export: ExportedBlocks = serde_json::from_str(&e).unwrap();
+            let src: Vec<PoolRegion> = serde_json::from_str(&s).unwrap();
+            let ticket: ImportTicket = serde_json::from_str(&t).unwrap();
+            let dst: Vec<PoolRegion> = serde_json::from_str(&d).unwrap();
+            if let Ok(plan) = plan_writes(&export, &src, &ticket, &dst) {
+                for b in &plan.batches {
+                    for seg in &b.segments {
+                        prop_assert!(src.iter().any(|r| r.region.contains(seg.src, seg.len)));
+                        prop_assert!(dst.iter().any(|r| r.region.contains(seg.dst, seg.len)));
+                    }
+                }
+            }
+            let _ = ticket.write_ranges(&dst);
+            // Mutated documents decode or are refused.
+            for (i, doc) in [&e, &s, &t, &d].iter().enumerate() {
+                let mut b = doc.as_bytes().to_vec();
+                let k = (i * 7919 + b.len() / 2) % b.len();
+                b[k] = b'"';
+                let _ = serde_json::from_slice::<ExportedBlocks>(&b);
+                let _ = serde_json::from_slice::<ImportTicket>(&b);
+                let _ = serde_json::from_slice::<Vec<PoolRegion>>(&b);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
