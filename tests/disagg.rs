@@ -328,17 +328,10 @@ fn transfers_overlap_with_serving_on_both_engines() {
             a.transfer_regions().await.unwrap(),
             b.transfer_regions().await.unwrap(),
         );
-        let (mut ta, mut tb) = (LocalTransport::new("ov-a"), LocalTransport::new("ov-b"));
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); only pages an import reserved are written.
-        let (peer, peer_a) = unsafe {
-            ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
-                .unwrap();
-            tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
-                .unwrap();
-            let peer_a = tb.connect(&ta.local_metadata().unwrap()).unwrap();
-            (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
-        };
+        let (mut ta, mut tb) = (LocalTransport::new("ov-a"), LocalTransport::new("ov-b"));
+        let (peer, peer_a) = unsafe { disagg::connect_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
         let prompt = |id: u32, blocks: u32| -> Vec<TokenId> {
             (0..blocks * 64 + 1)
                 .map(|t| TokenId(id * 100_000 + t))
@@ -537,17 +530,10 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
             a.transfer_regions().await.unwrap(),
             b.transfer_regions().await.unwrap(),
         );
-        let (mut ta, mut tb) = (LocalTransport::new("bind-a"), LocalTransport::new("bind-b"));
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); the windows admit only reserved pages.
-        let (peer, peer_a) = unsafe {
-            ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())
-                .unwrap();
-            tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())
-                .unwrap();
-            let peer_a = tb.connect(&ta.local_metadata().unwrap()).unwrap();
-            (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
-        };
+        let (mut ta, mut tb) = (LocalTransport::new("bind-a"), LocalTransport::new("bind-b"));
+        let (peer, peer_a) = unsafe { disagg::connect_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
         let ticket = b
             .begin_import_with(&mut tb, &peer_a, &rb, RequestId(9), victim, &p, &export)
             .await

@@ -226,8 +226,11 @@ fn the_publishers_sockets_refuse_what_they_cannot_decode() {
         let mut d = DealerSocket::new();
         d.connect(&replay).await.unwrap();
         d.send(
-            ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&45u64.to_be_bytes())])
-                .unwrap(),
+            ZmqMessage::try_from(vec![
+                Bytes::new(),
+                Bytes::copy_from_slice(&45u64.to_be_bytes()),
+            ])
+            .unwrap(),
         )
         .await
         .unwrap();
@@ -282,8 +285,7 @@ fn transport_metadata_is_refused_or_understood() {
     #[cfg(feature = "nixl")]
     {
         use dsa_kv::transfer::nixl::NixlTransport;
-        if let (Ok(a), Ok(mut b)) = (NixlTransport::new("fuzz-a"), NixlTransport::new("fuzz-b"))
-        {
+        if let (Ok(a), Ok(mut b)) = (NixlTransport::new("fuzz-a"), NixlTransport::new("fuzz-b")) {
             let a = std::cell::RefCell::new(a);
             let valid = vec![b.local_metadata().unwrap()];
             runner(64, 17)
@@ -312,9 +314,8 @@ fn the_disagg_wire_refuses_or_decodes() {
             f.extend(b);
             f
         }),
-        (prop_oneof![Just(0u64), Just(1 << 26), Just(64 << 20)]).prop_map(|n| n
-            .to_le_bytes()
-            .to_vec()),
+        (prop_oneof![Just(0u64), Just(1 << 26), Just(64 << 20)])
+            .prop_map(|n| n.to_le_bytes().to_vec()),
     ];
     runner(192, 19)
         .run(&input, |bytes| {
@@ -345,30 +346,39 @@ fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
         0u16..3,
         1u64..4096,
         0u32..64,
-        prop_oneof![(0u64..1 << 40).boxed(), (u64::MAX - 1 << 20..u64::MAX).boxed()],
+        prop_oneof![
+            (0u64..1 << 40).boxed(),
+            (u64::MAX - (1 << 20)..u64::MAX).boxed()
+        ],
     )
-        .prop_map(|(device, cache, pool, slot_bytes, slots, addr)| PoolRegion {
-            device,
-            cache,
-            tier: Tier::Gpu,
-            group: PoolGroupId(0),
-            pool,
-            slot_bytes,
-            slots,
-            roles: vec![],
-            region: MemRegion {
-                addr,
-                len: slot_bytes.saturating_mul(u64::from(slots)),
-                mem: MemKind::Host,
+        .prop_map(
+            |(device, cache, pool, slot_bytes, slots, addr)| PoolRegion {
+                device,
+                cache,
+                tier: Tier::Gpu,
+                group: PoolGroupId(0),
+                pool,
+                slot_bytes,
+                slots,
+                roles: vec![],
+                region: MemRegion {
+                    addr,
+                    len: slot_bytes.saturating_mul(u64::from(slots)),
+                    mem: MemKind::Host,
+                },
             },
-        });
+        );
     let page = (0u32..80).prop_map(|s| PageLoc {
         life_cycle: LifeCycleId(0),
         tier: Tier::Gpu,
         group: PoolGroupId(0),
         slot: SlotId(s),
     });
-    let block = (any::<u8>(), proptest::collection::vec(page.clone(), 1..2), proptest::collection::vec(page, 0..2))
+    let block = (
+        any::<u8>(),
+        proptest::collection::vec(page.clone(), 1..2),
+        proptest::collection::vec(page, 0..2),
+    )
         .prop_map(|(k, target, draft)| BlockPages {
             key: BlockKey([k; 32]),
             target,

@@ -227,9 +227,15 @@ fn two_processes_refuse_a_forged_write_survive_a_stall_then_move_device_memory()
         let e = nccl
             .write(&peer, &[batch(&[(0, 4096, 4096)])], b"req-inflight")
             .unwrap_err();
-        eprintln!("[prefill] stalled-after-Ack write: {e} after {:?}", t0.elapsed());
+        eprintln!(
+            "[prefill] stalled-after-Ack write: {e} after {:?}",
+            t0.elapsed()
+        );
         assert!(e.in_flight(), "{e}");
-        assert!(!nccl.is_connected(&peer), "an InFlight write drops the pair");
+        assert!(
+            !nccl.is_connected(&peer),
+            "an InFlight write drops the pair"
+        );
         send_frame(&mut stream, b"inflight").unwrap();
     }
     let verdict = recv_frame(&mut stream).expect("the child's verdict");

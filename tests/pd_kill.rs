@@ -171,6 +171,37 @@ fn reap(mut child: Child) {
     let _ = child.wait();
 }
 
+/// Starts round `r`'s child in `role` and exchanges `Hello`s with it: the child, our
+/// connection to it, its transport as our peer, and its pool regions.
+fn meet(
+    listener: &TcpListener,
+    role: &str,
+    r: u64,
+    t: &mut NixlTransport,
+    regions: &[PoolRegion],
+) -> (Child, TcpStream, PeerId, Vec<PoolRegion>) {
+    let child = spawn_child(role, listener.local_addr().unwrap(), r);
+    let (mut s, _) = listener.accept().unwrap();
+    let Ok(Msg::Hello {
+        metadata,
+        regions: theirs,
+    }) = recv(&mut s, Duration::from_secs(60))
+    else {
+        panic!("round {r}: no Hello from the {role}");
+    };
+    // SAFETY: the child's own metadata.
+    let peer = unsafe { t.connect(&metadata) }.unwrap();
+    send(
+        &mut s,
+        &Msg::Hello {
+            metadata: t.local_metadata().unwrap(),
+            regions: regions.to_vec(),
+        },
+    )
+    .unwrap();
+    (child, s, peer, theirs)
+}
+
 /// Waits until `f` holds, at most `within`.
 async fn eventually(within: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
     let until = Instant::now() + within;
@@ -221,7 +252,6 @@ fn transfers_survive_either_side_killed_at_random_points() {
     let rt = runtime();
     let mut rng = SplitMix64(seed());
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
 
     // Scenario 1: the exporter (child) dies; we import.
     let summary = rt.block_on(async {
@@ -244,21 +274,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 Kill::StoppedAfterTicket,
                 Kill::AfterWritten,
             ][rng.next_u64() as usize % 5];
-            let child = spawn_child("exporter", addr, r);
-            let (mut s, _) = listener.accept().unwrap();
-            let Ok(Msg::Hello { metadata, .. }) = recv(&mut s, Duration::from_secs(60)) else {
-                panic!("round {r}: no Hello from the exporter");
-            };
-            // SAFETY: the child's own metadata.
-            let peer: PeerId = unsafe { tb.connect(&metadata) }.unwrap();
-            send(
-                &mut s,
-                &Msg::Hello {
-                    metadata: tb.local_metadata().unwrap(),
-                    regions: rb.clone(),
-                },
-            )
-            .unwrap();
+            let (child, mut s, peer, _) = meet(&listener, "exporter", r, &mut tb, &rb);
             let Ok(Msg::Export { export, prompt: p }) = recv(&mut s, Duration::from_secs(60))
             else {
                 panic!("round {r}: no Export");
@@ -377,21 +393,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 Kill::AfterTicket,
                 Kill::DuringPush,
             ][rng.next_u64() as usize % 4];
-            let child = spawn_child("importer", addr, r);
-            let (mut s, _) = listener.accept().unwrap();
-            let Ok(Msg::Hello { metadata, regions }) = recv(&mut s, Duration::from_secs(60)) else {
-                panic!("round {r}: no Hello from the importer");
-            };
-            // SAFETY: the child's own metadata.
-            let peer = unsafe { ta.connect(&metadata) }.unwrap();
-            send(
-                &mut s,
-                &Msg::Hello {
-                    metadata: ta.local_metadata().unwrap(),
-                    regions: ra.clone(),
-                },
-            )
-            .unwrap();
+            let (child, mut s, peer, regions) = meet(&listener, "importer", r, &mut ta, &ra);
             let id = RequestId(2000 + r);
             let p = prompt(r);
             prefill(&kv, id, &p).await;

@@ -644,6 +644,31 @@ async fn push_one(
     Ok((Some(report), true))
 }
 
+/// Registers two engines' pools (`ra` the exporter's, `rb` the importer's) with two
+/// transports of one process and connects each to the other: the importer as the
+/// exporter's peer, and the exporter as the importer's peer (whom the importer's windows
+/// admit).
+///
+/// # Safety
+///
+/// The engines of `ra` and `rb` outlive the transports, and peers write only into the
+/// windows of open imports (`register`'s and `connect`'s contracts).
+pub unsafe fn connect_pair(
+    ta: &mut dyn KvTransport,
+    tb: &mut dyn KvTransport,
+    ra: &[PoolRegion],
+    rb: &[PoolRegion],
+) -> Result<(PeerId, PeerId), BoxError> {
+    // SAFETY: the caller's contract; each side loads the other's own metadata.
+    unsafe {
+        ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
+        tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
+        let exporter = tb.connect(&ta.local_metadata()?)?;
+        let importer = ta.connect(&tb.local_metadata()?)?;
+        Ok((importer, exporter))
+    }
+}
+
 /// The prefill side's half of `Hello`: registers the engine's pools, exchanges
 /// metadata, connects. Returns (our regions, the decode side's, the peer).
 async fn greet(
@@ -1329,12 +1354,7 @@ async fn bench_moves(
     // SAFETY: the engines' own pools, alive until they shut down at the end of this
     // function after the last write; writes go only into pages an import reserved; each
     // transport loads the other's own metadata.
-    let (peer, peer_a) = unsafe {
-        ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>())?;
-        tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>())?;
-        let peer_a = tb.connect(&ta.local_metadata()?)?;
-        (ta.connect(&tb.local_metadata()?)?, peer_a)
-    };
+    let (peer, peer_a) = unsafe { connect_pair(ta, tb, &ra, &rb)? };
     let mut out = None;
     for (id, n) in [(1u64, 1usize), (2, blocks)] {
         let id = RequestId(id);

@@ -810,13 +810,11 @@ mod fuzz {
     fn input() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
             proptest::collection::vec(any::<u8>(), 0..64),
-            (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..200)).prop_map(
-                |(n, body)| {
-                    let mut f = n.to_le_bytes().to_vec();
-                    f.extend(body);
-                    f
-                }
-            ),
+            (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..200)).prop_map(|(n, body)| {
+                let mut f = n.to_le_bytes().to_vec();
+                f.extend(body);
+                f
+            }),
             (0usize..300, any::<u8>()).prop_map(|(i, x)| {
                 let hello = serde_json::to_vec(&Hello {
                     agent: "prefill".into(),
@@ -850,23 +848,19 @@ mod fuzz {
                     buf: Vec::new(),
                     deadline: d,
                 };
-                loop {
-                    match Acceptor::advance(&mut h, Instant::now()) {
-                        Ok(None) => std::thread::sleep(Duration::from_millis(1)),
-                        Ok(Some(_)) | Err(_) => break,
-                    }
+                while let Ok(None) = Acceptor::advance(&mut h, Instant::now()) {
                     prop_assert!(h.buf.len() as u64 <= 8 + MAX_HELLO);
+                    std::thread::sleep(Duration::from_millis(1));
                 }
+                prop_assert!(h.buf.len() as u64 <= 8 + MAX_HELLO);
                 let (_a, mut b) = fed(&bytes);
                 b.set_nonblocking(true).unwrap();
                 let mut buf = Vec::new();
-                loop {
-                    match read_challenge(&mut b, &mut buf) {
-                        Ok(None) => std::thread::sleep(Duration::from_millis(1)),
-                        Ok(Some(_)) | Err(_) => break,
-                    }
+                while let Ok(None) = read_challenge(&mut b, &mut buf) {
                     prop_assert!(buf.len() as u64 <= 8 + MAX_HELLO);
+                    std::thread::sleep(Duration::from_millis(1));
                 }
+                prop_assert!(buf.len() as u64 <= 8 + MAX_HELLO);
                 Ok(())
             })
             .unwrap();

@@ -485,8 +485,8 @@ pub fn push_plan(
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::HashMap;
     use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    use std::collections::HashMap;
 
     /// `Window::covers` (a binary search) against a plain scan, and `window_for`'s
     /// rules, on random windows and writes.
@@ -529,23 +529,27 @@ mod tests {
                 let w = Window::new(&PeerId("p".into()), &ranges, now, &registered).unwrap();
                 for &(m, addr, len) in &writes {
                     // A plain scan over the union of the ranges, byte by byte.
-                    let plain = (addr..addr + len).all(|b| {
-                        ranges.iter().any(|r| r.mem == mem(m) && r.contains(b, 1))
-                    });
+                    let plain = (addr..addr + len)
+                        .all(|b| ranges.iter().any(|r| r.mem == mem(m) && r.contains(b, 1)));
                     prop_assert_eq!(w.covers(mem(m), addr, len), plain);
                 }
                 let windows: HashMap<u64, Window> = [(1, w.clone())].into_iter().collect();
                 let dsts = writes.iter().map(|&(m, a, l)| (mem(m), a, l));
                 let later = now + Duration::from_secs(1);
-                let open = Window { deadline: later, ..w.clone() };
+                let open = Window {
+                    deadline: later,
+                    ..w.clone()
+                };
                 let open: HashMap<u64, Window> = [(1, open)].into_iter().collect();
                 let all = dsts.clone().all(|(m, a, l)| w.covers(m, a, l));
                 prop_assert_eq!(window_for(&open, "p", dsts.clone(), now).is_ok(), all);
                 prop_assert!(window_for(&open, "q", dsts.clone(), now).is_err());
-                prop_assert!(window_for(&windows, "p", dsts, now).is_err(), "past its deadline");
+                prop_assert!(
+                    window_for(&windows, "p", dsts, now).is_err(),
+                    "past its deadline"
+                );
                 Ok(())
             })
             .unwrap();
     }
-
 }

@@ -434,7 +434,6 @@ fn poll_ctrl(s: &mut TcpStream, timeout: Duration) -> Result<Option<Ctrl>, Trans
     }
 }
 
-
 #[derive(Serialize, Deserialize)]
 struct Metadata {
     agent: String,
