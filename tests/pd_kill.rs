@@ -10,10 +10,10 @@
 //!   has run out, or after its `Written`. The checker: an import is committed only when
 //!   the notification arrived and every page's digest equals the exporter's; every
 //!   other import ends by its lease (its pages freed, a late commit told
-//!   `TransferExpired`); at the end no import is open, the engine's invariants hold, a
-//!   prefix-cache reset leaves no GPU page used, and every committed prefix, served
-//!   again, is read back by the runtime's verifier (independent of the transfer: it
-//!   recomputes each position's KV from the prompt) with no mismatch;
+//!   `TransferExpired`); every committed prefix, served at once, is read back by the
+//!   runtime's verifier (independent of the transfer: it recomputes each position's KV
+//!   from the prompt) with no mismatch; at the end no import is open, the engine's
+//!   invariants hold, and a prefix-cache reset leaves no GPU page used;
 //! * **the importer dies** (the test exports, the child imports): before its ticket,
 //!   after it (the push then meets a dead peer), or during the push. The checker: the
 //!   push fails or lands, and the export is released, by the test or by its lease,
@@ -313,6 +313,17 @@ fn transfers_survive_either_side_killed_at_random_points() {
                     let ours = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
                     if ours == digests {
                         kv.commit_import_with(&mut tb, id).await.unwrap();
+                        // Served at once (the cache is small: later rounds evict it),
+                        // so the runtime's verifier reads every imported position back.
+                        assert_eq!(kv.probe_reuse(SCOPE, &p).await.unwrap(), 256);
+                        let verified = kv.stats().await.unwrap().tokens_verified;
+                        prefill(&kv, RequestId(50_000 + r), &p).await;
+                        let st = kv.stats().await.unwrap();
+                        assert!(st.tokens_verified > verified, "round {r}: nothing verified");
+                        assert_eq!(
+                            st.mismatches, 0,
+                            "round {r}: an imported page holds wrong bytes"
+                        );
                         committed.push(p.clone());
                         "committed"
                     } else {
@@ -348,17 +359,8 @@ fn transfers_survive_either_side_killed_at_random_points() {
             let _ = send(&mut s, &Msg::Bye);
             reap(child);
         }
-        // Every committed prefix, served again, is read back by the verifier.
-        let before = kv.stats().await.unwrap();
-        for (i, p) in committed.iter().enumerate() {
-            assert_eq!(kv.probe_reuse(SCOPE, p).await.unwrap(), 256);
-            prefill(&kv, RequestId(50_000 + i as u64), p).await;
-        }
         let after = kv.stats().await.unwrap();
         assert_eq!(after.mismatches, 0, "an imported page holds wrong bytes");
-        if !committed.is_empty() {
-            assert!(after.tokens_verified > before.tokens_verified);
-        }
         assert_eq!(after.transfers.open_imports, 0);
         assert_eq!(kv.check_invariants().await.unwrap().live_sequences, 0);
         kv.reset_prefix_cache().await.unwrap();

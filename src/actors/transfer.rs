@@ -120,7 +120,14 @@ impl Message<BeginImport> for Coordinator {
         // leading full blocks of the request this engine will serve.
         let tpb = self.sched.target().tokens_per_block() as usize;
         let want = m.keys.len() * tpb;
-        if m.keys.is_empty() || m.tokens.len() < want {
+        if m.keys.is_empty() {
+            return Err(RuntimeError::Transfer(format!(
+                "import {}: the export holds no block, so there is nothing to import (the \
+                 exporter had none of the prompt's full blocks cached)",
+                m.id
+            )));
+        }
+        if m.tokens.len() < want {
             return Err(RuntimeError::Transfer(format!(
                 "import {}: the export has {} blocks ({want} tokens) but the request to serve has \
                  {} tokens: import only blocks of the request's own prompt",
