@@ -1361,3 +1361,59 @@ impl Message<ResetPrefixCache> for Coordinator {
         Ok(report)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::scheduler::Finished;
+
+    fn report(id: u64, tokens: usize) -> Result<FinishedReport, RuntimeError> {
+        Ok(FinishedReport {
+            finished: Finished {
+                id: RequestId(id),
+                generated: 1,
+                reused_tokens: 0,
+                preemptions: 0,
+                tokens: vec![crate::ids::TokenId(1); tokens],
+                scope: Default::default(),
+                block_slots: vec![0; tokens / 64],
+                draft_block_slots: None,
+            },
+            tokens_verified: 0,
+            mismatches: Vec::new(),
+        })
+    }
+
+    /// The store of unwaited results keeps the newest `DONE_CAPACITY`, at most
+    /// `DONE_BYTES`, forgets what was taken, and its byte count returns to zero.
+    #[test]
+    fn unwaited_results_are_bounded_in_count_and_bytes() {
+        let mut d = Done::default();
+        for id in 0..DONE_CAPACITY as u64 + 100 {
+            d.insert(RequestId(id), report(id, 64));
+        }
+        assert_eq!(d.results.len(), DONE_CAPACITY);
+        assert!(d.take(RequestId(99)).is_none(), "the oldest went first");
+        assert!(d.take(RequestId(100)).is_some());
+        assert!(d.take(RequestId(100)).is_none(), "taken once");
+        // Re-inserting an id keeps one entry, the newest.
+        d.insert(RequestId(500), report(500, 128));
+        let n = d.results.len();
+        d.insert(RequestId(500), report(500, 64));
+        assert_eq!(d.results.len(), n);
+        assert!(d.order.len() <= 2 * DONE_CAPACITY + 1);
+        // Four-megabyte results: at most four fit in 16 MiB.
+        let big = (4 << 20) / 4;
+        for id in 0..8 {
+            d.insert(RequestId(10_000 + id), report(10_000 + id, big));
+        }
+        assert!(d.bytes <= DONE_BYTES, "{}", d.bytes);
+        assert!(d.take(RequestId(10_007)).is_some(), "the newest stays");
+        assert!(d.take(RequestId(10_000)).is_none());
+        let ids: Vec<RequestId> = d.results.keys().copied().collect();
+        for id in ids {
+            d.take(id);
+        }
+        assert_eq!((d.results.len(), d.bytes), (0, 0));
+    }
+}
