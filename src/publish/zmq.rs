@@ -11,37 +11,7 @@
 //! gets what the buffer still has (the first sequence number then tells the client what
 //! is gone); a capped answer ends early, and the client asks again from the next one.
 //!
-//! # What a client can cost
-//!
-//! Every connection is served by its own task, so a slow or hostile client delays only
-//! itself. Everything a client can make the publisher hold is bounded by
-//! [`ZmqLimits`]:
-//!
-//! * connections: at most `max_subscribers` on the PUB socket and `max_replay_clients`
-//!   on the replay socket (handshakes included); the next is closed at once;
-//! * a connection that has not completed its handshake within `handshake_timeout` is
-//!   closed;
-//! * a frame or command from a peer larger than `max_inbound_frame` is refused from its
-//!   header, before its body is read; a message of more frames than a request has is
-//!   refused; the connection is closed;
-//! * a subscriber holds at most `max_subscriptions` subscriptions of at most
-//!   `max_inbound_frame` bytes; one more closes it;
-//! * a subscriber's queue holds at most `subscriber_queue_bytes` of messages not yet
-//!   written to its socket: past that, batches are dropped for that subscriber
-//!   (counted in [`PublisherReport::dropped_messages`]; it sees a gap in the sequence
-//!   numbers and can replay it), as a ZeroMQ PUB drops at its high-water mark; a
-//!   subscriber whose socket accepts nothing for `send_timeout` is closed;
-//! * a replay client has one request answered at a time (the next is read once the
-//!   answer is written; what it sends meanwhile waits in its own TCP buffers); an
-//!   answer not written within `replay_deadline` closes the client, and a client idle
-//!   for `replay_idle_timeout` is closed.
-//!
-//! So the publisher's memory beyond its replay buffer is at most about
-//! max_subscribers × (subscriber_queue_bytes + max_subscriptions × max_inbound_frame)
-//! plus (max_subscribers + max_replay_clients) × 2 × max_inbound_frame for frames being
-//! read, plus the kernel's socket buffers, whatever the clients send
-//! (`tests/zmq_hostile.rs` measures it). The queued messages are encoded once and
-//! shared by every subscriber's queue (reference-counted).
+//! What a client can cost the publisher is bounded: see [`ZmqLimits`].
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -64,7 +34,39 @@ use crate::actors::{EventSubscriber, StreamItem};
 /// The replay end marker: −1 as a signed 64-bit big-endian integer.
 pub const END_OF_REPLAY: [u8; 8] = (-1i64).to_be_bytes();
 
-/// The most a client can cost the publisher (see the [module docs](self)).
+/// The most a client can cost the publisher.
+///
+/// # What a client can cost
+///
+/// Every connection is served by its own task, so a slow or hostile client delays only
+/// itself. Everything a client can make the publisher hold is bounded by these
+/// limits:
+///
+/// * connections: at most `max_subscribers` on the PUB socket and `max_replay_clients`
+///   on the replay socket (handshakes included); the next is closed at once;
+/// * a connection that has not completed its handshake within `handshake_timeout` is
+///   closed;
+/// * a frame or command from a peer larger than `max_inbound_frame` is refused from its
+///   header, before its body is read; a message of more frames than a request has is
+///   refused; the connection is closed;
+/// * a subscriber holds at most `max_subscriptions` subscriptions of at most
+///   `max_inbound_frame` bytes; one more closes it;
+/// * a subscriber's queue holds at most `subscriber_queue_bytes` of messages not yet
+///   written to its socket: past that, batches are dropped for that subscriber
+///   (counted in [`PublisherReport::dropped_messages`]; it sees a gap in the sequence
+///   numbers and can replay it), as a ZeroMQ PUB drops at its high-water mark; a
+///   subscriber whose socket accepts nothing for `send_timeout` is closed;
+/// * a replay client has one request answered at a time (the next is read once the
+///   answer is written; what it sends meanwhile waits in its own TCP buffers); an
+///   answer not written within `replay_deadline` closes the client, and a client idle
+///   for `replay_idle_timeout` is closed.
+///
+/// So the publisher's memory beyond its replay buffer is at most about
+/// max_subscribers × (subscriber_queue_bytes + max_subscriptions × max_inbound_frame)
+/// plus (max_subscribers + max_replay_clients) × 2 × max_inbound_frame for frames being
+/// read, plus the kernel's socket buffers, whatever the clients send
+/// (`tests/zmq_hostile.rs` measures it). The queued messages are encoded once and
+/// shared by every subscriber's queue (reference-counted).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ZmqLimits {
     /// Connections on the PUB socket (handshakes included).
@@ -327,8 +329,8 @@ impl Shared {
 /// delimiter first) answered on a ROUTER socket with `["", sequence, payload]` per
 /// buffered batch from that number on, then `["", `[`END_OF_REPLAY`]`, ""]`. Runs on the
 /// caller's tokio runtime until [`shutdown`](Self::shutdown) or until the stream ends
-/// (the cache runtime shut down). What a client can cost is bounded: see the
-/// [module docs](self).
+/// (the cache runtime shut down). What a client can cost is bounded: see
+/// [`ZmqLimits`].
 pub struct ZmqPublisher {
     endpoint: String,
     replay_endpoint: Option<String>,
