@@ -31,10 +31,10 @@ use dsa_kv::config::{EngineConfig, KvDtype};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
-use dsa_kv::model::dump::{Dump, DumpSpec};
-use dsa_kv::model::paged::Outputs;
-use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
+use dsa_kv_model::dump::{Dump, DumpSpec};
+use dsa_kv_model::paged::Outputs;
+use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 
 /// Dumps one layer of one step of the reference model as `.npy` files for external
 /// kernels: the caches as the kernels read them, the page tables, the inputs and the

@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use cudarc::driver::{sys, CudaEvent};
+use dsa_kv::cuda::cudarc::driver::{sys, CudaEvent};
 use dsa_kv::cuda::kernels::{DevRows, MlaEncoding, RecomputeTables};
 use dsa_kv::cuda::{CudaError, DeviceBuffer, Gpu, PinnedHost};
 use dsa_kv::layout::IndexerPageLayout;

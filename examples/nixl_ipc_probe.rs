@@ -9,6 +9,7 @@
 //! UCX_PROTO_INFO=y cargo run --release --features nixl --example nixl_ipc_probe
 //! ```
 
+use dsa_kv::cuda::cudarc;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! runs on the device actors is chosen by `--source`:
 //!
 //! * `model` (the default): the crate's small DeepSeek-V3.2-style reference model
-//!   (`dsa_kv::model`: 2 layers, MLA rows in `fp8_ds_mla` or BF16 (`--kv-dtype`), FP8
+//!   (`dsa_kv_model`: 2 layers, MLA rows in `fp8_ds_mla` or BF16 (`--kv-dtype`), FP8
 //!   indexer keys, the lightning indexer's top-64 and sparse MLA; random weights from a
 //!   fixed seed) runs as the framework forward on every device actor (`--devices N`).
 //!   Each step's sampled token is the model's greedy token (every device must compute
@@ -59,7 +59,7 @@
 //! `--backend cuda` runs each device actor on a GPU (`--gpus`, default `0..devices`):
 //! pools in GPU memory (VMM), the host tier in pinned memory, every write through our
 //! CUDA kernels, and verification reads the GPU bytes back (`--source synthetic`). With
-//! the model, its GPU forward (`dsa_kv::model::cuda`) computes every layer on the GPU
+//! the model, its GPU forward (`dsa_kv_model::cuda`) computes every layer on the GPU
 //! from the device pools and metadata; `--cuda-graphs` runs decode-only steps as one
 //! CUDA graph. The exactness check compares the GPU's tokens and logits with the host
 //! reference, bit for bit.
@@ -93,11 +93,11 @@ use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::ForwardFactory;
 use dsa_kv::device::Verification;
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
-use dsa_kv::model::paged::{ModelForward, Outputs};
-use dsa_kv::model::unpaged::generate;
-use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv::rng::SplitMix64;
+use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::unpaged::generate;
+use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 use serde_json::json;
 
 /// DeepSeek-V3.2's vocabulary: the synthetic source's token ids.
@@ -806,7 +806,7 @@ impl ModelSource {
                 self.outputs.clone(),
             )),
             #[cfg(feature = "cuda")]
-            Backend::Cuda => Ok(dsa_kv::model::cuda::CudaModelForward::factory(
+            Backend::Cuda => Ok(dsa_kv_model::cuda::CudaModelForward::factory(
                 self.model.clone(),
                 self.outputs.clone(),
                 graphs,

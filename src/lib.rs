@@ -1,63 +1,69 @@
 //! dsa-kv: the paged KV-cache manager for DeepSeek Sparse Attention (DSA) models
-//! (DeepSeek-V3.2, GLM-5, GLM-5.2, Mistral Large 3).
+//! (DeepSeek-V3.2, GLM-5, GLM-5.2, Mistral Large 3), as an actor runtime a Rust serving
+//! framework embeds.
 //!
 //! The MLA latent cache and the lightning-indexer K cache share one allocation life
 //! cycle: one slot id addresses a block's MLA page and its indexer page in every layer,
-//! so reuse, eviction, offload and quota cover both. Data flows one way:
+//! so reuse, eviction, offload and quota cover both.
 //!
-//! [`config`] (model dims) → [`layout`] (pool plan: V1 or V2) → [`core`] (allocation,
-//! reuse, eviction, quota) → [`ops`] / [`storage`] (bytes). See `ARCHITECTURE.md`.
+//! # The runtime
+//!
+//! An engine builds a [`KvCacheBuilder`](actors::KvCacheBuilder), submits requests and
+//! steps: each step schedules a batch, runs it on every device (the framework's model
+//! through the [`Forward`](device::Forward) boundary, or the synthetic writer) and
+//! returns what ran; the engine commits each request's next token.
 //!
 //! ```
-//! use dsa_kv::config::{DsaModel, LayerSet};
-//! use dsa_kv::core::{quota, KvCacheManager, ManagerOptions, ReuseScope, SeqOptions, TierSlots};
-//! use dsa_kv::ids::{RequestId, TokenId};
-//! use dsa_kv::layout::{LayoutKind, PoolPlan};
+//! use dsa_kv::prelude::*;
 //!
-//! let model = DsaModel::deepseek_v32();
-//! let plan = PoolPlan::for_model(&model, LayerSet::Target, LayoutKind::V2, 64)?;
-//! assert_eq!(plan.cache_bytes_per_token(), 43_188); // MLA + indexer, 61 layers
-//! let slots = quota::slots_for_budget(&plan, 1 << 30) as u32; // a 1 GiB budget
-//! let mut kv = KvCacheManager::new(
-//!     plan,
-//!     TierSlots { gpu: vec![slots], host: vec![] },
-//!     ManagerOptions::default(),
-//! )?;
-//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let kv = KvCacheBuilder::new(EngineConfig::default()).devices(1).start().await?;
 //! let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
-//! let mut seq = kv
-//!     .create(RequestId(1), ReuseScope::SHARED, &prompt, SeqOptions::default())?
-//!     .handle;
-//! assert!(kv.resume(&seq)?); // bring (reused) pages to the GPU
-//! assert!(kv.resize(&seq, 100, 0)?); // room for the prompt
-//! kv.commit(&seq, &prompt)?; // its KV is written: full blocks become reusable
-//! kv.close(&mut seq)?;
-//!
-//! // The next request with the same prefix reuses it (never the last prompt token).
-//! assert_eq!(kv.probe_reuse(ReuseScope::SHARED, &prompt)?, 99);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! kv.submit(SubmitRequest::new(RequestId(1), prompt, 4)).await?;
+//! let report = kv.step(Default::default()).await?;
+//! assert_eq!(report.scheduled.len(), 1); // the whole prompt in one step
+//! kv.shutdown().await?;
+//! # Ok(()) }
 //! ```
+//!
+//! # The layers (each a crate of the workspace, re-exported here)
+//!
+//! * [`actors`]: the runtime (coordinator, device actors, draft replay) and its handle.
+//! * [`publish`] (feature `zmq`): router events on the vLLM / Dynamo ZMQ wire.
+//! * `dsa-kv-device`: [`device`] (the step a device runs, the host device, the forward
+//!   boundary, the synthetic writer) and [`transfer`] (KV pages between engines; NIXL
+//!   with feature `nixl`).
+//! * `dsa-kv-cuda` (feature `cuda`): [`cuda`], the CUDA backend and our kernels; the NCCL
+//!   transport with feature `nccl`.
+//! * `dsa-kv-core`, synchronous, no async runtime, no CUDA: [`config`] (model dims,
+//!   engine configuration), [`layout`] (pool plans, V1 or V2), [`core`] (allocation,
+//!   reuse, eviction, quota, the scheduler), [`metadata`] (the kernels' step metadata),
+//!   [`ops`] (host reference ops), [`storage`] (bytes), [`ids`], [`rng`], [`sync`].
+//! * `dsa-kv-model`: the reference DSA model the tests and examples run (not a
+//!   dependency of the runtime).
+//!
+//! Feature `fault-injection` adds the runtime's fault drills. See `ARCHITECTURE.md`.
 #![warn(missing_docs)]
 
 pub mod actors;
-pub mod config;
-pub mod core;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod device;
-pub mod ids;
-pub mod layout;
-pub mod metadata;
-pub mod model;
-pub mod ops;
 pub mod prelude;
 #[cfg(feature = "zmq")]
 pub mod publish;
-pub mod rng;
-pub mod storage;
-pub mod sync;
-pub mod synthetic;
-pub mod transfer;
+
+pub use dsa_kv_core::{config, core, ids, layout, metadata, ops, rng, storage, sync};
+#[cfg(feature = "cuda")]
+pub use dsa_kv_cuda as cuda;
+pub use dsa_kv_device as device;
+pub use dsa_kv_device::synthetic;
+
+/// KV pages between engines: [`dsa_kv_device::transfer`], and the NCCL transport of the
+/// CUDA backend (feature `nccl`).
+pub mod transfer {
+    #[cfg(feature = "nccl")]
+    pub use dsa_kv_cuda::nccl;
+    pub use dsa_kv_device::transfer::*;
+}
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.
 #[cfg(doctest)]

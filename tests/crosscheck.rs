@@ -44,12 +44,12 @@ use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
 use dsa_kv::ids::{RequestId, TokenId};
-use dsa_kv::model::dump::{Dump, DumpSpec};
-use dsa_kv::model::paged::{ModelForward, Outputs};
-use dsa_kv::model::trace::{TracePoint, Tracer};
-use dsa_kv::model::unpaged::{generate, Contiguous};
-use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
+use dsa_kv_model::dump::{Dump, DumpSpec};
+use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::trace::{TracePoint, Tracer};
+use dsa_kv_model::unpaged::{generate, Contiguous};
+use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 
 const REQUESTS: u64 = 5;
 const T: usize = 64;
@@ -562,7 +562,7 @@ impl Forward for Capture {
 /// The sample, per request and step: a decode token at both layers; a prefill chunk's
 /// last token at both layers, its first token at layer `(step + row) % 2` and its
 /// middle token at the other layer.
-fn sample(s: &dsa_kv::model::trace::TraceSite) -> Vec<TracePoint> {
+fn sample(s: &dsa_kv_model::trace::TraceSite) -> Vec<TracePoint> {
     let layer = (s.step as usize + s.row) % 2;
     let last = s.first + s.tokens as u32 - 1;
     let mut v = vec![

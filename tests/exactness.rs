@@ -19,10 +19,10 @@ use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
-use dsa_kv::model::paged::{ModelForward, Outputs};
-use dsa_kv::model::unpaged::{draft_reference, generate};
-use dsa_kv::model::{CacheFormat, Model, ModelConfig};
 use dsa_kv::ops::quant::ScaleFormat;
+use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::unpaged::{draft_reference, generate};
+use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 
 const REQUESTS: u64 = 12;
 
@@ -136,7 +136,7 @@ async fn run_with(
         Backend::Cuda { gpus, graphs } => builder
             .backend(dsa_kv::cuda::CudaDevice::factory(gpus.clone()))
             .host_devices(gpus.len())
-            .forward(dsa_kv::model::cuda::CudaModelForward::speculative(
+            .forward(dsa_kv_model::cuda::CudaModelForward::speculative(
                 model,
                 outputs.clone(),
                 *graphs,

@@ -531,6 +531,7 @@ mod gpu {
 
     use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
     use cudarc::nvrtc::compile_ptx;
+    use dsa_kv::cuda::cudarc;
 
     use super::*;
 

@@ -11,6 +11,7 @@
 #[path = "common/frames.rs"]
 mod frames;
 
+use dsa_kv::cuda::cudarc;
 use frames::{pattern, recv_frame, send_frame};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};

@@ -344,7 +344,7 @@ fn verify_missing_and_foreign_pages(
         dims: (dims, None),
         source: Arc::new(SyntheticKv { seed: 1 }),
         verify: Verification::All,
-        forward: dsa_kv::synthetic::SyntheticWriter::factory(Arc::new(SyntheticKv { seed: 1 })),
+        forward: None,
         fp8_tensor_scale: 1.0,
     };
     let mut dev = make(setup);
@@ -379,4 +379,58 @@ fn missing_and_foreign_pages_mismatch_on_the_gpu_like_on_the_host() {
         Box::new(dsa_kv::cuda::CudaDevice::new(0, 0, s).unwrap())
     });
     assert_eq!(gpu, host);
+}
+
+/// The runtime on a GPU asked for more KV than the GPU holds: `start` returns the
+/// out-of-memory error (no panic, no actor left running), every byte it mapped is
+/// released, and a runtime of a sensible size then starts and serves on the same GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_runtime_larger_than_the_gpu_fails_to_start_and_frees_everything() {
+    use dsa_kv::cuda::{CudaDevice, Gpu};
+    let g = Gpu::open(0).expect("GPU 0");
+    let (free_before, total) = g.mem_info().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let config = |tokens: u64| {
+        let mut c = EngineConfig::default();
+        c.model.num_layers = Some(3);
+        c.kv_cache.max_tokens = Some(tokens);
+        c
+    };
+    // Three layers of DeepSeek-V3.2 FP8 take 2,124 bytes per token (`plan --layers 3`):
+    // `total / 1024` tokens is about twice the GPU's memory.
+    let too_many = total as u64 / 1024;
+    let err = rt
+        .block_on(
+            KvCacheBuilder::new()
+                .config(config(too_many))
+                .backend(CudaDevice::factory(vec![0]))
+                .start(),
+        )
+        .err()
+        .expect("a pool larger than the GPU cannot start");
+    let text = err.to_string();
+    assert!(text.contains("out of memory"), "{text}");
+    let (free_after, _) = g.mem_info().unwrap();
+    assert!(
+        free_after + (512 << 20) >= free_before,
+        "the failed start released its memory: {free_before} -> {free_after} bytes free"
+    );
+    let kv = rt
+        .block_on(
+            KvCacheBuilder::new()
+                .config(config(65_536))
+                .backend(CudaDevice::factory(vec![0]))
+                .start(),
+        )
+        .expect("a sensible size starts after the failure");
+    let counts = rt.block_on(kv.check_invariants()).unwrap();
+    assert_eq!(counts.live_sequences, 0);
+    rt.block_on(kv.shutdown());
+    eprintln!("{too_many} tokens refused with: {text}");
 }

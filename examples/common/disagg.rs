@@ -33,14 +33,14 @@ use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::Role;
-use dsa_kv::model::paged::{ModelForward, Outputs};
-use dsa_kv::model::unpaged::{draft_reference, generate};
-use dsa_kv::model::{CacheFormat, Model, ModelConfig, TokenOut};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv::transfer::{
     plan_writes, push_plan, BlockPages, CacheKind, ExportedBlocks, ImportTicket, KvTransport,
     MemKind, PeerId, PoolRegion, TransferReport,
 };
+use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::unpaged::{draft_reference, generate};
+use dsa_kv_model::{CacheFormat, Model, ModelConfig, TokenOut};
 use serde::{Deserialize, Serialize};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -184,7 +184,7 @@ impl Engine {
                     pool_alloc(&s.backend),
                 ))
                 .host_devices(1)
-                .forward(dsa_kv::model::cuda::CudaModelForward::speculative(
+                .forward(dsa_kv_model::cuda::CudaModelForward::speculative(
                     model,
                     outputs.clone(),
                     false,
@@ -513,7 +513,7 @@ pub fn pool_alloc(backend: &str) -> dsa_kv::cuda::GpuPoolAlloc {
 /// between two engines on one GPU), GB/s.
 #[cfg(feature = "cuda")]
 pub fn dtod_gb_per_s(gpu: usize, bytes: u64) -> Result<f64, BoxError> {
-    use cudarc::driver::sys;
+    use dsa_kv::cuda::cudarc::driver::sys;
     let g = dsa_kv::cuda::Gpu::open(gpu)?;
     let n = bytes.max(1) as usize;
     let a = dsa_kv::cuda::DeviceBuffer::zeroed(&g, n, "ceiling source")?;

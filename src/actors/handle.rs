@@ -34,7 +34,6 @@ use crate::device::{ForwardFactory, KvSource, SyntheticKv};
 use crate::ids::{RequestId, TokenId};
 use crate::layout::{LayoutKind, PoolPlan};
 use crate::metadata::MetadataDims;
-use crate::synthetic::SyntheticWriter;
 
 /// The largest mailbox [`KvCacheBuilder`] accepts (messages).
 const MAX_MAILBOX: usize = 1 << 16;
@@ -178,7 +177,8 @@ impl KvCacheBuilder {
 
     /// The framework's model: each device builds its [`Forward`](crate::device::Forward)
     /// with `factory` and runs it once per step (default: the synthetic writer,
-    /// [`SyntheticWriter`]).
+    /// each backend's own: [`SyntheticWriter`](crate::synthetic::SyntheticWriter) on the
+    /// host).
     pub fn forward(mut self, factory: ForwardFactory) -> Self {
         self.forward = Some(factory);
         self
@@ -248,10 +248,8 @@ impl KvCacheBuilder {
             (Some(_), _) => Verification::Off,
             (None, v) => v.unwrap_or(Verification::Sample),
         };
-        let forward = self
-            .forward
-            .clone()
-            .unwrap_or_else(|| SyntheticWriter::factory(self.source.clone()));
+        // `None`: every backend builds its own synthetic writer of `source`.
+        let forward = self.forward.clone();
         let resolved = match self.model.clone() {
             Some(m) => self.config.resolve_with(m)?,
             None => self.config.resolve()?,

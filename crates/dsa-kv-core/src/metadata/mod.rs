@@ -1,0 +1,19 @@
+//! Step metadata: everything the DSA kernels read from the cache manager each step
+//! (indexer page table, block table, slot mappings, request indices, causal windows,
+//! full-KV mappings), kept in persistent buffers whose addresses never change, and the
+//! draft-replay rebinding for speculative decoding. Host-built; the device path must
+//! produce the same values.
+
+mod buffers;
+mod draft;
+mod error;
+pub mod mirror;
+mod step;
+
+pub use buffers::{Bindings, BufferId, BufferRole};
+pub use draft::{DraftReplay, DraftSnapshot};
+pub use error::MetadataError;
+pub use step::{MetadataDims, MetadataLayout, RequestKind, StepCounts, StepMetadata, StepRequest};
+
+#[cfg(test)]
+mod tests;

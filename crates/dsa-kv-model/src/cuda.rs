@@ -1,0 +1,1239 @@
+//! The reference model on the GPU: the same forward as [`super::paged::ModelForward`],
+//! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, each output one
+//! thread's loop in the host model's order) on the batch's compute stream, reading and
+//! writing the device pools through the device metadata. The KV is written by the
+//! crate's own scatter kernels (`mla_scatter`, `quantize_indexer` + `indexer_k_scatter`),
+//! as a framework would. The logits come back to the host for sampling (the step waits
+//! for them and for the fail flag; with speculation also for the hidden states, and each
+//! draft-chain token for its logits); every bit equals the host model's.
+//!
+//! Decode-only steps can run as one CUDA graph (captured once per bucket of padded token
+//! counts 8, 16, 32, …; padding tokens are marked by position −1, and the runtime's slot
+//! mappings past the step's tokens are −1; the metadata buffers never move). The MTP draft
+//! layer's KV is written (separate draft cache or the target's), and with speculation its
+//! draft chains run on the GPU too: each chain token's own KV goes to an overlay page, and
+//! the attention reads cached positions through the draft metadata and the chain's
+//! positions from the overlay, as the host's `Overlay` store does.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::paged::{check_setup, verdict, Mtp, Outputs};
+use super::{output_of, rope_cos_sin, Layer, Model, ModelError, INDEX_DIM, LATENT, ROPE};
+use dsa_kv_core::config::KvDtype;
+use dsa_kv_cuda::kernels::{DevRows, MlaEncoding};
+use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
+use dsa_kv_device::forward::{
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, LayerCache, MetadataView,
+};
+
+const ROW: usize = LATENT + ROPE;
+
+fn cuda(e: CudaError) -> ForwardError {
+    ForwardError::framework(e)
+}
+
+fn launch_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> ForwardError {
+    move |e| ForwardError::Unsupported {
+        what: format!("{what}: {e:?}"),
+    }
+}
+
+/// One layer's weights on the device.
+struct DevLayer {
+    w_dkv: DeviceBuffer,
+    w_kr: DeviceBuffer,
+    w_ik: DeviceBuffer,
+    w_iq: Vec<DeviceBuffer>,
+    w_iw: DeviceBuffer,
+    w_qn: Vec<DeviceBuffer>,
+    w_uk: Vec<DeviceBuffer>,
+    w_qr: Vec<DeviceBuffer>,
+    w_uv: Vec<DeviceBuffer>,
+    w_o: DeviceBuffer,
+    w_1: DeviceBuffer,
+    w_2: DeviceBuffer,
+}
+
+impl DevLayer {
+    fn new(gpu: &Gpu, l: &Layer) -> Result<DevLayer, CudaError> {
+        let up = |m: &super::Mat| DeviceBuffer::from_slice(gpu, &m.w, "model weights");
+        let ups = |v: &[super::Mat]| v.iter().map(up).collect::<Result<Vec<_>, _>>();
+        Ok(DevLayer {
+            w_dkv: up(&l.w_dkv)?,
+            w_kr: up(&l.w_kr)?,
+            w_ik: up(&l.w_ik)?,
+            w_iq: ups(&l.w_iq)?,
+            w_iw: up(&l.w_iw)?,
+            w_qn: ups(&l.w_qn)?,
+            w_uk: ups(&l.w_uk)?,
+            w_qr: ups(&l.w_qr)?,
+            w_uv: ups(&l.w_uv)?,
+            w_o: up(&l.w_o)?,
+            w_1: up(&l.w_1)?,
+            w_2: up(&l.w_2)?,
+        })
+    }
+}
+
+struct Funcs {
+    embed: CudaFunction,
+    rmsnorm: CudaFunction,
+    matvec: CudaFunction,
+    matvec_t: CudaFunction,
+    add: CudaFunction,
+    relu: CudaFunction,
+    rope: CudaFunction,
+    to_bf16: CudaFunction,
+    index_scores: CudaFunction,
+    topk: CudaFunction,
+    attn: CudaFunction,
+}
+
+/// Per-step buffers, sized for the largest step.
+struct Scratch {
+    tok: DeviceBuffer,
+    pos: DeviceBuffer,
+    row: DeviceBuffer,
+    x: DeviceBuffer,
+    xn: DeviceBuffer,
+    kv: DeviceBuffer,
+    kvbf: DeviceBuffer,
+    key: DeviceBuffer,
+    keybf: DeviceBuffer,
+    keyv: DeviceBuffer,
+    keys: DeviceBuffer,
+    q: DeviceBuffer,
+    qbf: DeviceBuffer,
+    qv: DeviceBuffer,
+    qs: DeviceBuffer,
+    iw: DeviceBuffer,
+    scores: DeviceBuffer,
+    sel: DeviceBuffer,
+    nsel: DeviceBuffer,
+    rank: DeviceBuffer,
+    qn: DeviceBuffer,
+    qlat: DeviceBuffer,
+    qpe: DeviceBuffer,
+    ebuf: DeviceBuffer,
+    olat: DeviceBuffer,
+    hv: DeviceBuffer,
+    attn: DeviceBuffer,
+    hm: DeviceBuffer,
+    mo: DeviceBuffer,
+    logits: DeviceBuffer,
+    fail: DeviceBuffer,
+}
+
+/// A captured decode step; created, launched and dropped on the device actor's thread.
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: the graph is only used on the device actor's thread (the forward lives there).
+unsafe impl Send for Graph {}
+
+/// The model on one GPU. See the module docs.
+pub struct CudaModelForward {
+    model: Arc<Model>,
+    device: usize,
+    outputs: Arc<Mutex<Outputs>>,
+    gpu: Arc<Gpu>,
+    _module: Arc<CudaModule>,
+    f: Funcs,
+    layers: Vec<DevLayer>,
+    draft: DevLayer,
+    embed: DeviceBuffer,
+    w_out: DeviceBuffer,
+    rope: DeviceBuffer,
+    s: Scratch,
+    t_max: usize,
+    max_ctx: usize,
+    mtp: Mtp,
+    graphs: bool,
+    /// Captured decode steps by bucket (padded token count), with the metadata addresses
+    /// they were captured with.
+    graph: HashMap<usize, (Graph, Vec<u64>)>,
+    graph_steps: Arc<std::sync::atomic::AtomicU64>,
+    /// Draft tokens to propose per step (0: none).
+    drafts: usize,
+    pending: Vec<Pending>,
+    ov: OverlayBuffers,
+}
+
+/// A request that sampled a token this step: what its draft chain starts from.
+struct Pending {
+    id: dsa_kv_core::ids::RequestId,
+    row: usize,
+    last: u32,
+    hidden: Vec<f32>,
+    next: u32,
+}
+
+/// Device buffers of the draft chains: one overlay page per chain (request).
+struct OverlayBuffers {
+    chains: usize,
+    last: DeviceBuffer,
+    keys: DeviceBuffer,
+    rows: DeviceBuffer,
+    slots: DeviceBuffer,
+    vmap: DeviceBuffer,
+    smap: DeviceBuffer,
+}
+
+/// Launch configuration: `threads` threads in blocks of 256.
+fn grid(threads: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn blocks(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Where `write_kv` puts a batch's KV: an MLA row view with its token-slot mapping and,
+/// for a layer with an indexer, the indexer cache (base, bytes from base) and its value
+/// and scale byte-offset mappings (device i64 arrays; −1: skip).
+#[derive(Clone, Copy)]
+struct KvDst {
+    rows: DevRows,
+    enc: MlaEncoding,
+    mla_slots: u64,
+    indexer: Option<(u64, u64, u64, u64)>,
+}
+
+impl KvDst {
+    /// The batch's cache layer through the step's slot mappings.
+    fn of(cache: &LayerCache, m: &MetadataView) -> Result<KvDst, ForwardError> {
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
+        })?;
+        Ok(KvDst {
+            rows: DevRows {
+                pool: mla.rows.pool.addr,
+                pool_len: mla.rows.pool.bytes,
+                base: mla.rows.base - mla.rows.pool.addr,
+                block_stride: mla.rows.page_stride,
+                tokens_per_block: mla.rows.tokens_per_page,
+            },
+            enc: match mla.encoding {
+                KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
+                _ => MlaEncoding::Bf16,
+            },
+            mla_slots: m.mla_slot_mapping.addr,
+            indexer: cache.indexer.map(|ix| {
+                (
+                    ix.base,
+                    ix.pool.addr + ix.pool.bytes - ix.base,
+                    m.slot_mapping_value.addr,
+                    m.slot_mapping_scale.addr,
+                )
+            }),
+        })
+    }
+}
+
+/// A draft chain's overlay: per chain token, the last cached position (`ov_last`, device
+/// i32) and the overlay pages holding the chain's own rows and keys.
+#[derive(Clone, Copy)]
+struct Overlay {
+    last: u64,
+    keys: u64,
+    rows: u64,
+}
+
+/// A row-major matrix operand and where its output goes.
+struct MatOp<'a> {
+    w: &'a DeviceBuffer,
+    rows: usize,
+    cols: usize,
+    out: &'a DeviceBuffer,
+    /// Output row stride and offset (floats).
+    os: usize,
+    oo: usize,
+    x: &'a DeviceBuffer,
+    xs: usize,
+    xo: usize,
+}
+
+impl CudaModelForward {
+    /// A factory giving every CUDA device the model (like
+    /// [`ModelForward::factory`](super::paged::ModelForward::factory)); `graphs`: run
+    /// decode-only steps as a CUDA graph. `graph_steps` counts graph launches.
+    pub fn factory(
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        graphs: bool,
+        graph_steps: Arc<std::sync::atomic::AtomicU64>,
+    ) -> ForwardFactory {
+        Self::speculative(model, outputs, graphs, graph_steps, 0)
+    }
+
+    /// [`factory`](Self::factory) with MTP speculation, as
+    /// [`ModelForward::speculative`](super::paged::ModelForward::speculative): the draft
+    /// layer proposes `drafts` tokens per request that sampled one, on the GPU (the
+    /// chain's own KV in overlay pages, the cached draft KV through the draft metadata).
+    pub fn speculative(
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        graphs: bool,
+        graph_steps: Arc<std::sync::atomic::AtomicU64>,
+        drafts: usize,
+    ) -> ForwardFactory {
+        Arc::new(move |setup: &ForwardSetup<'_>| {
+            let mtp = check_setup(setup, &model, drafts)?;
+            let Some(gpu) = setup.extension::<Arc<Gpu>>() else {
+                return Err(ForwardError::Unsupported {
+                    what: "the GPU model forward runs on the CUDA backend".into(),
+                });
+            };
+            if drafts > 64 {
+                return Err(ForwardError::Unsupported {
+                    what: format!("{drafts} draft tokens: at most 64 per step"),
+                });
+            }
+            // Positions up to the page tables' width, and a draft chain's up to 64 past it.
+            let max_ctx = setup.metadata.max_blocks_per_seq * 64 + 64;
+            let f = Self::new(
+                model.clone(),
+                setup.device,
+                outputs.clone(),
+                gpu.clone(),
+                setup.max_num_tokens,
+                max_ctx,
+                mtp,
+                graphs,
+                graph_steps.clone(),
+                (drafts, setup.max_num_sequences),
+            )
+            .map_err(cuda)?;
+            Ok(Box::new(f) as Box<dyn Forward>)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        model: Arc<Model>,
+        device: usize,
+        outputs: Arc<Mutex<Outputs>>,
+        gpu: Arc<Gpu>,
+        t_max: usize,
+        max_ctx: usize,
+        mtp: Mtp,
+        graphs: bool,
+        graph_steps: Arc<std::sync::atomic::AtomicU64>,
+        (drafts, chains): (usize, usize),
+    ) -> Result<Self, CudaError> {
+        gpu.bind()?;
+        let src = format!(
+            "{}\n{}\n",
+            KERNEL_SOURCES[0].1,
+            include_str!("../../../kernels/model.cu")
+        );
+        let ptx = dsa_kv_cuda::compile(src)?;
+        let ordinal = gpu.ordinal();
+        let drv = |what: &'static str| move |e| dsa_kv_cuda::driver_error(ordinal, what, e);
+        let module = gpu
+            .context()
+            .load_module(ptx)
+            .map_err(drv("cuModuleLoadData"))?;
+        let f = |n: &'static str| module.load_function(n).map_err(drv(n));
+        let funcs = Funcs {
+            embed: f("m_embed")?,
+            rmsnorm: f("m_rmsnorm")?,
+            matvec: f("m_matvec")?,
+            matvec_t: f("m_matvec_t")?,
+            add: f("m_add")?,
+            relu: f("m_relu")?,
+            rope: f("m_rope")?,
+            to_bf16: f("m_to_bf16")?,
+            index_scores: f("m_index_scores")?,
+            topk: f("m_topk")?,
+            attn: f("m_attn")?,
+        };
+        let c = *model.config();
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| DevLayer::new(&gpu, l))
+            .collect::<Result<Vec<_>, _>>()?;
+        let draft = DevLayer::new(&gpu, &model.draft)?;
+        let embed = DeviceBuffer::from_slice(&gpu, &model.embed.w, "model weights")?;
+        let w_out = DeviceBuffer::from_slice(&gpu, &model.w_out.w, "model weights")?;
+        let table: Vec<f32> = (0..max_ctx as u32)
+            .flat_map(|p| {
+                (0..ROPE / 2).flat_map(move |i| {
+                    let (c, s) = rope_cos_sin(p, i, ROPE);
+                    [c, s]
+                })
+            })
+            .collect();
+        let rope = DeviceBuffer::from_slice(&gpu, &table, "RoPE table")?;
+        let (t, h, ih) = (t_max.max(1), c.hidden, c.index_heads);
+        let z = |bytes: usize| DeviceBuffer::zeroed(&gpu, bytes.max(4), "model scratch");
+        let s = Scratch {
+            tok: z(t * 4)?,
+            pos: z(t * 4)?,
+            row: z(t * 4)?,
+            x: z(t * h * 4)?,
+            xn: z(t * h * 4)?,
+            kv: z(t * ROW * 4)?,
+            kvbf: z(t * ROW * 2)?,
+            key: z(t * INDEX_DIM * 4)?,
+            keybf: z(t * INDEX_DIM * 2)?,
+            keyv: z(t * INDEX_DIM)?,
+            keys: z(t * 4)?,
+            q: z(t * ih * INDEX_DIM * 4)?,
+            qbf: z(t * ih * INDEX_DIM * 2)?,
+            qv: z(t * ih * INDEX_DIM)?,
+            qs: z(t * ih * 4)?,
+            iw: z(t * ih * 4)?,
+            scores: z(t * max_ctx * 4)?,
+            sel: z(t * max_ctx * 4)?,
+            nsel: z(t * 4)?,
+            rank: z(t * max_ctx * 4)?,
+            qn: z(t * c.heads * c.nope_dim * 4)?,
+            qlat: z(t * c.heads * LATENT * 4)?,
+            qpe: z(t * c.heads * ROPE * 4)?,
+            ebuf: z(t * c.heads * max_ctx * 4)?,
+            olat: z(t * c.heads * LATENT * 4)?,
+            hv: z(t * c.heads * c.v_dim * 4)?,
+            attn: z(t * h * 4)?,
+            hm: z(t * c.mlp * 4)?,
+            mo: z(t * h * 4)?,
+            logits: z(t * c.vocab * 4)?,
+            fail: z(4)?,
+        };
+        let chains = if drafts > 0 { chains.min(t) } else { 0 };
+        let ov = OverlayBuffers {
+            chains,
+            last: z(chains * 4)?,
+            keys: z(chains * 64 * (INDEX_DIM + 4))?,
+            rows: z(chains * 64 * 2 * ROW)?,
+            slots: z(chains * 8)?,
+            vmap: z(chains * 8)?,
+            smap: z(chains * 8)?,
+        };
+        Ok(CudaModelForward {
+            model,
+            device,
+            outputs,
+            gpu,
+            _module: module,
+            f: funcs,
+            layers,
+            draft,
+            embed,
+            w_out,
+            rope,
+            s,
+            t_max: t,
+            max_ctx,
+            mtp,
+            graphs,
+            graph: HashMap::new(),
+            graph_steps,
+            drafts,
+            pending: Vec::new(),
+            ov,
+        })
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.gpu.compute()
+    }
+
+    fn matvec(&self, m: MatOp<'_>, n: usize, transposed: bool) -> Result<(), ForwardError> {
+        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let (os, oo, xs, xo, n32) = (m.os as i32, m.oo as i32, m.xs as i32, m.xo as i32, n as i32);
+        let (out, w, x) = (m.out.ptr(), m.w.ptr(), m.x.ptr());
+        let f = if transposed {
+            &self.f.matvec_t
+        } else {
+            &self.f.matvec
+        };
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&out)
+            .arg(&os)
+            .arg(&oo)
+            .arg(&w)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&x)
+            .arg(&xs)
+            .arg(&xo)
+            .arg(&n32);
+        let outs = if transposed { m.cols } else { m.rows };
+        // SAFETY: every buffer is sized for `t_max ≥ n` tokens of these widths.
+        unsafe { b.launch(grid(n * outs)) }.map_err(launch_err("m_matvec"))?;
+        Ok(())
+    }
+
+    fn rmsnorm(&self, out: &DeviceBuffer, x: &DeviceBuffer, n: usize) -> Result<(), ForwardError> {
+        let (o, xp, n32, h) = (
+            out.ptr(),
+            x.ptr(),
+            n as i32,
+            self.model.config().hidden as i32,
+        );
+        let mut b = self.stream().launch_builder(&self.f.rmsnorm);
+        b.arg(&o).arg(&xp).arg(&n32).arg(&h);
+        // SAFETY: `[n, hidden]` floats in both buffers.
+        unsafe { b.launch(grid(n)) }.map_err(launch_err("m_rmsnorm"))?;
+        Ok(())
+    }
+
+    fn elementwise(
+        &self,
+        f: &CudaFunction,
+        a: &DeviceBuffer,
+        b2: Option<&DeviceBuffer>,
+        len: usize,
+    ) -> Result<(), ForwardError> {
+        let (ap, len64) = (a.ptr(), len as i64);
+        let bp = b2.map(|b| b.ptr());
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&ap);
+        if let Some(bp) = &bp {
+            b.arg(bp);
+        }
+        b.arg(&len64);
+        // SAFETY: `len` floats in each buffer.
+        unsafe { b.launch(grid(len)) }.map_err(launch_err("elementwise"))?;
+        Ok(())
+    }
+
+    /// RoPE on `count` 64-wide vectors per token of `buf` (`stride` floats per token,
+    /// vector `k` at `off + k × kstride`).
+    fn rope(
+        &self,
+        buf: &DeviceBuffer,
+        stride: usize,
+        off: usize,
+        count: usize,
+        kstride: usize,
+        n: usize,
+    ) -> Result<(), ForwardError> {
+        let (p, st, of, cnt, ks, pos, tab, n32) = (
+            buf.ptr(),
+            stride as i32,
+            off as i32,
+            count as i32,
+            kstride as i32,
+            self.s.pos.ptr(),
+            self.rope.ptr(),
+            n as i32,
+        );
+        let mut b = self.stream().launch_builder(&self.f.rope);
+        b.arg(&p)
+            .arg(&st)
+            .arg(&of)
+            .arg(&cnt)
+            .arg(&ks)
+            .arg(&pos)
+            .arg(&tab)
+            .arg(&n32);
+        // SAFETY: positions below `max_ctx` (the table's rows), buffers sized for `n`.
+        unsafe { b.launch(grid(n * count * 32)) }.map_err(launch_err("m_rope"))?;
+        Ok(())
+    }
+
+    fn to_bf16(
+        &self,
+        dst: &DeviceBuffer,
+        src: &DeviceBuffer,
+        len: usize,
+    ) -> Result<(), ForwardError> {
+        let (d, s, l) = (dst.ptr(), src.ptr(), len as i64);
+        let mut b = self.stream().launch_builder(&self.f.to_bf16);
+        b.arg(&d).arg(&s).arg(&l);
+        // SAFETY: `len` elements in both.
+        unsafe { b.launch(grid(len)) }.map_err(launch_err("m_to_bf16"))?;
+        Ok(())
+    }
+
+    /// `x ← embedding(tok)`.
+    fn embed(&self, n: usize) -> Result<(), ForwardError> {
+        let c = self.model.config();
+        let (x, tok, e, n32, h, v) = (
+            self.s.x.ptr(),
+            self.s.tok.ptr(),
+            self.embed.ptr(),
+            n as i32,
+            c.hidden as i32,
+            c.vocab as i32,
+        );
+        let mut b = self.stream().launch_builder(&self.f.embed);
+        b.arg(&x).arg(&tok).arg(&e).arg(&n32).arg(&h).arg(&v);
+        // SAFETY: `n` tokens, ids reduced modulo the vocabulary.
+        unsafe { b.launch(grid(n * c.hidden)) }.map_err(launch_err("m_embed"))?;
+        Ok(())
+    }
+
+    /// Writes the KV of layer weights `w` for the `n` tokens (normed inputs in `xn`)
+    /// into `cache` through the slot mappings of `m`.
+    fn write_kv(&self, w: &DevLayer, dst: KvDst, n: usize) -> Result<(), ForwardError> {
+        let h = self.model.config().hidden;
+        let s = &self.s;
+        let op = |w, rows, out, os, oo| MatOp {
+            w,
+            rows,
+            cols: h,
+            out,
+            os,
+            oo,
+            x: &s.xn,
+            xs: h,
+            xo: 0,
+        };
+        self.matvec(op(&w.w_dkv, LATENT, &s.kv, ROW, 0), n, false)?;
+        self.matvec(op(&w.w_kr, ROPE, &s.kv, ROW, LATENT), n, false)?;
+        self.rope(&s.kv, ROW, LATENT, 1, 0, n)?;
+        self.to_bf16(&s.kvbf, &s.kv, n * ROW)?;
+        let k = self.gpu.kernels();
+        let dev = self.gpu.ordinal();
+        // SAFETY: rows for `n` tokens; the slot mapping holds `n` entries (−1: skip);
+        // the view is the batch's pool.
+        unsafe {
+            k.mla_scatter(
+                self.stream(),
+                dev,
+                dst.rows,
+                dst.enc,
+                s.kvbf.ptr(),
+                dst.mla_slots,
+                n,
+                None,
+            )
+        }
+        .map_err(cuda)?;
+        if let Some((base, len, vmap, smap)) = dst.indexer {
+            self.matvec(op(&w.w_ik, INDEX_DIM, &s.key, INDEX_DIM, 0), n, false)?;
+            self.rope(&s.key, INDEX_DIM, 0, 1, 0, n)?;
+            self.to_bf16(&s.keybf, &s.key, n * INDEX_DIM)?;
+            // SAFETY: `n` keys and mappings; the cache view is the batch's.
+            unsafe {
+                k.quantize_indexer(
+                    self.stream(),
+                    dev,
+                    s.keybf.ptr(),
+                    s.keyv.ptr(),
+                    s.keys.ptr(),
+                    n,
+                    false,
+                    true,
+                )
+                .map_err(cuda)?;
+                k.indexer_k_scatter(
+                    self.stream(),
+                    dev,
+                    base,
+                    len,
+                    s.keyv.ptr(),
+                    s.keys.ptr(),
+                    vmap,
+                    smap,
+                    n,
+                    INDEX_DIM,
+                    None,
+                )
+                .map_err(cuda)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One target layer for `n` tokens: KV, indexer top-k, sparse MLA, MLP.
+    fn layer(
+        &self,
+        w: &DevLayer,
+        cache: &LayerCache,
+        m: &MetadataView,
+        n: usize,
+    ) -> Result<(), ForwardError> {
+        self.rmsnorm(&self.s.xn, &self.s.x, n)?;
+        self.write_kv(w, KvDst::of(cache, m)?, n)?;
+        self.attend_mlp(w, cache, m, n, None)
+    }
+
+    /// The attention (indexer top-k, sparse MLA over `cache`, plus the overlay of a draft
+    /// chain) and the MLP of layer weights `w` for `n` tokens whose normed inputs are in
+    /// `xn`; adds both to `x`.
+    fn attend_mlp(
+        &self,
+        w: &DevLayer,
+        cache: &LayerCache,
+        m: &MetadataView,
+        n: usize,
+        ov: Option<Overlay>,
+    ) -> Result<(), ForwardError> {
+        let c = *self.model.config();
+        let (h, ih, heads) = (c.hidden, c.index_heads, c.heads);
+        let s = &self.s;
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
+        })?;
+        let (ov_last, ov_keys, ov_rows) = ov.map_or((0, 0, 0), |o| (o.last, o.keys, o.rows));
+        let op = |w, rows, out, os, oo| MatOp {
+            w,
+            rows,
+            cols: h,
+            out,
+            os,
+            oo,
+            x: &s.xn,
+            xs: h,
+            xo: 0,
+        };
+        let cols = m.max_blocks_per_seq as i32;
+        let (n32, max_ctx) = (n as i32, self.max_ctx as i32);
+        let fail = s.fail.ptr();
+        let use_index = i32::from(cache.indexer.is_some());
+        if let Some(ix) = cache.indexer {
+            for (k, wq) in w.w_iq.iter().enumerate() {
+                self.matvec(
+                    op(wq, INDEX_DIM, &s.q, ih * INDEX_DIM, k * INDEX_DIM),
+                    n,
+                    false,
+                )?;
+            }
+            self.rope(&s.q, ih * INDEX_DIM, 0, ih, INDEX_DIM, n)?;
+            self.to_bf16(&s.qbf, &s.q, n * ih * INDEX_DIM)?;
+            // SAFETY: `n × ih` query vectors of 128.
+            unsafe {
+                self.gpu.kernels().quantize_indexer(
+                    self.stream(),
+                    self.gpu.ordinal(),
+                    s.qbf.ptr(),
+                    s.qv.ptr(),
+                    s.qs.ptr(),
+                    n * ih,
+                    false,
+                    true,
+                )
+            }
+            .map_err(cuda)?;
+            self.matvec(op(&w.w_iw, ih, &s.iw, ih, 0), n, false)?;
+            let (ih32, tpp) = (ih as i32, ix.tokens_per_page as i32);
+            let args = (
+                s.scores.ptr(),
+                s.pos.ptr(),
+                s.row.ptr(),
+                s.qv.ptr(),
+                s.qs.ptr(),
+                s.iw.ptr(),
+                m.indexer_page_table.addr,
+            );
+            let mut b = self.stream().launch_builder(&self.f.index_scores);
+            b.arg(&args.0)
+                .arg(&max_ctx)
+                .arg(&args.1)
+                .arg(&args.2)
+                .arg(&args.3)
+                .arg(&args.4)
+                .arg(&args.5)
+                .arg(&ih32)
+                .arg(&args.6)
+                .arg(&m.block_table.addr)
+                .arg(&cols)
+                .arg(&ix.base)
+                .arg(&ix.page_bytes)
+                .arg(&ix.pages)
+                .arg(&tpp)
+                .arg(&ov_last)
+                .arg(&ov_keys)
+                .arg(&fail)
+                .arg(&n32);
+            // SAFETY: the page tables of this step's rows; a position whose block-table
+            // entry is −1 or whose page is past the pool sets the fail flag and reads
+            // nothing.
+            unsafe { b.launch(grid(n * self.max_ctx)) }.map_err(launch_err("m_index_scores"))?;
+        }
+        let topk = c.topk as i32;
+        let (sel, nsel, rank, scores, pos) = (
+            s.sel.ptr(),
+            s.nsel.ptr(),
+            s.rank.ptr(),
+            s.scores.ptr(),
+            s.pos.ptr(),
+        );
+        let mut b = self.stream().launch_builder(&self.f.topk);
+        b.arg(&sel)
+            .arg(&nsel)
+            .arg(&rank)
+            .arg(&scores)
+            .arg(&max_ctx)
+            .arg(&pos)
+            .arg(&topk)
+            .arg(&use_index)
+            .arg(&n32);
+        // SAFETY: `max_ctx` entries per token in every buffer.
+        unsafe { b.launch(blocks(n, 256)) }.map_err(launch_err("m_topk"))?;
+        for k in 0..heads {
+            self.matvec(
+                op(
+                    &w.w_qn[k],
+                    c.nope_dim,
+                    &s.qn,
+                    heads * c.nope_dim,
+                    k * c.nope_dim,
+                ),
+                n,
+                false,
+            )?;
+            self.matvec(
+                MatOp {
+                    w: &w.w_uk[k],
+                    rows: c.nope_dim,
+                    cols: LATENT,
+                    out: &s.qlat,
+                    os: heads * LATENT,
+                    oo: k * LATENT,
+                    x: &s.qn,
+                    xs: heads * c.nope_dim,
+                    xo: k * c.nope_dim,
+                },
+                n,
+                true,
+            )?;
+            self.matvec(
+                op(&w.w_qr[k], ROPE, &s.qpe, heads * ROPE, k * ROPE),
+                n,
+                false,
+            )?;
+        }
+        self.rope(&s.qpe, heads * ROPE, 0, heads, ROPE, n)?;
+        let enc = i32::from(mla.encoding == KvDtype::Fp8DsMla);
+        let scale = 1.0 / ((c.nope_dim + ROPE) as f32).sqrt();
+        let mla_pages = mla.rows.pages as i32;
+        let (heads32, tpp, rb) = (
+            heads as i32,
+            mla.rows.tokens_per_page as i32,
+            mla.rows.row_bytes as i32,
+        );
+        let args = (
+            s.olat.ptr(),
+            s.qlat.ptr(),
+            s.qpe.ptr(),
+            s.ebuf.ptr(),
+            s.row.ptr(),
+            m.block_table.addr,
+        );
+        let mut b = self.stream().launch_builder(&self.f.attn);
+        b.arg(&args.0)
+            .arg(&args.1)
+            .arg(&args.2)
+            .arg(&sel)
+            .arg(&nsel)
+            .arg(&max_ctx)
+            .arg(&args.3)
+            .arg(&pos)
+            .arg(&args.4)
+            .arg(&args.5)
+            .arg(&cols)
+            .arg(&mla.rows.base)
+            .arg(&mla.rows.page_stride)
+            .arg(&mla_pages)
+            .arg(&tpp)
+            .arg(&rb)
+            .arg(&enc)
+            .arg(&scale)
+            .arg(&heads32)
+            .arg(&ov_last)
+            .arg(&ov_rows)
+            .arg(&fail)
+            .arg(&n32);
+        // SAFETY: selected positions are cached (−1 block-table entries set the flag).
+        unsafe { b.launch(blocks(n * heads, 128)) }.map_err(launch_err("m_attn"))?;
+        for k in 0..heads {
+            self.matvec(
+                MatOp {
+                    w: &w.w_uv[k],
+                    rows: c.v_dim,
+                    cols: LATENT,
+                    out: &s.hv,
+                    os: heads * c.v_dim,
+                    oo: k * c.v_dim,
+                    x: &s.olat,
+                    xs: heads * LATENT,
+                    xo: k * LATENT,
+                },
+                n,
+                false,
+            )?;
+        }
+        self.matvec(
+            MatOp {
+                w: &w.w_o,
+                rows: h,
+                cols: heads * c.v_dim,
+                out: &s.attn,
+                os: h,
+                oo: 0,
+                x: &s.hv,
+                xs: heads * c.v_dim,
+                xo: 0,
+            },
+            n,
+            false,
+        )?;
+        self.elementwise(&self.f.add, &s.x, Some(&s.attn), n * h)?;
+        self.rmsnorm(&s.xn, &s.x, n)?;
+        self.matvec(op(&w.w_1, c.mlp, &s.hm, c.mlp, 0), n, false)?;
+        self.elementwise(&self.f.relu, &s.hm, None, n * c.mlp)?;
+        self.matvec(
+            MatOp {
+                w: &w.w_2,
+                rows: h,
+                cols: c.mlp,
+                out: &s.mo,
+                os: h,
+                oo: 0,
+                x: &s.hm,
+                xs: c.mlp,
+                xo: 0,
+            },
+            n,
+            false,
+        )?;
+        self.elementwise(&self.f.add, &s.x, Some(&s.mo), n * h)
+    }
+
+    /// The whole target forward for `n` token slots (the kernels; no host work).
+    fn kernels(
+        &self,
+        cache: &[LayerCache],
+        m: &MetadataView,
+        n: usize,
+    ) -> Result<(), ForwardError> {
+        self.embed(n)?;
+        for (w, l) in self.layers.iter().zip(cache) {
+            self.layer(w, l, m, n)?;
+        }
+        let c = self.model.config();
+        self.rmsnorm(&self.s.xn, &self.s.x, n)?;
+        self.matvec(
+            MatOp {
+                w: &self.w_out,
+                rows: c.vocab,
+                cols: c.hidden,
+                out: &self.s.logits,
+                os: c.vocab,
+                oo: 0,
+                x: &self.s.xn,
+                xs: c.hidden,
+                xo: 0,
+            },
+            n,
+            false,
+        )
+    }
+
+    /// Uploads the step's token ids, positions and request rows (`slots` entries, the
+    /// ones past the batch marked by position −1) and clears the fail flag.
+    fn upload_tokens(&self, batch: &Batch<'_>, slots: usize) -> Result<usize, ForwardError> {
+        let (mut tok, mut pos, mut row) = (
+            Vec::with_capacity(slots),
+            Vec::with_capacity(slots),
+            Vec::with_capacity(slots),
+        );
+        for (r, req) in batch.requests.iter().enumerate() {
+            for (i, t) in req.tokens.iter().enumerate() {
+                tok.push(t.0);
+                pos.push((req.num_cached + i as u32) as i32);
+                row.push(r as i32);
+            }
+        }
+        self.upload_slots(tok, pos, row, slots)
+    }
+
+    /// Uploads token ids, positions and rows padded to `slots` (position −1) and clears
+    /// the fail flag; returns the real token count.
+    fn upload_slots(
+        &self,
+        mut tok: Vec<u32>,
+        mut pos: Vec<i32>,
+        mut row: Vec<i32>,
+        slots: usize,
+    ) -> Result<usize, ForwardError> {
+        let n = tok.len();
+        if n > self.t_max || pos.iter().any(|&p| p as usize >= self.max_ctx) {
+            return Err(ForwardError::framework(ModelError::Access(format!(
+                "a step of {n} tokens past the forward's {} tokens or {} positions",
+                self.t_max, self.max_ctx
+            ))));
+        }
+        tok.resize(slots.max(n), 0);
+        pos.resize(slots.max(n), -1);
+        row.resize(slots.max(n), 0);
+        let g = &self.gpu;
+        g.upload(&self.s.tok, &tok).map_err(cuda)?;
+        g.upload(&self.s.pos, &pos).map_err(cuda)?;
+        g.upload(&self.s.row, &row).map_err(cuda)?;
+        g.upload(&self.s.fail, &[0i32]).map_err(cuda)?;
+        Ok(n)
+    }
+
+    /// Reads back `n` tokens' `[n, width]` floats of `buf` (waits for the stream).
+    fn download(
+        &self,
+        buf: &DeviceBuffer,
+        n: usize,
+        width: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mut out = vec![0f32; n * width];
+        self.gpu.download(buf, &mut out).map_err(cuda)?;
+        Ok(out)
+    }
+
+    fn check_fail(&self) -> Result<(), ForwardError> {
+        let mut f = [0i32];
+        self.gpu.download(&self.s.fail, &mut f).map_err(cuda)?;
+        if f[0] != 0 {
+            return Err(ForwardError::framework(ModelError::Access(
+                "a page-table entry the model needed was −1".into(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes the MTP layer's KV of the batch's tokens into cache layer `cache`.
+    fn draft_kv(&self, batch: &Batch<'_>, cache: &LayerCache) -> Result<(), ForwardError> {
+        let n = self.upload_tokens(batch, 0)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.embed(n)?;
+        self.rmsnorm(&self.s.xn, &self.s.x, n)?;
+        self.write_kv(&self.draft, KvDst::of(cache, &batch.metadata)?, n)
+    }
+}
+
+impl CudaModelForward {
+    /// The pending requests' draft chains on MTP cache layer `cache` (the batch's cache
+    /// and metadata hold the draft KV of every position up to each chain's `last`).
+    fn propose(&mut self, batch: &Batch<'_>, cache: &LayerCache) -> Result<(), ForwardError> {
+        let pending = std::mem::take(&mut self.pending);
+        let r = pending.len();
+        if r == 0 || self.drafts == 0 {
+            return Ok(());
+        }
+        if r > self.ov.chains {
+            return Err(ForwardError::framework(ModelError::Access(format!(
+                "{r} draft chains past the forward's {}",
+                self.ov.chains
+            ))));
+        }
+        let c = *self.model.config();
+        let g = self.gpu.clone();
+        let hidden: Vec<f32> = pending
+            .iter()
+            .flat_map(|p| p.hidden.iter().copied())
+            .collect();
+        g.upload(&self.s.x, &hidden).map_err(cuda)?;
+        let last: Vec<i32> = pending.iter().map(|p| p.last as i32).collect();
+        g.upload(&self.ov.last, &last).map_err(cuda)?;
+        let mla = cache.mla.ok_or_else(|| {
+            ForwardError::framework(ModelError::Access("the MTP layer has no MLA cache".into()))
+        })?;
+        let rb = u64::from(mla.rows.row_bytes);
+        let mut dst = KvDst::of(cache, &batch.metadata)?;
+        dst.rows = DevRows {
+            pool: self.ov.rows.ptr(),
+            pool_len: self.ov.rows.len() as u64,
+            base: 0,
+            block_stride: 64 * rb,
+            tokens_per_block: 64,
+        };
+        dst.mla_slots = self.ov.slots.ptr();
+        let page = (64 * (INDEX_DIM + 4)) as i64;
+        dst.indexer = dst.indexer.map(|_| {
+            (
+                self.ov.keys.ptr(),
+                self.ov.keys.len() as u64,
+                self.ov.vmap.ptr(),
+                self.ov.smap.ptr(),
+            )
+        });
+        let ov = Overlay {
+            last: self.ov.last.ptr(),
+            keys: self.ov.keys.ptr(),
+            rows: self.ov.rows.ptr(),
+        };
+        let mut toks: Vec<u32> = pending.iter().map(|p| p.next).collect();
+        let mut proposals = vec![Vec::with_capacity(self.drafts); r];
+        let s = &self.s;
+        for i in 0..self.drafts {
+            let pos = pending
+                .iter()
+                .map(|p| (p.last + 1) as i32 + i as i32)
+                .collect();
+            let row = pending.iter().map(|p| p.row as i32).collect();
+            self.upload_slots(toks.clone(), pos, row, 0)?;
+            let idx = |k: usize, off: i64| k as i64 * off + i as i64;
+            let slots: Vec<i64> = (0..r).map(|k| idx(k, 64)).collect();
+            let vmap: Vec<i64> = (0..r).map(|k| k as i64 * page + i as i64 * 128).collect();
+            let smap: Vec<i64> = (0..r)
+                .map(|k| k as i64 * page + 64 * 128 + i as i64 * 4)
+                .collect();
+            g.upload(&self.ov.slots, &slots).map_err(cuda)?;
+            g.upload(&self.ov.vmap, &vmap).map_err(cuda)?;
+            g.upload(&self.ov.smap, &smap).map_err(cuda)?;
+            // x = embedding(token) + rmsnorm(previous hidden); the chain's KV from the
+            // normed embedding, into the overlay.
+            self.rmsnorm(&s.mo, &s.x, r)?;
+            self.embed(r)?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.write_kv(&self.draft, dst, r)?;
+            self.elementwise(&self.f.add, &s.x, Some(&s.mo), r * c.hidden)?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.attend_mlp(&self.draft, cache, &batch.metadata, r, Some(ov))?;
+            self.rmsnorm(&s.xn, &s.x, r)?;
+            self.matvec(
+                MatOp {
+                    w: &self.w_out,
+                    rows: c.vocab,
+                    cols: c.hidden,
+                    out: &s.logits,
+                    os: c.vocab,
+                    oo: 0,
+                    x: &s.xn,
+                    xs: c.hidden,
+                    xo: 0,
+                },
+                r,
+                false,
+            )?;
+            let logits = self.download(&s.logits, r, c.vocab)?;
+            self.check_fail()?;
+            for (k, p) in pending.iter().enumerate() {
+                let pos = p.last + 1 + i as u32;
+                toks[k] = output_of(&logits[k * c.vocab..(k + 1) * c.vocab], pos).greedy;
+                proposals[k].push(toks[k]);
+            }
+        }
+        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+        for (p, d) in pending.iter().zip(proposals) {
+            o.drafts.insert((self.device, p.id), (p.last, d));
+        }
+        Ok(())
+    }
+}
+
+impl Forward for CudaModelForward {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        self.pending.clear();
+        self.gpu.bind().map_err(cuda)?;
+        let c = *self.model.config();
+        let decode = batch
+            .requests
+            .iter()
+            .all(|r| r.kind == dsa_kv_core::core::scheduler::PlannedKind::Generation);
+        // Graphs are captured per bucket of padded token counts (8, 16, 32, …, the
+        // largest step), as serving engines capture batch sizes.
+        let tokens: usize = batch.requests.iter().map(|r| r.tokens.len()).sum();
+        let bucket = tokens.next_power_of_two().max(8).min(self.t_max);
+        let graph = self.graphs && decode && tokens <= self.t_max;
+        let n = self.upload_tokens(batch, if graph { bucket } else { 0 })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let cache = &batch.cache.layers[..c.layers];
+        let m = batch.metadata;
+        if graph {
+            let addrs: Vec<u64> = m.buffers().iter().map(|b| b.addr).collect();
+            if self.graph.get(&bucket).is_some_and(|(_, at)| *at != addrs) {
+                self.graph.remove(&bucket);
+            }
+            if !self.graph.contains_key(&bucket) {
+                let stream = self.stream().clone();
+                stream
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(launch_err("begin_capture"))?;
+                let r = self.kernels(cache, &m, bucket);
+                let g = stream
+                    .end_capture(sys::CUgraphInstantiate_flags(0))
+                    .map_err(launch_err("end_capture"))?;
+                r?;
+                let g = g.ok_or_else(|| ForwardError::Unsupported {
+                    what: "CUDA graph capture gave an empty graph".into(),
+                })?;
+                self.graph.insert(bucket, (Graph(g), addrs));
+            }
+            let (g, _) = &self.graph[&bucket];
+            g.0.launch().map_err(launch_err("graph launch"))?;
+            self.graph_steps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        } else {
+            self.kernels(cache, &m, n)?;
+        }
+        let logits = self.download(&self.s.logits, n, c.vocab)?;
+        self.check_fail()?;
+        let hidden = if self.drafts > 0 {
+            self.download(&self.s.x, n, c.hidden)?
+        } else {
+            Vec::new()
+        };
+        let mut t0 = 0;
+        let mut results = Vec::with_capacity(batch.requests.len());
+        for (r, req) in batch.requests.iter().enumerate() {
+            let k = req.tokens.len();
+            let outs: Vec<_> = (0..k)
+                .map(|i| {
+                    let t = t0 + i;
+                    output_of(
+                        &logits[t * c.vocab..(t + 1) * c.vocab],
+                        req.num_cached + i as u32,
+                    )
+                })
+                .collect();
+            let (keep, accepted) = verdict(req, &outs).map_err(ForwardError::framework)?;
+            if self.drafts > 0 && req.produces_token {
+                let t = t0 + keep;
+                self.pending.push(Pending {
+                    id: req.id,
+                    row: r,
+                    last: outs[keep].pos,
+                    hidden: hidden[t * c.hidden..(t + 1) * c.hidden].to_vec(),
+                    next: outs[keep].greedy,
+                });
+            }
+            results.push((req.id, outs[..=keep].to_vec(), accepted));
+            t0 += k;
+        }
+        {
+            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+            for (id, outs, accepted) in &results {
+                o.record(self.device, *id, outs, *accepted);
+            }
+        }
+        if let Mtp::Combined { layer, .. } = self.mtp {
+            if let Some(l) = batch.cache.layers.get(layer) {
+                let l = *l;
+                self.draft_kv(batch, &l)?;
+                self.check_fail()?;
+                self.propose(batch, &l)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        if let Mtp::Separate { .. } = self.mtp {
+            self.gpu.bind().map_err(cuda)?;
+            if let Some(l) = batch.cache.layers.first() {
+                let l = *l;
+                self.draft_kv(batch, &l)?;
+                self.check_fail()?;
+                self.propose(batch, &l)?;
+            }
+        }
+        Ok(())
+    }
+}
