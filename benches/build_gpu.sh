@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --all-features --examples
-lib_tests=$(cargo test --release --all-features --lib --no-run --message-format=json 2>/dev/null |
+# The CUDA backend's own tests: the lib tests of dsa-kv-cuda.
+lib_tests=$(cargo test --release --all-features -p dsa-kv-cuda --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)

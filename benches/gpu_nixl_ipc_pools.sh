@@ -1,13 +1,13 @@
 #!/bin/bash
 # GPU session for the IPC-capable pools (`--backend cuda-ipc`). Build here:
 #   cargo build --release --all-features --example disagg
-#   cargo test --release --all-features --lib --no-run     # prints the lib test binary
-#   mkdir -p .gpu; cp target/release/examples/disagg .gpu/; cp target/release/deps/dsa_kv-<hash> .gpu/lib_tests; strip .gpu/*
+#   cargo test --release --all-features -p dsa-kv-cuda --lib --no-run     # prints the lib test binary
+#   mkdir -p .gpu; cp target/release/examples/disagg .gpu/; cp target/release/deps/dsa_kv_cuda-<hash> .gpu/lib_tests; strip .gpu/*
 #   NIXL_HOME=$PWD/.gpu/nixl .ci/nixl_setup.sh --cuda
 # then run `bash .gpu/run.sh` there with .gpu carried (copy this file to .gpu/run.sh).
 cd "$(dirname "$0")"
 mkdir -p $OUT/r
-timeout 240 ./lib_tests --ignored --test-threads=1 cuda:: > $OUT/r/cuda_lib_tests.txt 2>&1; echo "cuda lib tests rc=$?"; grep "test result" $OUT/r/cuda_lib_tests.txt; grep -E "FAILED|panicked" $OUT/r/cuda_lib_tests.txt | head -5; grep ipc_pools $OUT/r/cuda_lib_tests.txt
+timeout 240 ./lib_tests --ignored --test-threads=1 > $OUT/r/cuda_lib_tests.txt 2>&1; echo "cuda lib tests rc=$?"; grep "test result" $OUT/r/cuda_lib_tests.txt; grep -E "FAILED|panicked" $OUT/r/cuda_lib_tests.txt | head -5; grep ipc_pools $OUT/r/cuda_lib_tests.txt
 export LD_LIBRARY_PATH=$PWD/nixl/.nixl_cu13.mesonpy.libs NIXL_PLUGIN_DIR=$PWD/nixl/.nixl_cu13.mesonpy.libs/plugins
 unset UCX_TLS
 for i in 1 2; do timeout 200 ./disagg --backend cuda-ipc --transport nixl --bench-blocks 64 --layers 61 --json --bench-two-processes > $OUT/r/bench_ipc_nixl_2proc_$i.txt 2>&1; echo "bench ipc rc=$?"; grep '^{' $OUT/r/bench_ipc_nixl_2proc_$i.txt; done

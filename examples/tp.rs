@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use common::Backend;
-use dsa_kv::actors::KvCacheBuilder;
+use dsa_kv::actors::{Drafts, KvCacheBuilder};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
@@ -153,7 +153,7 @@ async fn run(
     // The progress line redraws itself with carriage returns: only at a terminal.
     let progress_shown = !a.json && std::io::stderr().is_terminal();
     while !live.is_empty() {
-        let drafts = live
+        let drafts: Drafts = live
             .keys()
             .map(|&id| (id, rng.tokens(u64::from(info.draft_tokens))))
             .collect();

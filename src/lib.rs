@@ -17,13 +17,26 @@
 //! use dsa_kv::prelude::*;
 //!
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let kv = KvCacheBuilder::new(EngineConfig::default()).devices(1).start().await?;
+//! # async fn main() -> Result<(), RuntimeError> {
+//! let mut config = EngineConfig::default(); // DeepSeek-V3.2, FP8 MLA rows and indexer keys
+//! config.model.num_layers = Some(2); // a small cache for this example
+//! config.kv_cache.max_tokens = Some(4096);
+//! let kv = KvCacheBuilder::new().config(config).start().await?; // host backend
+//!
 //! let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
 //! kv.submit(SubmitRequest::new(RequestId(1), prompt, 4)).await?;
-//! let report = kv.step(Default::default()).await?;
-//! assert_eq!(report.scheduled.len(), 1); // the whole prompt in one step
-//! kv.shutdown().await?;
+//! let mut steps = 0;
+//! loop {
+//!     let report = kv.step(Drafts::none()).await?; // plan, run on every device
+//!     steps += 1;
+//!     // The model sampled a token for each request that produces one: commit them.
+//!     let commit = kv.commit(report.outcomes(|_| TokenId(7))).await?;
+//!     if !commit.finished.is_empty() {
+//!         break;
+//!     }
+//! }
+//! assert_eq!(steps, 4); // the prompt's step gives the first token, three decodes the rest
+//! kv.shutdown().await;
 //! # Ok(()) }
 //! ```
 //!

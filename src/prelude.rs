@@ -2,8 +2,8 @@
 //! `use dsa_kv::prelude::*;`.
 
 pub use crate::actors::{
-    CommitAndStepReport, CommitReport, FinishedReport, KvCacheBuilder, KvCacheHandle, RuntimeError,
-    RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport, StepTiming,
+    CommitAndStepReport, CommitReport, Drafts, FinishedReport, KvCacheBuilder, KvCacheHandle,
+    RuntimeError, RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport, StepTiming,
 };
 pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};

@@ -454,7 +454,7 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
     got.push(err(kv.cancel(RequestId(404)).await));
     got.push(err(kv.suspend(RequestId(404)).await));
     got.push(err(kv.commit(vec![]).await));
-    let step = kv.step(Default::default()).await.unwrap();
+    let step = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
     assert_eq!(step.scheduled.len(), 1);
     got.push(err(kv
         .commit(vec![RequestOutcome {
@@ -463,7 +463,7 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
             next_token: Some(TokenId(1)),
         }])
         .await));
-    got.push(err(kv.step(Default::default()).await));
+    got.push(err(kv.step(dsa_kv::actors::Drafts::none()).await));
     // The refused step changed nothing: the pending one is still there to commit.
     assert_eq!(kv.pending_step().await.unwrap(), Some(step));
     for g in &got {
@@ -522,7 +522,7 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
             })
             .collect()
     };
-    let step = kv.step(Default::default()).await.unwrap();
+    let step = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
     assert_eq!(step.scheduled.len(), 3);
     let before = kv.stats().await.unwrap();
     let mut got = Vec::new();
@@ -558,7 +558,7 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
     );
     kv.commit(good(&step)).await.unwrap();
     // A draft token past the range: the step is refused before anything is planned.
-    let drafts = [(RequestId(3), vec![TokenId(9), TokenId(u32::MAX)])]
+    let drafts: dsa_kv::actors::Drafts = [(RequestId(3), vec![TokenId(9), TokenId(u32::MAX)])]
         .into_iter()
         .collect();
     assert_eq!(
@@ -568,7 +568,7 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
     assert_eq!(kv.pending_step().await.unwrap(), None);
     // And serving goes on to the end.
     for _ in 0..10 {
-        let s = kv.step(Default::default()).await.unwrap();
+        let s = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
         if s.scheduled.is_empty() {
             break;
         }

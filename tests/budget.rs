@@ -6,7 +6,6 @@
 //! pool `slots × slot_bytes` rounded up to 2 MiB), not with the crate's quota code.
 mod common;
 
-use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -146,7 +145,7 @@ async fn mtp_with_a_byte_budget_starts_and_serves() {
     let mut finished = false;
     for _ in 0..100 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let commit = kv.commit(outcomes(&report, |_| TokenId(7))).await.unwrap();
+        let commit = kv.commit(report.outcomes(|_| TokenId(7))).await.unwrap();
         if !commit.finished.is_empty() {
             assert!(commit
                 .finished

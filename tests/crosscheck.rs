@@ -443,14 +443,14 @@ async fn drive(
         if i == 0 {
             for _ in 0..3 {
                 let rep = kv.step(HashMap::new()).await.unwrap();
-                kv.commit(outcomes(&rep.scheduled, &outputs)).await.unwrap();
+                kv.commit(outcomes(&rep, &outputs)).await.unwrap();
             }
         }
     }
     let mut done = 0;
     for _ in 0..1000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
-        let c = kv.commit(outcomes(&rep.scheduled, &outputs)).await.unwrap();
+        let c = kv.commit(outcomes(&rep, &outputs)).await.unwrap();
         done += c.finished.len();
         if done as u64 == REQUESTS {
             break;
@@ -462,19 +462,9 @@ async fn drive(
     stats
 }
 
-fn outcomes(
-    scheduled: &[dsa_kv::actors::ScheduledRequest],
-    outputs: &Mutex<Outputs>,
-) -> Vec<RequestOutcome> {
+fn outcomes(rep: &dsa_kv::actors::StepReport, outputs: &Mutex<Outputs>) -> Vec<RequestOutcome> {
     let o = outputs.lock().unwrap();
-    scheduled
-        .iter()
-        .map(|r| RequestOutcome {
-            id: r.id,
-            accepted_drafts: 0,
-            next_token: r.produces_token.then(|| TokenId(o.next[&(0, r.id)])),
-        })
-        .collect()
+    rep.outcomes(|r| TokenId(o.next[&(0, r.id)]))
 }
 
 /// A layer's copied views: the indexer K cache, the MLA rows, the row size.

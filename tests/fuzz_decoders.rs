@@ -1,7 +1,7 @@
 //! Fuzzing every decoder that reads bytes from outside, through the public API
 //! (proptest with a fixed seed and case budget; the decoders the public API cannot
 //! reach directly, the NCCL control frames and handshakes, are fuzzed the same way
-//! beside their code in `src/transfer/{control,nccl}.rs` and `src/publish/zmtp.rs`):
+//! beside their code in `crates/dsa-kv-cuda/src/{control,nccl}.rs` and `src/publish/zmtp.rs`):
 //!
 //! * the ZMQ publisher's two sockets (the ZMTP front and the replay request), with raw
 //!   TCP bytes: random, a greeting followed by random frames, and a full handshake

@@ -5,7 +5,6 @@
 //! backpressure tests inject faults (feature `fault-injection`).
 mod common;
 
-use common::engine::outcomes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -236,7 +235,7 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
             r.devices[0].metadata_digest, r.devices[1].metadata_digest,
             "identical page tables on every rank"
         );
-        kv.commit(outcomes(&r, |_| TokenId(1))).await.unwrap();
+        kv.commit(r.outcomes(|_| TokenId(1))).await.unwrap();
     }
     kv.kill_device(1).await.unwrap();
     // The coordinator learns of the death and fails every request holding pages there.
@@ -276,7 +275,7 @@ async fn run_until_finished(kv: &KvCacheHandle, n: usize) -> Vec<FinishedReport>
     let mut finished = Vec::new();
     for _ in 0..200 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let outcomes = outcomes(&report, |_| TokenId(7));
+        let outcomes = report.outcomes(|_| TokenId(7));
         if !outcomes.is_empty() {
             finished.extend(kv.commit(outcomes).await.unwrap().finished);
         }
@@ -695,7 +694,7 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
     assert_eq!(kv.stats().await.unwrap().steps, 1, "no step ran");
     // The step in flight commits, and the next one runs, in one call.
     let r = kv
-        .commit_and_step(outcomes(&step, |_| TokenId(7)), HashMap::new())
+        .commit_and_step(step.outcomes(|_| TokenId(7)), HashMap::new())
         .await
         .unwrap();
     assert!(r.commit.finished.is_empty());
@@ -704,7 +703,7 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
     assert_eq!(kv.pending_step().await.unwrap(), Some(next.clone()));
     // The last token: the request finishes in the commit, and the step after it is empty.
     let r = kv
-        .commit_and_step(outcomes(&next, |_| TokenId(7)), HashMap::new())
+        .commit_and_step(next.outcomes(|_| TokenId(7)), HashMap::new())
         .await
         .unwrap();
     assert_eq!(r.commit.finished.len(), 1);
@@ -760,7 +759,7 @@ async fn steps_report_their_timing_and_a_polling_runtime_serves_the_same_steps()
         loop {
             let t0 = Instant::now();
             let r = kv
-                .commit_and_step(outcomes(&step, |_| TokenId(7)), HashMap::new())
+                .commit_and_step(step.outcomes(|_| TokenId(7)), HashMap::new())
                 .await
                 .unwrap();
             let waited = t0.elapsed().as_nanos() as u64;

@@ -9,7 +9,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
-use common::engine::outcomes;
 use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::EngineConfig;
 use dsa_kv::core::scheduler::SubmitRequest;
@@ -149,7 +148,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
         let rep = kv.step(HashMap::new()).await.unwrap();
         steps += 1;
         finished += kv
-            .commit(outcomes(&rep, |_| TokenId(7)))
+            .commit(rep.outcomes(|_| TokenId(7)))
             .await
             .unwrap()
             .finished
@@ -247,7 +246,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
     let mut finished = 0;
     for _ in 0..5000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
-        let c = kv.commit(outcomes(&rep, |_| TokenId(7))).await.unwrap();
+        let c = kv.commit(rep.outcomes(|_| TokenId(7))).await.unwrap();
         finished += c.finished.len() as u64;
         if finished == N {
             break;

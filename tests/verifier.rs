@@ -12,7 +12,6 @@
 //! The GPU variants (ignored without a device) run the drills on the CUDA backend.
 mod common;
 
-use common::engine::outcomes;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -94,7 +93,7 @@ async fn run(
     for _ in 0..10_000 {
         let report = kv.step(HashMap::new()).await.expect("step");
         let next = |r: &ScheduledRequest| TokenId(5000 + r.num_cached);
-        let commit = kv.commit(outcomes(&report, next)).await.expect("commit");
+        let commit = kv.commit(report.outcomes(next)).await.expect("commit");
         for f in commit.finished {
             done.insert(f.finished.id, f);
         }
@@ -286,7 +285,7 @@ async fn out_of_range_write(backend: Option<BackendFactory>) -> String {
                 return e.to_string();
             }
         };
-        kv.commit(outcomes(&report, |_| TokenId(7))).await.unwrap();
+        kv.commit(report.outcomes(|_| TokenId(7))).await.unwrap();
         if !injected {
             injected = true;
             let m = Misdirect {

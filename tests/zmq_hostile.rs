@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::engine::outcomes;
 use dsa_kv::actors::{EventBatch, KvCacheBuilder, KvCacheHandle, StreamItem};
 use dsa_kv::config::EngineConfig;
 use dsa_kv::core::scheduler::SubmitRequest;
@@ -177,7 +176,7 @@ impl Engine {
                     }
                     while kv.counters().in_flight > 0 {
                         let r = kv.step(HashMap::new()).await.unwrap();
-                        let outs = outcomes(&r, |_| TokenId(7));
+                        let outs = r.outcomes(|_| TokenId(7));
                         if !outs.is_empty() {
                             kv.commit(outs).await.unwrap();
                         }

@@ -88,6 +88,66 @@ pub struct StepReport {
     pub timing: StepTiming,
 }
 
+impl StepReport {
+    /// The outcome of every scheduled request with no draft accepted: `next(r)` is the
+    /// token the model sampled for `r` where the step produces one (the last chunk of a
+    /// prompt, a decode), and none elsewhere. An engine with drafts sets
+    /// `accepted_drafts` on the result.
+    pub fn outcomes(
+        &self,
+        mut next: impl FnMut(&ScheduledRequest) -> TokenId,
+    ) -> Vec<RequestOutcome> {
+        self.scheduled
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: 0,
+                next_token: r.produces_token.then(|| next(r)),
+            })
+            .collect()
+    }
+}
+
+/// Each decoding request's draft tokens for one step (MTP speculative decoding):
+/// [`Drafts::none`] without drafts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Drafts(pub(crate) HashMap<RequestId, Vec<TokenId>>);
+
+impl Drafts {
+    /// No drafts.
+    pub fn none() -> Self {
+        Drafts::default()
+    }
+
+    /// These drafts and `tokens` for request `id` (replacing any it had).
+    pub fn with(mut self, id: RequestId, tokens: Vec<TokenId>) -> Self {
+        self.0.insert(id, tokens);
+        self
+    }
+
+    /// Requests with drafts.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no request has drafts.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl From<HashMap<RequestId, Vec<TokenId>>> for Drafts {
+    fn from(map: HashMap<RequestId, Vec<TokenId>>) -> Self {
+        Drafts(map)
+    }
+}
+
+impl FromIterator<(RequestId, Vec<TokenId>)> for Drafts {
+    fn from_iter<I: IntoIterator<Item = (RequestId, Vec<TokenId>)>>(iter: I) -> Self {
+        Drafts(iter.into_iter().collect())
+    }
+}
+
 /// Where one step's time went on its way through the runtime, in nanoseconds: each
 /// interval is stamped on the thread where it starts and ends (the monotonic clock is
 /// shared by all threads). With one device the intervals follow each other, so their sum

@@ -1,6 +1,5 @@
 //! The public entry point: [`KvCacheBuilder`] → `start().await` → [`KvCacheHandle`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use tracing::field::Empty;
 
 use super::coordinator::{
     CacheCounts, Cancel, CheckInvariants, Commit, CommitAndStep, CommitAndStepReport, CommitReport,
-    Coordinator, CoordinatorArgs, Devices, FinishedReport, GetHistory, GetStats, Pause,
+    Coordinator, CoordinatorArgs, Devices, Drafts, FinishedReport, GetHistory, GetStats, Pause,
     PendingStep, Step, StepReport, Submit, TakeEvents, Watch,
 };
 use super::device::{CacheDigest, DeviceActor, DeviceArgs, Synchronize};
@@ -60,7 +59,7 @@ const MAX_MAILBOX: usize = 1 << 16;
 /// let waiter = { let kv = kv.clone(); tokio::spawn(async move { kv.wait(id).await }) };
 /// // The engine loop: schedule and run a step on every device, then commit what the model sampled.
 /// for step in 0.. {
-///     let report = kv.step(Default::default()).await?;
+///     let report = kv.step(dsa_kv::actors::Drafts::none()).await?;
 ///     let outcomes = report.scheduled.iter()
 ///         .map(|r| RequestOutcome { id: r.id, accepted_drafts: 0, next_token: r.produces_token.then_some(TokenId(7)) })
 ///         .collect();
@@ -493,16 +492,15 @@ impl KvCacheHandle {
     }
 
     /// Plans one step and runs it on every device (`drafts`: each decoding request's
-    /// draft tokens).
-    #[tracing::instrument(level = "debug", skip_all, fields(drafts = drafts.len(), step = Empty, scheduled = Empty))]
-    pub async fn step(
-        &self,
-        drafts: HashMap<RequestId, Vec<TokenId>>,
-    ) -> Result<StepReport, RuntimeError> {
+    /// draft tokens, [`Drafts::none`] without).
+    #[tracing::instrument(level = "debug", skip_all, fields(drafts = Empty, step = Empty, scheduled = Empty))]
+    pub async fn step(&self, drafts: impl Into<Drafts>) -> Result<StepReport, RuntimeError> {
+        let drafts = drafts.into();
+        tracing::Span::current().record("drafts", drafts.len());
         let mut rep = self
             .coordinator
             .ask(Step {
-                drafts,
+                drafts: drafts.0,
                 sent: Instant::now(),
             })
             .await?;
@@ -559,13 +557,13 @@ impl KvCacheHandle {
     /// # let kv = KvCacheBuilder::new().config(config).start().await?;
     /// # let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
     /// # kv.submit(SubmitRequest { id: RequestId(1), scope: ReuseScope::SHARED, prompt, max_new_tokens: 3, priority: 35 }).await?;
-    /// let mut report = kv.step(Default::default()).await?;
+    /// let mut report = kv.step(dsa_kv::actors::Drafts::none()).await?;
     /// let mut finished = 0;
     /// while !report.scheduled.is_empty() {
     ///     let outcomes = report.scheduled.iter()
     ///         .map(|r| RequestOutcome { id: r.id, accepted_drafts: 0, next_token: r.produces_token.then_some(TokenId(7)) })
     ///         .collect();
-    ///     let done = kv.commit_and_step(outcomes, Default::default()).await?;
+    ///     let done = kv.commit_and_step(outcomes, dsa_kv::actors::Drafts::none()).await?;
     ///     finished += done.commit.finished.len();
     ///     report = done.step?;
     /// }
@@ -573,17 +571,19 @@ impl KvCacheHandle {
     /// # kv.shutdown().await;
     /// # Ok(()) }
     /// ```
-    #[tracing::instrument(level = "debug", skip_all, fields(outcomes = outcomes.len(), drafts = drafts.len(), finished = Empty, step = Empty, scheduled = Empty))]
+    #[tracing::instrument(level = "debug", skip_all, fields(outcomes = outcomes.len(), drafts = Empty, finished = Empty, step = Empty, scheduled = Empty))]
     pub async fn commit_and_step(
         &self,
         outcomes: Vec<RequestOutcome>,
-        drafts: HashMap<RequestId, Vec<TokenId>>,
+        drafts: impl Into<Drafts>,
     ) -> Result<CommitAndStepReport, RuntimeError> {
+        let drafts = drafts.into();
+        tracing::Span::current().record("drafts", drafts.len());
         let mut rep = self
             .coordinator
             .ask(CommitAndStep {
                 outcomes,
-                drafts,
+                drafts: drafts.0,
                 sent: Instant::now(),
             })
             .await?;
@@ -661,7 +661,7 @@ impl KvCacheHandle {
     /// # kv.submit(SubmitRequest { id: RequestId(1), scope: ReuseScope::SHARED, prompt, max_new_tokens: 3, priority: 35 }).await?;
     /// let mut since = 0;
     /// for _ in 0..2 {
-    ///     let report = kv.step(Default::default()).await?;
+    ///     let report = kv.step(dsa_kv::actors::Drafts::none()).await?;
     ///     let chunk = kv.history(since).await?;
     ///     assert_eq!(chunk.samples.len(), 1); // only the step just run
     ///     assert!(!chunk.gap);

@@ -16,7 +16,7 @@ mod stats;
 mod transfer;
 
 pub use coordinator::{
-    CacheCounts, CommitAndStepReport, CommitReport, EventSnapshot, FinishedReport,
+    CacheCounts, CommitAndStepReport, CommitReport, Drafts, EventSnapshot, FinishedReport,
     ScheduledRequest, StepReport, StepTiming,
 };
 pub use draft::DraftReport;

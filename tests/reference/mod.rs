@@ -1,5 +1,5 @@
 //! The reference cache of the model test: a second, deliberately plain implementation of
-//! the core semantics (the `//!` docs under `src/core` and the rules below) that decides on its own whether each `resize` and
+//! the core semantics (the `//!` docs under `crates/dsa-kv-core/src/core` and the rules below) that decides on its own whether each `resize` and
 //! `resume` fits and how many tokens each `create` reuses, so the test can demand
 //! equality with the manager.
 //!

@@ -404,7 +404,7 @@ pub fn pool_ids(plan: &PoolPlan) -> Vec<(dsa_kv_core::ids::PoolGroupId, u16)> {
 }
 
 /// One cache (target or draft) as the host sees it: its plan, metadata layout, slot
-/// sizes and host pools (the pools themselves for [`HostDevice`]; for the CUDA backend a
+/// sizes and host pools (the pools themselves for [`HostDevice`](crate::HostDevice); for the CUDA backend a
 /// small read-back mirror holding only the slots being verified, in block-table order).
 pub struct Cache {
     pub plan: PoolPlan,

@@ -550,7 +550,7 @@ pub struct ForwardSetup<'a> {
 
 impl ForwardSetup<'_> {
     /// The backend's own handle of the device, if it is a `T` (the CUDA backend gives
-    /// its `Arc<dsa_kv::cuda::Gpu>`: context, streams, our kernels).
+    /// its `Arc<dsa_kv_cuda::Gpu>`: context, streams, our kernels).
     pub fn extension<T: Any>(&self) -> Option<&T> {
         self.extension?.downcast_ref::<T>()
     }

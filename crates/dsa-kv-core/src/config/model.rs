@@ -222,7 +222,7 @@ impl fmt::Display for ModelPreset {
 /// field, then validate with [`DsaModel::new`].
 ///
 /// ```
-/// use dsa_kv::config::{DsaModel, DsaModelSpec, KvDtype};
+/// use dsa_kv_core::config::{DsaModel, DsaModelSpec, KvDtype};
 /// let spec = DsaModelSpec { kv_dtype: KvDtype::Fp8DsMla, ..DsaModelSpec::deepseek_v32() };
 /// let model = DsaModel::new(spec).unwrap();
 /// assert_eq!(model.mla_row_bytes(), 656);

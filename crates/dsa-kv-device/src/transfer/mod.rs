@@ -8,13 +8,13 @@
 //!
 //! The pieces:
 //!
-//! * the runtime exports a prefix's full blocks ([`KvCacheHandle::export_blocks`]): they
+//! * the runtime exports a prefix's full blocks (`KvCacheHandle::export_blocks`): they
 //!   stay pinned where they are (GPU or host tier) until released, and the
 //!   [`ExportedBlocks`] names their chained reuse keys, tokens and slots;
 //! * the importing runtime reserves pages for the blocks it does not hold yet
-//!   ([`KvCacheHandle::begin_import`]), the bytes arrive, and
-//!   [`KvCacheHandle::commit_import`] links them into its reuse tree at once; an
-//!   [`abort_import`](crate::actors::KvCacheHandle::abort_import) (or a failed transfer) frees them and
+//!   (`KvCacheHandle::begin_import`), the bytes arrive, and
+//!   `KvCacheHandle::commit_import` links them into its reuse tree at once; an
+//!   `abort_import` (or a failed transfer) frees them and
 //!   leaves nothing behind;
 //! * [`plan_writes`] turns the two sides' pages and pool regions into the writes, with
 //!   contiguous slot runs coalesced into one descriptor per pool;
@@ -24,10 +24,7 @@
 //!   is missing.
 //!   The runtime never knows which one it has.
 //!
-//! [`KvCacheHandle::export_blocks`]: crate::actors::KvCacheHandle::export_blocks
-//! [`KvCacheHandle::begin_import`]: crate::actors::KvCacheHandle::begin_import
-//! [`KvCacheHandle::commit_import`]: crate::actors::KvCacheHandle::commit_import
-//! [`abort_import`]: crate::actors::KvCacheHandle::abort_import
+//! (`KvCacheHandle` is the `dsa-kv` runtime's handle: `dsa_kv::actors::KvCacheHandle`.)
 
 mod local;
 #[cfg(feature = "nixl")]
@@ -254,7 +251,7 @@ pub trait KvTransport: Send {
     /// Every region must be memory of this process (or device memory of a GPU it uses)
     /// that stays allocated while the transport lives, and that nothing but the transfer
     /// protocol writes while a peer may write it: the runtime's pools
-    /// ([`KvCacheHandle::transfer_regions`](crate::actors::KvCacheHandle::transfer_regions))
+    /// (`KvCacheHandle::transfer_regions`)
     /// with the runtime alive longer than the transport, written only into pages an import
     /// reserved.
     unsafe fn register(&mut self, regions: &[MemRegion]) -> Result<(), TransportError>;
@@ -445,7 +442,7 @@ pub enum PushError {
 /// ticket and pool regions ([`plan_writes`]) and writes them through `transport`, which
 /// then delivers `notification` to the importer. The importer commits after the
 /// notification (or aborts when told the push failed). Renew the export's lease
-/// ([`KvCacheHandle::renew_transfer`](crate::actors::KvCacheHandle::renew_transfer))
+/// (`KvCacheHandle::renew_transfer`)
 /// first when the push may outlast what is left of it.
 pub fn push(
     transport: &mut dyn KvTransport,

@@ -132,7 +132,7 @@ impl ImportTicket {
     /// The bytes the exporter may write for this import: every reserved page's slot in
     /// every pool of its group, in both caches, on every device, as ranges of
     /// `regions` (the importer's own
-    /// [`KvCacheHandle::transfer_regions`](crate::actors::KvCacheHandle::transfer_regions)),
+    /// `KvCacheHandle::transfer_regions`),
     /// adjacent ranges merged, sorted.
     /// A transport window opened with them accepts writes there and nowhere else.
     pub fn write_ranges(&self, regions: &[PoolRegion]) -> Result<Vec<MemRegion>, PlanError> {
