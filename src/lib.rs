@@ -43,11 +43,11 @@
 //! # The layers (each a crate of the workspace, re-exported here)
 //!
 //! * [`actors`]: the runtime (coordinator, device actors, draft replay) and its handle.
-//! * [`publish`] (feature `zmq`): router events on the vLLM / Dynamo ZMQ wire.
+//! * `publish` (feature `zmq`): router events on the vLLM / Dynamo ZMQ wire.
 //! * `dsa-kv-device`: [`device`] (the step a device runs, the host device, the forward
 //!   boundary, the synthetic writer) and [`transfer`] (KV pages between engines; NIXL
 //!   with feature `nixl`).
-//! * `dsa-kv-cuda` (feature `cuda`): [`cuda`], the CUDA backend and our kernels; the NCCL
+//! * `dsa-kv-cuda` (feature `cuda`): `cuda`, the CUDA backend and our kernels; the NCCL
 //!   transport with feature `nccl`.
 //! * `dsa-kv-core`, synchronous, no async runtime, no CUDA: [`config`] (model dims,
 //!   engine configuration), [`layout`] (pool plans, V1 or V2), [`core`] (allocation,

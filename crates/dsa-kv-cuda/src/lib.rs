@@ -19,7 +19,7 @@
 //!   with events.
 //! * [`CudaSyntheticWriter`]: the synthetic writer on a GPU (what `CudaDevice` runs when
 //!   no model is plugged in).
-//! * [`nccl`] (feature `nccl`): the NCCL transport of KV pages between engines.
+//! * `nccl` (feature `nccl`): the NCCL transport of KV pages between engines.
 //!
 //! [`DeviceBackend`]: dsa_kv_device::DeviceBackend
 //! [`HostDevice`]: dsa_kv_device::HostDevice
