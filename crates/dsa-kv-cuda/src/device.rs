@@ -58,6 +58,16 @@ pub struct CudaDevice {
     step_done: Option<CudaEvent>,
 }
 
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Before any field goes (pools, metadata buffers, the forward's scratch): the
+        // last step's kernels may still be running on the streams.
+        if self.gpu.bind().is_ok() {
+            let _ = self.gpu.synchronize();
+        }
+    }
+}
+
 impl CudaDevice {
     /// Opens GPU `ordinal` for device index `index` and allocates its pools (VMM), host
     /// tier (pinned) and metadata buffers.
