@@ -43,14 +43,14 @@ use dsa_kv_model::unpaged::{draft_reference, generate};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig, TokenOut};
 use serde::{Deserialize, Serialize};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The reuse scope of every request.
-pub const SCOPE: ReuseScope = ReuseScope::SHARED;
+pub(crate) const SCOPE: ReuseScope = ReuseScope::SHARED;
 
 /// What a run is made of.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Setup {
+pub(crate) struct Setup {
     /// Requests.
     pub requests: u64,
     /// Draft tokens per step (MTP in a separate draft cache); 0: no speculation.
@@ -88,7 +88,7 @@ impl Default for Setup {
     }
 }
 
-pub fn format(layers: usize) -> CacheFormat {
+pub(crate) fn format(layers: usize) -> CacheFormat {
     CacheFormat {
         kv_dtype: KvDtype::Fp8DsMla,
         scale_format: ScaleFormat::Ue8m0,
@@ -96,7 +96,7 @@ pub fn format(layers: usize) -> CacheFormat {
     }
 }
 
-pub fn model(layers: usize) -> Result<Arc<Model>, BoxError> {
+pub(crate) fn model(layers: usize) -> Result<Arc<Model>, BoxError> {
     let cfg = ModelConfig {
         layers,
         ..ModelConfig::tiny(7)
@@ -105,7 +105,7 @@ pub fn model(layers: usize) -> Result<Arc<Model>, BoxError> {
 }
 
 /// The engine configuration both sides run (they must agree: the layouts are checked).
-pub fn config(s: &Setup) -> EngineConfig {
+pub(crate) fn config(s: &Setup) -> EngineConfig {
     let mut c = EngineConfig::default();
     if s.drafts > 0 {
         c.spec_decode.mode = SpecMode::Mtp;
@@ -122,7 +122,7 @@ pub fn config(s: &Setup) -> EngineConfig {
 }
 
 /// Request `i`'s prompt with the default setup.
-pub fn prompt(i: u64) -> Vec<u32> {
+pub(crate) fn prompt(i: u64) -> Vec<u32> {
     Setup::default().prompt(i)
 }
 
@@ -130,7 +130,7 @@ impl Setup {
     /// Request `i`'s prompt: the system prompt every request shares (`system_blocks` full
     /// blocks), then 70–130 tokens of its own (so each prompt is longer than the
     /// indexer's top-64: the sparse selection matters).
-    pub fn prompt(&self, i: u64) -> Vec<u32> {
+    pub(crate) fn prompt(&self, i: u64) -> Vec<u32> {
         let own = 70 + (i as u32 * 29) % 61;
         (0..self.system_blocks * 64)
             .map(|t| 1000 + t % 3000)
@@ -140,7 +140,7 @@ impl Setup {
 }
 
 /// One engine: the runtime with the reference model as its forward.
-pub struct Engine {
+pub(crate) struct Engine {
     pub kv: KvCacheHandle,
     outputs: Arc<Mutex<Outputs>>,
     drafts: usize,
@@ -148,7 +148,7 @@ pub struct Engine {
 
 /// What one request produced on one engine.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Gen {
+pub(crate) struct Gen {
     /// Committed output tokens (accepted drafts and sampled tokens).
     pub tokens: Vec<u32>,
     /// Draft proposals: the position they follow and the tokens.
@@ -161,7 +161,11 @@ pub struct Gen {
 
 impl Engine {
     /// Starts an engine on `backend` (`host`, or `cuda` on GPU `gpu`).
-    pub async fn start(model: Arc<Model>, s: &Setup, gpu: usize) -> Result<Engine, BoxError> {
+    pub(crate) async fn start(
+        model: Arc<Model>,
+        s: &Setup,
+        gpu: usize,
+    ) -> Result<Engine, BoxError> {
         let outputs = Arc::new(Mutex::new(Outputs::default()));
         let drafts = s.drafts as usize;
         if let Some(blocks) = s.bench_blocks {
@@ -204,7 +208,7 @@ impl Engine {
     }
 
     /// Runs one request to the end (greedy, MTP drafts accepted while they match).
-    pub async fn generate(
+    pub(crate) async fn generate(
         &self,
         id: RequestId,
         prompt: &[u32],
@@ -288,7 +292,7 @@ fn step_drafts(n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
 /// `regions` must be live pools of this process (an engine's `transfer_regions`, the
 /// engine running) and nothing may write the blocks' pages during the call (pinned by an
 /// export, or reserved by an import whose bytes have landed).
-pub unsafe fn block_digests(
+pub(crate) unsafe fn block_digests(
     regions: &[PoolRegion],
     blocks: &[BlockPages],
 ) -> Result<Vec<String>, BoxError> {
@@ -337,7 +341,7 @@ pub unsafe fn block_digests(
 
 /// The checks of one decoded request against the unpaged reference: the tokens, every
 /// position's output the decode engine ran, and every draft proposal.
-pub fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<String> {
+pub(crate) fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<String> {
     let mut bad = Vec::new();
     let mut got = vec![first];
     got.extend(&d.tokens);
@@ -377,7 +381,7 @@ pub fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<St
 
 /// Whether `e` is a transport failure after which bytes may still land in the peer's
 /// pages (the importer must keep them reserved).
-pub fn in_flight(e: &BoxError) -> bool {
+pub(crate) fn in_flight(e: &BoxError) -> bool {
     use dsa_kv::transfer::{PushError, TransportError};
     matches!(
         e.downcast_ref::<PushError>(),
@@ -390,7 +394,7 @@ pub fn in_flight(e: &BoxError) -> bool {
 
 /// The frames of the protocol.
 #[derive(Debug, Serialize, Deserialize)]
-pub enum Msg {
+pub(crate) enum Msg {
     Hello {
         metadata: Vec<u8>,
         regions: Vec<PoolRegion>,
@@ -421,17 +425,17 @@ pub enum Msg {
 }
 
 /// Length-prefixed JSON frames on a blocking TCP stream.
-pub struct Wire(pub TcpStream);
+pub(crate) struct Wire(pub TcpStream);
 
 impl Wire {
-    pub fn send(&mut self, m: &Msg) -> Result<(), BoxError> {
+    pub(crate) fn send(&mut self, m: &Msg) -> Result<(), BoxError> {
         let b = serde_json::to_vec(m)?;
         self.0.write_all(&(b.len() as u64).to_le_bytes())?;
         self.0.write_all(&b)?;
         Ok(())
     }
 
-    pub fn recv(&mut self) -> Result<Msg, BoxError> {
+    pub(crate) fn recv(&mut self) -> Result<Msg, BoxError> {
         let mut n = [0u8; 8];
         self.0.read_exact(&mut n).map_err(|e| -> BoxError {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -457,7 +461,7 @@ impl Wire {
 
 /// One request's record on the prefill side.
 #[derive(Clone, Debug, Serialize)]
-pub struct RequestRecord {
+pub(crate) struct RequestRecord {
     pub id: u64,
     pub prompt_tokens: usize,
     pub exported_blocks: usize,
@@ -475,7 +479,7 @@ pub struct RequestRecord {
 
 /// Everything the prefill side saw.
 #[derive(Clone, Debug, Serialize)]
-pub struct RunReport {
+pub(crate) struct RunReport {
     pub transport: String,
     pub backend: String,
     pub requests: Vec<RequestRecord>,
@@ -501,7 +505,7 @@ fn memcpy_gb_per_s(bytes: u64) -> f64 {
 /// The GPU pool allocation of a backend name: `cuda-ipc` is the CUDA backend with
 /// pools a transport between processes maps directly (`GpuPoolAlloc::Ipc`).
 #[cfg(feature = "cuda")]
-pub fn pool_alloc(backend: &str) -> dsa_kv::cuda::GpuPoolAlloc {
+pub(crate) fn pool_alloc(backend: &str) -> dsa_kv::cuda::GpuPoolAlloc {
     if backend == "cuda-ipc" {
         dsa_kv::cuda::GpuPoolAlloc::Ipc
     } else {
@@ -512,7 +516,7 @@ pub fn pool_alloc(backend: &str) -> dsa_kv::cuda::GpuPoolAlloc {
 /// Device-to-device copy bandwidth of `bytes` on GPU `gpu` (the ceiling of a transfer
 /// between two engines on one GPU), GB/s.
 #[cfg(feature = "cuda")]
-pub fn dtod_gb_per_s(gpu: usize, bytes: u64) -> Result<f64, BoxError> {
+pub(crate) fn dtod_gb_per_s(gpu: usize, bytes: u64) -> Result<f64, BoxError> {
     use dsa_kv::cuda::cudarc::driver::sys;
     let g = dsa_kv::cuda::Gpu::open(gpu)?;
     let n = bytes.max(1) as usize;
@@ -653,7 +657,7 @@ async fn push_one(
 ///
 /// The engines of `ra` and `rb` outlive the transports, and peers write only into the
 /// windows of open imports (`register`'s and `connect`'s contracts).
-pub unsafe fn connect_pair(
+pub(crate) unsafe fn connect_pair(
     ta: &mut dyn KvTransport,
     tb: &mut dyn KvTransport,
     ra: &[PoolRegion],
@@ -697,7 +701,7 @@ async fn greet(
 ///
 /// The transport is dropped before the engine whatever happens: what it may still read
 /// or write lies in the engine's pools.
-pub async fn prefill_side(
+pub(crate) async fn prefill_side(
     model: Arc<Model>,
     s: &Setup,
     gpu: usize,
@@ -894,7 +898,7 @@ async fn pull_one(
 ///
 /// The transport is dropped before the engine whatever happens: a receive it may still
 /// have posted lands in the engine's pools.
-pub async fn decode_side_with(
+pub(crate) async fn decode_side_with(
     gpu: usize,
     mut transport: Box<dyn KvTransport>,
     mut wire: Wire,
@@ -1001,7 +1005,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
 
 /// Both sides in this process, each on its own thread and tokio runtime, over the
 /// local transport (host backend).
-pub fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
+pub(crate) fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let decode = std::thread::spawn(move || -> Result<(), String> {
@@ -1036,7 +1040,7 @@ pub fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
 /// What [`bench`] measured: one transfer of `blocks` full blocks between two engines of
 /// this process (synthetic KV, the model's real page sizes).
 #[derive(Clone, Debug, Serialize)]
-pub struct BenchReport {
+pub(crate) struct BenchReport {
     pub transport: String,
     pub layers: usize,
     pub blocks: usize,
@@ -1109,7 +1113,7 @@ async fn run_synthetic(kv: &KvCacheHandle) -> Result<(), BoxError> {
 
 /// One step of an engine with synthetic KV: every scheduled request that produces a
 /// token gets token 7. Whether requests are still in flight after it.
-pub async fn step_synthetic(kv: &KvCacheHandle) -> Result<bool, BoxError> {
+pub(crate) async fn step_synthetic(kv: &KvCacheHandle) -> Result<bool, BoxError> {
     let report = kv.step(HashMap::new()).await?;
     let outs: Vec<RequestOutcome> = report
         .scheduled
@@ -1129,7 +1133,7 @@ pub async fn step_synthetic(kv: &KvCacheHandle) -> Result<bool, BoxError> {
 /// An engine for [`bench`]: DeepSeek-V3.2 page sizes with `layers` layers, an MTP draft
 /// cache, room for `blocks` blocks and a warm-up block, synthetic KV, on `devices`
 /// devices of `backend` (GPU `gpu`).
-pub async fn bench_engine(
+pub(crate) async fn bench_engine(
     layers: usize,
     blocks: usize,
     backend: &str,
@@ -1140,7 +1144,7 @@ pub async fn bench_engine(
 }
 
 /// [`bench_engine`] with a host tier of `host_bytes` (`None`: the default).
-pub async fn bench_engine_with(
+pub(crate) async fn bench_engine_with(
     layers: usize,
     blocks: usize,
     backend: &str,
@@ -1159,7 +1163,7 @@ pub async fn bench_engine_with(
 
 /// The configuration of [`bench_engine_with`]: `layers` of DeepSeek-V3.2 with an MTP
 /// draft cache, room for sequences of `blocks + 4` blocks, twice over.
-pub fn bench_config(layers: usize, blocks: usize, host_bytes: Option<u64>) -> EngineConfig {
+pub(crate) fn bench_config(layers: usize, blocks: usize, host_bytes: Option<u64>) -> EngineConfig {
     let mut c = EngineConfig::default();
     c.model.num_layers = Some(layers as u32);
     c.spec_decode.mode = SpecMode::Mtp;
@@ -1172,7 +1176,7 @@ pub fn bench_config(layers: usize, blocks: usize, host_bytes: Option<u64>) -> En
 }
 
 /// A synthetic-writer engine of configuration `c` on `backend`.
-pub async fn bench_engine_config(
+pub(crate) async fn bench_engine_config(
     c: EngineConfig,
     backend: &str,
     gpu: usize,
@@ -1220,7 +1224,7 @@ async fn bench_export(
 /// decode side (started with the same `Setup`, `bench_blocks` set) imports, and reports
 /// how much of the import it serves. Used where two transports cannot share a process
 /// (NCCL: one rank per process).
-pub async fn bench_prefill_side(
+pub(crate) async fn bench_prefill_side(
     s: &Setup,
     gpu: usize,
     mut transport: Box<dyn KvTransport>,
@@ -1307,7 +1311,7 @@ async fn bench_pushes(
 /// Prefills `blocks` blocks on engine A (DeepSeek-V3.2 page sizes with `layers` layers,
 /// MTP draft cache, synthetic KV), then moves them to engine B through `ta` → `tb`:
 /// a 1-block warm-up (connection setup), then the timed transfer.
-pub async fn bench(
+pub(crate) async fn bench(
     layers: usize,
     blocks: usize,
     backend: &str,

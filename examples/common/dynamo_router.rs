@@ -43,7 +43,7 @@ struct Feed {
 
 /// What the router counts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FeedStats {
+pub(crate) struct FeedStats {
     /// Batches applied from the PUB socket.
     pub via_pub: u64,
     /// Batches applied from replay answers.
@@ -54,10 +54,10 @@ pub struct FeedStats {
 
 /// Changes (or, returning `false`, drops) a decoded event before Dynamo applies it: a
 /// doctored router for mutation tests.
-pub type Doctor = fn(&mut RawKvEvent) -> bool;
+pub(crate) type Doctor = fn(&mut RawKvEvent) -> bool;
 
 /// Dynamo's indexers fed by several engines' streams.
-pub struct DynamoRouter {
+pub(crate) struct DynamoRouter {
     block_size: u32,
     doctor: Option<Doctor>,
     tree: RadixTree,
@@ -79,7 +79,7 @@ fn seq_of(frame: &Bytes) -> Result<u64, String> {
 
 impl DynamoRouter {
     /// A router for engines of `block_size` tokens per block.
-    pub fn new(block_size: u32) -> Self {
+    pub(crate) fn new(block_size: u32) -> Self {
         DynamoRouter {
             block_size,
             doctor: None,
@@ -91,7 +91,7 @@ impl DynamoRouter {
 
     /// A router that applies `doctor` to every decoded event (mutation tests).
     #[allow(dead_code)]
-    pub fn doctored(block_size: u32, doctor: Doctor) -> Self {
+    pub(crate) fn doctored(block_size: u32, doctor: Doctor) -> Self {
         DynamoRouter {
             doctor: Some(doctor),
             ..Self::new(block_size)
@@ -100,7 +100,7 @@ impl DynamoRouter {
 
     /// Follows one more engine (worker id = its index): SUB on `endpoint` for `topic`,
     /// DEALER on `replay_endpoint`.
-    pub async fn follow(
+    pub(crate) async fn follow(
         &mut self,
         endpoint: &str,
         replay_endpoint: &str,
@@ -135,7 +135,7 @@ impl DynamoRouter {
     }
 
     /// The counts of engine `w`.
-    pub fn stats(&self, w: usize) -> FeedStats {
+    pub(crate) fn stats(&self, w: usize) -> FeedStats {
         let f = &self.feeds[w];
         FeedStats {
             via_pub: f.via_pub,
@@ -145,14 +145,14 @@ impl DynamoRouter {
     }
 
     /// The payloads applied for engine `w`, by sequence number.
-    pub fn payloads(&self, w: usize) -> &[(u64, Bytes)] {
+    pub(crate) fn payloads(&self, w: usize) -> &[(u64, Bytes)] {
         &self.feeds[w].payloads
     }
 
     /// Reads engine `w`'s stream until every batch before `target` is applied: from the
     /// PUB socket, and from the replay socket when a gap shows (a batch sent before the
     /// subscription took hold) or the socket stays quiet.
-    pub async fn catch_up(&mut self, w: usize, target: u64) -> Result<(), String> {
+    pub(crate) async fn catch_up(&mut self, w: usize, target: u64) -> Result<(), String> {
         let mut quiet_rounds = 0;
         while self.feeds[w].next_seq < target {
             let msg = tokio::time::timeout(QUIET, self.feeds[w].sub.recv()).await;
@@ -302,7 +302,7 @@ impl DynamoRouter {
     /// of its own hash of the tokens matched on the device tree, plus those the host
     /// tiers continue. `lora_name` salts the hashes as the engine's events name the
     /// adapter.
-    pub fn scores(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<u32> {
+    pub(crate) fn scores(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<u32> {
         self.scores_by_tier(tokens, lora_name)
             .into_iter()
             .map(|(d, h)| d + h)
@@ -310,7 +310,11 @@ impl DynamoRouter {
     }
 
     /// [`scores`](Self::scores) split: (device blocks, host-tier blocks continuing them).
-    pub fn scores_by_tier(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<(u32, u32)> {
+    pub(crate) fn scores_by_tier(
+        &self,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+    ) -> Vec<(u32, u32)> {
         let options = BlockHashOptions {
             lora_name,
             ..Default::default()

@@ -6,7 +6,7 @@ use clap::{CommandFactory, ValueEnum};
 
 /// A closed stdout (`... --json | head`) ends the program quietly, as it does any Unix
 /// tool, instead of a panic in `println!`. Call first in `main`.
-pub fn quiet_on_closed_stdout() {
+pub(crate) fn quiet_on_closed_stdout() {
     // SAFETY: called first in `main`, before any other thread exists; SIG_DFL is a valid
     // disposition for SIGPIPE.
     #[cfg(unix)]
@@ -17,7 +17,7 @@ pub fn quiet_on_closed_stdout() {
 
 /// The CUDA backend on GPUs `gpus`, or why this build has none.
 #[allow(dead_code)] // Not every example offers a CUDA backend.
-pub fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::device::BackendFactory, String> {
+pub(crate) fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::device::BackendFactory, String> {
     #[cfg(feature = "cuda")]
     return Ok(dsa_kv::cuda::CudaDevice::factory(gpus));
     #[cfg(not(feature = "cuda"))]
@@ -30,7 +30,7 @@ pub fn cuda_backend(gpus: Vec<usize>) -> Result<dsa_kv::device::BackendFactory, 
 /// Where the device actors run (`--backend`).
 #[allow(dead_code)] // Not every example offers a CUDA backend.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
-pub enum Backend {
+pub(crate) enum Backend {
     /// Host memory and the host reference ops (no GPU needed).
     Host,
     /// NVIDIA GPUs: pools in GPU memory, the crate's CUDA kernels.
@@ -40,7 +40,7 @@ pub enum Backend {
 /// A value parser for one of the crate's named enums (`KvDtype`, `ModelPreset`, …, each
 /// with `ALL` and `name`): `--help` lists the names, and any other word is clap's error.
 #[allow(dead_code)] // Not every example takes such a value.
-pub fn named<T>(all: &[T], name: fn(T) -> &'static str) -> impl TypedValueParser<Value = T>
+pub(crate) fn named<T>(all: &[T], name: fn(T) -> &'static str) -> impl TypedValueParser<Value = T>
 where
     T: Copy + Send + Sync + 'static,
 {
@@ -54,7 +54,7 @@ where
 
 /// GPU ordinals as `--gpus` takes them: `0,1` (spaces around the commas allowed).
 #[allow(dead_code)] // Not every example takes GPU ordinals.
-pub fn gpu_ordinals(list: &str) -> Result<Vec<usize>, String> {
+pub(crate) fn gpu_ordinals(list: &str) -> Result<Vec<usize>, String> {
     list.split(',')
         .map(|x| x.trim().parse())
         .collect::<Result<_, _>>()
@@ -64,7 +64,7 @@ pub fn gpu_ordinals(list: &str) -> Result<Vec<usize>, String> {
 /// Ends the program as clap ends it on a bad command line (the message, the usage,
 /// exit status 2), for the checks between flags that clap cannot express.
 #[allow(dead_code)] // Not every example has such checks.
-pub fn usage_error<A: CommandFactory>(message: impl std::fmt::Display) -> ! {
+pub(crate) fn usage_error<A: CommandFactory>(message: impl std::fmt::Display) -> ! {
     A::command()
         .error(clap::error::ErrorKind::ArgumentConflict, message)
         .exit()

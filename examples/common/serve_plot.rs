@@ -15,7 +15,7 @@ const HOST: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
 /// Rolling prefix hit rate.
 const HIT: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
 /// Steps with a preemption: one vertical line each.
-pub const PREEMPTION: RGBColor = RGBColor(0x94, 0x67, 0xbd);
+pub(crate) const PREEMPTION: RGBColor = RGBColor(0x94, 0x67, 0xbd);
 
 /// What one line plots of a step.
 type Value = fn(&StepSample) -> f64;
@@ -24,19 +24,19 @@ type Value = fn(&StepSample) -> f64;
 const Y_TOP: f64 = 1.5;
 
 /// The y axis label (every series is a fraction).
-pub const Y_LABEL: &str = "fraction (0-1): pool slots in use / prompt tokens reused";
+pub(crate) const Y_LABEL: &str = "fraction (0-1): pool slots in use / prompt tokens reused";
 /// The x axis label.
-pub const X_LABEL: &str = "step (runtime step number)";
+pub(crate) const X_LABEL: &str = "step (runtime step number)";
 
 /// The legend entry of the rolling hit rate: states its window.
-pub fn hit_rate_label() -> String {
+pub(crate) fn hit_rate_label() -> String {
     format!("prefix hit rate, rolling over the last {ROLLING_WINDOW} steps")
 }
 
 /// GPU and host utilization of pool group 0 and the rolling prefix hit rate over the
 /// steps of `history` (oldest first), with a vertical line at every step that preempted
 /// a request; `dropped` samples before them are no longer kept (said in the title).
-pub fn plot(history: &[StepSample], dropped: u64) -> Result<String, String> {
+pub(crate) fn plot(history: &[StepSample], dropped: u64) -> Result<String, String> {
     let mut svg = String::new();
     draw(history, dropped, &mut svg).map_err(|e| format!("cannot draw the plot: {e}"))?;
     Ok(svg)

@@ -284,10 +284,10 @@ impl Done {
     }
 }
 /// Default number of untaken KV events the coordinator keeps.
-pub const EVENT_CAPACITY: usize = 1 << 16;
+pub(super) const EVENT_CAPACITY: usize = 1 << 16;
 
 /// The coordinator. See the module docs.
-pub struct Coordinator {
+pub(super) struct Coordinator {
     pub(super) sched: Scheduler,
     devices: Vec<Option<ActorRef<DeviceActor>>>,
     draft: Option<ActorRef<DraftReplayActor>>,
@@ -365,7 +365,7 @@ fn scheduled_requests(plan: &StepPlan) -> Vec<ScheduledRequest> {
 }
 
 /// What the coordinator starts with.
-pub struct CoordinatorArgs {
+pub(super) struct CoordinatorArgs {
     /// The scheduler with its managers.
     pub sched: Scheduler,
     /// One device actor per device.
@@ -654,7 +654,7 @@ impl Coordinator {
 }
 
 /// Admit a request.
-pub struct Submit(pub SubmitRequest);
+pub(super) struct Submit(pub SubmitRequest);
 
 impl Message<Submit> for Coordinator {
     type Reply = Result<u64, RuntimeError>;
@@ -691,7 +691,7 @@ impl Message<Submit> for Coordinator {
 }
 
 /// Plan and run one step.
-pub struct Step {
+pub(super) struct Step {
     /// Each decoding request's draft tokens.
     pub drafts: HashMap<RequestId, Vec<TokenId>>,
     /// When the caller sent it ([`StepTiming::to_coordinator_ns`]).
@@ -944,7 +944,7 @@ impl Coordinator {
 #[cfg(feature = "fault-injection")]
 /// Fault drill: refuse GPU-room requests with a probability (see
 /// [`Scheduler::inject_room_failures`](crate::core::scheduler::Scheduler::inject_room_failures)).
-pub struct InjectRoomFailures {
+pub(super) struct InjectRoomFailures {
     /// Seed of the refusals.
     pub seed: u64,
     /// Probability in percent; 0 turns the drill off.
@@ -965,7 +965,7 @@ impl Message<InjectRoomFailures> for Coordinator {
 }
 
 /// The report of the step scheduled and not committed yet.
-pub struct PendingStep;
+pub(super) struct PendingStep;
 
 impl Message<PendingStep> for Coordinator {
     type Reply = Option<StepReport>;
@@ -983,7 +983,7 @@ impl Message<PendingStep> for Coordinator {
 }
 
 /// Commit the outcome of the last step.
-pub struct Commit(pub Vec<RequestOutcome>);
+pub(super) struct Commit(pub Vec<RequestOutcome>);
 
 impl Message<Commit> for Coordinator {
     type Reply = DelegatedReply<Result<CommitReport, RuntimeError>>;
@@ -1075,7 +1075,7 @@ impl Coordinator {
 
 /// Commit the outcome of the step in flight, then plan and run the next step: one
 /// message (one round trip for the caller) for what [`Commit`] and [`Step`] do.
-pub struct CommitAndStep {
+pub(super) struct CommitAndStep {
     /// The outcomes of the step in flight.
     pub outcomes: Vec<RequestOutcome>,
     /// The next step's draft tokens per decoding request.
@@ -1138,7 +1138,7 @@ impl Message<CommitAndStep> for Coordinator {
 }
 
 /// Register interest in a request's completion.
-pub struct Watch(pub RequestId, pub Waiter);
+pub(super) struct Watch(pub RequestId, pub Waiter);
 
 impl Message<Watch> for Coordinator {
     type Reply = ();
@@ -1158,7 +1158,7 @@ impl Message<Watch> for Coordinator {
 }
 
 /// Cancel a request.
-pub struct Cancel(pub RequestId);
+pub(super) struct Cancel(pub RequestId);
 
 impl Message<Cancel> for Coordinator {
     type Reply = Result<(), RuntimeError>;
@@ -1179,7 +1179,7 @@ impl Message<Cancel> for Coordinator {
 }
 
 /// Pause (`true`) or resume (`false`) a request.
-pub struct Pause(pub RequestId, pub bool);
+pub(super) struct Pause(pub RequestId, pub bool);
 
 impl Message<Pause> for Coordinator {
     type Reply = Result<(), RuntimeError>;
@@ -1195,7 +1195,7 @@ impl Message<Pause> for Coordinator {
 }
 
 /// Read the statistics.
-pub struct GetStats;
+pub(super) struct GetStats;
 
 impl Message<GetStats> for Coordinator {
     type Reply = RuntimeStats;
@@ -1206,7 +1206,7 @@ impl Message<GetStats> for Coordinator {
 }
 
 /// Read the per-step history from a step on.
-pub struct GetHistory {
+pub(super) struct GetHistory {
     /// The first step wanted.
     pub since: u64,
 }
@@ -1220,7 +1220,7 @@ impl Message<GetHistory> for Coordinator {
 }
 
 /// Take the KV events recorded since the last call (at most the last 65,536).
-pub struct TakeEvents;
+pub(super) struct TakeEvents;
 
 impl Message<TakeEvents> for Coordinator {
     type Reply = Vec<KvEvent>;
@@ -1234,7 +1234,7 @@ impl Message<TakeEvents> for Coordinator {
 
 /// The KV events not taken yet and the target cache's reuse tree they lead to, read in
 /// one message (nothing runs in between).
-pub struct TakeEventsWithSnapshot;
+pub(super) struct TakeEventsWithSnapshot;
 
 /// What [`KvCacheHandle::take_events_with_snapshot`](super::KvCacheHandle::take_events_with_snapshot)
 /// returns.
@@ -1270,7 +1270,7 @@ impl Message<TakeEventsWithSnapshot> for Coordinator {
 
 /// Subscribe to the router event stream; with `snapshot`, also the target cache's full
 /// blocks as of the subscription point (read in the same message).
-pub struct SubscribeEvents {
+pub(super) struct SubscribeEvents {
     pub snapshot: bool,
 }
 
@@ -1291,7 +1291,7 @@ impl Message<SubscribeEvents> for Coordinator {
 }
 
 /// The target cache's full blocks and the stream position they are consistent with.
-pub struct GetRouterSnapshot;
+pub(super) struct GetRouterSnapshot;
 
 impl Message<GetRouterSnapshot> for Coordinator {
     type Reply = RouterSnapshot;
@@ -1307,7 +1307,7 @@ impl Message<GetRouterSnapshot> for Coordinator {
 }
 
 /// Tokens of a prompt the target cache would serve now.
-pub struct ProbeReuse {
+pub(super) struct ProbeReuse {
     pub scope: crate::core::ReuseScope,
     pub prompt: Vec<TokenId>,
 }
@@ -1332,7 +1332,7 @@ impl Coordinator {
 }
 
 /// The device actors (for fault injection and shutdown).
-pub struct Devices;
+pub(super) struct Devices;
 
 impl Message<Devices> for Coordinator {
     type Reply = Vec<Option<ActorRef<DeviceActor>>>;
@@ -1343,7 +1343,7 @@ impl Message<Devices> for Coordinator {
 }
 
 /// Check the managers' invariants (tests, drills): `Err` describes the first violation.
-pub struct CheckInvariants;
+pub(super) struct CheckInvariants;
 
 impl Message<CheckInvariants> for Coordinator {
     type Reply = Result<CacheCounts, String>;
@@ -1398,7 +1398,7 @@ pub struct CacheCounts {
 }
 
 /// Drop every cached block (after a weight update); refused while requests hold pages.
-pub struct ResetPrefixCache;
+pub(super) struct ResetPrefixCache;
 
 impl Message<ResetPrefixCache> for Coordinator {
     type Reply = Result<crate::core::ResetReport, RuntimeError>;

@@ -19,7 +19,7 @@ use crate::device::backend::{DeviceBackend, DeviceError, DeviceStepReport, Misma
 use crate::metadata::DraftSnapshot;
 
 /// Owns one device. See the module docs.
-pub struct DeviceActor {
+pub(super) struct DeviceActor {
     backend: Box<dyn DeviceBackend>,
     shared: Arc<RuntimeShared>,
     /// Injected faults (drills; nothing without the `fault-injection` feature).
@@ -29,7 +29,7 @@ pub struct DeviceActor {
 }
 
 /// What a device actor starts with.
-pub struct DeviceArgs {
+pub(super) struct DeviceArgs {
     /// The device.
     pub backend: Box<dyn DeviceBackend>,
     /// State shared with the coordinator and handles.
@@ -104,7 +104,7 @@ impl DeviceActor {
 
 /// When a device's step handler started and finished ([`StepTiming`](super::StepTiming)).
 #[derive(Clone, Copy, Debug)]
-pub struct DeviceStamps {
+pub(super) struct DeviceStamps {
     /// The handler started.
     pub received: Instant,
     /// The handler finished (the reply is sent right after).
@@ -112,7 +112,7 @@ pub struct DeviceStamps {
 }
 
 /// Execute one step plan.
-pub struct ExecuteStep(pub Arc<StepPlan>);
+pub(super) struct ExecuteStep(pub Arc<StepPlan>);
 
 impl Message<ExecuteStep> for DeviceActor {
     type Reply = Result<(DeviceStepReport, DeviceStamps), DeviceError>;
@@ -149,7 +149,7 @@ impl Message<ExecuteStep> for DeviceActor {
 }
 
 /// Rebind the metadata to the draft buffers for a plan.
-pub struct DraftPrepare(pub Arc<StepPlan>);
+pub(super) struct DraftPrepare(pub Arc<StepPlan>);
 
 impl Message<DraftPrepare> for DeviceActor {
     type Reply = Result<DraftSnapshot, DeviceError>;
@@ -166,7 +166,7 @@ impl Message<DraftPrepare> for DeviceActor {
 }
 
 /// Run the draft layers of a plan against the bound draft metadata.
-pub struct DraftForward(pub Arc<StepPlan>);
+pub(super) struct DraftForward(pub Arc<StepPlan>);
 
 impl Message<DraftForward> for DeviceActor {
     type Reply = Result<u64, DeviceError>;
@@ -182,7 +182,7 @@ impl Message<DraftForward> for DeviceActor {
 }
 
 /// Restore the target bindings.
-pub struct DraftRestore(pub DraftSnapshot);
+pub(super) struct DraftRestore(pub DraftSnapshot);
 
 impl Message<DraftRestore> for DeviceActor {
     type Reply = Result<(), DeviceError>;
@@ -199,7 +199,7 @@ impl Message<DraftRestore> for DeviceActor {
 }
 
 /// Verify whole requests.
-pub struct Verify(pub Arc<Vec<VerifySpec>>);
+pub(super) struct Verify(pub Arc<Vec<VerifySpec>>);
 
 impl Message<Verify> for DeviceActor {
     type Reply = Result<(u64, Vec<Mismatch>), DeviceError>;
@@ -211,7 +211,7 @@ impl Message<Verify> for DeviceActor {
 }
 
 /// Wait for every step enqueued on the device.
-pub struct Synchronize;
+pub(super) struct Synchronize;
 
 impl Message<Synchronize> for DeviceActor {
     type Reply = Result<(), DeviceError>;
@@ -222,7 +222,7 @@ impl Message<Synchronize> for DeviceActor {
 }
 
 /// The device's pools as memory regions a transport registers.
-pub struct PoolRegions;
+pub(super) struct PoolRegions;
 
 impl Message<PoolRegions> for DeviceActor {
     type Reply = Vec<crate::transfer::PoolRegion>;
@@ -233,7 +233,7 @@ impl Message<PoolRegions> for DeviceActor {
 }
 
 /// Digest of the device's cache contents.
-pub struct CacheDigest;
+pub(super) struct CacheDigest;
 
 impl Message<CacheDigest> for DeviceActor {
     type Reply = Result<String, DeviceError>;

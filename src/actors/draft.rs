@@ -18,7 +18,7 @@ use super::error::RuntimeError;
 use crate::core::scheduler::StepPlan;
 
 /// Replays drafts. See the module docs.
-pub struct DraftReplayActor {
+pub(super) struct DraftReplayActor {
     devices: Vec<ActorRef<DeviceActor>>,
     replays: u64,
 }
@@ -47,7 +47,7 @@ pub struct DraftReport {
 }
 
 /// Replay the draft of one step on every device.
-pub struct DraftStep(pub Arc<StepPlan>);
+pub(super) struct DraftStep(pub Arc<StepPlan>);
 
 async fn replay(dev: ActorRef<DeviceActor>, plan: Arc<StepPlan>) -> Result<u64, RuntimeError> {
     let snapshot = dev.ask(DraftPrepare(plan.clone())).await?;
@@ -83,7 +83,7 @@ impl Message<DraftStep> for DraftReplayActor {
 }
 
 /// Replace the device list (after a device died).
-pub struct SetDevices(pub Vec<ActorRef<DeviceActor>>);
+pub(super) struct SetDevices(pub Vec<ActorRef<DeviceActor>>);
 
 impl Message<SetDevices> for DraftReplayActor {
     type Reply = ();

@@ -144,7 +144,7 @@ pub(super) struct EventStream {
 }
 
 impl EventStream {
-    pub fn new(capacity: usize) -> Self {
+    pub(super) fn new(capacity: usize) -> Self {
         EventStream {
             tx: broadcast::Sender::new(capacity.max(1)),
             next_seq: 0,
@@ -152,13 +152,13 @@ impl EventStream {
     }
 
     /// The sequence number the next batch gets.
-    pub fn next_seq(&self) -> u64 {
+    pub(super) fn next_seq(&self) -> u64 {
         self.next_seq
     }
 
     /// Publishes `events` as the next batch (none when empty). A batch nobody is
     /// subscribed to is still numbered, so sequence numbers count drains, not readers.
-    pub fn publish(&mut self, events: Vec<RouterEvent>) {
+    pub(super) fn publish(&mut self, events: Vec<RouterEvent>) {
         if events.is_empty() {
             return;
         }
@@ -176,7 +176,7 @@ impl EventStream {
     }
 
     /// A subscriber that receives every batch from the next one on.
-    pub fn subscribe(&self) -> EventSubscriber {
+    pub(super) fn subscribe(&self) -> EventSubscriber {
         EventSubscriber::new(self.tx.subscribe(), self.next_seq)
     }
 }

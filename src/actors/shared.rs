@@ -10,10 +10,10 @@ use crate::sync::{FenceBoard, Published, QuotaLedger, SeqCounters};
 
 /// Index of each live counter in [`RuntimeShared::counters`].
 pub(crate) mod counter {
-    pub const SUBMITTED: usize = 0;
-    pub const FINISHED: usize = 1;
-    pub const FAILED: usize = 2;
-    pub const STEPS: usize = 3;
+    pub(crate) const SUBMITTED: usize = 0;
+    pub(crate) const FINISHED: usize = 1;
+    pub(crate) const FAILED: usize = 2;
+    pub(crate) const STEPS: usize = 3;
 }
 
 /// Shared by the coordinator, the device actors and every handle.

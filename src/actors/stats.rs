@@ -146,7 +146,7 @@ pub(crate) struct History {
 
 impl History {
     /// An empty history keeping the last `capacity` samples (at least one).
-    pub fn new(capacity: usize) -> Self {
+    pub(super) fn new(capacity: usize) -> Self {
         History {
             samples: VecDeque::new(),
             capacity: capacity.max(1),
@@ -156,7 +156,7 @@ impl History {
     }
 
     /// Appends the sample of a step after every sample kept (steps only increase).
-    pub fn push(&mut self, sample: StepSample) {
+    pub(super) fn push(&mut self, sample: StepSample) {
         debug_assert!(
             self.samples.back().is_none_or(|b| b.step < sample.step),
             "invariant: history steps increase ({:?} then {})",
@@ -173,17 +173,17 @@ impl History {
     }
 
     /// The newest sample (its step's commit adds to its coordinator time).
-    pub fn last_mut(&mut self) -> Option<&mut StepSample> {
+    pub(super) fn last_mut(&mut self) -> Option<&mut StepSample> {
         self.samples.back_mut()
     }
 
     /// Samples dropped so far.
-    pub fn dropped(&self) -> u64 {
+    pub(super) fn dropped(&self) -> u64 {
         self.dropped
     }
 
     /// The kept samples with `step >= since`.
-    pub fn since(&self, since: u64) -> HistoryChunk {
+    pub(super) fn since(&self, since: u64) -> HistoryChunk {
         let start = self.samples.partition_point(|s| s.step < since);
         let samples: Vec<StepSample> = self.samples.range(start..).copied().collect();
         HistoryChunk {
@@ -209,7 +209,7 @@ pub(crate) struct Rolling {
 }
 
 impl Rolling {
-    pub fn push(&mut self, lookup: u64, reused: u64) {
+    pub(super) fn push(&mut self, lookup: u64, reused: u64) {
         self.window.push_back((lookup, reused));
         self.sum.0 += lookup;
         self.sum.1 += reused;
@@ -220,7 +220,7 @@ impl Rolling {
         }
     }
 
-    pub fn rate(&self) -> f64 {
+    pub(super) fn rate(&self) -> f64 {
         ratio(self.sum.1, self.sum.0)
     }
 }

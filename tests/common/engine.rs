@@ -8,7 +8,7 @@ use dsa_kv::ids::TokenId;
 
 /// Runs every submitted request to its end (step, commit with a token that depends on
 /// the request and its position, repeat), calling `each` after every step and commit.
-pub async fn run_to_end(kv: &KvCacheHandle, mut each: impl FnMut()) {
+pub(crate) async fn run_to_end(kv: &KvCacheHandle, mut each: impl FnMut()) {
     for _ in 0..20_000 {
         let report = kv.step(HashMap::new()).await.unwrap();
         each();

@@ -7,14 +7,14 @@ use dsa_kv::core::{BlockKey, KvEvent};
 use dsa_kv::ids::{LifeCycleId, Tier};
 
 /// What a router learns from the KV events: (block key, life cycle) → tier.
-pub struct EventMirror {
+pub(crate) struct EventMirror {
     tiers: BTreeMap<(BlockKey, LifeCycleId), Tier>,
     n_lc: usize,
 }
 
 impl EventMirror {
     /// An empty mirror of a cache with `n_lc` life cycles.
-    pub fn new(n_lc: usize) -> Self {
+    pub(crate) fn new(n_lc: usize) -> Self {
         EventMirror {
             tiers: BTreeMap::new(),
             n_lc,
@@ -22,7 +22,7 @@ impl EventMirror {
     }
 
     /// Applies events in order; each must agree with what the mirror already knows.
-    pub fn apply(&mut self, events: &[KvEvent]) {
+    pub(crate) fn apply(&mut self, events: &[KvEvent]) {
         for e in events {
             match *e {
                 KvEvent::Stored { key, tier, .. } => {
@@ -55,7 +55,7 @@ impl EventMirror {
     }
 
     /// (key, life cycle, tier) of every page the events say is cached, sorted.
-    pub fn pages(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
+    pub(crate) fn pages(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
         self.tiers.iter().map(|(k, &t)| (k.0, k.1, t)).collect()
     }
 }

@@ -8,16 +8,16 @@ use dsa_kv::layout::{BufferPlacement, Role};
 use dsa_kv::storage::{HostStorage, KvStorage};
 
 /// The crate's seeded generator (SplitMix64).
-pub use dsa_kv::rng::SplitMix64 as Rng;
+pub(crate) use dsa_kv::rng::SplitMix64 as Rng;
 
 /// Hash of a token prefix, extended one token at a time.
-pub fn extend_prefix_hash(h: u64, t: TokenId) -> u64 {
+pub(crate) fn extend_prefix_hash(h: u64, t: TokenId) -> u64 {
     let mut r = Rng(h ^ u64::from(t.get()).wrapping_mul(0x1000_0000_01b3));
     r.next_u64()
 }
 
 /// Prefix hashes of every position of `tokens` (`out[p]` covers `tokens[..=p]`).
-pub fn prefix_hashes(scope_seed: u64, tokens: &[TokenId]) -> Vec<u64> {
+pub(crate) fn prefix_hashes(scope_seed: u64, tokens: &[TokenId]) -> Vec<u64> {
     let mut h = scope_seed;
     tokens
         .iter()
@@ -29,7 +29,7 @@ pub fn prefix_hashes(scope_seed: u64, tokens: &[TokenId]) -> Vec<u64> {
 }
 
 /// The bytes of one token of one buffer: payload and scale word.
-pub fn pattern(
+pub(crate) fn pattern(
     prefix_hash: u64,
     layer: LayerId,
     role: Role,
@@ -56,7 +56,7 @@ fn lens(p: &BufferPlacement, tpb: u32) -> (usize, usize) {
 }
 
 /// Writes positions `range` of an active sequence through its block table.
-pub fn write_positions(
+pub(crate) fn write_positions(
     m: &KvCacheManager,
     st: &mut HostStorage,
     h: &SeqHandle,
@@ -83,7 +83,7 @@ pub fn write_positions(
 
 /// Checks positions `range` of an active sequence through its block table; returns the
 /// first mismatch as `(position, layer, role)`.
-pub fn verify_positions(
+pub(crate) fn verify_positions(
     m: &KvCacheManager,
     st: &HostStorage,
     h: &SeqHandle,
@@ -112,7 +112,7 @@ pub fn verify_positions(
 }
 
 /// Runs every pending copy plan on `st` and completes its fence.
-pub fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> usize {
+pub(crate) fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> usize {
     let plans = m.take_copy_plans();
     for p in &plans {
         st.execute(p).unwrap();
@@ -121,5 +121,5 @@ pub fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> usize {
     plans.len()
 }
 
-pub mod engine;
-pub mod events;
+pub(crate) mod engine;
+pub(crate) mod events;

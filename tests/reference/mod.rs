@@ -55,7 +55,7 @@ struct Node {
 }
 
 /// A sequence as the reference sees it.
-pub struct Seq {
+pub(crate) struct Seq {
     pub scope: BlockKey,
     pub priority: u8,
     pub status: SeqStatus,
@@ -76,20 +76,20 @@ pub struct Seq {
 }
 
 impl Seq {
-    pub fn committed(&self) -> u64 {
+    pub(crate) fn committed(&self) -> u64 {
         self.tokens.len() as u64
     }
-    pub fn pending_copy(&self) -> bool {
+    pub(crate) fn pending_copy(&self) -> bool {
         self.pending_copy.is_some()
     }
 }
 
 /// `resize` asked for more blocks than a pool group has.
 #[derive(Debug, PartialEq, Eq)]
-pub struct TooLong;
+pub(crate) struct TooLong;
 
 /// The shape and options the reference needs.
-pub struct Shape {
+pub(crate) struct Shape {
     pub tokens_per_block: usize,
     /// Pool group of each life cycle.
     pub life_cycle_group: Vec<usize>,
@@ -101,7 +101,7 @@ pub struct Shape {
     pub max_util_for_resume: f64,
 }
 
-pub struct RefCache {
+pub(crate) struct RefCache {
     shape: Shape,
     pages: HashMap<PageRef, Page>,
     next_page: PageRef,
@@ -123,7 +123,7 @@ pub struct RefCache {
 }
 
 /// `SHA-256(parent ∥ tokens as 4-byte little-endian)`.
-pub fn block_key(parent: &BlockKey, tokens: &[TokenId]) -> BlockKey {
+pub(crate) fn block_key(parent: &BlockKey, tokens: &[TokenId]) -> BlockKey {
     let mut h = Sha256::new();
     h.update(parent.0);
     for t in tokens {
@@ -133,7 +133,7 @@ pub fn block_key(parent: &BlockKey, tokens: &[TokenId]) -> BlockKey {
 }
 
 impl RefCache {
-    pub fn new(shape: Shape, faults: Option<(u64, u8)>) -> Self {
+    pub(crate) fn new(shape: Shape, faults: Option<(u64, u8)>) -> Self {
         RefCache {
             shape,
             pages: HashMap::new(),
@@ -174,7 +174,7 @@ impl RefCache {
         }
     }
 
-    pub fn seq(&self, id: RequestId) -> &Seq {
+    pub(crate) fn seq(&self, id: RequestId) -> &Seq {
         &self.seqs[&id]
     }
 
@@ -343,7 +343,7 @@ impl RefCache {
     }
 
     /// Tokens of `prompt` the cache serves: never its last token.
-    pub fn reusable(&self, scope: &BlockKey, prompt: &[TokenId]) -> u64 {
+    pub(crate) fn reusable(&self, scope: &BlockKey, prompt: &[TokenId]) -> u64 {
         if !self.shape.reuse || prompt.len() < 2 {
             return 0;
         }
@@ -497,7 +497,7 @@ impl RefCache {
     // ---- sequences --------------------------------------------------------------
 
     /// Creates a suspended sequence holding its reused prefix; returns the reused tokens.
-    pub fn create(
+    pub(crate) fn create(
         &mut self,
         id: RequestId,
         scope: BlockKey,
@@ -543,7 +543,12 @@ impl RefCache {
 
     /// Sets capacity and history of an active sequence: `Ok(false)` when the GPU cannot
     /// make room.
-    pub fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, TooLong> {
+    pub(crate) fn resize(
+        &mut self,
+        id: RequestId,
+        capacity: u64,
+        history: u64,
+    ) -> Result<bool, TooLong> {
         let n = self.n_lc();
         let s = &self.seqs[&id];
         assert_eq!(
@@ -588,7 +593,7 @@ impl RefCache {
     }
 
     /// Finalizes tokens; every block that becomes full enters the tree.
-    pub fn commit(&mut self, id: RequestId, tokens: &[TokenId]) {
+    pub(crate) fn commit(&mut self, id: RequestId, tokens: &[TokenId]) {
         let t = self.t() as u64;
         let s = self.seq_mut(id);
         assert!(!s.stopped, "reference: commit after stop");
@@ -698,7 +703,7 @@ impl RefCache {
     }
 
     /// No more blocks: a partial trailing block is committed as the last one.
-    pub fn stop(&mut self, id: RequestId) {
+    pub(crate) fn stop(&mut self, id: RequestId) {
         let t = self.t() as u64;
         let s = &self.seqs[&id];
         if s.stopped {
@@ -711,7 +716,7 @@ impl RefCache {
         self.seq_mut(id).stopped = true;
     }
 
-    pub fn suspend(&mut self, id: RequestId) {
+    pub(crate) fn suspend(&mut self, id: RequestId) {
         if self.seqs[&id].status == SeqStatus::Suspended {
             return;
         }
@@ -726,7 +731,7 @@ impl RefCache {
 
     /// Brings a suspended sequence back to the GPU; `false` when a pool group is above
     /// `max_util_for_resume` or its pages do not fit.
-    pub fn resume(&mut self, id: RequestId) -> bool {
+    pub(crate) fn resume(&mut self, id: RequestId) -> bool {
         if self.seqs[&id].status == SeqStatus::Active {
             return true;
         }
@@ -772,7 +777,7 @@ impl RefCache {
         true
     }
 
-    pub fn close(&mut self, id: RequestId) {
+    pub(crate) fn close(&mut self, id: RequestId) {
         self.stop(id);
         let s = self.seqs.remove(&id).expect("reference: live sequence");
         let lock = s.status == SeqStatus::Active;
@@ -783,7 +788,7 @@ impl RefCache {
 
     /// `reset_prefix_cache`: refused with the number of sequences holding pages, or
     /// every block dropped, returning (blocks, GPU pages, host pages) freed.
-    pub fn reset_prefix_cache(&mut self) -> Result<(u64, u64, u64), usize> {
+    pub(crate) fn reset_prefix_cache(&mut self) -> Result<(u64, u64, u64), usize> {
         let holding = self.seqs.values().filter(|s| !s.pages.is_empty()).count();
         if holding > 0 {
             return Err(holding);
@@ -800,35 +805,35 @@ impl RefCache {
     // ---- what the test compares ---------------------------------------------------
 
     /// Pages per pool group on `tier`.
-    pub fn occupied(&self, tier: Tier) -> Vec<u32> {
+    pub(crate) fn occupied(&self, tier: Tier) -> Vec<u32> {
         (0..self.slots(tier).len())
             .map(|g| self.count(tier, g, |_| true))
             .collect()
     }
 
     /// Evictable pages per pool group on `tier`.
-    pub fn evictable_pages(&self, tier: Tier) -> Vec<u32> {
+    pub(crate) fn evictable_pages(&self, tier: Tier) -> Vec<u32> {
         (0..self.slots(tier).len())
             .map(|g| self.count(tier, g, |p| self.evictable(p)))
             .collect()
     }
 
-    pub fn num_pages(&self) -> usize {
+    pub(crate) fn num_pages(&self) -> usize {
         self.pages.len()
     }
 
-    pub fn num_blocks(&self) -> usize {
+    pub(crate) fn num_blocks(&self) -> usize {
         self.nodes.len()
     }
 
     /// Blocks of a sequence.
-    pub fn num_seq_blocks(&self, id: RequestId) -> u64 {
+    pub(crate) fn num_seq_blocks(&self, id: RequestId) -> u64 {
         (self.seqs[&id].pages.len() / self.n_lc()) as u64
     }
 
     /// Every full cached block's 64-bit hash and whether a router sees it on the GPU:
     /// its pages and the pages of every block before it in its prefix are on the GPU.
-    pub fn router_media(&self) -> Vec<(u64, bool)> {
+    pub(crate) fn router_media(&self) -> Vec<(u64, bool)> {
         let on_gpu = |n: &Node| n.pages.iter().all(|pid| self.pages[pid].tier == Tier::Gpu);
         let mut out: Vec<(u64, bool)> = self
             .nodes
@@ -851,7 +856,7 @@ impl RefCache {
     }
 
     /// Every cached block's page: (key, life cycle, tier), sorted.
-    pub fn cached(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
+    pub(crate) fn cached(&self) -> Vec<(BlockKey, LifeCycleId, Tier)> {
         let mut out: Vec<_> = self
             .nodes
             .values()

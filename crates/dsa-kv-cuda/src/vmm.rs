@@ -59,7 +59,7 @@ fn prop(device: i32) -> sys::CUmemAllocationProp {
 }
 
 /// The allocation granularity of `gpu` (2 MiB on Hopper).
-pub fn granularity(gpu: &Gpu) -> Result<usize, CudaError> {
+pub(crate) fn granularity(gpu: &Gpu) -> Result<usize, CudaError> {
     gpu.bind()?;
     let mut g = 0usize;
     let p = prop(gpu.ordinal() as i32);

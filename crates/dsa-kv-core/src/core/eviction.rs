@@ -21,7 +21,7 @@ pub(crate) struct EvictionQueues {
 }
 
 impl EvictionQueues {
-    pub fn new(num_groups: usize) -> Self {
+    pub(super) fn new(num_groups: usize) -> Self {
         EvictionQueues {
             num_groups,
             queues: vec![BTreeSet::new(); num_groups * Tier::ALL.len()],
@@ -34,14 +34,20 @@ impl EvictionQueues {
     }
 
     /// Inserts with a fresh LRU stamp; returns the stamp.
-    pub fn push(&mut self, tier: Tier, group: PoolGroupId, priority: u8, page: PageId) -> u64 {
+    pub(super) fn push(
+        &mut self,
+        tier: Tier,
+        group: PoolGroupId,
+        priority: u8,
+        page: PageId,
+    ) -> u64 {
         self.clock += 1;
         self.restore(tier, group, priority, self.clock, page);
         self.clock
     }
 
     /// Inserts with a given stamp (rollback of an exclusion).
-    pub fn restore(
+    pub(super) fn restore(
         &mut self,
         tier: Tier,
         group: PoolGroupId,
@@ -54,7 +60,7 @@ impl EvictionQueues {
         debug_assert!(fresh, "page {page} queued twice");
     }
 
-    pub fn remove(
+    pub(super) fn remove(
         &mut self,
         tier: Tier,
         group: PoolGroupId,
@@ -67,12 +73,12 @@ impl EvictionQueues {
         debug_assert!(found, "page {page} missing from its queue");
     }
 
-    pub fn len(&self, tier: Tier, group: PoolGroupId) -> usize {
+    pub(super) fn len(&self, tier: Tier, group: PoolGroupId) -> usize {
         self.queues[self.q(tier, group)].len()
     }
 
     /// The next `n` victims in eviction order, without removing them.
-    pub fn peek(
+    pub(super) fn peek(
         &self,
         tier: Tier,
         group: PoolGroupId,
@@ -81,7 +87,7 @@ impl EvictionQueues {
         self.queues[self.q(tier, group)].iter().take(n).map(|e| e.2)
     }
 
-    pub fn contains(
+    pub(super) fn contains(
         &self,
         tier: Tier,
         group: PoolGroupId,
@@ -92,7 +98,7 @@ impl EvictionQueues {
         self.queues[self.q(tier, group)].contains(&(priority, stamp, page))
     }
 
-    pub fn total(&self) -> usize {
+    pub(super) fn total(&self) -> usize {
         self.queues.iter().map(BTreeSet::len).sum()
     }
 }

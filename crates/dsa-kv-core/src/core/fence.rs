@@ -7,7 +7,7 @@
 //! before the watermark passes it, so a new user never writes a slot that device work
 //! still reads or writes.
 
-pub use crate::ids::Fence;
+pub(super) use crate::ids::Fence;
 
 /// Issued and completed watermarks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]

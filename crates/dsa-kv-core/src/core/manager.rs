@@ -230,7 +230,7 @@ pub(super) struct Sequence {
 }
 
 impl Sequence {
-    pub fn committed(&self) -> u64 {
+    pub(super) fn committed(&self) -> u64 {
         self.tokens.len() as u64
     }
 }

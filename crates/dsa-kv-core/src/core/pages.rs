@@ -48,7 +48,7 @@ pub(crate) struct Page {
 }
 
 impl Page {
-    pub fn status(&self) -> PageStatus {
+    pub(super) fn status(&self) -> PageStatus {
         if self.locks > 0 {
             PageStatus::Locked
         } else if self.holders > 0 {
@@ -67,7 +67,7 @@ pub(crate) struct PageArena {
 }
 
 impl PageArena {
-    pub fn alloc(&mut self, page: Page) -> PageId {
+    pub(super) fn alloc(&mut self, page: Page) -> PageId {
         self.live += 1;
         match self.free.pop() {
             Some(id) => {
@@ -81,7 +81,7 @@ impl PageArena {
         }
     }
 
-    pub fn release(&mut self, id: PageId) {
+    pub(super) fn release(&mut self, id: PageId) {
         let p = &mut self.pages[id.index()];
         assert!(p.live, "invariant: page {id} released twice");
         p.live = false;
@@ -90,11 +90,11 @@ impl PageArena {
         self.live -= 1;
     }
 
-    pub fn num_live(&self) -> usize {
+    pub(super) fn num_live(&self) -> usize {
         self.live
     }
 
-    pub fn iter_live(&self) -> impl Iterator<Item = (PageId, &Page)> + '_ {
+    pub(super) fn iter_live(&self) -> impl Iterator<Item = (PageId, &Page)> + '_ {
         self.pages
             .iter()
             .enumerate()

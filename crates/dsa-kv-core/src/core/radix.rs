@@ -115,29 +115,29 @@ impl RadixTree {
     }
 
     /// The node, if `r` still names a live node.
-    pub fn get(&self, r: NodeRef) -> Option<&Node> {
+    pub(super) fn get(&self, r: NodeRef) -> Option<&Node> {
         self.nodes
             .get(r.idx as usize)
             .filter(|n| n.live && n.gen == r.gen)
     }
 
     /// The node; `r` must be live.
-    pub fn node(&self, r: NodeRef) -> &Node {
+    pub(super) fn node(&self, r: NodeRef) -> &Node {
         self.get(r).expect("invariant: node reference is live")
     }
 
     /// Number of blocks (non-root nodes).
-    pub fn num_blocks(&self) -> usize {
+    pub(super) fn num_blocks(&self) -> usize {
         self.num_blocks
     }
 
     /// Number of scope roots.
     #[cfg(test)]
-    pub fn num_roots(&self) -> usize {
+    pub(super) fn num_roots(&self) -> usize {
         self.roots.len()
     }
 
-    pub fn root(&self, key: &BlockKey) -> Option<NodeRef> {
+    pub(super) fn root(&self, key: &BlockKey) -> Option<NodeRef> {
         self.roots.get(key).map(|&i| self.r(i))
     }
 
@@ -176,7 +176,7 @@ impl RadixTree {
     }
 
     /// The root of a scope (`key` is its root key, `lora_id` its LoRA adapter).
-    pub fn root_or_insert(&mut self, key: BlockKey, lora_id: Option<u64>) -> NodeRef {
+    pub(super) fn root_or_insert(&mut self, key: BlockKey, lora_id: Option<u64>) -> NodeRef {
         if let Some(r) = self.root(&key) {
             return r;
         }
@@ -185,14 +185,14 @@ impl RadixTree {
         self.r(idx)
     }
 
-    pub fn child(&self, parent: NodeRef, key: &BlockKey) -> Option<NodeRef> {
+    pub(super) fn child(&self, parent: NodeRef, key: &BlockKey) -> Option<NodeRef> {
         self.node(parent).children.get(key).map(|&i| self.r(i))
     }
 
     /// Walks full blocks of `tokens`, then (if `partial`) picks the child with the longest
     /// common token prefix with the rest. Ties go to the smallest key, so every rank
     /// picks the same block.
-    pub fn match_prefix(
+    pub(super) fn match_prefix(
         &self,
         hasher: &mut KeyHasher,
         root_key: &BlockKey,
@@ -244,7 +244,7 @@ impl RadixTree {
     /// partial block that is a prefix of a sibling is useless. A new block replaces
     /// shorter partial siblings whose tokens it extends (their removal is reported in
     /// `removed`).
-    pub fn insert(
+    pub(super) fn insert(
         &mut self,
         parent: NodeRef,
         key: BlockKey,
@@ -288,7 +288,7 @@ impl RadixTree {
     }
 
     /// The parent block's key; `None` under a scope root.
-    pub fn parent_block_key(&self, r: NodeRef) -> Option<BlockKey> {
+    pub(super) fn parent_block_key(&self, r: NodeRef) -> Option<BlockKey> {
         let i = self
             .node(r)
             .parent
@@ -298,7 +298,7 @@ impl RadixTree {
     }
 
     /// Replaces the page of life cycle `lc` of a block (a donation on rebase).
-    pub fn set_page(&mut self, r: NodeRef, lc: usize, page: PageId) -> PageId {
+    pub(super) fn set_page(&mut self, r: NodeRef, lc: usize, page: PageId) -> PageId {
         let n = &mut self.nodes[r.idx as usize];
         assert!(
             n.live && n.gen == r.gen,
@@ -311,7 +311,7 @@ impl RadixTree {
     /// siblings in ascending key order; no recursion); prunes the scope root when it
     /// loses its last child. The order is specified, not the hash map's, because the
     /// manager re-queues the surviving pages in this order (their LRU order).
-    pub fn remove_subtree(&mut self, r: NodeRef, removed: &mut Vec<Removed>) {
+    pub(super) fn remove_subtree(&mut self, r: NodeRef, removed: &mut Vec<Removed>) {
         let Some(top) = self.get(r) else { return };
         let parent = top.parent;
         assert!(
@@ -354,7 +354,7 @@ impl RadixTree {
     /// Removes every block and every scope root. The blocks are reported in node order
     /// (deterministic, so every rank frees the same slots in the same order). Freed nodes
     /// keep their generations: a stale [`NodeRef`] stays stale.
-    pub fn clear(&mut self, removed: &mut Vec<Removed>) {
+    pub(super) fn clear(&mut self, removed: &mut Vec<Removed>) {
         for (i, n) in self.nodes.iter_mut().enumerate().filter(|(_, n)| n.live) {
             n.live = false;
             n.children.clear();
@@ -373,7 +373,7 @@ impl RadixTree {
     }
 
     /// Records the medium a block was announced on to routers.
-    pub fn set_router_medium(&mut self, r: NodeRef, medium: Option<Medium>) {
+    pub(super) fn set_router_medium(&mut self, r: NodeRef, medium: Option<Medium>) {
         let n = &mut self.nodes[r.idx as usize];
         assert!(
             n.live && n.gen == r.gen,
@@ -383,13 +383,13 @@ impl RadixTree {
     }
 
     /// The parent of a block when the parent is a block (`None` under a scope root).
-    pub fn parent_block(&self, r: NodeRef) -> Option<NodeRef> {
+    pub(super) fn parent_block(&self, r: NodeRef) -> Option<NodeRef> {
         let p = self.node(r).parent?;
         self.nodes[p as usize].parent.map(|_| self.r(p))
     }
 
     /// The child blocks of a node, in ascending key order.
-    pub fn child_blocks(&self, r: NodeRef) -> Vec<NodeRef> {
+    pub(super) fn child_blocks(&self, r: NodeRef) -> Vec<NodeRef> {
         let mut c: Vec<u32> = self.node(r).children.values().copied().collect();
         c.sort_unstable_by(|&a, &b| self.nodes[a as usize].key.cmp(&self.nodes[b as usize].key));
         c.into_iter().map(|i| self.r(i)).collect()
@@ -397,7 +397,7 @@ impl RadixTree {
 
     /// Every live block, each after its parent (scope roots by key, then depth first,
     /// siblings by key).
-    pub fn blocks_top_down(&self) -> Vec<NodeRef> {
+    pub(super) fn blocks_top_down(&self) -> Vec<NodeRef> {
         let mut roots: Vec<u32> = self.roots.values().copied().collect();
         roots
             .sort_unstable_by(|&a, &b| self.nodes[b as usize].key.cmp(&self.nodes[a as usize].key));
@@ -417,7 +417,7 @@ impl RadixTree {
     }
 
     /// Every live block with its parent, for invariant checks.
-    pub fn blocks(&self) -> impl Iterator<Item = (NodeRef, &Node)> + '_ {
+    pub(super) fn blocks(&self) -> impl Iterator<Item = (NodeRef, &Node)> + '_ {
         self.nodes
             .iter()
             .enumerate()
@@ -434,7 +434,7 @@ impl RadixTree {
     }
 
     /// Panics when parent/child links or counts are inconsistent.
-    pub fn check_invariants(&self, tokens_per_block: usize) {
+    pub(super) fn check_invariants(&self, tokens_per_block: usize) {
         let mut blocks = 0;
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.live) {
             match n.parent {

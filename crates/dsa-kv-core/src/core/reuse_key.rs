@@ -124,7 +124,7 @@ pub(crate) struct KeyHasher {
 
 impl KeyHasher {
     /// `SHA-256(parent ∥ tokens as 4-byte LE)`.
-    pub fn block_key(&mut self, parent: &BlockKey, tokens: &[TokenId]) -> BlockKey {
+    pub(super) fn block_key(&mut self, parent: &BlockKey, tokens: &[TokenId]) -> BlockKey {
         self.buf.clear();
         self.buf.reserve(32 + tokens.len() * 4);
         self.buf.extend_from_slice(&parent.0);

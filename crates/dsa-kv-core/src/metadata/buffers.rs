@@ -53,7 +53,7 @@ pub(super) struct MetaBuffer {
 }
 
 impl MetaBuffer {
-    pub fn i32(role: BufferRole, len: usize, fill: i32) -> Self {
+    pub(super) fn i32(role: BufferRole, len: usize, fill: i32) -> Self {
         MetaBuffer {
             role,
             data: Data::I32(vec![fill; len]),
@@ -61,7 +61,7 @@ impl MetaBuffer {
         }
     }
 
-    pub fn i64(role: BufferRole, len: usize, fill: i64) -> Self {
+    pub(super) fn i64(role: BufferRole, len: usize, fill: i64) -> Self {
         MetaBuffer {
             role,
             data: Data::I64(vec![fill; len]),
@@ -70,7 +70,7 @@ impl MetaBuffer {
     }
 
     /// The buffer's address (stable for its whole life).
-    pub fn addr(&self) -> usize {
+    pub(super) fn addr(&self) -> usize {
         match &self.data {
             Data::I32(v) => v.as_ptr() as usize,
             Data::I64(v) => v.as_ptr() as usize,
@@ -127,7 +127,7 @@ pub(super) struct BufferSet {
 
 impl BufferSet {
     /// Bindings of this set with the full-KV mappings aliased or not.
-    pub fn bindings(&self, aliased: bool) -> Bindings {
+    pub(super) fn bindings(&self, aliased: bool) -> Bindings {
         Bindings {
             indexer_page_table: self.indexer_page_table,
             block_table: self.block_table,
@@ -149,7 +149,7 @@ impl BufferSet {
         }
     }
 
-    pub fn ids(&self) -> [BufferId; 9] {
+    pub(super) fn ids(&self) -> [BufferId; 9] {
         [
             self.indexer_page_table,
             self.block_table,
