@@ -8,7 +8,6 @@
 //! digest is taken, or when the embedder asks ([`DeviceBackend::synchronize`]).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cudarc::driver::CudaEvent;
 
@@ -16,17 +15,13 @@ use super::metadata::DeviceMetadata;
 use super::{CudaError, CudaStorage, CudaSyntheticWriter, Gpu, GpuPoolAlloc};
 use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::ids::{PoolGroupId, SlotId, Tier};
-use dsa_kv_core::metadata::DraftSnapshot;
+use dsa_kv_core::metadata::MetadataLayout;
 use dsa_kv_core::storage::HostStorage;
-use dsa_kv_device::backend::{
-    pool_ids, run_copies, verify_all, Cache, PoolDigest, StepCore, StepWork, VerifyRef,
-};
+use dsa_kv_device::backend::{pool_ids, run_copies, Cache, PoolDigest, StepCore, VerifyRef};
 use dsa_kv_device::forward::{
     Batch, CacheView, Forward, ForwardSetup, MemoryKind, MetadataView, Phase, Region,
 };
-use dsa_kv_device::{
-    BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch, VerifySpec,
-};
+use dsa_kv_device::{BackendFactory, DeviceBackend, DeviceError, DeviceSetup, Mismatch, StepHooks};
 
 /// Address space reserved per GPU pool, as a multiple of its initial size.
 const RESERVE_FACTOR: usize = 2;
@@ -195,7 +190,7 @@ impl CudaDevice {
 
     /// Verifies one request on the target cache (and the draft cache when it has one),
     /// reading its slots back first.
-    fn verify_one(
+    fn verify_request(
         &mut self,
         r: VerifyRef<'_>,
         out: &mut Vec<Mismatch>,
@@ -212,7 +207,7 @@ impl CudaDevice {
 
     /// Uploads the bound metadata and runs the forward of `phase` on the compute
     /// stream; records the step's fence. Returns the batch's tokens.
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn forward_phase(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
         let dev = self.core.index;
         let cuda = |source: CudaError| DeviceError::Backend {
             device: dev,
@@ -304,65 +299,45 @@ fn refresh(
         .collect())
 }
 
-impl DeviceBackend for CudaDevice {
-    fn index(&self) -> usize {
-        self.core.index
+impl StepHooks for CudaDevice {
+    fn core(&self) -> &StepCore {
+        &self.core
     }
 
-    fn bindings(&self) -> Option<dsa_kv_core::metadata::Bindings> {
-        Some(self.core.meta.bindings())
+    fn core_mut(&mut self) -> &mut StepCore {
+        &mut self.core
     }
 
-    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
-        let start = Instant::now();
-        let dev = self.core.index;
-        self.gpu.bind().map_err(|e| self.cuda(e))?;
-        let slot_copies = run_copies(
-            dev,
+    fn bind(&mut self) -> Result<(), DeviceError> {
+        self.gpu.bind().map_err(|e| self.cuda(e))
+    }
+
+    fn copies(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
+        run_copies(
+            self.core.index,
             plan,
             &mut self.target.dev,
             self.draft.as_mut().map(|d| &mut d.dev),
-        )?;
-        // Cached KV that was reused or moved is checked before anything new is written
-        // (the read-back is ordered after the copies and every earlier forward).
-        let (verified, mismatches) = verify_all(self.core.step_verifies(plan), |r, out| {
-            self.verify_one(r, out)
-        })?;
-        let reqs = StepCore::step_requests(plan, false);
-        self.core
-            .meta
-            .prepare(&self.target.host.layout, &reqs)
-            .map_err(|e| self.core.meta_err(e))?;
-        let written = self.run_forward(Phase::Target, plan)?;
-        let work = StepWork {
-            written,
-            slot_copies,
-            verified,
-            mismatches,
-        };
-        Ok(self.core.step_report(plan, work, start))
+        )
     }
 
-    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        let layout = self.draft.as_ref().map(|d| d.host.layout);
-        self.core.prepare_draft(layout, plan)
+    fn verify_one(
+        &mut self,
+        r: VerifyRef<'_>,
+        out: &mut Vec<Mismatch>,
+    ) -> Result<u64, DeviceError> {
+        self.verify_request(r, out)
     }
 
-    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
-        self.gpu.bind().map_err(|e| self.cuda(e))?;
-        self.core.check_draft_forward(self.draft.is_some())?;
-        self.run_forward(Phase::Draft, plan)
+    fn layouts(&self) -> (MetadataLayout, Option<MetadataLayout>) {
+        (
+            self.target.host.layout,
+            self.draft.as_ref().map(|d| d.host.layout),
+        )
     }
 
-    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
-        self.core.restore(snapshot)
-    }
-
-    fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        self.gpu.bind().map_err(|e| self.cuda(e))?;
-        verify_all(self.core.spec_verifies(specs), |r, out| {
-            self.verify_one(r, out)
-        })
+    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+        self.forward_phase(phase, plan)
     }
 
     fn synchronize(&mut self) -> Result<(), DeviceError> {
@@ -406,7 +381,6 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
-        self.gpu.bind().map_err(|e| self.cuda(e))?;
         // Streamed: a GPU pool is never copied to the host whole.
         let mut digest = PoolDigest::default();
         for c in std::iter::once(&self.target).chain(self.draft.as_ref()) {

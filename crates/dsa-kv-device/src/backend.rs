@@ -198,7 +198,7 @@ pub struct VerifyRef<'a> {
 impl<'a> VerifyRef<'a> {
     /// The step's requests whose cached KV (reused or moved) is checked before anything
     /// new is written.
-    pub fn of_step(plan: &'a StepPlan) -> impl Iterator<Item = VerifyRef<'a>> {
+    pub(crate) fn of_step(plan: &'a StepPlan) -> impl Iterator<Item = VerifyRef<'a>> {
         plan.requests.iter().filter_map(|r| {
             Some(VerifyRef {
                 id: r.id,
@@ -211,7 +211,7 @@ impl<'a> VerifyRef<'a> {
     }
 
     /// Whole requests asked for by the coordinator.
-    pub fn of_specs(specs: &'a [VerifySpec]) -> impl Iterator<Item = VerifyRef<'a>> {
+    pub(crate) fn of_specs(specs: &'a [VerifySpec]) -> impl Iterator<Item = VerifyRef<'a>> {
         specs.iter().map(|s| VerifyRef {
             id: s.id,
             scope: s.scope,
@@ -224,7 +224,7 @@ impl<'a> VerifyRef<'a> {
 
 /// Verifies each request with `one` (a backend's check of one request); returns the
 /// positions verified and every mismatch.
-pub fn verify_all<'a>(
+pub(crate) fn verify_all<'a>(
     reqs: impl Iterator<Item = VerifyRef<'a>>,
     mut one: impl FnMut(VerifyRef<'a>, &mut Vec<Mismatch>) -> Result<u64, DeviceError>,
 ) -> Result<(u64, Vec<Mismatch>), DeviceError> {
@@ -383,7 +383,7 @@ impl PoolDigest {
 }
 
 /// [`PoolDigest`] of whole pools.
-pub fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
+pub(crate) fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
     let mut d = PoolDigest::default();
     for p in pools {
         d.pool(p.len() as u64);
@@ -446,11 +446,11 @@ impl Cache {
 }
 
 /// What a step did on a device (the parts of its report the backend measures).
-pub struct StepWork {
-    pub written: u64,
-    pub slot_copies: u64,
-    pub verified: u64,
-    pub mismatches: Vec<Mismatch>,
+pub(crate) struct StepWork {
+    pub(crate) written: u64,
+    pub(crate) slot_copies: u64,
+    pub(crate) verified: u64,
+    pub(crate) mismatches: Vec<Mismatch>,
 }
 
 /// What every backend shares: the step metadata, the KV source and the expected
@@ -489,7 +489,7 @@ impl StepCore {
     }
 
     /// The step's requests to verify (none when verification is off).
-    pub fn step_verifies<'a>(
+    pub(crate) fn step_verifies<'a>(
         &self,
         plan: &'a StepPlan,
     ) -> impl Iterator<Item = VerifyRef<'a>> + 'a {
@@ -498,7 +498,7 @@ impl StepCore {
     }
 
     /// Whole requests to verify (none when verification is off).
-    pub fn spec_verifies<'a>(
+    pub(crate) fn spec_verifies<'a>(
         &self,
         specs: &'a [VerifySpec],
     ) -> impl Iterator<Item = VerifyRef<'a>> + 'a {
@@ -506,14 +506,14 @@ impl StepCore {
         VerifyRef::of_specs(specs).filter(move |_| on)
     }
 
-    pub fn meta_err(&self, source: MetadataError) -> DeviceError {
+    pub(crate) fn meta_err(&self, source: MetadataError) -> DeviceError {
         DeviceError::Metadata {
             device: self.index,
             source,
         }
     }
 
-    pub fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
+    pub(crate) fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
         plan.requests
             .iter()
             .map(|r| StepRequest {
@@ -641,7 +641,7 @@ impl StepCore {
     }
 
     /// The stored bytes of one MLA row (and its NVFP4 block scales).
-    pub fn encode_mla(&self, row: &[bf16]) -> (Vec<u8>, Option<Vec<u8>>) {
+    pub(crate) fn encode_mla(&self, row: &[bf16]) -> (Vec<u8>, Option<Vec<u8>>) {
         match self.model.spec().kv_dtype {
             KvDtype::Bf16 => (
                 row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
@@ -667,7 +667,7 @@ impl StepCore {
     }
 
     /// The step's report once its work is done.
-    pub fn step_report(
+    pub(crate) fn step_report(
         &self,
         plan: &StepPlan,
         work: StepWork,
@@ -688,7 +688,7 @@ impl StepCore {
 
     /// Binds the draft set for the plan's replay (`layout`: the draft cache's, `None`
     /// when this device has no draft cache).
-    pub fn prepare_draft(
+    pub(crate) fn prepare_draft(
         &mut self,
         layout: Option<MetadataLayout>,
         plan: &StepPlan,
@@ -702,7 +702,7 @@ impl StepCore {
 
     /// Whether a draft forward may run: the device has a draft cache and a replay is
     /// bound.
-    pub fn check_draft_forward(&self, has_draft: bool) -> Result<(), DeviceError> {
+    pub(crate) fn check_draft_forward(&self, has_draft: bool) -> Result<(), DeviceError> {
         if !has_draft {
             return Err(DeviceError::NoDraftCache { device: self.index });
         }
@@ -738,13 +738,13 @@ impl StepCore {
     }
 
     /// Restores the target set after a replay.
-    pub fn restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
+    pub(crate) fn restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
         self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
     }
 
     /// Hash of the bound page tables (the pages holding KV) and slot mappings: FNV-1a
     /// over 32-bit words (a value per step per table entry, so words, not bytes).
-    pub fn metadata_digest(&self) -> u64 {
+    pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
             for w in [x as u32, (x >> 32) as u32] {

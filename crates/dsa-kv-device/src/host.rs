@@ -4,22 +4,20 @@
 //! hands the forward a [`Batch`] over host memory (the same view a GPU forward gets, with
 //! host addresses), replays drafts against the draft cache and verifies cached KV.
 
-use std::time::Instant;
-
 use super::backend::{
-    cache_regions, digest_pools, pool_ids, run_copies, verify_all, Cache, DeviceBackend,
-    DeviceError, DeviceSetup, DeviceStepReport, Mismatch, StepCore, StepWork, VerifyRef,
-    VerifySpec,
+    cache_regions, digest_pools, pool_ids, run_copies, Cache, DeviceError, DeviceSetup, Mismatch,
+    StepCore, VerifyRef,
 };
 use super::forward::{
     Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemoryKind, MetadataView,
     Phase, Region,
 };
+use super::step::StepHooks;
 use crate::synthetic::SyntheticWriter;
 use crate::transfer::{CacheKind, MemKind, MemRegion, PoolRegion};
 use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::ids::Tier;
-use dsa_kv_core::metadata::DraftSnapshot;
+use dsa_kv_core::metadata::MetadataLayout;
 
 /// A device whose pools live in host memory.
 pub struct HostDevice {
@@ -86,7 +84,7 @@ impl HostDevice {
     }
 
     /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens.
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn forward_phase(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
         let dev = self.core.index;
         let (cache, view) = match phase {
             Phase::Target => (&mut self.target, &self.target_view),
@@ -114,7 +112,7 @@ impl HostDevice {
     }
 
     /// Verifies one request on the target cache (and the draft cache when it has one).
-    fn verify_one(&self, r: VerifyRef<'_>, out: &mut Vec<Mismatch>) -> u64 {
+    fn verify_request(&self, r: VerifyRef<'_>, out: &mut Vec<Mismatch>) -> u64 {
         let mut n = self.core.verify_cache(&self.target, r, r.slots, out);
         if let (Some((d, _)), Some(slots)) = (&self.draft, r.draft_slots) {
             n += self.core.verify_cache(d, r, slots, out);
@@ -123,61 +121,41 @@ impl HostDevice {
     }
 }
 
-impl DeviceBackend for HostDevice {
-    fn index(&self) -> usize {
-        self.core.index
+impl StepHooks for HostDevice {
+    fn core(&self) -> &StepCore {
+        &self.core
     }
 
-    fn bindings(&self) -> Option<dsa_kv_core::metadata::Bindings> {
-        Some(self.core.meta.bindings())
+    fn core_mut(&mut self) -> &mut StepCore {
+        &mut self.core
     }
 
-    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
-        let start = Instant::now();
-        let dev = self.core.index;
-        let slot_copies = run_copies(
-            dev,
+    fn copies(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
+        run_copies(
+            self.core.index,
             plan,
             &mut self.target.store,
             self.draft.as_mut().map(|(d, _)| &mut d.store),
-        )?;
-        // Cached KV that was reused or moved is checked before anything new is written.
-        let (verified, mismatches) = verify_all(self.core.step_verifies(plan), |r, out| {
-            Ok(self.verify_one(r, out))
-        })?;
-        let reqs = StepCore::step_requests(plan, false);
-        self.core
-            .meta
-            .prepare(&self.target.layout, &reqs)
-            .map_err(|e| self.core.meta_err(e))?;
-        let written = self.run_forward(Phase::Target, plan)?;
-        let work = StepWork {
-            written,
-            slot_copies,
-            verified,
-            mismatches,
-        };
-        Ok(self.core.step_report(plan, work, start))
+        )
     }
 
-    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        let layout = self.draft.as_ref().map(|(d, _)| d.layout);
-        self.core.prepare_draft(layout, plan)
+    fn verify_one(
+        &mut self,
+        r: VerifyRef<'_>,
+        out: &mut Vec<Mismatch>,
+    ) -> Result<u64, DeviceError> {
+        Ok(self.verify_request(r, out))
     }
 
-    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
-        self.core.check_draft_forward(self.draft.is_some())?;
-        self.run_forward(Phase::Draft, plan)
+    fn layouts(&self) -> (MetadataLayout, Option<MetadataLayout>) {
+        (
+            self.target.layout,
+            self.draft.as_ref().map(|(d, _)| d.layout),
+        )
     }
 
-    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
-        self.core.restore(snapshot)
-    }
-
-    fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        verify_all(self.core.spec_verifies(specs), |r, out| {
-            Ok(self.verify_one(r, out))
-        })
+    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+        self.forward_phase(phase, plan)
     }
 
     fn pool_regions(&mut self) -> Vec<PoolRegion> {

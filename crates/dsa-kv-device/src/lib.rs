@@ -13,6 +13,7 @@ pub mod backend;
 pub mod forward;
 mod host;
 mod kv_source;
+mod step;
 pub mod synthetic;
 pub mod transfer;
 
@@ -27,3 +28,4 @@ pub use forward::{
 };
 pub use host::HostDevice;
 pub use kv_source::{KvPosition, KvSource, SyntheticKv};
+pub use step::StepHooks;
