@@ -9,8 +9,8 @@ pub use crate::config::{EngineConfig, SpecMode};
 pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};
 pub use crate::core::ReuseScope;
 pub use crate::device::forward::{
-    Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, MemoryKind,
-    MetadataView, Phase,
+    Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, MemKind, MetadataView,
+    Phase,
 };
 pub use crate::device::Verification;
 pub use crate::ids::{RequestId, TokenId};

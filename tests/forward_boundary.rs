@@ -183,7 +183,7 @@ impl TestForward {
                 mutation,
                 #[cfg(feature = "cuda")]
                 gpu: match setup.memory {
-                    MemoryKind::Cuda { .. } => Some(gpu::GpuPart::new(setup, graphs)?),
+                    MemKind::Device { .. } => Some(gpu::GpuPart::new(setup, graphs)?),
                     _ => None,
                 },
             }) as Box<dyn Forward>)

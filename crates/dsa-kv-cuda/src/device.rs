@@ -19,7 +19,7 @@ use dsa_kv_core::metadata::MetadataLayout;
 use dsa_kv_core::storage::HostStorage;
 use dsa_kv_device::backend::{pool_ids, run_copies, Cache, PoolDigest, StepCore, VerifyRef};
 use dsa_kv_device::forward::{
-    Batch, CacheView, Forward, ForwardSetup, MemoryKind, MetadataView, Phase, Region,
+    Batch, CacheView, Forward, ForwardSetup, MemKind, MetadataView, Phase, Region,
 };
 use dsa_kv_device::{BackendFactory, DeviceBackend, DeviceError, DeviceSetup, Mismatch, StepHooks};
 
@@ -119,7 +119,9 @@ impl CudaDevice {
         let meta = &core.meta;
         let forward_setup = ForwardSetup {
             device: index,
-            memory: MemoryKind::Cuda { ordinal },
+            memory: MemKind::Device {
+                ordinal: ordinal as u32,
+            },
             model: &setup.model,
             target: &target.view,
             draft: draft.as_ref().map(|d| &d.view),

@@ -85,18 +85,10 @@ impl ForwardError {
     }
 }
 
-/// Where a batch's addresses point.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MemoryKind {
-    /// Host memory (the host backend): use [`Batch::host`].
-    Host,
-    /// Device memory of CUDA device `ordinal`: use [`Batch::cuda_stream`].
-    Cuda {
-        /// Device ordinal.
-        ordinal: usize,
-    },
-}
+/// Where a batch's addresses point: the one memory vocabulary of the crate (a transfer's
+/// regions use it too). [`MemKind::Host`]: use [`Batch::host`]; [`MemKind::Device`]: the
+/// pools and metadata are on that CUDA device, use `Batch::cuda_stream`.
+pub use crate::transfer::MemKind;
 
 /// Whose forward a batch is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -526,7 +518,7 @@ pub struct ForwardSetup<'a> {
     /// Device index (tensor-parallel rank).
     pub device: usize,
     /// Where the addresses point.
-    pub memory: MemoryKind,
+    pub memory: MemKind,
     /// The model (dimensions and cache encodings).
     pub model: &'a DsaModel,
     /// The target cache.
@@ -630,11 +622,13 @@ impl<'a> Batch<'a> {
     }
 
     /// Where the addresses point.
-    pub fn memory(&self) -> MemoryKind {
+    pub fn memory(&self) -> MemKind {
         match &self.memory {
-            BatchMemory::Host(_) => MemoryKind::Host,
+            BatchMemory::Host(_) => MemKind::Host,
             #[cfg(feature = "cuda")]
-            BatchMemory::Cuda { ordinal, .. } => MemoryKind::Cuda { ordinal: *ordinal },
+            BatchMemory::Cuda { ordinal, .. } => MemKind::Device {
+                ordinal: *ordinal as u32,
+            },
         }
     }
 

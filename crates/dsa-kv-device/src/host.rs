@@ -9,12 +9,12 @@ use super::backend::{
     StepCore, VerifyRef,
 };
 use super::forward::{
-    Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemoryKind, MetadataView,
-    Phase, Region,
+    Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemKind, MetadataView, Phase,
+    Region,
 };
 use super::step::StepHooks;
 use crate::synthetic::SyntheticWriter;
-use crate::transfer::{CacheKind, MemKind, MemRegion, PoolRegion};
+use crate::transfer::{CacheKind, MemRegion, PoolRegion};
 use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::ids::Tier;
 use dsa_kv_core::metadata::MetadataLayout;
@@ -57,7 +57,7 @@ impl HostDevice {
         let meta = &core.meta;
         let forward_setup = ForwardSetup {
             device: index,
-            memory: MemoryKind::Host,
+            memory: MemKind::Host,
             model: &setup.model,
             target: &target_view,
             draft: draft.as_ref().map(|(_, v)| v),

@@ -14,7 +14,7 @@ use half::bf16;
 
 use crate::backend::quantize_key;
 use crate::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
-use crate::{KvPosition, KvSource, MemoryKind};
+use crate::{KvPosition, KvSource, MemKind};
 use dsa_kv_core::config::{DsaModel, KvDtype};
 use dsa_kv_core::core::scheduler::PlannedRequest;
 use dsa_kv_core::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
@@ -39,7 +39,7 @@ impl SyntheticWriter {
 
     /// The writer of one host device.
     pub fn new(setup: &ForwardSetup<'_>, source: Arc<dyn KvSource>) -> Result<Self, ForwardError> {
-        if setup.memory != MemoryKind::Host {
+        if setup.memory != MemKind::Host {
             return Err(ForwardError::Unsupported {
                 what: format!(
                     "this synthetic writer writes host memory, not {:?}: use the backend's own",

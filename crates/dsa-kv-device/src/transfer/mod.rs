@@ -41,7 +41,8 @@ pub use plan::{
     PoolRegion, WritePlan,
 };
 
-/// What kind of memory a region is.
+/// What kind of memory a region is, or a batch's pools and metadata (the one memory
+/// vocabulary: [`crate::forward::MemKind`] is this type).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemKind {
