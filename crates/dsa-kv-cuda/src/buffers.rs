@@ -122,6 +122,11 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+            // Kernels still queued may use the buffer, and `cuMemFree` only "may perform
+            // implicit synchronization" (the driver API's words): wait for the context
+            // first, as `VmmPool`'s drop does. Buffers are allocated at setup, so this
+            // runs at teardown, not per step.
+            let _ = self.ctx.synchronize();
             // SAFETY: allocated by cuMemAlloc in this context and not freed before.
             // Errors (a context already torn down) leave nothing to recover.
             let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
@@ -224,6 +229,10 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         if !self.host.is_null() && self.ctx.bind_to_thread().is_ok() {
+            // Copies and kernels still queued may read or write the mapped memory (the
+            // offload tier, read-back staging), and `cuMemFreeHost` does not promise to
+            // wait for them: wait for the context first.
+            let _ = self.ctx.synchronize();
             // SAFETY: allocated by cuMemHostAlloc and not freed before.
             let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
         }

@@ -55,8 +55,11 @@ pub struct CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        // Before any field goes (pools, metadata buffers, the forward's scratch): the
-        // last step's kernels may still be running on the streams.
+        // Our pools and buffers wait for the GPU in their own `Drop` before they free
+        // anything (`VmmPool`, `DeviceBuffer`, `PinnedHost`). The plugged-in forward is a
+        // framework's: it enqueues on our compute stream without waiting (the `Forward`
+        // contract), so the last step's kernels may still use memory it owns, and only
+        // this device knows when they are done. Wait before it goes.
         if self.gpu.bind().is_ok() {
             let _ = self.gpu.synchronize();
         }

@@ -10,9 +10,46 @@
 //! they are `unsafe`: the caller guarantees every address is valid for the sizes given.
 //! Kernels never write outside `cache_len` / `pool_len`.
 
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 
-use super::{driver_error, CudaError};
+use super::CudaError;
+
+/// Launches a kernel: `launch!(stream, function, config, device, "what"; &arg, …)` pushes
+/// the arguments in order onto a launch of `function` on `stream` with `config`, and
+/// evaluates to `Result<(), CudaError>` (a driver error becomes [`CudaError::Driver`]
+/// naming `device` and `what`). Every hand-written launch of the workspace goes through
+/// it, the reference model's too.
+///
+/// Each argument is a reference to a value of the type its parameter in the kernel's
+/// `.cu` signature has (`&u64` for a device pointer or a `uint64_t`, `&i32` for an `int`,
+/// …): the macro checks neither their number nor their types against the kernel, and the
+/// `.cu` signatures are the contract. The launch itself is `unsafe`
+/// (`cudarc::driver::LaunchArgs::launch`): write the macro inside an `unsafe` block whose
+/// `// SAFETY:` says why every address is valid for what the kernel reads and writes (the
+/// macro opens no `unsafe` block of its own, so outside one it does not compile).
+///
+/// ```no_run
+/// use dsa_kv_cuda::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+/// use dsa_kv_cuda::CudaError;
+///
+/// /// Runs `fill(int* out, int n)` over `n` elements at `out` on device 0.
+/// fn fill(stream: &CudaStream, f: &CudaFunction, out: u64, n: i32) -> Result<(), CudaError> {
+///     let cfg = LaunchConfig::for_num_elems(n as u32);
+///     // SAFETY: `out` holds `n` i32 on the stream's device.
+///     unsafe { dsa_kv_cuda::launch!(stream, f, cfg, 0, "fill"; &out, &n) }
+/// }
+/// ```
+#[macro_export]
+macro_rules! launch {
+    ($stream:expr, $func:expr, $cfg:expr, $device:expr, $what:expr; $($arg:expr),+ $(,)?) => {{
+        use $crate::cudarc::driver::PushKernelArg as _;
+        let mut args = $stream.launch_builder($func);
+        $(args.arg($arg);)+
+        args.launch($cfg)
+            .map(|_| ())
+            .map_err(|e| $crate::driver_error($device, $what, e))
+    }};
+}
 
 const BLOCK: u32 = 256;
 /// Bytes one CTA of the batched copy moves.
@@ -204,18 +241,17 @@ impl Kernels {
         }
         let n32 = as_i32(device, "tokens", n)?;
         let c = cfg(n as u64 * 32);
-        let r = if fp4 {
-            let mut b = stream.launch_builder(&self.quantize_indexer_fp4);
-            b.arg(&keys).arg(&values).arg(&scales).arg(&n32);
-            unsafe { b.launch(c) }
+        let what = "quantize_indexer";
+        // SAFETY (both branches): the caller's contract (above) covers every address.
+        if fp4 {
+            let f = &self.quantize_indexer_fp4;
+            unsafe { crate::launch!(stream, f, c, device, what; &keys, &values, &scales, &n32) }
         } else {
-            let ue = i32::from(ue8m0);
-            let mut b = stream.launch_builder(&self.quantize_indexer_fp8);
-            b.arg(&keys).arg(&values).arg(&scales).arg(&n32).arg(&ue);
-            unsafe { b.launch(c) }
-        };
-        r.map(|_| ())
-            .map_err(|e| driver_error(device, "quantize_indexer", e))
+            let (f, ue) = (&self.quantize_indexer_fp8, i32::from(ue8m0));
+            unsafe {
+                crate::launch!(stream, f, c, device, what; &keys, &values, &scales, &n32, &ue)
+            }
+        }
     }
 
     /// Writes `n` indexer tokens into one layer's cache view (`cache`, `cache_len`
@@ -248,32 +284,24 @@ impl Kernels {
         let (n32, w32) = (as_i32(device, "tokens", n)?, width as i32);
         if let Some(g) = guard {
             for (map, bytes, which) in [(vmap, width as u32, 0u32), (smap, 4, 1)] {
-                let mut b = stream.launch_builder(&self.guard_offsets);
-                b.arg(&map)
-                    .arg(&n32)
-                    .arg(&bytes)
-                    .arg(&cache_len)
-                    .arg(&g.op)
-                    .arg(&which)
-                    .arg(&g.flag);
-                unsafe { b.launch(cfg(n as u64)) }
-                    .map_err(|e| driver_error(device, "guard_offsets", e))?;
+                // SAFETY: the guard reads the `n` mappings and writes the step's flag.
+                unsafe {
+                    crate::launch!(
+                        stream, &self.guard_offsets, cfg(n as u64), device, "guard_offsets";
+                        &map, &n32, &bytes, &cache_len, &g.op, &which, &g.flag,
+                    )
+                }?;
             }
         }
         let fail = guard.map_or(0u64, |g| g.flag);
-        let mut b = stream.launch_builder(&self.indexer_k_scatter);
-        b.arg(&cache)
-            .arg(&values)
-            .arg(&scales)
-            .arg(&vmap)
-            .arg(&smap)
-            .arg(&n32)
-            .arg(&w32)
-            .arg(&cache_len)
-            .arg(&fail);
-        unsafe { b.launch(indexer_cfg(device, n, width)?) }
-            .map(|_| ())
-            .map_err(|e| driver_error(device, "indexer_k_scatter", e))
+        let c = indexer_cfg(device, n, width)?;
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, &self.indexer_k_scatter, c, device, "indexer_k_scatter";
+                &cache, &values, &scales, &vmap, &smap, &n32, &w32, &cache_len, &fail,
+            )
+        }
     }
 
     /// Reads tokens `[start, start + n)` of the mappings into contiguous `values` /
@@ -302,19 +330,14 @@ impl Kernels {
             return Ok(());
         }
         let (n32, w32, s64) = (as_i32(device, "tokens", n)?, width as i32, start as i64);
-        let mut b = stream.launch_builder(&self.indexer_k_gather);
-        b.arg(&cache)
-            .arg(&vmap)
-            .arg(&smap)
-            .arg(&s64)
-            .arg(&n32)
-            .arg(&w32)
-            .arg(&cache_len)
-            .arg(&values)
-            .arg(&scales);
-        unsafe { b.launch(indexer_cfg(device, n, width)?) }
-            .map(|_| ())
-            .map_err(|e| driver_error(device, "indexer_k_gather", e))
+        let c = indexer_cfg(device, n, width)?;
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, &self.indexer_k_gather, c, device, "indexer_k_gather";
+                &cache, &vmap, &smap, &s64, &n32, &w32, &cache_len, &values, &scales,
+            )
+        }
     }
 
     /// Encodes `n` 576-element BF16 rows (`rows`) and writes them at token slots `slots`
@@ -354,85 +377,50 @@ impl Kernels {
                 views.push((scales, 36, 1));
             }
             for (v, row_bytes, which) in views {
-                let mut b = stream.launch_builder(&self.guard_rows);
-                b.arg(&slots)
-                    .arg(&n32)
-                    .arg(&v.base)
-                    .arg(&v.block_stride)
-                    .arg(&v.tokens_per_block)
-                    .arg(&row_bytes)
-                    .arg(&v.pool_len)
-                    .arg(&g.op)
-                    .arg(&which)
-                    .arg(&g.flag);
-                unsafe { b.launch(cfg(n as u64)) }
-                    .map_err(|e| driver_error(device, "guard_rows", e))?;
+                // SAFETY: the guard reads the `n` slots and writes the step's flag.
+                unsafe {
+                    crate::launch!(
+                        stream, &self.guard_rows, cfg(n as u64), device, "guard_rows";
+                        &slots, &n32, &v.base, &v.block_stride, &v.tokens_per_block,
+                        &row_bytes, &v.pool_len, &g.op, &which, &g.flag,
+                    )
+                }?;
             }
         }
         let fail = guard.map_or(0u64, |g| g.flag);
-        let r = match enc {
-            MlaEncoding::Bf16 => {
-                let mut b = stream.launch_builder(&self.mla_scatter_bf16);
-                b.arg(&pool)
-                    .arg(&rows)
-                    .arg(&slots)
-                    .arg(&n32)
-                    .arg(&base)
-                    .arg(&stride)
-                    .arg(&tpb)
-                    .arg(&len)
-                    .arg(&fail);
-                unsafe { b.launch(c) }
-            }
-            MlaEncoding::Fp8 { tensor_scale } => {
-                let mut b = stream.launch_builder(&self.mla_scatter_fp8);
-                b.arg(&pool)
-                    .arg(&rows)
-                    .arg(&slots)
-                    .arg(&n32)
-                    .arg(&base)
-                    .arg(&stride)
-                    .arg(&tpb)
-                    .arg(&len)
-                    .arg(&tensor_scale)
-                    .arg(&fail);
-                unsafe { b.launch(c) }
-            }
+        let what = "mla_scatter";
+        // SAFETY (every arm): the caller's contract (above) covers every address.
+        match enc {
+            MlaEncoding::Bf16 => unsafe {
+                crate::launch!(
+                    stream, &self.mla_scatter_bf16, c, device, what;
+                    &pool, &rows, &slots, &n32, &base, &stride, &tpb, &len, &fail,
+                )
+            },
+            MlaEncoding::Fp8 { tensor_scale } => unsafe {
+                crate::launch!(
+                    stream, &self.mla_scatter_fp8, c, device, what;
+                    &pool, &rows, &slots, &n32, &base, &stride, &tpb, &len, &tensor_scale,
+                    &fail,
+                )
+            },
             MlaEncoding::Fp8DsMla { ue8m0 } => {
                 let ue = i32::from(ue8m0);
-                let mut b = stream.launch_builder(&self.mla_scatter_fp8_ds_mla);
-                b.arg(&pool)
-                    .arg(&rows)
-                    .arg(&slots)
-                    .arg(&n32)
-                    .arg(&base)
-                    .arg(&stride)
-                    .arg(&tpb)
-                    .arg(&len)
-                    .arg(&ue)
-                    .arg(&fail);
-                unsafe { b.launch(c) }
+                unsafe {
+                    crate::launch!(
+                        stream, &self.mla_scatter_fp8_ds_mla, c, device, what;
+                        &pool, &rows, &slots, &n32, &base, &stride, &tpb, &len, &ue, &fail,
+                    )
+                }
             }
-            MlaEncoding::Nvfp4 { scales } => {
-                let mut b = stream.launch_builder(&self.mla_scatter_nvfp4);
-                b.arg(&pool)
-                    .arg(&scales.pool)
-                    .arg(&rows)
-                    .arg(&slots)
-                    .arg(&n32)
-                    .arg(&base)
-                    .arg(&stride)
-                    .arg(&scales.base)
-                    .arg(&scales.block_stride)
-                    .arg(&tpb)
-                    .arg(&len)
-                    .arg(&scales.pool_len)
-                    .arg(&fail);
-                unsafe { b.launch(c) }
-            }
-        };
-        r.map(|_| ())
-            .map_err(|e| driver_error(device, "mla_scatter", e))
+            MlaEncoding::Nvfp4 { scales } => unsafe {
+                crate::launch!(
+                    stream, &self.mla_scatter_nvfp4, c, device, what;
+                    &pool, &scales.pool, &rows, &slots, &n32, &base, &stride, &scales.base,
+                    &scales.block_stride, &tpb, &len, &scales.pool_len, &fail,
+                )
+            },
+        }
     }
 
     /// Top-k → global row ids. Reference: [`dsa_kv_core::ops::topk::topk_to_global`] (a
@@ -472,21 +460,13 @@ impl Kernels {
             params.scale as i32,
             params.layer_offset as i32,
         );
-        let mut b = stream.launch_builder(&self.topk_to_global);
-        b.arg(&topk)
-            .arg(&k32)
-            .arg(&row_request)
-            .arg(&r32)
-            .arg(&block_table)
-            .arg(&tr32)
-            .arg(&mb32)
-            .arg(&t)
-            .arg(&s)
-            .arg(&o)
-            .arg(&out);
-        unsafe { b.launch(cfg(total)) }
-            .map(|_| ())
-            .map_err(|e| driver_error(device, "topk_to_global", e))
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, &self.topk_to_global, cfg(total), device, "topk_to_global";
+                &topk, &k32, &row_request, &r32, &block_table, &tr32, &mb32, &t, &s, &o, &out,
+            )
+        }
     }
 
     /// Dense short-sequence top-k. Reference: [`dsa_kv_core::ops::topk::dense_topk`].
@@ -508,11 +488,13 @@ impl Kernels {
         let total = rows as u64 * k as u64;
         as_i32(device, "top-k entries", total as usize)?;
         let (r32, k32) = (rows as i32, k as i32);
-        let mut b = stream.launch_builder(&self.dense_topk);
-        b.arg(&kv_lens).arg(&r32).arg(&k32).arg(&out);
-        unsafe { b.launch(cfg(total)) }
-            .map(|_| ())
-            .map_err(|e| driver_error(device, "dense_topk", e))
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, &self.dense_topk, cfg(total), device, "dense_topk";
+                &kv_lens, &r32, &k32, &out,
+            )
+        }
     }
 
     /// Recomputes the slot mappings of `n` new tokens from per-request cached lengths on
@@ -548,25 +530,16 @@ impl Kernels {
             ),
             None => (0, 0, 0, 0),
         };
-        let mut b = stream.launch_builder(&self.recompute_slot_mappings);
-        b.arg(&tables.indexer_table)
-            .arg(&mb)
-            .arg(&tables.num_cached)
-            .arg(&tables.req_idx)
-            .arg(&tables.token_start)
-            .arg(&n32)
-            .arg(&tpb)
-            .arg(&scale)
-            .arg(&page_bytes)
-            .arg(&data)
-            .arg(&sc)
-            .arg(&has)
-            .arg(&out_value)
-            .arg(&out_scale)
-            .arg(&out_mla);
-        unsafe { b.launch(cfg(n as u64)) }
-            .map(|_| ())
-            .map_err(|e| driver_error(device, "recompute_slot_mappings", e))
+        let f = &self.recompute_slot_mappings;
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, f, cfg(n as u64), device, "recompute_slot_mappings";
+                &tables.indexer_table, &mb, &tables.num_cached, &tables.req_idx,
+                &tables.token_start, &n32, &tpb, &scale, &page_bytes, &data, &sc, &has,
+                &out_value, &out_scale, &out_mla,
+            )
+        }
     }
 
     /// Runs `tasks` copies of `bytes` bytes each (a multiple of 16): task `i` moves
@@ -602,14 +575,18 @@ impl Kernels {
         while at < tasks {
             let now = (tasks - at).min(65_535);
             let (d, s) = (dst + at as u64 * 8, src + at as u64 * 8);
-            let mut b = stream.launch_builder(&self.batched_copy);
-            b.arg(&d).arg(&s).arg(&bytes64).arg(&chunks);
             let c = LaunchConfig {
                 grid_dim: (chunks as u32, now as u32, 1),
                 block_dim: (BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
-            unsafe { b.launch(c) }.map_err(|e| driver_error(device, "batched_copy", e))?;
+            // SAFETY: the caller's contract (above) covers every address.
+            unsafe {
+                crate::launch!(
+                    stream, &self.batched_copy, c, device, "batched_copy";
+                    &d, &s, &bytes64, &chunks,
+                )
+            }?;
             at += now;
         }
         Ok(())
@@ -630,11 +607,13 @@ impl Kernels {
         for half in 0..2u32 {
             let (base, count) = (half << 31, 1u32 << 31);
             let (m, ex) = (out.ptr(), out.ptr() + 8);
-            let mut b = stream.launch_builder(&self.selfcheck_e4m3);
-            b.arg(&base).arg(&count).arg(&m).arg(&ex);
             // SAFETY: the counters buffer holds a u64 and a u32.
-            unsafe { b.launch(cfg(u64::from(count))) }
-                .map_err(|e| driver_error(dev, "selfcheck_e4m3", e))?;
+            unsafe {
+                crate::launch!(
+                    stream, &self.selfcheck_e4m3, cfg(u64::from(count)), dev, "selfcheck_e4m3";
+                    &base, &count, &m, &ex,
+                )
+            }?;
         }
         let mut v = [0u64; 2];
         gpu.download(&out, &mut v)?;

@@ -25,6 +25,10 @@
 //! [`HostDevice`]: dsa_kv_device::HostDevice
 //! [`KvStorage`]: dsa_kv_core::storage::KvStorage
 
+// Every unsafe operation sits in its own `unsafe` block with its reason, inside `unsafe fn`
+// too (the kernel launches through `launch!` among them).
+#![deny(unsafe_op_in_unsafe_fn)]
+
 mod buffers;
 #[cfg(feature = "nccl")]
 mod control;

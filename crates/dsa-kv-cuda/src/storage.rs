@@ -33,18 +33,6 @@ pub struct CudaStorage {
     fences: VecDeque<(Fence, CudaEvent)>,
 }
 
-impl Drop for CudaStorage {
-    fn drop(&mut self) {
-        // Work still queued on this GPU may read or write the pools (a copy plan, the
-        // kernels of a step whose forward failed midway, a shutdown right after a step):
-        // the pools are unmapped only after it has run, or those kernels fault on freed
-        // addresses and the error sticks to the context for everything after.
-        if self.gpu.bind().is_ok() {
-            let _ = self.gpu.synchronize();
-        }
-    }
-}
-
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaStorage")

@@ -874,6 +874,54 @@ fn vmm_growth_past_physical_memory_rolls_back() {
     );
 }
 
+/// Dropping a pool with work still queued on it waits for that work: `cuMemUnmap` does
+/// not, and a kernel writing to an unmapped range faults (a sticky
+/// `CUDA_ERROR_ILLEGAL_ADDRESS` for the rest of the process; found on the H200 when a
+/// device was dropped right after a step whose forward failed midway). Both kinds of pool:
+/// VMM chunks and the fixed `cuMemAlloc` pool that IPC exports.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_pool_dropped_with_work_queued_waits_for_it() {
+    let g = gpu();
+    let bytes = 512usize << 20;
+    let src = DeviceBuffer::zeroed(&g, bytes, "test").unwrap();
+    for ipc in [false, true] {
+        let pool = if ipc {
+            VmmPool::ipc(&g, bytes)
+        } else {
+            VmmPool::new(&g, bytes, bytes)
+        }
+        .unwrap();
+        let tasks = buf(&g, &[pool.base(), src.ptr()]);
+        // Tens of milliseconds of copies into the pool: still running when it is dropped.
+        for _ in 0..40 {
+            // SAFETY: both ranges hold `bytes` bytes (the pool until it is dropped, which
+            // is what the test is about).
+            unsafe {
+                g.kernels().batched_copy(
+                    g.compute(),
+                    0,
+                    tasks.ptr(),
+                    tasks.ptr() + 8,
+                    1,
+                    bytes as u64,
+                )
+            }
+            .unwrap();
+        }
+        drop(pool);
+        g.synchronize().unwrap_or_else(|e| {
+            panic!("the copies into the dropped pool (ipc: {ipc}) faulted: {e}")
+        });
+    }
+    let after = buf(&g, &[7u64, 8]);
+    assert_eq!(
+        read::<u64>(&g, &after, 2),
+        [7, 8],
+        "the context still works"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn copy_plans_match_host_storage() {

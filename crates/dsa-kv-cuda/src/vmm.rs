@@ -336,6 +336,14 @@ impl Drop for VmmPool {
         if self.bind().is_err() {
             return;
         }
+        // Work still queued on this GPU may read or write the pool (a copy plan, the
+        // kernels of a step whose forward failed midway, a shutdown right after a step),
+        // and `cuMemUnmap` does not wait for it (nor is `cuMemFree` documented to): unmap
+        // only after it has run, or those kernels fault on freed addresses and the error
+        // sticks to the context for everything after. `cuCtxSynchronize` waits for every
+        // stream of the context, whoever queued the work. An error (the context already
+        // broken) leaves nothing to wait for.
+        let _ = self.ctx.synchronize();
         if self.legacy {
             // SAFETY: allocated by `ipc` and not freed before.
             let _ = unsafe { sys::cuMemFree_v2(self.base) };

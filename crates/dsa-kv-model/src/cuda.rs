@@ -18,10 +18,13 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 
+use super::math::{rope_cos_sin, Mat};
+use super::model::output_of;
 use super::paged::{check_setup, verdict, Mtp, Outputs};
-use super::{output_of, rope_cos_sin, Layer, Model, ModelError, INDEX_DIM, LATENT, ROPE};
+use super::weights::Layer;
+use super::{Model, ModelError, INDEX_DIM, LATENT, ROPE};
 use dsa_kv_core::config::KvDtype;
 use dsa_kv_cuda::kernels::{DevRows, MlaEncoding};
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
@@ -59,8 +62,8 @@ struct DevLayer {
 
 impl DevLayer {
     fn new(gpu: &Gpu, l: &Layer) -> Result<DevLayer, CudaError> {
-        let up = |m: &super::Mat| DeviceBuffer::from_slice(gpu, &m.w, "model weights");
-        let ups = |v: &[super::Mat]| v.iter().map(up).collect::<Result<Vec<_>, _>>();
+        let up = |m: &Mat| DeviceBuffer::from_slice(gpu, &m.w, "model weights");
+        let ups = |v: &[Mat]| v.iter().map(up).collect::<Result<Vec<_>, _>>();
         Ok(DevLayer {
             w_dkv: up(&l.w_dkv)?,
             w_kr: up(&l.w_kr)?,
@@ -458,21 +461,15 @@ impl CudaModelForward {
         } else {
             &self.f.matvec
         };
-        let mut b = self.stream().launch_builder(f);
-        b.arg(&out)
-            .arg(&os)
-            .arg(&oo)
-            .arg(&w)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&x)
-            .arg(&xs)
-            .arg(&xo)
-            .arg(&n32);
         let outs = if transposed { m.cols } else { m.rows };
         // SAFETY: every buffer is sized for `t_max ≥ n` tokens of these widths.
-        unsafe { b.launch(grid(n * outs)) }.map_err(launch_err("m_matvec"))?;
-        Ok(())
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), f, grid(n * outs), self.gpu.ordinal(), "m_matvec";
+                &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &n32,
+            )
+        }
+        .map_err(cuda)
     }
 
     fn rmsnorm(&self, out: &DeviceBuffer, x: &DeviceBuffer, n: usize) -> Result<(), ForwardError> {
@@ -482,11 +479,14 @@ impl CudaModelForward {
             n as i32,
             self.model.config().hidden as i32,
         );
-        let mut b = self.stream().launch_builder(&self.f.rmsnorm);
-        b.arg(&o).arg(&xp).arg(&n32).arg(&h);
         // SAFETY: `[n, hidden]` floats in both buffers.
-        unsafe { b.launch(grid(n)) }.map_err(launch_err("m_rmsnorm"))?;
-        Ok(())
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.rmsnorm, grid(n), self.gpu.ordinal(), "m_rmsnorm";
+                &o, &xp, &n32, &h,
+            )
+        }
+        .map_err(cuda)
     }
 
     fn elementwise(
@@ -498,15 +498,15 @@ impl CudaModelForward {
     ) -> Result<(), ForwardError> {
         let (ap, len64) = (a.ptr(), len as i64);
         let bp = b2.map(|b| b.ptr());
-        let mut b = self.stream().launch_builder(f);
-        b.arg(&ap);
-        if let Some(bp) = &bp {
-            b.arg(bp);
-        }
-        b.arg(&len64);
+        let (stream, c, dev) = (self.stream(), grid(len), self.gpu.ordinal());
         // SAFETY: `len` floats in each buffer.
-        unsafe { b.launch(grid(len)) }.map_err(launch_err("elementwise"))?;
-        Ok(())
+        match &bp {
+            Some(bp) => unsafe {
+                dsa_kv_cuda::launch!(stream, f, c, dev, "elementwise"; &ap, bp, &len64)
+            },
+            None => unsafe { dsa_kv_cuda::launch!(stream, f, c, dev, "elementwise"; &ap, &len64) },
+        }
+        .map_err(cuda)
     }
 
     /// RoPE on `count` 64-wide vectors per token of `buf` (`stride` floats per token,
@@ -530,18 +530,15 @@ impl CudaModelForward {
             self.rope.ptr(),
             n as i32,
         );
-        let mut b = self.stream().launch_builder(&self.f.rope);
-        b.arg(&p)
-            .arg(&st)
-            .arg(&of)
-            .arg(&cnt)
-            .arg(&ks)
-            .arg(&pos)
-            .arg(&tab)
-            .arg(&n32);
+        let c = grid(n * count * 32);
         // SAFETY: positions below `max_ctx` (the table's rows), buffers sized for `n`.
-        unsafe { b.launch(grid(n * count * 32)) }.map_err(launch_err("m_rope"))?;
-        Ok(())
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.rope, c, self.gpu.ordinal(), "m_rope";
+                &p, &st, &of, &cnt, &ks, &pos, &tab, &n32,
+            )
+        }
+        .map_err(cuda)
     }
 
     fn to_bf16(
@@ -551,11 +548,14 @@ impl CudaModelForward {
         len: usize,
     ) -> Result<(), ForwardError> {
         let (d, s, l) = (dst.ptr(), src.ptr(), len as i64);
-        let mut b = self.stream().launch_builder(&self.f.to_bf16);
-        b.arg(&d).arg(&s).arg(&l);
         // SAFETY: `len` elements in both.
-        unsafe { b.launch(grid(len)) }.map_err(launch_err("m_to_bf16"))?;
-        Ok(())
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.to_bf16, grid(len), self.gpu.ordinal(), "m_to_bf16";
+                &d, &s, &l,
+            )
+        }
+        .map_err(cuda)
     }
 
     /// `x ← embedding(tok)`.
@@ -569,11 +569,15 @@ impl CudaModelForward {
             c.hidden as i32,
             c.vocab as i32,
         );
-        let mut b = self.stream().launch_builder(&self.f.embed);
-        b.arg(&x).arg(&tok).arg(&e).arg(&n32).arg(&h).arg(&v);
+        let g = grid(n * c.hidden);
         // SAFETY: `n` tokens, ids reduced modulo the vocabulary.
-        unsafe { b.launch(grid(n * c.hidden)) }.map_err(launch_err("m_embed"))?;
-        Ok(())
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.embed, g, self.gpu.ordinal(), "m_embed";
+                &x, &tok, &e, &n32, &h, &v,
+            )
+        }
+        .map_err(cuda)
     }
 
     /// Writes the KV of layer weights `w` for the `n` tokens (normed inputs in `xn`)
@@ -693,7 +697,7 @@ impl CudaModelForward {
         };
         let cols = m.max_blocks_per_seq as i32;
         let (n32, max_ctx) = (n as i32, self.max_ctx as i32);
-        let fail = s.fail.ptr();
+        let (fail, dev) = (s.fail.ptr(), self.gpu.ordinal());
         let use_index = i32::from(cache.indexer.is_some());
         if let Some(ix) = cache.indexer {
             for (k, wq) in w.w_iq.iter().enumerate() {
@@ -730,30 +734,19 @@ impl CudaModelForward {
                 s.iw.ptr(),
                 m.indexer_page_table.addr,
             );
-            let mut b = self.stream().launch_builder(&self.f.index_scores);
-            b.arg(&args.0)
-                .arg(&max_ctx)
-                .arg(&args.1)
-                .arg(&args.2)
-                .arg(&args.3)
-                .arg(&args.4)
-                .arg(&args.5)
-                .arg(&ih32)
-                .arg(&args.6)
-                .arg(&m.block_table.addr)
-                .arg(&cols)
-                .arg(&ix.base)
-                .arg(&ix.page_bytes)
-                .arg(&ix.pages)
-                .arg(&tpp)
-                .arg(&ov_last)
-                .arg(&ov_keys)
-                .arg(&fail)
-                .arg(&n32);
+            let g = grid(n * self.max_ctx);
             // SAFETY: the page tables of this step's rows; a position whose block-table
             // entry is −1 or whose page is past the pool sets the fail flag and reads
             // nothing.
-            unsafe { b.launch(grid(n * self.max_ctx)) }.map_err(launch_err("m_index_scores"))?;
+            unsafe {
+                dsa_kv_cuda::launch!(
+                    self.stream(), &self.f.index_scores, g, dev, "m_index_scores";
+                    &args.0, &max_ctx, &args.1, &args.2, &args.3, &args.4, &args.5, &ih32,
+                    &args.6, &m.block_table.addr, &cols, &ix.base, &ix.page_bytes, &ix.pages,
+                    &tpp, &ov_last, &ov_keys, &fail, &n32,
+                )
+            }
+            .map_err(cuda)?;
         }
         let topk = c.topk as i32;
         let (sel, nsel, rank, scores, pos) = (
@@ -763,18 +756,14 @@ impl CudaModelForward {
             s.scores.ptr(),
             s.pos.ptr(),
         );
-        let mut b = self.stream().launch_builder(&self.f.topk);
-        b.arg(&sel)
-            .arg(&nsel)
-            .arg(&rank)
-            .arg(&scores)
-            .arg(&max_ctx)
-            .arg(&pos)
-            .arg(&topk)
-            .arg(&use_index)
-            .arg(&n32);
         // SAFETY: `max_ctx` entries per token in every buffer.
-        unsafe { b.launch(blocks(n, 256)) }.map_err(launch_err("m_topk"))?;
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.topk, blocks(n, 256), dev, "m_topk";
+                &sel, &nsel, &rank, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
+            )
+        }
+        .map_err(cuda)?;
         for k in 0..heads {
             self.matvec(
                 op(
@@ -825,32 +814,16 @@ impl CudaModelForward {
             s.row.ptr(),
             m.block_table.addr,
         );
-        let mut b = self.stream().launch_builder(&self.f.attn);
-        b.arg(&args.0)
-            .arg(&args.1)
-            .arg(&args.2)
-            .arg(&sel)
-            .arg(&nsel)
-            .arg(&max_ctx)
-            .arg(&args.3)
-            .arg(&pos)
-            .arg(&args.4)
-            .arg(&args.5)
-            .arg(&cols)
-            .arg(&mla.rows.base)
-            .arg(&mla.rows.page_stride)
-            .arg(&mla_pages)
-            .arg(&tpp)
-            .arg(&rb)
-            .arg(&enc)
-            .arg(&scale)
-            .arg(&heads32)
-            .arg(&ov_last)
-            .arg(&ov_rows)
-            .arg(&fail)
-            .arg(&n32);
         // SAFETY: selected positions are cached (−1 block-table entries set the flag).
-        unsafe { b.launch(blocks(n * heads, 128)) }.map_err(launch_err("m_attn"))?;
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.attn, blocks(n * heads, 128), dev, "m_attn";
+                &args.0, &args.1, &args.2, &sel, &nsel, &max_ctx, &args.3, &pos, &args.4,
+                &args.5, &cols, &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb,
+                &enc, &scale, &heads32, &ov_last, &ov_rows, &fail, &n32,
+            )
+        }
+        .map_err(cuda)?;
         for k in 0..heads {
             self.matvec(
                 MatOp {
