@@ -14,7 +14,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
 use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
 use dsa_kv::core::scheduler::{
-    PlannedKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
+    RequestKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
 };
 use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, TierSlots};
 use dsa_kv::device::{
@@ -218,7 +218,7 @@ async fn runtime(dev: Dev) -> KvCacheHandle {
             && rep
                 .scheduled
                 .iter()
-                .all(|r| r.kind == PlannedKind::Generation)
+                .all(|r| r.kind == RequestKind::Generation)
         {
             return kv;
         }

@@ -115,7 +115,7 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
             .await
             .map_err(|e| e.to_string())?;
         let p = ZmqPublisher::start(
-            kv.subscribe_events().await.map_err(|e| e.to_string())?,
+            kv.events().subscribe().await.map_err(|e| e.to_string())?,
             ZmqPublisherConfig {
                 endpoint: "tcp://127.0.0.1:0".into(),
                 replay_endpoint: Some("tcp://127.0.0.1:0".into()),
@@ -181,6 +181,7 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
             // decision sees its blocks.
             run_to_end(&engines[w]).await?;
             let target = engines[w]
+                .events()
                 .router_snapshot()
                 .await
                 .map_err(|e| e.to_string())?

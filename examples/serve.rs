@@ -88,7 +88,7 @@ use clap::{Parser, ValueEnum};
 use common::Backend;
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, StepReport};
 use dsa_kv::config::{EngineConfig, KvDtype, LayerSet, SpecMode};
-use dsa_kv::core::scheduler::{PlannedKind, RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::ForwardFactory;
 use dsa_kv::device::Verification;
@@ -416,7 +416,7 @@ impl StepLatency {
         if report
             .scheduled
             .iter()
-            .all(|r| r.kind == PlannedKind::Generation)
+            .all(|r| r.kind == RequestKind::Generation)
         {
             self.decode_only.push(ms);
             self.decode_device
@@ -667,25 +667,25 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         && failed.is_empty()
         && counts.live_sequences == 0
         && exactness.as_ref().is_none_or(|e| e.is_exact());
-    let processed = st.prefill_tokens + st.decode_tokens;
+    let processed = st.scheduler.prefill_tokens + st.scheduler.decode_tokens;
     let mut report = json!({
         "integrity_ok": integrity_ok,
         "source": format!("{:?}", a.source).to_lowercase(),
         "backend": format!("{:?}", a.backend).to_lowercase(),
         "requests": next_id - 1,
-        "requests_finished": st.finished,
+        "requests_finished": st.scheduler.finished,
         "requests_failed": failed.len(),
         "conversations": w.conversations,
         "turns": w.turns,
-        "steps": st.steps,
+        "steps": st.scheduler.steps,
         "elapsed_s": elapsed,
-        "steps_per_s": st.steps as f64 / elapsed,
+        "steps_per_s": st.scheduler.steps as f64 / elapsed,
         "generated_tokens": outputs,
         "generated_tokens_per_s": outputs as f64 / elapsed,
         "processed_tokens": processed,
         "processed_tokens_per_s": processed as f64 / elapsed,
-        "prefill_tokens": st.prefill_tokens,
-        "decode_tokens": st.decode_tokens,
+        "prefill_tokens": st.scheduler.prefill_tokens,
+        "decode_tokens": st.scheduler.decode_tokens,
         "step_latency_note": "ms of kv.step (schedule, copies, forward on every device), steps with work",
         "cuda_graphs": a.cuda_graphs,
         "graph_steps": graph_steps,
@@ -696,13 +696,13 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         "rolling_hit_rate": st.rolling_hit_rate,
         "offload_bytes": st.offload_bytes,
         "onboard_bytes": st.onboard_bytes,
-        "preemptions": st.preemptions,
+        "preemptions": st.scheduler.preemptions,
         "draft_acceptance_rate": st.draft_acceptance_rate,
-        "drafts_proposed": st.drafts_proposed,
-        "drafts_accepted": st.drafts_accepted,
+        "drafts_proposed": st.scheduler.drafts_proposed,
+        "drafts_accepted": st.scheduler.drafts_accepted,
         "draft_replays": st.draft_replays,
-        "manager_overhead_us_per_step": st.manager_us as f64 / st.steps.max(1) as f64,
-        "device_us_per_step": st.device_us as f64 / st.steps.max(1) as f64,
+        "manager_overhead_us_per_step": st.manager_us as f64 / st.scheduler.steps.max(1) as f64,
+        "device_us_per_step": st.device_us as f64 / st.scheduler.steps.max(1) as f64,
         "tokens_verified": st.tokens_verified,
         "verified_layers": info.verified_layers,
         "mismatches": st.mismatches,
@@ -1089,8 +1089,8 @@ fn summary(
             "processed tokens (prefill + decode)",
             format!(
                 "{} + {} ({:.1} tokens/s)",
-                st.prefill_tokens,
-                st.decode_tokens,
+                st.scheduler.prefill_tokens,
+                st.scheduler.decode_tokens,
                 num("processed_tokens_per_s")
             ),
         ),
@@ -1127,7 +1127,7 @@ fn summary(
                 st.onboard_bytes as f64 / 1048576.0
             ),
         ),
-        ("preemptions", st.preemptions.to_string()),
+        ("preemptions", st.scheduler.preemptions.to_string()),
         (
             "KV events stored / removed / moved",
             format!(
@@ -1157,7 +1157,7 @@ fn summary(
                 format!(
                     "{:.1} % of {}",
                     100.0 * st.draft_acceptance_rate,
-                    st.drafts_proposed
+                    st.scheduler.drafts_proposed
                 ),
             ),
             (

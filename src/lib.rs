@@ -40,23 +40,33 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # The layers (each a crate of the workspace, re-exported here)
+//! # What the crate offers
 //!
-//! * [`actors`]: the runtime (coordinator, device actors, draft replay) and its handle.
+//! * [`actors`]: the runtime (coordinator, device actors, draft replay) and its handle;
+//!   the handle module lists its methods by group.
+//! * [`prelude`]: the types an engine loop names, in one import.
+//! * [`config`]: model dims and the engine configuration (TOML / YAML / JSON).
+//! * [`device`]: the forward boundary a framework's model plugs into
+//!   ([`Forward`](device::Forward), [`Batch`](device::Batch)), where new tokens' KV
+//!   comes from ([`KvSource`](device::KvSource)), verification, the host device.
+//! * [`transfer`]: KV pages between engines (prefill/decode disaggregation): the
+//!   transport trait, the local transport, NIXL (feature `nixl`), NCCL (feature `nccl`).
+//! * `cuda` (feature `cuda`, on by default): the CUDA backend
+//!   (`cuda::CudaDevice::factory`), loaded at run time (a typed error without a GPU).
 //! * `publish` (feature `zmq`): router events on the vLLM / Dynamo ZMQ wire.
-//! * `dsa-kv-device`: [`device`] (the step a device runs, the host device, the forward
-//!   boundary, the synthetic writer) and [`transfer`] (KV pages between engines; NIXL
-//!   with feature `nixl`).
-//! * `dsa-kv-cuda` (feature `cuda`): `cuda`, the CUDA backend and our kernels; the NCCL
-//!   transport with feature `nccl`.
-//! * `dsa-kv-core`, synchronous, no async runtime, no CUDA: [`config`] (model dims,
-//!   engine configuration), [`layout`] (pool plans, V1 or V2), [`core`] (allocation,
-//!   reuse, eviction, quota, the scheduler), [`metadata`] (the kernels' step metadata),
-//!   [`ops`] (host reference ops), [`storage`] (bytes), [`ids`], [`rng`], [`sync`].
-//! * `dsa-kv-model`: the reference DSA model the tests and examples run (not a
-//!   dependency of the runtime).
+//! * The vocabulary the runtime's types use: [`core`] (requests, reuse scopes, events,
+//!   errors, capacity planning), [`layout`] (pool plans, V1 or V2), [`metadata`] (what
+//!   the kernels' step metadata holds), [`ids`].
 //!
-//! Feature `fault-injection` adds the runtime's fault drills. See `ARCHITECTURE.md`.
+//! Each layer is a crate of the workspace, and this crate re-exports what an engine needs
+//! of it: `dsa-kv-core` (synchronous: the cache manager, scheduler, layouts, metadata,
+//! host reference ops; no async runtime, no CUDA), `dsa-kv-device` (the device contract:
+//! a new backend implements it there), `dsa-kv-cuda`, and `dsa-kv-model` (the reference
+//! DSA model the tests and examples run; not a dependency of the runtime). Feature
+//! `testing` adds what tests and self-checks read (the handle's `check_invariants`,
+//! `cache_digests`, `bindings`; each layer's internals: the raw allocators and fences in
+//! `sync`, `ops`, `storage`, `rng`); feature `fault-injection` the runtime's fault
+//! drills. See `ARCHITECTURE.md`.
 #![warn(missing_docs)]
 
 pub mod actors;
@@ -64,18 +74,94 @@ pub mod prelude;
 #[cfg(feature = "zmq")]
 pub mod publish;
 
-pub use dsa_kv_core::{config, core, ids, layout, metadata, ops, rng, storage, sync};
-#[cfg(feature = "cuda")]
-pub use dsa_kv_cuda as cuda;
-pub use dsa_kv_device as device;
-pub use dsa_kv_device::synthetic;
+pub use dsa_kv_core::{config, ids, layout};
+#[cfg(feature = "testing")]
+pub use dsa_kv_core::{ops, rng, storage, sync};
 
-/// KV pages between engines: [`dsa_kv_device::transfer`], and the NCCL transport of the
-/// CUDA backend (feature `nccl`).
+/// The cache manager's vocabulary as the runtime's types use it: requests and their
+/// outcomes ([`scheduler`]), reuse scopes and keys, KV and router events, errors,
+/// capacity planning ([`quota`]). The synchronous core itself (the manager, the
+/// scheduler) is the `dsa-kv-core` crate; with feature `testing` all of it is here too.
+pub mod core {
+    pub use dsa_kv_core::core::quota;
+    #[cfg(feature = "testing")]
+    pub use dsa_kv_core::core::*;
+    pub use dsa_kv_core::core::{
+        BlockKey, BlockLoc, CachedPage, KvError, KvEvent, Medium, PageLoc, PageStatus, PrefixHash,
+        ResetReport, ReuseScope, RouterBlock, RouterEvent, SeqStatus, DEFAULT_PRIORITY,
+        MAX_PRIORITY, MIN_PRIORITY,
+    };
+
+    /// Requests as the runtime takes them and reports them, and the scheduler's errors
+    /// and counters.
+    pub mod scheduler {
+        #[cfg(feature = "testing")]
+        pub use dsa_kv_core::core::scheduler::*;
+        pub use dsa_kv_core::core::scheduler::{
+            Finished, PlannedRequest, RequestKind, RequestOutcome, SchedError, SchedulerLimits,
+            SchedulerStats, SubmitRequest, TransferStats,
+        };
+    }
+}
+
+/// What the kernels' step metadata holds, as a forward reads it through
+/// [`MetadataView`](device::MetadataView): its dimensions and buffer roles.
+pub mod metadata {
+    #[cfg(feature = "testing")]
+    pub use dsa_kv_core::metadata::*;
+    pub use dsa_kv_core::metadata::{
+        BufferId, BufferRole, MetadataDims, MetadataError, MetadataLayout, RequestKind,
+    };
+}
+
+/// The device side an engine sees: the forward boundary ([`forward`]), where new tokens'
+/// KV comes from, verification, the host device, and the backend factory type. A new
+/// backend implements the contract of the `dsa-kv-device` crate (its step hooks); with
+/// feature `testing` all of that crate is here.
+pub mod device {
+    pub use dsa_kv_device::forward;
+    pub use dsa_kv_device::forward::{
+        Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory,
+        IndexerCacheView, LayerCache, MemKind, MetaBuffer, MetadataView, MlaCacheView, Phase,
+        Region, RowsView,
+    };
+    #[cfg(feature = "testing")]
+    pub use dsa_kv_device::*;
+    pub use dsa_kv_device::{
+        BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, HostDevice,
+        KvPosition, KvSource, Mismatch, SyntheticKv, Verification, VerifiedLayers, VerifySpec,
+    };
+}
+
+/// The CUDA backend (feature `cuda`): [`CudaDevice::factory`](cuda::CudaDevice::factory)
+/// for the builder, its errors, the GPUs it sees, and the cudarc it is built on. The
+/// kernels and buffers behind it are the `dsa-kv-cuda` crate; with feature `testing`
+/// all of it is here.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    #[cfg(feature = "testing")]
+    pub use dsa_kv_cuda::*;
+    pub use dsa_kv_cuda::{
+        cudarc, device_count, driver_present, CudaDevice, CudaError, GpuPoolAlloc,
+    };
+}
+
+/// KV pages between engines: the transport trait and what it moves, the plan of a push,
+/// the local transport, NIXL (feature `nixl`) and the NCCL transport of the CUDA backend
+/// (feature `nccl`).
 pub mod transfer {
     #[cfg(feature = "nccl")]
     pub use dsa_kv_cuda::nccl;
+    #[cfg(feature = "nixl")]
+    pub use dsa_kv_device::transfer::nixl;
+    #[cfg(feature = "testing")]
     pub use dsa_kv_device::transfer::*;
+    pub use dsa_kv_device::transfer::{
+        plan_writes, push, push_plan, BlockPages, CacheKind, ExportedBlocks, ImportTicket,
+        KvTransport, LocalTransport, MemKind, MemRegion, PageLoc, PeerId, PlanError, PoolRef,
+        PoolRegion, PushError, Segment, TransferReport, TransportError, WriteBatch, WritePlan,
+        WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
+    };
 }
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.

@@ -544,16 +544,16 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
     let after = kv.stats().await.unwrap();
     assert_eq!(
         (
-            after.steps,
-            after.prefill_tokens,
-            after.decode_tokens,
-            after.finished
+            after.scheduler.steps,
+            after.scheduler.prefill_tokens,
+            after.scheduler.decode_tokens,
+            after.scheduler.finished
         ),
         (
-            before.steps,
-            before.prefill_tokens,
-            before.decode_tokens,
-            before.finished
+            before.scheduler.steps,
+            before.scheduler.prefill_tokens,
+            before.scheduler.decode_tokens,
+            before.scheduler.finished
         )
     );
     kv.commit(good(&step)).await.unwrap();

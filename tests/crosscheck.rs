@@ -652,7 +652,7 @@ fn traces_agree_with_an_independent_f64_recomputation() {
             c.points.len(),
             layers[0],
             layers[1],
-            c.stats.steps
+            c.stats.scheduler.steps
         );
         assert!(c.points.len() >= 40, "{} points", c.points.len());
         assert!(sparse >= 20 && layers.iter().all(|&n| n >= 15));

@@ -146,8 +146,8 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     assert_eq!(cached_a, 256);
 
     let (ra, rb) = (
-        a.kv.transfer_regions().await.unwrap(),
-        b.kv.transfer_regions().await.unwrap(),
+        a.kv.transfer().regions().await.unwrap(),
+        b.kv.transfer().regions().await.unwrap(),
     );
     let mut ta = Partial {
         inner: LocalTransport::new("a"),
@@ -166,7 +166,7 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
     };
 
-    let export = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
+    let export = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
     assert_eq!(export.blocks.len(), 4);
     // The export's id is taken while it lives: a request with it is refused.
     let dup =
@@ -188,7 +188,8 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         "{dup:?}"
     );
     let ticket =
-        b.kv.begin_import_with(&mut tb, &peer_a, &rb, id, SCOPE, &toks, &export)
+        b.kv.transfer()
+            .begin_import_with(&mut tb, &peer_a, &rb, id, SCOPE, &toks, &export)
             .await
             .unwrap()
             .unwrap();
@@ -196,8 +197,11 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     // One segment lands, then the link fails: the importer aborts.
     let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
     assert!(ta.write(&peer, &plan.batches, b"req-0").is_err());
-    b.kv.abort_import_with(&mut tb, id).await.unwrap();
-    a.kv.release_export(id).await.unwrap();
+    b.kv.transfer()
+        .abort_import_with(&mut tb, id)
+        .await
+        .unwrap();
+    a.kv.transfer().release_export(id).await.unwrap();
     let cb = b.kv.check_invariants().await.unwrap();
     assert_eq!(
         (
@@ -214,35 +218,38 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
     assert_eq!(ca.live_sequences, 0, "the export is released");
     assert_eq!(a.kv.probe_reuse(SCOPE, &probe).await.unwrap(), cached_a);
     // Aborting or releasing again is an error that changes nothing.
-    assert!(b.kv.abort_import(id).await.is_err());
-    assert!(a.kv.release_export(id).await.is_err());
+    assert!(b.kv.transfer().abort_import(id).await.is_err());
+    assert!(a.kv.transfer().release_export(id).await.is_err());
 
     // Refusals: other keys than ours (another scope), and another engine layout.
-    let mut forged = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
+    let mut forged = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
     forged.blocks[2].key = BlockKey([7; 32]);
     let e =
-        b.kv.begin_import(id, SCOPE, &toks, &forged)
+        b.kv.transfer()
+            .begin_import(id, SCOPE, &toks, &forged)
             .await
             .unwrap_err();
     assert!(e.to_string().contains("block 2's key"), "{e}");
     let mut other = forged.clone();
     other.blocks =
-        a.kv.export_blocks(RequestId(9), SCOPE, &toks)
+        a.kv.transfer()
+            .export(RequestId(9), SCOPE, &toks)
             .await
             .unwrap()
             .blocks;
     other.layout = "0123456789abcdef".into();
     let e =
-        b.kv.begin_import(id, SCOPE, &toks, &other)
+        b.kv.transfer()
+            .begin_import(id, SCOPE, &toks, &other)
             .await
             .unwrap_err();
     assert!(matches!(e, RuntimeError::Transfer(_)), "{e}");
     assert_eq!(b.kv.check_invariants().await.unwrap().live_sequences, 0);
-    a.kv.release_export(id).await.unwrap();
-    a.kv.release_export(RequestId(9)).await.unwrap();
+    a.kv.transfer().release_export(id).await.unwrap();
+    a.kv.transfer().release_export(RequestId(9)).await.unwrap();
 
     // The same blocks, exported again and complete this time, are committed and used.
-    let export = a.kv.export_blocks(id, SCOPE, &toks).await.unwrap();
+    let export = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
     let mut ok = LocalTransport::new("a2");
     // SAFETY: as above.
     let (peer, peer_ok) = unsafe {
@@ -252,7 +259,8 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         (ok.connect(&tb.local_metadata().unwrap()).unwrap(), peer_ok)
     };
     let ticket =
-        b.kv.begin_import_with(&mut tb, &peer_ok, &rb, id, SCOPE, &toks, &export)
+        b.kv.transfer()
+            .begin_import_with(&mut tb, &peer_ok, &rb, id, SCOPE, &toks, &export)
             .await
             .unwrap()
             .unwrap();
@@ -263,12 +271,18 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         .unwrap()
         .iter()
         .any(|(_, m)| m == b"req-0"));
-    assert_eq!(b.kv.commit_import_with(&mut tb, id).await.unwrap(), 4);
+    assert_eq!(
+        b.kv.transfer()
+            .commit_import_with(&mut tb, id)
+            .await
+            .unwrap(),
+        4
+    );
     assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 256);
     for e in [&a, &b] {
         e.kv.check_invariants().await.unwrap();
     }
-    a.kv.release_export(id).await.unwrap();
+    a.kv.transfer().release_export(id).await.unwrap();
     assert_eq!(a.kv.check_invariants().await.unwrap().live_sequences, 0);
 }
 
@@ -325,8 +339,8 @@ fn transfers_overlap_with_serving_on_both_engines() {
         let start = || disagg::bench_engine_with(2, 6, "host", 0, 1, Some(64 << 20));
         let (a, b) = (start().await.unwrap(), start().await.unwrap());
         let (ra, rb) = (
-            a.transfer_regions().await.unwrap(),
-            b.transfer_regions().await.unwrap(),
+            a.transfer().regions().await.unwrap(),
+            b.transfer().regions().await.unwrap(),
         );
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); only pages an import reserved are written.
@@ -373,7 +387,8 @@ fn transfers_overlap_with_serving_on_both_engines() {
             finish(&a).await;
         }
         let export = a
-            .export_blocks(RequestId(1), SCOPE, &p1[..256])
+            .transfer()
+            .export(RequestId(1), SCOPE, &p1[..256])
             .await
             .unwrap();
         assert_eq!(export.blocks.len(), 4);
@@ -399,6 +414,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
                 disagg::step_synthetic(&b).await.unwrap();
             }
             ticket = b
+                .transfer()
                 .begin_import_with(&mut tb, &peer_a, &rb, id1, SCOPE, &p1, &export)
                 .await
                 .unwrap();
@@ -416,7 +432,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // SAFETY: as above: still pinned.
         let before_release = unsafe { disagg::block_digests(&ra, &export.blocks) }.unwrap();
         assert_eq!(before_release, pinned, "A's serving changed pinned pages");
-        a.release_export(RequestId(1)).await.unwrap();
+        a.transfer().release_export(RequestId(1)).await.unwrap();
         assert!(tb
             .take_notifications()
             .unwrap()
@@ -427,7 +443,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // SAFETY: B's pools; the import's reserved pages, whose bytes have landed.
         let landed = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
         assert_eq!(landed, pinned, "the reserved pages differ from the export");
-        b.commit_import_with(&mut tb, id1).await.unwrap();
+        b.transfer().commit_import_with(&mut tb, id1).await.unwrap();
         finish(&a).await;
         finish(&b).await;
         assert_eq!(b.probe_reuse(SCOPE, &p1).await.unwrap(), 256);
@@ -494,12 +510,14 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         while disagg::step_synthetic(&a).await.unwrap() {}
         // A hostile exporter's offer: the victim's blocks, with keys for its salt.
         let export = a
-            .export_blocks(RequestId(1), victim, &p[..256])
+            .transfer()
+            .export(RequestId(1), victim, &p[..256])
             .await
             .unwrap();
         assert_eq!((export.scope, export.blocks.len()), (victim, 4));
         for scope in [attacker, ReuseScope::SHARED] {
             let e = b
+                .transfer()
                 .begin_import(RequestId(9), scope, &p, &export)
                 .await
                 .unwrap_err();
@@ -507,11 +525,13 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         }
         let other: Vec<TokenId> = (0..257).map(|t| TokenId(9000 + t)).collect();
         let e = b
+            .transfer()
             .begin_import(RequestId(9), victim, &other, &export)
             .await
             .unwrap_err();
         assert!(e.to_string().contains("block 0's key"), "{e}");
         let e = b
+            .transfer()
             .begin_import(RequestId(9), victim, &p[..100], &export)
             .await
             .unwrap_err();
@@ -527,21 +547,25 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         // The importer serves the victim's own request: accepted, and only the victim
         // reuses it.
         let (ra, rb) = (
-            a.transfer_regions().await.unwrap(),
-            b.transfer_regions().await.unwrap(),
+            a.transfer().regions().await.unwrap(),
+            b.transfer().regions().await.unwrap(),
         );
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); the windows admit only reserved pages.
         let (mut ta, mut tb) = (LocalTransport::new("bind-a"), LocalTransport::new("bind-b"));
         let (peer, peer_a) = unsafe { disagg::connect_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
         let ticket = b
+            .transfer()
             .begin_import_with(&mut tb, &peer_a, &rb, RequestId(9), victim, &p, &export)
             .await
             .unwrap()
             .expect("room");
         push(&mut ta, &peer, &export, &ra, &ticket, &rb, b"req-9").unwrap();
         assert_eq!(
-            b.commit_import_with(&mut tb, RequestId(9)).await.unwrap(),
+            b.transfer()
+                .commit_import_with(&mut tb, RequestId(9))
+                .await
+                .unwrap(),
             4
         );
         assert_eq!(b.probe_reuse(victim, &p).await.unwrap(), 256);
@@ -550,7 +574,8 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
 
         // (b) A write aimed at B's committed pages.
         let held = b
-            .export_blocks(RequestId(20), victim, &p[..256])
+            .transfer()
+            .export(RequestId(20), victim, &p[..256])
             .await
             .unwrap();
         // SAFETY: B's pools; the pages are pinned by this export.
@@ -575,8 +600,8 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
             .unwrap()
             .iter()
             .all(|(_, m)| m != b"poison"));
-        b.release_export(RequestId(20)).await.unwrap();
-        a.release_export(RequestId(1)).await.unwrap();
+        b.transfer().release_export(RequestId(20)).await.unwrap();
+        a.transfer().release_export(RequestId(1)).await.unwrap();
         for e in [&a, &b] {
             assert_eq!(e.check_invariants().await.unwrap().live_sequences, 0);
         }
@@ -619,10 +644,12 @@ fn leases_free_what_a_dead_peer_left() {
         .unwrap();
         while disagg::step_synthetic(&a).await.unwrap() {}
         let export = a
-            .export_blocks(RequestId(1), SCOPE, &p[..256])
+            .transfer()
+            .export(RequestId(1), SCOPE, &p[..256])
             .await
             .unwrap();
         let ticket = b
+            .transfer()
             .begin_import(RequestId(1), SCOPE, &p, &export)
             .await
             .unwrap()
@@ -642,7 +669,7 @@ fn leases_free_what_a_dead_peer_left() {
         // A renewal at 300 ms keeps the export alive until 700 ms.
         let t0 = std::time::Instant::now();
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        a.renew_transfer(RequestId(1)).await.unwrap();
+        a.transfer().renew(RequestId(1)).await.unwrap();
         // Nobody writes, nobody commits: the "dead exporter". At 500 ms the import's
         // lease (400 ms, checked every 40 ms) has run out.
         tokio::time::sleep(std::time::Duration::from_millis(500).saturating_sub(t0.elapsed()))
@@ -658,7 +685,7 @@ fn leases_free_what_a_dead_peer_left() {
             (0, 0),
             "the pages are back"
         );
-        let e = b.commit_import(RequestId(1)).await.unwrap_err();
+        let e = b.transfer().commit_import(RequestId(1)).await.unwrap_err();
         assert!(
             matches!(
                 e,
@@ -679,7 +706,7 @@ fn leases_free_what_a_dead_peer_left() {
         );
         assert_eq!(a.check_invariants().await.unwrap().live_sequences, 0);
         assert!(matches!(
-            a.release_export(RequestId(1)).await,
+            a.transfer().release_export(RequestId(1)).await,
             Err(RuntimeError::Scheduler(SchedError::TransferExpired { .. }))
         ));
         a.shutdown().await;

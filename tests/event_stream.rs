@@ -117,11 +117,11 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
         .start()
         .await
         .unwrap();
-    let mut a = Router::new(kv.subscribe_events().await.unwrap());
-    let mut b = Router::new(kv.subscribe_events().await.unwrap());
+    let mut a = Router::new(kv.events().subscribe().await.unwrap());
+    let mut b = Router::new(kv.events().subscribe().await.unwrap());
     assert_eq!((a.sub.next_seq(), b.sub.next_seq()), (0, 0));
     // A third router reads in its own task, awaiting each item, until the runtime stops.
-    let mut c = kv.subscribe_events().await.unwrap();
+    let mut c = kv.events().subscribe().await.unwrap();
     let awaiting = tokio::spawn(async move {
         let mut batches = Vec::new();
         while let Some(item) = c.recv().await {
@@ -144,7 +144,7 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     .await;
     let st = kv.stats().await.unwrap();
     assert!(
-        st.preemptions > 0,
+        st.scheduler.preemptions > 0,
         "a 1,024-token cache for 30 requests must preempt"
     );
     assert!(st.offload_bytes > 0 && st.onboard_bytes > 0);
@@ -152,7 +152,7 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     // Blocks were dropped from the last tier, not only moved: the replay so far is the
     // cache.
     assert!(st.events.removed > 0, "the workload never dropped a block");
-    let before_reset = kv.router_snapshot().await.unwrap();
+    let before_reset = kv.events().router_snapshot().await.unwrap();
     a.drain();
     b.drain();
     assert_eq!(
@@ -171,7 +171,7 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
         b.drain();
     })
     .await;
-    let snap = kv.router_snapshot().await.unwrap();
+    let snap = kv.events().router_snapshot().await.unwrap();
     a.drain();
     b.drain();
     assert_eq!((a.lost.clone(), b.lost.clone()), (vec![], vec![]));
@@ -201,7 +201,7 @@ async fn two_subscribers_see_the_same_gap_free_stream_and_replay_to_the_cache() 
     assert_eq!(b.view.blocks(), snap.blocks);
     // Every router block is a block of the crate's own snapshot, on the GPU iff its
     // pages and those of every block before it in its prefix are.
-    let tree = kv.take_events_with_snapshot().await.unwrap().blocks;
+    let tree = kv.events().take_with_snapshot().await.unwrap().blocks;
     let mut own: HashMap<u64, bool> = HashMap::new();
     let mut parent: HashMap<u64, Option<u64>> = HashMap::new();
     for p in &tree {
@@ -239,15 +239,15 @@ async fn a_lagging_subscriber_learns_the_lost_range_and_resyncs() {
         .start()
         .await
         .unwrap();
-    let mut fast = Router::new(kv.subscribe_events().await.unwrap());
-    let mut slow = Router::new(kv.subscribe_events().await.unwrap());
+    let mut fast = Router::new(kv.events().subscribe().await.unwrap());
+    let mut slow = Router::new(kv.events().subscribe().await.unwrap());
     for id in 0..12 {
         kv.submit(request(id, 160 + (id as usize * 53) % 250))
             .await
             .unwrap();
     }
     run_to_end(&kv, || fast.drain()).await;
-    let published = kv.router_snapshot().await.unwrap().next_seq;
+    let published = kv.events().router_snapshot().await.unwrap().next_seq;
     assert!(published > 4, "only {published} batches");
     // The slow one lost all but the newest 4.
     slow.drain();
@@ -257,7 +257,7 @@ async fn a_lagging_subscriber_learns_the_lost_range_and_resyncs() {
         (published - 4..published).collect::<Vec<_>>()
     );
     // Resynchronize: the snapshot's blocks, then the batches after it.
-    let snap = kv.router_snapshot().await.unwrap();
+    let snap = kv.events().router_snapshot().await.unwrap();
     assert_eq!(snap.next_seq, published);
     assert_eq!(fast.view.blocks(), snap.blocks, "the one that kept up");
     slow.view = RouterView::from_blocks(snap.blocks.iter().copied());
@@ -265,7 +265,7 @@ async fn a_lagging_subscriber_learns_the_lost_range_and_resyncs() {
     slow.lost.clear();
     slow.batches.clear();
     // A late joiner starts from its own snapshot.
-    let (late_sub, late_snap) = kv.subscribe_events_with_snapshot().await.unwrap();
+    let (late_sub, late_snap) = kv.events().subscribe_with_snapshot().await.unwrap();
     assert_eq!(late_snap, snap);
     let mut late = Router::new(late_sub);
     late.view = RouterView::from_blocks(late_snap.blocks.iter().copied());
@@ -278,7 +278,7 @@ async fn a_lagging_subscriber_learns_the_lost_range_and_resyncs() {
         late.drain();
     })
     .await;
-    let end = kv.router_snapshot().await.unwrap();
+    let end = kv.events().router_snapshot().await.unwrap();
     for r in [&mut fast, &mut slow, &mut late] {
         r.drain();
         assert_eq!(r.lost, vec![]);

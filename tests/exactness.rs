@@ -328,7 +328,7 @@ async fn paging_reuse_offload_and_preemption_change_no_bit() {
         let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
         let run = run(model.clone(), kv_dtype, 0, false, &Backend::Host).await;
         let s = &run.stats;
-        assert!(s.preemptions > 0, "the workload preempts");
+        assert!(s.scheduler.preemptions > 0, "the workload preempts");
         assert!(
             s.offload_bytes > 0 && s.onboard_bytes > 0,
             "offload and onboard"
@@ -351,18 +351,18 @@ async fn mtp_drafts_with_rollback_change_no_bit() {
     let s = &run.stats;
     eprintln!(
         "drafts proposed {}, accepted {} ({:.1} %), preemptions {}, draft replays {}",
-        s.drafts_proposed,
-        s.drafts_accepted,
-        100.0 * s.drafts_accepted as f64 / s.drafts_proposed.max(1) as f64,
-        s.preemptions,
+        s.scheduler.drafts_proposed,
+        s.scheduler.drafts_accepted,
+        100.0 * s.scheduler.drafts_accepted as f64 / s.scheduler.drafts_proposed.max(1) as f64,
+        s.scheduler.preemptions,
         s.draft_replays
     );
-    assert!(s.drafts_accepted > 0, "some drafts are accepted");
+    assert!(s.scheduler.drafts_accepted > 0, "some drafts are accepted");
     assert!(
-        s.drafts_accepted < s.drafts_proposed,
+        s.scheduler.drafts_accepted < s.scheduler.drafts_proposed,
         "some are rolled back"
     );
-    assert!(s.preemptions > 0, "the workload preempts");
+    assert!(s.scheduler.preemptions > 0, "the workload preempts");
     assert!(s.draft_replays > 0);
     assert_exact(&model, kv_dtype, 2, &run, "");
 }
@@ -383,12 +383,12 @@ async fn recompute_preemption_with_mtp_in_the_target_cache_changes_no_bit() {
     let s = &run.stats;
     eprintln!(
         "no host tier: preemptions (all recomputes) {}, drafts accepted {} of {}",
-        s.preemptions, s.drafts_accepted, s.drafts_proposed
+        s.scheduler.preemptions, s.scheduler.drafts_accepted, s.scheduler.drafts_proposed
     );
-    assert!(s.preemptions > 0, "the workload preempts");
+    assert!(s.scheduler.preemptions > 0, "the workload preempts");
     assert_eq!(s.offload_bytes, 0, "no host tier: nothing is suspended");
     assert_eq!(s.draft_replays, 0, "no separate draft cache: no replay");
-    assert!(s.drafts_accepted > 0);
+    assert!(s.scheduler.drafts_accepted > 0);
     assert_exact(&model, kv_dtype, 2, &run, "");
 }
 
@@ -476,11 +476,11 @@ async fn on_the_gpu_paging_changes_no_bit() {
                  offload {} B, hit rate {:.3}",
                 t.elapsed().as_secs_f64(),
                 run.graph_steps,
-                s.preemptions,
+                s.scheduler.preemptions,
                 s.offload_bytes,
                 s.prefix_hit_rate
             );
-            assert!(s.preemptions > 0 && s.offload_bytes > 0 && s.prefix_hit_rate > 0.0);
+            assert!(s.scheduler.preemptions > 0 && s.offload_bytes > 0 && s.prefix_hit_rate > 0.0);
             assert_eq!(graphs, run.graph_steps > 0);
             assert_exact(
                 &model,
@@ -518,9 +518,16 @@ async fn on_the_gpu_mtp_drafts_with_rollback_change_no_bit() {
         eprintln!(
             "GPU graphs {graphs} separate {separate}: drafts proposed {}, accepted {}, \
              draft replays {}, preemptions {}, graph steps {}",
-            s.drafts_proposed, s.drafts_accepted, s.draft_replays, s.preemptions, run.graph_steps
+            s.scheduler.drafts_proposed,
+            s.scheduler.drafts_accepted,
+            s.draft_replays,
+            s.scheduler.preemptions,
+            run.graph_steps
         );
-        assert!(s.drafts_accepted > 0 && s.drafts_accepted < s.drafts_proposed);
+        assert!(
+            s.scheduler.drafts_accepted > 0
+                && s.scheduler.drafts_accepted < s.scheduler.drafts_proposed
+        );
         assert_eq!(graphs, run.graph_steps > 0);
         assert_eq!(separate, s.draft_replays > 0);
         let what = format!("graphs {graphs} separate {separate}");

@@ -330,7 +330,11 @@ async fn client_futures_cancelled_anywhere_lose_nothing() {
     assert_eq!(c.submitted, c.finished + c.failed);
     assert_eq!(
         (c.submitted, c.finished, c.failed),
-        (stats.submitted, stats.finished, stats.failed)
+        (
+            stats.scheduler.submitted,
+            stats.scheduler.finished,
+            stats.scheduler.failed
+        )
     );
     let counts = kv.check_invariants().await.unwrap();
     assert_eq!(counts.live_sequences, 0, "no sequence leaked");
@@ -442,7 +446,7 @@ async fn injected_room_failures_through_the_runtime_lose_nothing() {
             let mut checks = 0u64;
             loop {
                 let done = stop.load(Ordering::Relaxed);
-                let snap = kv.take_events_with_snapshot().await.unwrap();
+                let snap = kv.events().take_with_snapshot().await.unwrap();
                 assert_eq!(snap.lost, 0, "events were dropped untaken");
                 mirror.apply(&snap.events);
                 let truth: Vec<_> = snap

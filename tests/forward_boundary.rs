@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use dsa_kv::core::scheduler::PlannedKind;
+use dsa_kv::core::scheduler::RequestKind;
 use dsa_kv::device::forward::HostMemory;
 use dsa_kv::device::{IndexerCacheView, LayerCache};
 use dsa_kv::prelude::*;
@@ -436,7 +436,7 @@ async fn run(
                     .then(|| TokenId(20_000 + (step as u32 * 31 + r.id.0 as u32) % 500));
                 if r.produces_token {
                     let h = sh.history.get_mut(&r.id).unwrap();
-                    if r.kind == PlannedKind::Generation {
+                    if r.kind == RequestKind::Generation {
                         h.extend_from_slice(&drafts[&r.id][..accepted as usize]);
                     }
                     h.extend(next);
@@ -480,10 +480,10 @@ async fn a_framework_forward_writes_and_reads_the_cache_through_the_public_view(
     assert!(sh.written > 0 && sh.read_by_table > sh.written && sh.read_by_global > 0);
     // Everything the cache does happened under this forward.
     let st = &r.stats;
-    assert!(st.preemptions > 0, "the workload must preempt");
+    assert!(st.scheduler.preemptions > 0, "the workload must preempt");
     assert!(st.offload_bytes > 0 && st.onboard_bytes > 0);
     assert!(st.prefix_hit_rate > 0.0, "the system prompt is reused");
-    assert!(st.drafts_accepted > 0 && st.draft_replays > 0);
+    assert!(st.scheduler.drafts_accepted > 0 && st.draft_replays > 0);
     // A framework forward is not verified: nothing was read back by the runtime.
     assert_eq!(st.tokens_verified, 0);
     println!(
@@ -779,7 +779,7 @@ extern "C" __global__ void gather(unsigned char* out, unsigned long long base,
                 htod(stream, is.0, s)?;
                 htod(stream, ir.0, rows)?;
             }
-            let decode = requests.iter().all(|r| r.kind == PlannedKind::Generation);
+            let decode = requests.iter().all(|r| r.kind == RequestKind::Generation);
             if self.graphs && !draft && decode && n <= self.bucket {
                 let addrs: Vec<u64> = m.buffers().iter().map(|b| b.addr).collect();
                 if self.graph.is_none() {
@@ -923,7 +923,9 @@ extern "C" __global__ void gather(unsigned char* out, unsigned long long base,
             );
             assert!(sh.forwards > 0 && sh.draft_forwards > 0 && sh.read_by_table > 0);
             assert!(
-                r.stats.preemptions > 0 && r.stats.offload_bytes > 0 && r.stats.onboard_bytes > 0
+                r.stats.scheduler.preemptions > 0
+                    && r.stats.offload_bytes > 0
+                    && r.stats.onboard_bytes > 0
             );
         }
         let (ge, gg) = (eager.shared.lock().unwrap(), graph.shared.lock().unwrap());
@@ -938,8 +940,11 @@ extern "C" __global__ void gather(unsigned char* out, unsigned long long base,
             assert_eq!(a, b, "cache bytes differ after step {s}");
         }
         // The same workload as the host backend: same counts.
-        assert_eq!(eager.stats.steps, host.stats.steps);
-        assert_eq!(eager.stats.preemptions, host.stats.preemptions);
+        assert_eq!(eager.stats.scheduler.steps, host.stats.scheduler.steps);
+        assert_eq!(
+            eager.stats.scheduler.preemptions,
+            host.stats.scheduler.preemptions
+        );
         println!(
             "eager and graph: {} steps, {} graph replays, equal cache digests after every step",
             eager.digests.len(),

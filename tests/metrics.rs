@@ -65,7 +65,7 @@ async fn published_metrics_equal_the_runtime_stats() {
     kv.step(HashMap::new()).await.unwrap();
     let st = kv.stats().await.unwrap();
     kv.shutdown().await;
-    assert!(st.preemptions > 0 && st.offload_bytes > 0 && st.prefix_hit_rate > 0.0);
+    assert!(st.scheduler.preemptions > 0 && st.offload_bytes > 0 && st.prefix_hit_rate > 0.0);
 
     let mut counters = HashMap::new();
     let mut gauges = HashMap::new();
@@ -91,13 +91,25 @@ async fn published_metrics_equal_the_runtime_stats() {
         }
     }
     let c = |n: &str| counters.get(&format!("{n}{{}}")).copied();
-    assert_eq!(c("dsa_kv_steps_total"), Some(st.steps));
-    assert_eq!(c("dsa_kv_requests_submitted_total"), Some(st.submitted));
+    assert_eq!(c("dsa_kv_steps_total"), Some(st.scheduler.steps));
+    assert_eq!(
+        c("dsa_kv_requests_submitted_total"),
+        Some(st.scheduler.submitted)
+    );
     assert_eq!(c("dsa_kv_requests_finished_total"), Some(N));
     assert_eq!(c("dsa_kv_requests_failed_total"), Some(0));
-    assert_eq!(c("dsa_kv_preemptions_total"), Some(st.preemptions));
-    assert_eq!(c("dsa_kv_prefill_tokens_total"), Some(st.prefill_tokens));
-    assert_eq!(c("dsa_kv_decode_tokens_total"), Some(st.decode_tokens));
+    assert_eq!(
+        c("dsa_kv_preemptions_total"),
+        Some(st.scheduler.preemptions)
+    );
+    assert_eq!(
+        c("dsa_kv_prefill_tokens_total"),
+        Some(st.scheduler.prefill_tokens)
+    );
+    assert_eq!(
+        c("dsa_kv_decode_tokens_total"),
+        Some(st.scheduler.decode_tokens)
+    );
     assert_eq!(c("dsa_kv_offload_bytes_total"), Some(st.offload_bytes));
     assert_eq!(c("dsa_kv_onboard_bytes_total"), Some(st.onboard_bytes));
     assert_eq!(
@@ -143,6 +155,10 @@ async fn published_metrics_equal_the_runtime_stats() {
         "dsa_kv_step_device_seconds{}",
         "dsa_kv_step_runtime_seconds{}",
     ] {
-        assert_eq!(histograms.get(h).copied(), Some(st.steps as usize), "{h}");
+        assert_eq!(
+            histograms.get(h).copied(),
+            Some(st.scheduler.steps as usize),
+            "{h}"
+        );
     }
 }

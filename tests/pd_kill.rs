@@ -258,7 +258,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
         let kv = disagg::bench_engine_config(config(), "host", 0, 1)
             .await
             .unwrap();
-        let rb = kv.transfer_regions().await.unwrap();
+        let rb = kv.transfer().regions().await.unwrap();
         // SAFETY: the engine's pools, alive until the end of this block (the transport
         // is dropped after it: its last writes come from children killed by then);
         // writes into them go only to reserved pages (NIXL cannot refuse others: the
@@ -284,6 +284,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
             }
             let id = RequestId(1000 + r);
             let ticket = kv
+                .transfer()
                 .begin_import_with(&mut tb, &peer, &rb, id, SCOPE, &p, &export)
                 .await
                 .unwrap()
@@ -312,7 +313,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                     // SAFETY: our pools; the import's pages, whose bytes have landed.
                     let ours = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
                     if ours == digests {
-                        kv.commit_import_with(&mut tb, id).await.unwrap();
+                        kv.transfer().commit_import_with(&mut tb, id).await.unwrap();
                         // Served at once (the cache is small: later rounds evict it),
                         // so the runtime's verifier reads every imported position back.
                         assert_eq!(kv.probe_reuse(SCOPE, &p).await.unwrap(), 256);
@@ -327,7 +328,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                         committed.push(p.clone());
                         "committed"
                     } else {
-                        kv.abort_import_with(&mut tb, id).await.unwrap();
+                        kv.transfer().abort_import_with(&mut tb, id).await.unwrap();
                         "aborted: digests differ"
                     }
                 }
@@ -342,7 +343,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                         expired,
                         "round {r} ({kill:?}): the import's lease did not end"
                     );
-                    let e = kv.commit_import(id).await.unwrap_err();
+                    let e = kv.transfer().commit_import(id).await.unwrap_err();
                     assert!(
                         matches!(
                             e,
@@ -383,7 +384,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
         let kv = disagg::bench_engine_config(config(), "host", 0, 1)
             .await
             .unwrap();
-        let ra = kv.transfer_regions().await.unwrap();
+        let ra = kv.transfer().regions().await.unwrap();
         // SAFETY: the engine's pools, alive until the end of this block; we only read
         // them (the children write nothing here).
         unsafe { ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>()) }.unwrap();
@@ -399,7 +400,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
             let id = RequestId(2000 + r);
             let p = prompt(r);
             prefill(&kv, id, &p).await;
-            let export = kv.export_blocks(id, SCOPE, &p[..256]).await.unwrap();
+            let export = kv.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
             send(
                 &mut s,
                 &Msg::Export {
@@ -443,7 +444,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
             };
             // Half the time the exporter releases; otherwise the lease must.
             if rng.next_u64().is_multiple_of(2) {
-                kv.release_export(id).await.unwrap();
+                kv.transfer().release_export(id).await.unwrap();
             } else {
                 let gone = eventually(Duration::from_millis(LEASE_MS + 2000), async || {
                     kv.stats().await.unwrap().transfers.open_exports == 0
@@ -487,7 +488,7 @@ fn child() {
         let kv = disagg::bench_engine_config(config(), "host", 0, 1)
             .await
             .unwrap();
-        let regions = kv.transfer_regions().await.unwrap();
+        let regions = kv.transfer().regions().await.unwrap();
         // SAFETY: the engine's pools, alive until this process ends (it is killed, or
         // it returns after shutting the engine down, the transport first).
         unsafe { t.register(&regions.iter().map(|r| r.region).collect::<Vec<_>>()) }.unwrap();
@@ -513,7 +514,7 @@ fn child() {
             let id = RequestId(round);
             let p = prompt(round);
             prefill(&kv, id, &p).await;
-            let export = kv.export_blocks(id, SCOPE, &p[..256]).await.unwrap();
+            let export = kv.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
             send(
                 &mut s,
                 &Msg::Export {
@@ -523,7 +524,7 @@ fn child() {
             )
             .unwrap();
             if let Ok(Msg::Ticket(Some(ticket))) = recv(&mut s, wait) {
-                kv.renew_transfer(id).await.unwrap();
+                kv.transfer().renew(id).await.unwrap();
                 let note = format!("req-{}", export.id.0);
                 if push(
                     &mut t,
@@ -542,7 +543,7 @@ fn child() {
                         unsafe { disagg::block_digests(&regions, &export.blocks[skip..]) }.unwrap();
                     let _ = send(&mut s, &Msg::Written { digests });
                 }
-                let _ = kv.release_export(id).await;
+                let _ = kv.transfer().release_export(id).await;
             }
         } else {
             let Ok(Msg::Export { export, prompt: p }) = recv(&mut s, wait) else {
@@ -550,6 +551,7 @@ fn child() {
             };
             let id = RequestId(round);
             let ticket = kv
+                .transfer()
                 .begin_import_with(&mut t, &peer, &regions, id, SCOPE, &p, &export)
                 .await
                 .unwrap();
@@ -557,7 +559,7 @@ fn child() {
             if ticket.is_some() {
                 let note = format!("req-{}", export.id.0);
                 if notified(&mut t, note.as_bytes(), Instant::now() + wait) {
-                    let _ = kv.commit_import_with(&mut t, id).await;
+                    let _ = kv.transfer().commit_import_with(&mut t, id).await;
                 }
             }
         }

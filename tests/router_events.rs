@@ -111,7 +111,7 @@ impl Engine {
             .await
             .unwrap();
         let publisher = ZmqPublisher::start(
-            kv.subscribe_events().await.unwrap(),
+            kv.events().subscribe().await.unwrap(),
             ZmqPublisherConfig {
                 endpoint: "tcp://127.0.0.1:0".into(),
                 replay_endpoint: Some("tcp://127.0.0.1:0".into()),
@@ -130,7 +130,7 @@ impl Engine {
     /// The sequence number after the last batch of everything done so far, once the
     /// publisher has sent it.
     async fn published(&self) -> u64 {
-        let target = self.kv.router_snapshot().await.unwrap().next_seq;
+        let target = self.kv.events().router_snapshot().await.unwrap().next_seq;
         let t0 = std::time::Instant::now();
         while self.publisher.next_seq() < target {
             assert!(t0.elapsed() < Duration::from_secs(30), "publisher stuck");

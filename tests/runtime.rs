@@ -156,22 +156,29 @@ async fn many_concurrent_clients_lose_nothing() {
     assert_eq!(finished, 40);
     let st = kv.stats().await.unwrap();
     assert_eq!(
-        (st.submitted, st.finished, st.failed),
+        (
+            st.scheduler.submitted,
+            st.scheduler.finished,
+            st.scheduler.failed
+        ),
         (40, 40, 0),
         "counters add up"
     );
     assert_eq!(st.mismatches, 0);
     assert!(st.tokens_verified > 0);
     assert!(
-        st.preemptions > 0,
+        st.scheduler.preemptions > 0,
         "a 1,024-token cache for 40 clients must preempt"
     );
     assert!(st.offload_bytes > 0 && st.onboard_bytes > 0);
     assert!(st.prefix_hit_rate > 0.0, "the system prompt is reused");
-    assert!(st.drafts_accepted > 0 && st.drafts_accepted < st.drafts_proposed);
+    assert!(
+        st.scheduler.drafts_accepted > 0
+            && st.scheduler.drafts_accepted < st.scheduler.drafts_proposed
+    );
     assert!(st.draft_replays > 0);
     assert!(st.events.stored > 0 && st.events.removed > 0 && st.events.tier_updated > 0);
-    assert_eq!(st.steps, steps);
+    assert_eq!(st.scheduler.steps, steps);
     let counts = kv.check_invariants().await.unwrap();
     assert_eq!((counts.active_requests, counts.live_sequences), (0, 0));
     assert_eq!(
@@ -189,14 +196,20 @@ async fn many_concurrent_clients_lose_nothing() {
             live.in_flight,
             live.steps
         ),
-        (st.submitted, st.finished, st.failed, 0, st.steps)
+        (
+            st.scheduler.submitted,
+            st.scheduler.finished,
+            st.scheduler.failed,
+            0,
+            st.scheduler.steps
+        )
     );
-    assert!(live.completed_fence.0 >= st.steps, "{live:?}");
+    assert!(live.completed_fence.0 >= st.scheduler.steps, "{live:?}");
     assert!(
         kv.bindings(0).is_some(),
         "the device published its bindings"
     );
-    let events = kv.take_events().await.unwrap();
+    let events = kv.events().take().await.unwrap();
     assert!(!events.is_empty());
     kv.shutdown().await;
 }
@@ -248,7 +261,7 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
         }
     }
     let st = kv.stats().await.unwrap();
-    assert_eq!((st.failed, st.devices_alive), (4, 1));
+    assert_eq!((st.scheduler.failed, st.devices_alive), (4, 1));
     // The service goes on with the remaining device.
     kv.submit(SubmitRequest {
         id: RequestId(9),
@@ -311,7 +324,7 @@ async fn reset_prefix_cache_forgets_every_block_and_waits_for_requests_holding_p
     assert_eq!(kv.submit(submit(2)).await.unwrap(), 199);
     let step = kv.step(HashMap::new()).await.unwrap();
     assert_eq!(step.scheduled[0].num_cached, 199);
-    kv.take_events().await.unwrap();
+    kv.events().take().await.unwrap();
     // Request 2 holds pages in the step in flight: refused, nothing changes.
     let holding = kv.check_invariants().await.unwrap();
     let err = kv.reset_prefix_cache().await.unwrap_err();
@@ -321,7 +334,7 @@ async fn reset_prefix_cache_forgets_every_block_and_waits_for_requests_holding_p
         "{err}"
     );
     assert_eq!(kv.check_invariants().await.unwrap(), holding);
-    assert_eq!(kv.take_events().await.unwrap(), vec![]);
+    assert_eq!(kv.events().take().await.unwrap(), vec![]);
     kv.commit(vec![RequestOutcome {
         id: RequestId(2),
         accepted_drafts: 0,
@@ -356,7 +369,7 @@ async fn reset_prefix_cache_forgets_every_block_and_waits_for_requests_holding_p
         ),
         (0, 0, 0, 0)
     );
-    let events = kv.take_events().await.unwrap();
+    let events = kv.events().take().await.unwrap();
     assert_eq!(events.last(), Some(&KvEvent::AllBlocksCleared));
     assert_eq!(
         events
@@ -416,7 +429,7 @@ async fn a_full_mailbox_slows_senders_and_loses_nothing() {
     for a in asks {
         let st = a.await.unwrap().unwrap();
         assert_eq!(
-            st.steps, 1,
+            st.scheduler.steps, 1,
             "a stats ask queued behind the step sees it done"
         );
         answered += 1;
@@ -516,7 +529,7 @@ async fn events_dropped_untaken_are_counted_and_the_snapshot_resyncs() {
         .unwrap();
     }
     run_until_finished(&kv, 3).await;
-    let snap = kv.take_events_with_snapshot().await.unwrap();
+    let snap = kv.events().take_with_snapshot().await.unwrap();
     let counts = kv.stats().await.unwrap().events;
     let emitted = counts.stored + counts.removed + counts.tier_updated + counts.cleared;
     assert!(emitted > 3, "the workload emitted only {emitted} events");
@@ -526,7 +539,7 @@ async fn events_dropped_untaken_are_counted_and_the_snapshot_resyncs() {
     // No host tier, nothing removed: the tree holds every stored block.
     assert_eq!(snap.blocks.len() as u64, counts.stored - counts.removed);
     // Taken: nothing is pending or lost any more.
-    let again = kv.take_events_with_snapshot().await.unwrap();
+    let again = kv.events().take_with_snapshot().await.unwrap();
     assert_eq!((again.events.len(), again.lost), (0, 0));
     assert_eq!(again.blocks, snap.blocks);
     kv.shutdown().await;
@@ -617,7 +630,7 @@ async fn commit_and_step_does_what_commit_then_step_do() {
         let log = drive(&kv, combined).await;
         let stats = kv.stats().await.unwrap();
         let history = kv.history(0).await.unwrap();
-        let events = kv.take_events().await.unwrap();
+        let events = kv.events().take().await.unwrap();
         let counts = kv.check_invariants().await.unwrap();
         kv.shutdown().await;
         let sampled: Vec<(u64, u32, u32)> = history
@@ -634,12 +647,26 @@ async fn commit_and_step_does_what_commit_then_step_do() {
     }
     let finished: usize = a.0.iter().map(|(_, f)| f.len()).sum();
     assert_eq!(finished, 12);
-    assert!(a.1.preemptions > 0, "no memory pressure: {:?}", a.1);
+    assert!(
+        a.1.scheduler.preemptions > 0,
+        "no memory pressure: {:?}",
+        a.1
+    );
     let counters = |s: &dsa_kv::actors::RuntimeStats| {
         (
-            (s.steps, s.submitted, s.finished, s.failed, s.preemptions),
-            (s.prefill_tokens, s.decode_tokens),
-            (s.drafts_proposed, s.drafts_accepted, s.draft_replays),
+            (
+                s.scheduler.steps,
+                s.scheduler.submitted,
+                s.scheduler.finished,
+                s.scheduler.failed,
+                s.scheduler.preemptions,
+            ),
+            (s.scheduler.prefill_tokens, s.scheduler.decode_tokens),
+            (
+                s.scheduler.drafts_proposed,
+                s.scheduler.drafts_accepted,
+                s.draft_replays,
+            ),
             (s.offload_bytes, s.onboard_bytes, s.events),
             (s.tokens_verified, s.mismatches, s.history_dropped),
         )
@@ -649,9 +676,12 @@ async fn commit_and_step_does_what_commit_then_step_do() {
     assert_eq!(a.2, b.2, "KV events");
     assert_eq!(a.3, b.3, "cache occupancy");
     assert_eq!(a.4, b.4, "history: steps, scheduled and preempted requests");
-    assert_eq!(a.4.len() as u64, a.1.steps, "a sample per step");
+    assert_eq!(a.4.len() as u64, a.1.scheduler.steps, "a sample per step");
     let preempted: u64 = a.4.iter().map(|h| u64::from(h.2)).sum();
-    assert_eq!(preempted, a.1.preemptions, "the history's preemptions");
+    assert_eq!(
+        preempted, a.1.scheduler.preemptions,
+        "the history's preemptions"
+    );
 }
 
 /// A refused commit refuses the whole call: nothing is committed, no step runs, and the
@@ -691,7 +721,7 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
         "request 404 was not part of step 1"
     );
     assert_eq!(kv.pending_step().await.unwrap(), Some(step.clone()));
-    assert_eq!(kv.stats().await.unwrap().steps, 1, "no step ran");
+    assert_eq!(kv.stats().await.unwrap().scheduler.steps, 1, "no step ran");
     // The step in flight commits, and the next one runs, in one call.
     let r = kv
         .commit_and_step(step.outcomes(|_| TokenId(7)), HashMap::new())

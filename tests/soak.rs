@@ -272,12 +272,13 @@ impl Transfers {
         prompt: &[TokenId],
     ) {
         let full = &prompt[..prompt.len() / 64 * 64];
-        let export = a.export_blocks(id, SCOPE, full).await.unwrap();
+        let export = a.transfer().export(id, SCOPE, full).await.unwrap();
         if export.blocks.is_empty() {
-            a.release_export(id).await.unwrap();
+            a.transfer().release_export(id).await.unwrap();
             return;
         }
         let ticket = b
+            .transfer()
             .begin_import_with(
                 &mut self.tb,
                 &self.writer,
@@ -291,7 +292,7 @@ impl Transfers {
             .unwrap();
         let Some(ticket) = ticket else {
             // No room on B now: a step there makes some.
-            a.release_export(id).await.unwrap();
+            a.transfer().release_export(id).await.unwrap();
             let _ = b.step(HashMap::new()).await;
             return;
         };
@@ -305,14 +306,17 @@ impl Transfers {
             b"soak",
         )
         .unwrap();
-        a.release_export(id).await.unwrap();
+        a.transfer().release_export(id).await.unwrap();
         assert!(self
             .tb
             .take_notifications()
             .unwrap()
             .iter()
             .any(|(_, m)| m == b"soak"));
-        b.commit_import_with(&mut self.tb, id).await.unwrap();
+        b.transfer()
+            .commit_import_with(&mut self.tb, id)
+            .await
+            .unwrap();
         self.done += 1;
     }
 }
@@ -340,7 +344,7 @@ async fn a_long_run_loses_nothing_and_grows_nothing() {
     let (a, b) = (engine().await, engine().await);
     a.inject_room_failures(7, 20).await.unwrap();
     let publisher = ZmqPublisher::start(
-        a.subscribe_events().await.unwrap(),
+        a.events().subscribe().await.unwrap(),
         ZmqPublisherConfig {
             endpoint: "tcp://127.0.0.1:0".into(),
             replay_endpoint: Some("tcp://127.0.0.1:0".into()),
@@ -358,8 +362,8 @@ async fn a_long_run_loses_nothing_and_grows_nothing() {
     let slow = slow_subscriber(publisher.endpoint(), stop.clone());
     let mut router: Option<Router> = None;
     let (ra, rb) = (
-        a.transfer_regions().await.unwrap(),
-        b.transfer_regions().await.unwrap(),
+        a.transfer().regions().await.unwrap(),
+        b.transfer().regions().await.unwrap(),
     );
     let (mut ta, mut tb) = (LocalTransport::new("soak-a"), LocalTransport::new("soak-b"));
     // SAFETY: the engines' own pools, alive until the end of the test (the transports
@@ -446,7 +450,7 @@ async fn a_long_run_loses_nothing_and_grows_nothing() {
             let router = router.as_mut().expect("joined before the first checkpoint");
             a.check_invariants().await.unwrap();
             b.check_invariants().await.unwrap();
-            let snap = a.router_snapshot().await.unwrap();
+            let snap = a.events().router_snapshot().await.unwrap();
             router.catch_up(snap.next_seq).await;
             let want: HashSet<(u64, String)> = snap
                 .blocks
@@ -482,7 +486,7 @@ async fn a_long_run_loses_nothing_and_grows_nothing() {
         }
     }
     let (sa, sb) = (a.stats().await.unwrap(), b.stats().await.unwrap());
-    assert_eq!((sa.finished, sa.failed), (total, 0));
+    assert_eq!((sa.scheduler.finished, sa.scheduler.failed), (total, 0));
     for s in [&sa, &sb] {
         let t = s.transfers;
         assert_eq!(
@@ -512,7 +516,7 @@ async fn a_long_run_loses_nothing_and_grows_nothing() {
         "soak done: {total} requests in {:?}; publisher {report:?}; the slow subscriber read {slow_read} bytes; A offloaded {} B, {} preemptions",
         t0.elapsed(),
         sa.offload_bytes,
-        sa.preemptions
+        sa.scheduler.preemptions
     );
     drop(moves);
     publisher.shutdown().await;

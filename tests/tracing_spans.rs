@@ -254,7 +254,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
     }
     let st = kv.stats().await.unwrap();
     kv.shutdown().await;
-    assert_eq!(st.finished, N);
+    assert_eq!(st.scheduler.finished, N);
     let requests = recorder.spans("coordinator", "request");
     let requests = &requests[3..];
     assert_eq!(requests.len(), N as usize);
@@ -270,9 +270,9 @@ async fn a_request_span_lives_from_submit_to_finish() {
         assert_eq!(span.events.last().map(String::as_str), Some("finished"));
         preempted += count("preempted") as u64;
     }
-    assert!(st.preemptions > 0, "no memory pressure: {st:?}");
+    assert!(st.scheduler.preemptions > 0, "no memory pressure: {st:?}");
     assert_eq!(
-        preempted, st.preemptions,
+        preempted, st.scheduler.preemptions,
         "a preempted event per preemption"
     );
 }

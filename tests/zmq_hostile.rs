@@ -114,7 +114,7 @@ impl Engine {
             .await
             .unwrap();
         let publisher = ZmqPublisher::start(
-            kv.subscribe_events().await.unwrap(),
+            kv.events().subscribe().await.unwrap(),
             publisher_config(limits),
         )
         .await
@@ -157,7 +157,7 @@ impl Engine {
                 }
             }
             Source::Runtime { kv, next_id } => {
-                while kv.router_snapshot().await.unwrap().next_seq < target {
+                while kv.events().router_snapshot().await.unwrap().next_seq < target {
                     for _ in 0..16 {
                         let id = *next_id;
                         *next_id += 1;
@@ -186,7 +186,7 @@ impl Engine {
         }
         let want = match &mut self.source {
             Source::Fed { next_seq, .. } => *next_seq,
-            Source::Runtime { kv, .. } => kv.router_snapshot().await.unwrap().next_seq,
+            Source::Runtime { kv, .. } => kv.events().router_snapshot().await.unwrap().next_seq,
         };
         let t0 = Instant::now();
         while self.publisher.next_seq() < want {

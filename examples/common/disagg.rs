@@ -624,7 +624,7 @@ async fn push_one(
     };
     let Some(ticket) = ticket else {
         // Decoded without an import (recomputed there): reported as not exact.
-        kv.release_export(id).await?;
+        kv.transfer().release_export(id).await?;
         return Ok((None, true));
     };
     let plan = plan_writes(export, regions, &ticket, remote)?;
@@ -643,7 +643,7 @@ async fn push_one(
     } else {
         Vec::new()
     };
-    kv.release_export(id).await?;
+    kv.transfer().release_export(id).await?;
     wire.send(&Msg::Written { report, digests })?;
     Ok((Some(report), true))
 }
@@ -681,7 +681,7 @@ async fn greet(
     transport: &mut dyn KvTransport,
     wire: &mut Wire,
 ) -> Result<(Vec<PoolRegion>, Vec<PoolRegion>, PeerId), BoxError> {
-    let regions = kv.transfer_regions().await?;
+    let regions = kv.transfer().regions().await?;
     wire.send(&hello(&regions, transport, s)?)?;
     let Msg::Hello {
         metadata,
@@ -738,7 +738,7 @@ async fn prefill_requests(
             .map(|&t| TokenId(t))
             .collect();
         // The export id is the request's: the request is finished, its id free again.
-        let export = engine.kv.export_blocks(id, SCOPE, &toks).await?;
+        let export = engine.kv.transfer().export(id, SCOPE, &toks).await?;
         let (report, digests_ok) = match push_one(
             &engine.kv, s, transport, &peer, wire, &regions, &remote, &export, &p, first,
         )
@@ -747,7 +747,7 @@ async fn prefill_requests(
             Ok(r) => r,
             Err(e) => {
                 // Whatever failed, the export is released and the peer told.
-                let _ = engine.kv.release_export(id).await;
+                let _ = engine.kv.transfer().release_export(id).await;
                 let _ = wire.send(&Msg::Failed {
                     why: e.to_string(),
                     in_flight: in_flight(&e),
@@ -842,6 +842,7 @@ async fn pull_one(
             kv.step(HashMap::new()).await?;
         }
         ticket = kv
+            .transfer()
             .begin_import_with(transport, peer, regions, id, SCOPE, &tokens, export)
             .await?;
         if ticket.is_some() {
@@ -856,14 +857,14 @@ async fn pull_one(
         Ok(Msg::Written { digests, .. }) => digests,
         Ok(Msg::Failed { why, in_flight }) => {
             if !in_flight {
-                kv.abort_import_with(transport, id).await?;
+                kv.transfer().abort_import_with(transport, id).await?;
             }
             return Err(format!("the prefill side failed to push request {id}: {why}").into());
         }
         other => {
             // The peer is gone or confused: the window is closed (a write still landing
             // is stopped, where the transport can), then the import aborted.
-            kv.abort_import_with(transport, id).await?;
+            kv.transfer().abort_import_with(transport, id).await?;
             return Err(format!("expected Written, got {other:?}").into());
         }
     };
@@ -881,15 +882,15 @@ async fn pull_one(
         Ok(true) => {}
         Ok(false) => {
             // Bytes that are not the exporter's never enter the cache.
-            kv.abort_import_with(transport, id).await?;
+            kv.transfer().abort_import_with(transport, id).await?;
             return Ok(Some((0, false)));
         }
         Err(e) => {
-            kv.abort_import_with(transport, id).await?;
+            kv.transfer().abort_import_with(transport, id).await?;
             return Err(e);
         }
     }
-    let imported = kv.commit_import_with(transport, id).await?;
+    let imported = kv.transfer().commit_import_with(transport, id).await?;
     Ok(Some((imported, true)))
 }
 
@@ -936,7 +937,7 @@ async fn decode_requests(
     metadata: &[u8],
 ) -> Result<(), BoxError> {
     let s = s.clone();
-    let regions = engine.kv.transfer_regions().await?;
+    let regions = engine.kv.transfer().regions().await?;
     wire.send(&hello(&regions, transport, &s)?)?;
     // SAFETY: the prefill side's transport metadata, from its Hello.
     let peer = unsafe { transport.connect(metadata)? };
@@ -1216,7 +1217,7 @@ async fn bench_export(
     })
     .await?;
     run_synthetic(kv).await?;
-    let export = kv.export_blocks(id, SCOPE, &p[..n * 64]).await?;
+    let export = kv.transfer().export(id, SCOPE, &p[..n * 64]).await?;
     Ok((p, export))
 }
 
@@ -1272,7 +1273,7 @@ async fn bench_pushes(
                 return Err(why.into());
             }
             Err(e) => {
-                let _ = kv.release_export(id).await;
+                let _ = kv.transfer().release_export(id).await;
                 let _ = wire.send(&Msg::Failed {
                     why: e.to_string(),
                     in_flight: in_flight(&e),
@@ -1354,7 +1355,7 @@ async fn bench_moves(
     ta: &mut dyn KvTransport,
     tb: &mut dyn KvTransport,
 ) -> Result<BenchReport, BoxError> {
-    let (ra, rb) = (a.transfer_regions().await?, b.transfer_regions().await?);
+    let (ra, rb) = (a.transfer().regions().await?, b.transfer().regions().await?);
     // SAFETY: the engines' own pools, alive until they shut down at the end of this
     // function after the last write; writes go only into pages an import reserved; each
     // transport loads the other's own metadata.
@@ -1365,6 +1366,7 @@ async fn bench_moves(
         let (p, export) = bench_export(a, id, n).await?;
         // B's peer is A's agent; B serves the same prompt under the same scope.
         let ticket = b
+            .transfer()
             .begin_import_with(tb, &peer_a, &rb, id, SCOPE, &p, &export)
             .await?
             .ok_or("no room on engine B")?;
@@ -1378,11 +1380,11 @@ async fn bench_moves(
         } else {
             Vec::new()
         };
-        a.release_export(id).await?;
+        a.transfer().release_export(id).await?;
         let report = match report {
             Ok(r) => r,
             Err(e) => {
-                b.abort_import_with(tb, id).await?;
+                b.transfer().abort_import_with(tb, id).await?;
                 return Err(e.into());
             }
         };
@@ -1396,10 +1398,10 @@ async fn bench_moves(
             None
         };
         if digests_match == Some(false) {
-            b.abort_import_with(tb, id).await?;
+            b.transfer().abort_import_with(tb, id).await?;
             return Err("the imported pages differ from the exported ones: aborted".into());
         }
-        b.commit_import_with(tb, id).await?;
+        b.transfer().commit_import_with(tb, id).await?;
         let reuse = b.probe_reuse(SCOPE, &p).await?;
         if reuse < n as u64 * 64 {
             return Err(

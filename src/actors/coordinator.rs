@@ -30,12 +30,12 @@ use super::stats::{
     ratio, EventCounts, History, HistoryChunk, Rolling, RuntimeStats, StepSample, TierUsage,
     HISTORY,
 };
-use crate::core::scheduler::{
-    Finished, PlannedKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
+use dsa_kv_core::core::scheduler::{
+    Finished, RequestKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
 };
-use crate::core::{KvEvent, ManagerStats};
-use crate::device::backend::{DeviceStepReport, Mismatch, VerifySpec};
-use crate::ids::{Fence, RequestId, Tier, TokenId};
+use dsa_kv_core::core::{KvEvent, ManagerStats};
+use dsa_kv_core::ids::{Fence, RequestId, Tier, TokenId};
+use dsa_kv_device::backend::{DeviceStepReport, Mismatch, VerifySpec};
 
 /// A finished request with the result of its final verification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -54,7 +54,7 @@ pub struct ScheduledRequest {
     /// The request.
     pub id: RequestId,
     /// Context chunk or decode step.
-    pub kind: PlannedKind,
+    pub kind: RequestKind,
     /// KV tokens before the step.
     pub num_cached: u32,
     /// Tokens processed (drafts included).
@@ -497,7 +497,7 @@ impl Coordinator {
                 }),
             );
         }
-        self.stats.failed = self.sched.stats().failed;
+        self.stats.scheduler.failed = self.sched.stats().failed;
         self.publish_counters();
         if let Some(d) = &self.draft {
             let _ = d.tell(SetDevices(self.alive())).await;
@@ -608,15 +608,7 @@ impl Coordinator {
         let m = self.sched.target().stats();
         let utilization = self.tier_usage();
         RuntimeStats {
-            steps: s.steps,
-            submitted: s.submitted,
-            finished: s.finished,
-            failed: s.failed,
-            preemptions: s.preemptions,
-            prefill_tokens: s.prefill_tokens,
-            decode_tokens: s.decode_tokens,
-            drafts_proposed: s.drafts_proposed,
-            drafts_accepted: s.drafts_accepted,
+            scheduler: s,
             draft_acceptance_rate: ratio(s.drafts_accepted, s.drafts_proposed),
             prefix_hit_rate: ratio(m.reused_tokens, m.lookup_tokens),
             rolling_hit_rate: self.rolling.rate(),
@@ -675,7 +667,7 @@ impl Message<Submit> for Coordinator {
         );
         self.done.take(id);
         let r = self.sched.submit(msg.0)?;
-        self.stats.submitted = self.sched.stats().submitted;
+        self.stats.scheduler.submitted = self.sched.stats().submitted;
         self.publish_counters();
         span.record("reused", r);
         tracing::debug!(parent: &span, reused = r, "submitted");
@@ -853,7 +845,7 @@ impl Coordinator {
                     }),
                 );
             }
-            self.stats.failed = self.sched.stats().failed;
+            self.stats.scheduler.failed = self.sched.stats().failed;
             self.publish_counters();
             return Err(e);
         }
@@ -943,7 +935,7 @@ impl Coordinator {
 
 #[cfg(feature = "fault-injection")]
 /// Fault drill: refuse GPU-room requests with a probability (see
-/// [`Scheduler::inject_room_failures`](crate::core::scheduler::Scheduler::inject_room_failures)).
+/// [`Scheduler::inject_room_failures`](dsa_kv_core::core::scheduler::Scheduler::inject_room_failures)).
 pub(super) struct InjectRoomFailures {
     /// Seed of the refusals.
     pub seed: u64,
@@ -1045,7 +1037,7 @@ impl Coordinator {
             }
             manager_us += t1.elapsed().as_micros() as u64;
         }
-        self.stats.finished = self.sched.stats().finished;
+        self.stats.scheduler.finished = self.sched.stats().finished;
         self.publish_counters();
         Ok(CommitReport {
             finished: reports,
@@ -1151,7 +1143,7 @@ impl Message<Watch> for Coordinator {
             self.watchers.entry(id).or_default().push(tx);
         } else {
             let _ = tx.send(Err(RuntimeError::Kv(
-                crate::core::KvError::UnknownRequest { id },
+                dsa_kv_core::core::KvError::UnknownRequest { id },
             )));
         }
     }
@@ -1165,7 +1157,7 @@ impl Message<Cancel> for Coordinator {
 
     async fn handle(&mut self, msg: Cancel, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.sched.cancel(msg.0)?;
-        self.stats.failed = self.sched.stats().failed;
+        self.stats.scheduler.failed = self.sched.stats().failed;
         self.publish_counters();
         self.resolve(
             msg.0,
@@ -1248,7 +1240,7 @@ pub struct EventSnapshot {
     /// the consumer must replace its view with `blocks`.
     pub lost: u64,
     /// Every page of every block of the target cache's reuse tree, after `events`.
-    pub blocks: Vec<crate::core::CachedPage>,
+    pub blocks: Vec<dsa_kv_core::core::CachedPage>,
 }
 
 impl Message<TakeEventsWithSnapshot> for Coordinator {
@@ -1308,7 +1300,7 @@ impl Message<GetRouterSnapshot> for Coordinator {
 
 /// Tokens of a prompt the target cache would serve now.
 pub(super) struct ProbeReuse {
-    pub scope: crate::core::ReuseScope,
+    pub scope: dsa_kv_core::core::ReuseScope,
     pub prompt: Vec<TokenId>,
 }
 
@@ -1401,14 +1393,14 @@ pub struct CacheCounts {
 pub(super) struct ResetPrefixCache;
 
 impl Message<ResetPrefixCache> for Coordinator {
-    type Reply = Result<crate::core::ResetReport, RuntimeError>;
+    type Reply = Result<dsa_kv_core::core::ResetReport, RuntimeError>;
 
     async fn handle(
         &mut self,
         _: ResetPrefixCache,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        use crate::core::scheduler::SchedError;
+        use dsa_kv_core::core::scheduler::SchedError;
         let report = self.sched.reset_prefix_cache().map_err(|e| match e {
             SchedError::PrefixCacheInUse { requests } => {
                 RuntimeError::PrefixCacheInUse { requests }
@@ -1425,7 +1417,7 @@ impl Message<ResetPrefixCache> for Coordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::scheduler::Finished;
+    use dsa_kv_core::core::scheduler::Finished;
 
     fn report(id: u64, tokens: usize) -> Result<FinishedReport, RuntimeError> {
         Ok(FinishedReport {
@@ -1434,7 +1426,7 @@ mod tests {
                 generated: 1,
                 reused_tokens: 0,
                 preemptions: 0,
-                tokens: vec![crate::ids::TokenId(1); tokens],
+                tokens: vec![dsa_kv_core::ids::TokenId(1); tokens],
                 scope: Default::default(),
                 block_slots: vec![0; tokens / 64],
                 draft_block_slots: None,

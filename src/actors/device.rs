@@ -14,9 +14,9 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use super::faults::Faults;
 use super::shared::RuntimeShared;
-use crate::core::scheduler::StepPlan;
-use crate::device::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
-use crate::metadata::DraftSnapshot;
+use dsa_kv_core::core::scheduler::StepPlan;
+use dsa_kv_core::metadata::DraftSnapshot;
+use dsa_kv_device::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
 
 /// Owns one device. See the module docs.
 pub(super) struct DeviceActor {
@@ -225,7 +225,7 @@ impl Message<Synchronize> for DeviceActor {
 pub(super) struct PoolRegions;
 
 impl Message<PoolRegions> for DeviceActor {
-    type Reply = Vec<crate::transfer::PoolRegion>;
+    type Reply = Vec<dsa_kv_device::transfer::PoolRegion>;
 
     async fn handle(&mut self, _: PoolRegions, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.backend.pool_regions()

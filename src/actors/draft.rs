@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use super::device::{DeviceActor, DraftForward, DraftPrepare, DraftRestore};
 use super::error::RuntimeError;
-use crate::core::scheduler::StepPlan;
+use dsa_kv_core::core::scheduler::StepPlan;
 
 /// Replays drafts. See the module docs.
 pub(super) struct DraftReplayActor {

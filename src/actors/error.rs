@@ -1,13 +1,13 @@
 //! Errors of the runtime handle.
 
-use crate::config::ConfigError;
-use crate::core::quota::QuotaError;
-use crate::core::scheduler::SchedError;
-use crate::core::KvError;
-use crate::ids::RequestId;
-use crate::layout::LayoutError;
+use dsa_kv_core::config::ConfigError;
+use dsa_kv_core::core::quota::QuotaError;
+use dsa_kv_core::core::scheduler::SchedError;
+use dsa_kv_core::core::KvError;
+use dsa_kv_core::ids::RequestId;
+use dsa_kv_core::layout::LayoutError;
 
-use crate::device::backend::DeviceError;
+use dsa_kv_device::backend::DeviceError;
 
 /// What a runtime call can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -82,7 +82,7 @@ pub enum RuntimeError {
     Transfer(String),
     /// A KV transport failed (opening or closing an import's window).
     #[error(transparent)]
-    Transport(#[from] crate::transfer::TransportError),
+    Transport(#[from] dsa_kv_device::transfer::TransportError),
     /// `start` was called outside a tokio runtime.
     #[error("KvCacheBuilder::start needs a tokio runtime (call it from async code)")]
     NoTokioRuntime,
@@ -106,7 +106,7 @@ pub enum RuntimeError {
     /// A cache's pools do not fit in what is left of `max_gpu_total_bytes`. (`start`
     /// sizes both caches inside the budget, so its reservations are a cross-check.)
     #[error(transparent)]
-    Reservation(#[from] crate::sync::QuotaError),
+    Reservation(#[from] dsa_kv_core::sync::QuotaError),
     /// An actor failed while starting.
     #[error("the {actor} did not start: {reason}")]
     StartFailed {
@@ -122,7 +122,7 @@ pub enum RuntimeError {
     )]
     VerifyNeedsSyntheticWriter {
         /// The verification asked for.
-        verify: crate::device::Verification,
+        verify: dsa_kv_device::Verification,
     },
     /// `check_invariants` found the cache state inconsistent (a bug: please report it).
     #[error("cache invariant violated: {0}")]

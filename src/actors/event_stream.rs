@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
-use crate::core::{RouterBlock, RouterEvent};
+use dsa_kv_core::core::{RouterBlock, RouterEvent};
 
 /// Default number of batches the stream keeps for slow subscribers (a power of two:
 /// the channel rounds its capacity up to one).
@@ -57,7 +57,7 @@ pub struct RouterSnapshot {
 }
 
 /// One consumer of the stream (from
-/// [`KvCacheHandle::subscribe_events`](super::KvCacheHandle::subscribe_events)).
+/// [`Events::subscribe`](super::Events::subscribe)).
 /// Dropping it unsubscribes.
 #[derive(Debug, kameo::Reply)]
 pub struct EventSubscriber {

@@ -4,7 +4,7 @@
 //! zero-sized [`Faults`] whose hooks do nothing, and the handle has no drill methods.
 
 #[cfg(not(feature = "fault-injection"))]
-use {crate::core::scheduler::StepPlan, crate::device::VerifySpec, std::sync::Arc};
+use {dsa_kv_core::core::scheduler::StepPlan, dsa_kv_device::VerifySpec, std::sync::Arc};
 
 #[cfg(feature = "fault-injection")]
 pub(crate) use enabled::InjectFault;
@@ -50,9 +50,9 @@ mod enabled {
 
     use super::Faults;
     use crate::actors::device::DeviceActor;
-    use crate::core::scheduler::StepPlan;
-    use crate::device::VerifySpec;
-    use crate::ids::RequestId;
+    use dsa_kv_core::core::scheduler::StepPlan;
+    use dsa_kv_core::ids::RequestId;
+    use dsa_kv_device::VerifySpec;
 
     /// A fault to inject into a device actor.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,4 +1,27 @@
 //! The public entry point: [`KvCacheBuilder`] → `start().await` → [`KvCacheHandle`].
+//!
+//! What the handle offers, by group:
+//!
+//! * **The engine loop**, on the handle: [`submit`](KvCacheHandle::submit),
+//!   [`step`](KvCacheHandle::step) / [`commit`](KvCacheHandle::commit) (or
+//!   [`commit_and_step`](KvCacheHandle::commit_and_step), one round trip),
+//!   [`pending_step`](KvCacheHandle::pending_step), [`wait`](KvCacheHandle::wait),
+//!   [`cancel`](KvCacheHandle::cancel), [`suspend`](KvCacheHandle::suspend) /
+//!   [`resume`](KvCacheHandle::resume), [`synchronize`](KvCacheHandle::synchronize),
+//!   [`shutdown`](KvCacheHandle::shutdown).
+//! * **What the cache holds and how it runs**, on the handle:
+//!   [`info`](KvCacheHandle::info), [`stats`](KvCacheHandle::stats),
+//!   [`history`](KvCacheHandle::history), [`counters`](KvCacheHandle::counters) (no
+//!   round trip), [`quota`](KvCacheHandle::quota),
+//!   [`probe_reuse`](KvCacheHandle::probe_reuse),
+//!   [`reset_prefix_cache`](KvCacheHandle::reset_prefix_cache).
+//! * **Events**, `kv.events()` ([`Events`]): the router event stream
+//!   ([`subscribe`](Events::subscribe), [`router_snapshot`](Events::router_snapshot))
+//!   and the crate's own KV events ([`take`](Events::take)).
+//! * **KV between engines**, `kv.transfer()` ([`Transfers`](super::Transfers)): export,
+//!   import, leases.
+//! * Feature `testing`: `bindings`, `check_invariants`, `cache_digests` (what tests and
+//!   the examples' self-checks read); feature `fault-injection`: the fault drills.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,29 +33,34 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 use tracing::field::Empty;
 
+#[cfg(feature = "testing")]
+use super::coordinator::{CacheCounts, CheckInvariants};
 use super::coordinator::{
-    CacheCounts, Cancel, CheckInvariants, Commit, CommitAndStep, CommitAndStepReport, CommitReport,
-    Coordinator, CoordinatorArgs, Devices, Drafts, FinishedReport, GetHistory, GetStats, Pause,
-    PendingStep, Step, StepReport, Submit, TakeEvents, Watch,
+    Cancel, Commit, CommitAndStep, CommitAndStepReport, CommitReport, Coordinator, CoordinatorArgs,
+    Devices, Drafts, FinishedReport, GetHistory, GetStats, Pause, PendingStep, Step, StepReport,
+    Submit, TakeEvents, Watch,
 };
-use super::device::{CacheDigest, DeviceActor, DeviceArgs, Synchronize};
+#[cfg(feature = "testing")]
+use super::device::CacheDigest;
+use super::device::{DeviceActor, DeviceArgs, Synchronize};
 use super::draft::DraftReplayActor;
 use super::error::RuntimeError;
 #[cfg(feature = "fault-injection")]
 use super::faults::{DeviceFault, InjectFault};
 use super::shared::{LiveCounters, RuntimeShared};
 use super::stats::{HistoryChunk, RuntimeStats};
-use crate::config::{DsaModel, EngineConfig};
-use crate::core::quota::{CapacityPlan, GpuBudget};
-use crate::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
-use crate::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
-use crate::device::{
+use super::transfer::Transfers;
+use dsa_kv_core::config::{DsaModel, EngineConfig};
+use dsa_kv_core::core::quota::{CapacityPlan, GpuBudget};
+use dsa_kv_core::core::scheduler::{RequestOutcome, Scheduler, SchedulerLimits, SubmitRequest};
+use dsa_kv_core::core::{KvCacheManager, KvEvent, ManagerOptions, TierSlots};
+use dsa_kv_core::ids::{RequestId, TokenId};
+use dsa_kv_core::layout::{LayoutKind, PoolPlan};
+use dsa_kv_core::metadata::MetadataDims;
+use dsa_kv_device::{
     BackendFactory, DeviceBackend, DeviceSetup, HostDevice, Verification, VerifiedLayers,
 };
-use crate::device::{ForwardFactory, KvSource, SyntheticKv};
-use crate::ids::{RequestId, TokenId};
-use crate::layout::{LayoutKind, PoolPlan};
-use crate::metadata::MetadataDims;
+use dsa_kv_device::{ForwardFactory, KvSource, SyntheticKv};
 
 /// The largest mailbox [`KvCacheBuilder`] accepts (messages).
 const MAX_MAILBOX: usize = 1 << 16;
@@ -174,7 +202,7 @@ impl KvCacheBuilder {
         self
     }
 
-    /// The framework's model: each device builds its [`Forward`](crate::device::Forward)
+    /// The framework's model: each device builds its [`Forward`](dsa_kv_device::Forward)
     /// with `factory` and runs it once per step (default: the synthetic writer,
     /// each backend's own: [`SyntheticWriter`](crate::synthetic::SyntheticWriter) on the
     /// host).
@@ -232,7 +260,7 @@ impl KvCacheBuilder {
     }
 
     /// Validates everything (the configuration, and the builder's own sizes against
-    /// [`config::limits`](crate::config::limits) and a mailbox limit of 65,536), sizes the
+    /// [`config::limits`](dsa_kv_core::config::limits) and a mailbox limit of 65,536), sizes the
     /// pools, spawns the actors.
     #[tracing::instrument(name = "start", level = "info", skip_all)]
     pub async fn start(self) -> Result<KvCacheHandle, RuntimeError> {
@@ -264,7 +292,7 @@ impl KvCacheBuilder {
             (
                 "host_devices",
                 devices,
-                crate::config::limits::MAX_DEVICES as usize,
+                dsa_kv_core::config::limits::MAX_DEVICES as usize,
             ),
             ("device_mailbox", self.device_mailbox, MAX_MAILBOX),
             ("coordinator_mailbox", self.coordinator_mailbox, MAX_MAILBOX),
@@ -470,7 +498,8 @@ impl KvCacheHandle {
 
     /// The metadata set device `index` has bound now (target, or draft during a
     /// replay), as its kernel launcher sees it; `None` before its first step.
-    pub fn bindings(&self, index: usize) -> Option<crate::metadata::Bindings> {
+    #[cfg(feature = "testing")]
+    pub fn bindings(&self, index: usize) -> Option<dsa_kv_core::metadata::Bindings> {
         self.shared.bindings.get(index).and_then(|p| *p.load())
     }
 
@@ -483,6 +512,18 @@ impl KvCacheHandle {
     /// What the runtime was started with.
     pub fn info(&self) -> &RuntimeInfo {
         &self.info
+    }
+
+    /// The router event stream and the crate's own KV events:
+    /// `kv.events().subscribe()`, `kv.events().take()`, … ([`Events`]).
+    pub fn events(&self) -> Events<'_> {
+        Events { kv: self }
+    }
+
+    /// KV pages between engines: `kv.transfer().export(…)`, `kv.transfer().begin_import(…)`,
+    /// … ([`Transfers`]).
+    pub fn transfer(&self) -> Transfers<'_> {
+        Transfers { kv: self }
     }
 
     /// Admits a request; returns the prompt tokens a probe finds cached now.
@@ -685,56 +726,6 @@ impl KvCacheHandle {
         Ok(chunk)
     }
 
-    /// Subscribes to the router event stream: [`EventBatch`](super::EventBatch)es of
-    /// [`RouterEvent`](crate::core::RouterEvent)s (vLLM / Dynamo `BlockStored`,
-    /// `BlockRemoved`, `AllBlocksCleared`: full blocks only, parents before children, a
-    /// tier move as a removal on one medium and a store on the other), numbered 0, 1, 2,
-    /// … without gaps, one per step or commit that changed the cache. **This is the way
-    /// for routers**; any number of subscribers each see every batch from the
-    /// subscription on. Events recorded before the call are published first and not
-    /// delivered: a subscriber made before the first request sees everything from an
-    /// empty cache, a later one starts from
-    /// [`subscribe_events_with_snapshot`](Self::subscribe_events_with_snapshot). A
-    /// subscriber more than [`event_stream_capacity`](KvCacheBuilder::event_stream_capacity)
-    /// batches behind gets [`StreamItem::Lost`](super::StreamItem::Lost) with the lost
-    /// range and resynchronizes from [`router_snapshot`](Self::router_snapshot).
-    #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn subscribe_events(&self) -> Result<super::EventSubscriber, RuntimeError> {
-        let (sub, _) = self
-            .coordinator
-            .ask(super::coordinator::SubscribeEvents { snapshot: false })
-            .await?;
-        Ok(sub)
-    }
-
-    /// A subscriber and the full blocks it starts from, taken at the same point: apply
-    /// the snapshot, then every batch received.
-    #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn subscribe_events_with_snapshot(
-        &self,
-    ) -> Result<(super::EventSubscriber, super::RouterSnapshot), RuntimeError> {
-        let (sub, snap) = self
-            .coordinator
-            .ask(super::coordinator::SubscribeEvents { snapshot: true })
-            .await?;
-        Ok((
-            sub,
-            snap.expect("invariant: a snapshot was asked for and the coordinator made one"),
-        ))
-    }
-
-    /// The target cache's full blocks as a router sees them, with the sequence number of
-    /// the first stream batch they do not include: a subscriber that lost batches
-    /// replaces its view with `blocks` and calls
-    /// [`EventSubscriber::resync`](super::EventSubscriber::resync). Walks the whole tree.
-    #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn router_snapshot(&self) -> Result<super::RouterSnapshot, RuntimeError> {
-        Ok(self
-            .coordinator
-            .ask(super::coordinator::GetRouterSnapshot)
-            .await?)
-    }
-
     /// Tokens of `prompt` the target cache would serve if the request were submitted now
     /// (its longest cached prefix, on the GPU or the host tier; never the last token,
     /// whose logits are needed), without holding anything. `tokens / 64` is the number
@@ -742,7 +733,7 @@ impl KvCacheHandle {
     /// for the same tokens without the last one.
     pub async fn probe_reuse(
         &self,
-        scope: crate::core::ReuseScope,
+        scope: dsa_kv_core::core::ReuseScope,
         prompt: &[TokenId],
     ) -> Result<u64, RuntimeError> {
         self.coordinator
@@ -754,43 +745,16 @@ impl KvCacheHandle {
             .map_err(RuntimeError::from)
     }
 
-    /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
-    /// clears), oldest first. The runtime keeps the newest
-    /// [`event_capacity`](KvCacheBuilder::event_capacity); older ones are dropped
-    /// and counted in `stats().events.lost` (a consumer that falls behind resynchronizes
-    /// with [`take_events_with_snapshot`](Self::take_events_with_snapshot)). These are the
-    /// crate's own per-life-cycle events with 256-bit keys, for one consumer; routers use
-    /// [`subscribe_events`](Self::subscribe_events).
-    #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn take_events(&self) -> Result<Vec<KvEvent>, RuntimeError> {
-        Ok(self.coordinator.ask(TakeEvents).await?)
-    }
-
-    /// The KV events not taken yet, and a snapshot of the target cache's reuse tree that
-    /// they lead to (every block's page per life cycle, with its tier), read atomically:
-    /// a consumer that replays every event it took in order holds exactly the snapshot,
-    /// unless events were dropped untaken (`lost > 0`: the runtime keeps the newest
-    /// [`event_capacity`](KvCacheBuilder::event_capacity)), in which case it replaces its view with the snapshot. For a router
-    /// resynchronizing its view, and for checking an event consumer. The snapshot walks
-    /// the whole tree: not for every step.
-    #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn take_events_with_snapshot(&self) -> Result<super::EventSnapshot, RuntimeError> {
-        Ok(self
-            .coordinator
-            .ask(super::coordinator::TakeEventsWithSnapshot)
-            .await?)
-    }
-
     /// Drops every cached block of the target and the draft cache on every tier, e.g.
     /// after a weight update (vLLM's and SGLang's `reset_prefix_cache`); the next request
     /// reuses nothing. Routers get one `AllBlocksCleared` on the
-    /// [event stream](Self::subscribe_events) (and one [`KvEvent::AllBlocksCleared`]
-    /// through [`take_events`](Self::take_events)), again on every successful call. Refused with
+    /// [event stream](Events::subscribe) (and one [`KvEvent::AllBlocksCleared`]
+    /// through [`Events::take`]), again on every successful call. Refused with
     /// [`RuntimeError::PrefixCacheInUse`], changing nothing, while any request holds KV
     /// pages (running, in a step not committed yet, or suspended): let them finish or
     /// cancel them first. Requests submitted and not started yet do not block it.
     #[tracing::instrument(level = "info", skip_all)]
-    pub async fn reset_prefix_cache(&self) -> Result<crate::core::ResetReport, RuntimeError> {
+    pub async fn reset_prefix_cache(&self) -> Result<dsa_kv_core::core::ResetReport, RuntimeError> {
         Ok(self
             .coordinator
             .ask(super::coordinator::ResetPrefixCache)
@@ -799,6 +763,7 @@ impl KvCacheHandle {
 
     /// Checks the cache managers' invariants; returns the cache occupancy.
     #[tracing::instrument(level = "debug", skip_all)]
+    #[cfg(feature = "testing")]
     pub async fn check_invariants(&self) -> Result<CacheCounts, RuntimeError> {
         self.coordinator
             .ask(CheckInvariants)
@@ -814,6 +779,7 @@ impl KvCacheHandle {
     /// SHA-256 of every device's GPU-tier cache bytes (index order; `None` for a device
     /// that is gone). Tensor-parallel ranks with replicated KV must agree.
     #[tracing::instrument(level = "debug", skip_all)]
+    #[cfg(feature = "testing")]
     pub async fn cache_digests(&self) -> Result<Vec<Option<String>>, RuntimeError> {
         let devices = self.coordinator.ask(Devices).await?;
         let mut out = Vec::with_capacity(devices.len());
@@ -905,5 +871,96 @@ impl KvCacheHandle {
                 index,
                 devices: self.info.devices,
             })
+    }
+}
+
+/// The handle's event methods ([`KvCacheHandle::events`]): the router event stream
+/// (vLLM / Dynamo events, any number of subscribers) and the crate's own KV events (one
+/// consumer).
+#[derive(Clone, Copy)]
+pub struct Events<'a> {
+    pub(super) kv: &'a KvCacheHandle,
+}
+
+impl Events<'_> {
+    /// Subscribes to the router event stream: [`EventBatch`](super::EventBatch)es of
+    /// [`RouterEvent`](dsa_kv_core::core::RouterEvent)s (vLLM / Dynamo `BlockStored`,
+    /// `BlockRemoved`, `AllBlocksCleared`: full blocks only, parents before children, a
+    /// tier move as a removal on one medium and a store on the other), numbered 0, 1, 2,
+    /// … without gaps, one per step or commit that changed the cache. **This is the way
+    /// for routers**; any number of subscribers each see every batch from the
+    /// subscription on. Events recorded before the call are published first and not
+    /// delivered: a subscriber made before the first request sees everything from an
+    /// empty cache, a later one starts from
+    /// [`subscribe_with_snapshot`](Self::subscribe_with_snapshot). A
+    /// subscriber more than [`event_stream_capacity`](super::KvCacheBuilder::event_stream_capacity)
+    /// batches behind gets [`StreamItem::Lost`](super::StreamItem::Lost) with the lost
+    /// range and resynchronizes from [`router_snapshot`](Self::router_snapshot).
+    #[tracing::instrument(level = "debug", skip_all)]
+    pub async fn subscribe(&self) -> Result<super::EventSubscriber, RuntimeError> {
+        let (sub, _) = self
+            .kv
+            .coordinator
+            .ask(super::coordinator::SubscribeEvents { snapshot: false })
+            .await?;
+        Ok(sub)
+    }
+
+    /// A subscriber and the full blocks it starts from, taken at the same point: apply
+    /// the snapshot, then every batch received.
+    #[tracing::instrument(level = "debug", skip_all)]
+    pub async fn subscribe_with_snapshot(
+        &self,
+    ) -> Result<(super::EventSubscriber, super::RouterSnapshot), RuntimeError> {
+        let (sub, snap) = self
+            .kv
+            .coordinator
+            .ask(super::coordinator::SubscribeEvents { snapshot: true })
+            .await?;
+        Ok((
+            sub,
+            snap.expect("invariant: a snapshot was asked for and the coordinator made one"),
+        ))
+    }
+
+    /// The target cache's full blocks as a router sees them, with the sequence number of
+    /// the first stream batch they do not include: a subscriber that lost batches
+    /// replaces its view with `blocks` and calls
+    /// [`EventSubscriber::resync`](super::EventSubscriber::resync). Walks the whole tree.
+    #[tracing::instrument(level = "debug", skip_all)]
+    pub async fn router_snapshot(&self) -> Result<super::RouterSnapshot, RuntimeError> {
+        Ok(self
+            .kv
+            .coordinator
+            .ask(super::coordinator::GetRouterSnapshot)
+            .await?)
+    }
+
+    /// KV events since the last call (stored / removed / tier-updated blocks, whole-cache
+    /// clears), oldest first. The runtime keeps the newest
+    /// [`event_capacity`](super::KvCacheBuilder::event_capacity); older ones are dropped
+    /// and counted in `stats().events.lost` (a consumer that falls behind resynchronizes
+    /// with [`take_with_snapshot`](Self::take_with_snapshot)). These are the
+    /// crate's own per-life-cycle events with 256-bit keys, for one consumer; routers use
+    /// [`subscribe`](Self::subscribe).
+    #[tracing::instrument(level = "debug", skip_all)]
+    pub async fn take(&self) -> Result<Vec<KvEvent>, RuntimeError> {
+        Ok(self.kv.coordinator.ask(TakeEvents).await?)
+    }
+
+    /// The KV events not taken yet, and a snapshot of the target cache's reuse tree that
+    /// they lead to (every block's page per life cycle, with its tier), read atomically:
+    /// a consumer that replays every event it took in order holds exactly the snapshot,
+    /// unless events were dropped untaken (`lost > 0`: the runtime keeps the newest
+    /// [`event_capacity`](super::KvCacheBuilder::event_capacity)), in which case it replaces its view with the snapshot. For a router
+    /// resynchronizing its view, and for checking an event consumer. The snapshot walks
+    /// the whole tree: not for every step.
+    #[tracing::instrument(level = "debug", skip_all)]
+    pub async fn take_with_snapshot(&self) -> Result<super::EventSnapshot, RuntimeError> {
+        Ok(self
+            .kv
+            .coordinator
+            .ask(super::coordinator::TakeEventsWithSnapshot)
+            .await?)
     }
 }

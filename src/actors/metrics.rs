@@ -20,8 +20,8 @@ use metrics::{counter, gauge, histogram};
 
 use super::coordinator::StepTiming;
 use super::stats::{EventCounts, TierUsage};
-use crate::core::scheduler::SchedulerStats;
-use crate::core::ManagerStats;
+use dsa_kv_core::core::scheduler::SchedulerStats;
+use dsa_kv_core::core::ManagerStats;
 
 /// What one publication reads.
 pub(crate) struct Sample<'a> {

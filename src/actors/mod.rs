@@ -26,9 +26,9 @@ pub use event_stream::{
 };
 #[cfg(feature = "fault-injection")]
 pub use faults::{DeviceFault, Misdirect};
-pub use handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
+pub use handle::{Events, KvCacheBuilder, KvCacheHandle, RuntimeInfo};
 pub use shared::{LiveCounters, RuntimeShared};
 pub use stats::{
     EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
 };
-pub use transfer::Lease;
+pub use transfer::{Lease, Transfers};

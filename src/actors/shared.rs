@@ -4,9 +4,9 @@
 
 use serde::Serialize;
 
-use crate::ids::Fence;
-use crate::metadata::Bindings;
-use crate::sync::{FenceBoard, Published, QuotaLedger, SeqCounters};
+use dsa_kv_core::ids::Fence;
+use dsa_kv_core::metadata::Bindings;
+use dsa_kv_core::sync::{FenceBoard, Published, QuotaLedger, SeqCounters};
 
 /// Index of each live counter in [`RuntimeShared::counters`].
 pub(crate) mod counter {

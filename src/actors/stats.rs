@@ -6,8 +6,9 @@ use std::collections::VecDeque;
 
 use serde::Serialize;
 
-use crate::core::GroupUsage;
-use crate::ids::Tier;
+use dsa_kv_core::core::scheduler::SchedulerStats;
+use dsa_kv_core::core::GroupUsage;
+use dsa_kv_core::ids::Tier;
 
 /// Utilization of one pool group on one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -52,31 +53,18 @@ pub struct EventCounts {
     /// Whole-cache clears (`reset_prefix_cache`).
     pub cleared: u64,
     /// Events dropped untaken: the runtime keeps the newest `event_capacity` (a
-    /// consumer that falls behind resynchronizes with `take_events_with_snapshot`).
+    /// consumer that falls behind resynchronizes with `kv.events().take_with_snapshot()`).
     pub lost: u64,
 }
 
 /// A snapshot of the runtime's statistics.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, kameo::Reply)]
 pub struct RuntimeStats {
-    /// Steps run.
-    pub steps: u64,
-    /// Requests submitted.
-    pub submitted: u64,
-    /// Requests finished.
-    pub finished: u64,
-    /// Requests failed (errors, cancellation, lost devices).
-    pub failed: u64,
-    /// Preemptions.
-    pub preemptions: u64,
-    /// Prefill tokens processed.
-    pub prefill_tokens: u64,
-    /// Decode tokens processed (drafts included).
-    pub decode_tokens: u64,
-    /// Draft tokens proposed.
-    pub drafts_proposed: u64,
-    /// Draft tokens accepted.
-    pub drafts_accepted: u64,
+    /// The scheduler's counters: steps, requests submitted / finished / failed,
+    /// preemptions, prefill and decode tokens, drafts proposed and accepted (flattened
+    /// into the same JSON object).
+    #[serde(flatten)]
+    pub scheduler: SchedulerStats,
     /// `drafts_accepted / drafts_proposed`.
     pub draft_acceptance_rate: f64,
     /// Prompt tokens served from the cache / prompt tokens looked up, since start.
@@ -108,7 +96,7 @@ pub struct RuntimeStats {
     pub history_dropped: u64,
     /// KV transfers between engines: open exports and imports, and those whose lease
     /// ran out.
-    pub transfers: crate::core::scheduler::TransferStats,
+    pub transfers: dsa_kv_core::core::scheduler::TransferStats,
 }
 
 /// Part of the per-step history, as

@@ -12,10 +12,10 @@ use super::coordinator::{Coordinator, Devices};
 use super::device::PoolRegions;
 use super::error::RuntimeError;
 use super::handle::KvCacheHandle;
-use crate::core::scheduler::TRANSFER_DRAIN;
-use crate::core::{BlockKey, ReuseScope};
-use crate::ids::{RequestId, TokenId};
-use crate::transfer::{
+use dsa_kv_core::core::scheduler::TRANSFER_DRAIN;
+use dsa_kv_core::core::{BlockKey, ReuseScope};
+use dsa_kv_core::ids::{RequestId, TokenId};
+use dsa_kv_device::transfer::{
     CacheKind, ExportedBlocks, ImportTicket, KvTransport, PeerId, PoolRef, PoolRegion,
 };
 
@@ -254,13 +254,20 @@ pub(super) fn spawn_lease_timer(me: &ActorRef<Coordinator>, lease: Duration) {
     });
 }
 
-impl KvCacheHandle {
+/// The handle's transfer methods ([`KvCacheHandle::transfer`]): KV pages between engines
+/// (prefill/decode disaggregation). The protocol: [`crate::transfer`].
+#[derive(Clone, Copy)]
+pub struct Transfers<'a> {
+    pub(super) kv: &'a KvCacheHandle,
+}
+
+impl Transfers<'_> {
     /// Every pool of every device's target and draft caches, on both tiers, as memory a
-    /// [`KvTransport`](crate::transfer::KvTransport) registers (device index in each
+    /// [`KvTransport`](dsa_kv_device::transfer::KvTransport) registers (device index in each
     /// region). The addresses never change while the runtime lives.
     #[tracing::instrument(level = "debug", skip_all)]
-    pub async fn transfer_regions(&self) -> Result<Vec<PoolRegion>, RuntimeError> {
-        let devices = self.coordinator.ask(Devices).await?;
+    pub async fn regions(&self) -> Result<Vec<PoolRegion>, RuntimeError> {
+        let devices = self.kv.coordinator.ask(Devices).await?;
         let mut out = Vec::new();
         for (i, d) in devices.into_iter().enumerate() {
             let d = d.ok_or_else(|| {
@@ -286,16 +293,17 @@ impl KvCacheHandle {
     /// device has finished the work that wrote them, and describes them: chained reuse
     /// keys, tokens, slots. They stay where they are until
     /// [`release_export`](Self::release_export) or until the export's lease
-    /// (`transfer.lease_ms`) runs out; [`renew_transfer`](Self::renew_transfer) before a
+    /// (`transfer.lease_ms`) runs out; [`renew`](Self::renew) before a
     /// push that could outlast it. `id` shares the requests' id space.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id, tokens = tokens.len()))]
-    pub async fn export_blocks(
+    pub async fn export(
         &self,
         id: RequestId,
         scope: ReuseScope,
         tokens: &[TokenId],
     ) -> Result<ExportedBlocks, RuntimeError> {
         let e = self
+            .kv
             .coordinator
             .ask(ExportBlocks {
                 id,
@@ -303,7 +311,7 @@ impl KvCacheHandle {
                 tokens: tokens.to_vec(),
             })
             .await?;
-        if let Err(err) = self.synchronize().await {
+        if let Err(err) = self.kv.synchronize().await {
             let _ = self.release_export(id).await;
             return Err(err);
         }
@@ -313,7 +321,7 @@ impl KvCacheHandle {
     /// Releases an export's blocks (they may be evicted or moved again).
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
     pub async fn release_export(&self, id: RequestId) -> Result<(), RuntimeError> {
-        Ok(self.coordinator.ask(CloseTransfer(id)).await?)
+        Ok(self.kv.coordinator.ask(CloseTransfer(id)).await?)
     }
 
     /// Reserves GPU pages for the exported blocks this engine does not hold (leading
@@ -340,6 +348,7 @@ impl KvCacheHandle {
         export: &ExportedBlocks,
     ) -> Result<Option<ImportTicket>, RuntimeError> {
         let ticket = self
+            .kv
             .coordinator
             .ask(BeginImport {
                 id,
@@ -351,7 +360,7 @@ impl KvCacheHandle {
             })
             .await?;
         if ticket.is_some() {
-            if let Err(err) = self.synchronize().await {
+            if let Err(err) = self.kv.synchronize().await {
                 let _ = self.abort_import(id).await;
                 return Err(err);
             }
@@ -362,11 +371,11 @@ impl KvCacheHandle {
     /// Links the imported blocks into the reuse trees at once (their bytes have landed);
     /// returns how many blocks it brought. A request submitted afterwards reuses them.
     /// An import whose lease ran out is
-    /// [`SchedError::TransferExpired`](crate::core::scheduler::SchedError::TransferExpired):
+    /// [`SchedError::TransferExpired`](dsa_kv_core::core::scheduler::SchedError::TransferExpired):
     /// it was aborted then.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
     pub async fn commit_import(&self, id: RequestId) -> Result<u32, RuntimeError> {
-        Ok(self.coordinator.ask(CommitImport(id)).await?)
+        Ok(self.kv.coordinator.ask(CommitImport(id)).await?)
     }
 
     /// Abandons an import: its reserved pages are freed and nothing of it enters the
@@ -374,13 +383,13 @@ impl KvCacheHandle {
     /// a write still landing would reach pages that are about to be reused.
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
     pub async fn abort_import(&self, id: RequestId) -> Result<(), RuntimeError> {
-        Ok(self.coordinator.ask(CloseTransfer(id)).await?)
+        Ok(self.kv.coordinator.ask(CloseTransfer(id)).await?)
     }
 
     /// [`begin_import`](Self::begin_import), then a window on `transport` for the
     /// ticket's pages: `peer` (the exporter) may write exactly those
     /// ([`ImportTicket::write_ranges`] of `regions`, this engine's
-    /// [`transfer_regions`](Self::transfer_regions)) until the ticket's
+    /// [`regions`](Self::regions)) until the ticket's
     /// [`write_by`](ImportTicket::write_by), and nothing else. The window's id is the
     /// import's. If the window cannot be opened, the import is aborted.
     #[allow(clippy::too_many_arguments)]
@@ -432,7 +441,7 @@ impl KvCacheHandle {
 
     /// Closes import `id`'s window on `transport`, then aborts the import (its pages
     /// are freed). When the transport cannot establish that no write still lands
-    /// ([`TransportError::InFlight`](crate::transfer::TransportError::InFlight)), the
+    /// ([`TransportError::InFlight`](dsa_kv_device::transfer::TransportError::InFlight)), the
     /// import is left open (its pages reserved) and the error returned; its lease
     /// frees it later.
     pub async fn abort_import_with(
@@ -446,9 +455,9 @@ impl KvCacheHandle {
 
     /// Starts the lease of export or import `id` again (a long transfer, a slow peer);
     /// returns the new lease. An expired one is
-    /// [`SchedError::TransferExpired`](crate::core::scheduler::SchedError::TransferExpired).
+    /// [`SchedError::TransferExpired`](dsa_kv_core::core::scheduler::SchedError::TransferExpired).
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id))]
-    pub async fn renew_transfer(&self, id: RequestId) -> Result<Lease, RuntimeError> {
-        Ok(self.coordinator.ask(RenewTransfer(id)).await?)
+    pub async fn renew(&self, id: RequestId) -> Result<Lease, RuntimeError> {
+        Ok(self.kv.coordinator.ask(RenewTransfer(id)).await?)
     }
 }

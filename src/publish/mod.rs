@@ -7,7 +7,7 @@
 //! // Loopback by default; bind an address other hosts reach (a cluster network) only
 //! // where the routers run elsewhere: the publisher has no authentication.
 //! let publisher = ZmqPublisher::start(
-//!     kv.subscribe_events().await?,
+//!     kv.events().subscribe().await?,
 //!     ZmqPublisherConfig { endpoint: "tcp://127.0.0.1:5557".into(), ..Default::default() },
 //! )
 //! .await?;

@@ -10,7 +10,7 @@
 //!   block_hashes, medium]`, `["AllBlocksCleared"]`;
 //! * **map**: the same fields by name, with the tag under `"type"`.
 //!
-//! Block hashes are unsigned 64-bit integers ([`BlockKey::hash64`](crate::core::BlockKey::hash64));
+//! Block hashes are unsigned 64-bit integers ([`BlockKey::hash64`](dsa_kv_core::core::BlockKey::hash64));
 //! `medium` is `"GPU"` or `"CPU_PINNED"`. The crate knows LoRA adapters by id: a block
 //! of an adapter's scope carries `lora_id` and, as `lora_name`, the id in decimal
 //! (routers salt their own block hashes with the name, so a router asked about a request
@@ -19,7 +19,7 @@
 use serde::Serialize;
 
 use crate::actors::EventBatch;
-use crate::core::RouterEvent;
+use dsa_kv_core::core::RouterEvent;
 
 /// How each event of a batch is shaped on the wire.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -190,7 +190,7 @@ pub fn encode_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::Medium;
+    use dsa_kv_core::core::Medium;
 
     #[test]
     fn medium_wire_names_are_the_serde_names() {

@@ -226,7 +226,7 @@ impl Counters {
 }
 
 /// Where the publisher's batches come from: the runtime's [`EventSubscriber`] (from
-/// [`KvCacheHandle::subscribe_events`](crate::actors::KvCacheHandle::subscribe_events)),
+/// [`Events::subscribe`](crate::actors::Events::subscribe)),
 /// or any stream of [`StreamItem`]s (a filtered one, a test's).
 pub trait EventSource: Send + 'static {
     /// The next item; `None` once the stream has ended.
@@ -382,7 +382,7 @@ async fn bind(socket: &'static str, endpoint: &str) -> Result<(TcpListener, Stri
 impl ZmqPublisher {
     /// Binds the sockets and starts publishing what `source` receives (for the runtime,
     /// take it from
-    /// [`KvCacheHandle::subscribe_events`](crate::actors::KvCacheHandle::subscribe_events)
+    /// [`Events::subscribe`](crate::actors::Events::subscribe)
     /// before the first request, so nothing is missed).
     pub async fn start(
         source: impl EventSource,

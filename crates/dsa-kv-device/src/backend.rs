@@ -13,13 +13,12 @@ use super::forward::{ForwardError, ForwardFactory};
 use super::kv_source::{KvPosition, KvSource};
 use crate::transfer::{CacheKind, MemRegion, PoolRegion};
 use dsa_kv_core::config::{DsaModel, IndexerDtype, KvDtype};
-use dsa_kv_core::core::scheduler::{PlannedKind, StepPlan};
+use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::core::{PrefixHash, ReuseScope};
 use dsa_kv_core::ids::{Fence, LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{PoolPlan, Role};
 use dsa_kv_core::metadata::{
-    DraftSnapshot, MetadataDims, MetadataError, MetadataLayout, RequestKind, StepMetadata,
-    StepRequest,
+    DraftSnapshot, MetadataDims, MetadataError, MetadataLayout, StepMetadata, StepRequest,
 };
 use dsa_kv_core::ops::mla::{quantize_fp8_ds_mla_row, quantize_nvfp4_row, RowView};
 use dsa_kv_core::ops::quant::{f32_to_e4m3, quantize_fp4_token, quantize_fp8_token, ScaleFormat};
@@ -517,10 +516,7 @@ impl StepCore {
         plan.requests
             .iter()
             .map(|r| StepRequest {
-                kind: match r.kind {
-                    PlannedKind::Context => RequestKind::Context,
-                    PlannedKind::Generation => RequestKind::Generation,
-                },
+                kind: r.kind,
                 block_slots: if draft {
                     r.draft_block_slots.as_deref().unwrap_or(&[])
                 } else {

@@ -7,6 +7,8 @@ mod cached_blocks;
 mod error;
 mod events;
 mod eviction;
+// `pub` for feature `testing` (re-exported below); only the manager uses it otherwise.
+#[cfg_attr(not(any(test, feature = "testing")), allow(unreachable_pub, dead_code))]
 mod fence;
 mod invariants;
 mod manager;
@@ -17,8 +19,12 @@ mod reset;
 mod residency;
 mod reuse_key;
 mod router_events;
+#[cfg(any(test, feature = "testing"))]
+mod router_view;
 pub mod scheduler;
 mod sequence_ops;
+// `pub` for feature `testing` (re-exported below); only the manager uses it otherwise.
+#[cfg_attr(not(any(test, feature = "testing")), allow(unreachable_pub, dead_code))]
 mod slot_allocator;
 mod transfer;
 
@@ -26,7 +32,6 @@ pub use cached_blocks::CachedPage;
 pub use error::{KvError, SeqStatus};
 pub use events::KvEvent;
 pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY};
-pub use fence::FenceClock;
 pub use manager::{
     Created, GroupUsage, KvCacheManager, ManagerOptions, ManagerStats, SeqHandle, SeqOptions,
     SequenceInfo, TierSlots,
@@ -34,9 +39,17 @@ pub use manager::{
 pub use pages::PageStatus;
 pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
-pub use router_events::{Medium, ReplayError, RouterBlock, RouterEvent, RouterView};
-pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
+pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc};
+
+// Feature `testing`: the raw allocator and fence clock the manager is built from, and the
+// reference replay of router events that tests check streams against.
+#[cfg(any(test, feature = "testing"))]
+pub use fence::FenceClock;
+#[cfg(any(test, feature = "testing"))]
+pub use router_view::{ReplayError, RouterView};
+#[cfg(any(test, feature = "testing"))]
+pub use slot_allocator::{SlotAllocator, SlotError, SlotGrant};
 
 #[cfg(test)]
 mod tests;

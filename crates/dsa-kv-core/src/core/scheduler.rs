@@ -76,9 +76,10 @@ impl SubmitRequest {
     }
 }
 
-/// Context chunk or decode step.
+/// What a request does in a step: a context (prefill) chunk or a decode step (possibly
+/// with draft tokens). The scheduler plans it, the step metadata and the framework read it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
-pub enum PlannedKind {
+pub enum RequestKind {
     /// A prefill chunk.
     Context,
     /// A decode step (the last sampled token, then draft tokens).
@@ -91,7 +92,7 @@ pub struct PlannedRequest {
     /// The request.
     pub id: RequestId,
     /// Context or generation.
-    pub kind: PlannedKind,
+    pub kind: RequestKind,
     /// KV tokens before this step.
     pub num_cached: u32,
     /// Tokens this step processes (their KV is written), drafts included.
@@ -307,7 +308,7 @@ enum Phase {
 
 #[derive(Debug)]
 struct Pending {
-    kind: PlannedKind,
+    kind: RequestKind,
     tokens: Vec<TokenId>,
     num_drafts: u32,
 }
@@ -919,14 +920,14 @@ impl Scheduler {
                     let d = &d[..d.len().min(self.limits.draft_tokens as usize)];
                     t.push(next);
                     t.extend_from_slice(d);
-                    (PlannedKind::Generation, t, d.len() as u32)
+                    (RequestKind::Generation, t, d.len() as u32)
                 }
                 Phase::Prefill { done } => {
                     let n = (r.prefill_len - done)
                         .min(self.limits.max_prefill_chunk)
                         .min(budget);
                     t.extend_from_slice(&r.tokens[done as usize..(done + n) as usize]);
-                    (PlannedKind::Context, t, 0)
+                    (RequestKind::Context, t, 0)
                 }
             };
             let n = new.len() as u32;
@@ -934,7 +935,7 @@ impl Scheduler {
                 continue;
             }
             let cached = self.reqs[i].kv_len();
-            if kind == PlannedKind::Context {
+            if kind == RequestKind::Context {
                 if context_kv + cached + n > self.limits.max_context_kv_tokens {
                     continue;
                 }
@@ -1004,8 +1005,8 @@ impl Scheduler {
             let verify_tokens =
                 (r.verify && cached > 0).then(|| r.tokens[..cached as usize].to_vec());
             let produces_token = match kind {
-                PlannedKind::Generation => true,
-                PlannedKind::Context => r.resume_decode.is_none() && cached + n == r.prefill_len,
+                RequestKind::Generation => true,
+                RequestKind::Context => r.resume_decode.is_none() && cached + n == r.prefill_len,
             };
             plan.requests.push(PlannedRequest {
                 id,
@@ -1033,7 +1034,7 @@ impl Scheduler {
         // A request preempted after it was planned (as a victim of a later one) cannot
         // be: victims are never scheduled in the same step.
         plan.requests
-            .sort_by_key(|p| p.kind == PlannedKind::Generation);
+            .sort_by_key(|p| p.kind == RequestKind::Generation);
         plan.copies = self.target.take_copy_plans();
         plan.target_fence = self.target.issue_fence();
         if let Some(d) = &mut self.draft {
@@ -1130,8 +1131,8 @@ impl Scheduler {
         for r in &self.reqs {
             let Some(p) = &r.pending else { continue };
             let needs_token = match (p.kind, r.phase) {
-                (PlannedKind::Generation, _) => true,
-                (PlannedKind::Context, Phase::Prefill { done }) => {
+                (RequestKind::Generation, _) => true,
+                (RequestKind::Context, Phase::Prefill { done }) => {
                     r.resume_decode.is_none() && done + p.tokens.len() as u32 == r.prefill_len
                 }
                 _ => false,
@@ -1150,7 +1151,7 @@ impl Scheduler {
             };
             let o = by_id.get(&self.reqs[i].id);
             match p.kind {
-                PlannedKind::Context => {
+                RequestKind::Context => {
                     self.both(i, |m, h| m.commit(h, &p.tokens))?;
                     self.stats.prefill_tokens += p.tokens.len() as u64;
                     let r = &mut self.reqs[i];
@@ -1171,7 +1172,7 @@ impl Scheduler {
                         }
                     };
                 }
-                PlannedKind::Generation => {
+                RequestKind::Generation => {
                     let k = o.map_or(0, |o| o.accepted_drafts) as usize;
                     let accepted = &p.tokens[..1 + k];
                     self.both(i, |m, h| m.accept_tokens(h, accepted))?;

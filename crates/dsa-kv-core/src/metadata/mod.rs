@@ -10,10 +10,13 @@ mod error;
 pub mod mirror;
 mod step;
 
+/// A request's step kind: the scheduler's (one type, re-exported here for the builder's
+/// callers).
+pub use crate::core::scheduler::RequestKind;
 pub use buffers::{Bindings, BufferId, BufferRole};
 pub use draft::{DraftReplay, DraftSnapshot};
 pub use error::MetadataError;
-pub use step::{MetadataDims, MetadataLayout, RequestKind, StepCounts, StepMetadata, StepRequest};
+pub use step::{MetadataDims, MetadataLayout, StepCounts, StepMetadata, StepRequest};
 
 #[cfg(test)]
 mod tests;

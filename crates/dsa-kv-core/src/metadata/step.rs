@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use super::buffers::{Bindings, BufferId, BufferRole, BufferSet, Data, MetaBuffer};
 use super::MetadataError;
+use crate::core::scheduler::RequestKind;
 use crate::layout::{IndexerPageLayout, LayoutError, PoolPlan, Role, RowLayout};
 
 /// The per-manager constants the metadata needs (target and draft managers differ).
@@ -77,15 +78,6 @@ pub struct MetadataDims {
     pub max_num_tokens: usize,
     /// KV tokens of all context requests of a step (full-KV mappings).
     pub max_context_kv_tokens: usize,
-}
-
-/// Context (prefill chunk) or generation (decode, possibly with draft tokens).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
-pub enum RequestKind {
-    /// A prefill chunk.
-    Context,
-    /// A decode step.
-    Generation,
 }
 
 /// One request of a step, as the scheduler and the cache manager describe it.

@@ -259,7 +259,8 @@ impl WritePlan {
 
     /// The same plan without the segments of the source pools `drop` selects. Only for
     /// mutation drills: it proves a checker notices what such a transfer leaves behind
-    /// (a real transfer never drops a pool).
+    /// (a real transfer never drops a pool). Feature `testing`.
+    #[cfg(any(test, feature = "testing"))]
     pub fn without_pools(&self, drop: impl Fn(&PoolRegion) -> bool) -> WritePlan {
         let mut gone = std::collections::HashSet::new();
         for (r, segs) in &self.per_pool {
