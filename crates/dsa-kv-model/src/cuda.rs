@@ -1107,7 +1107,7 @@ impl Forward for CudaModelForward {
         let decode = batch
             .requests
             .iter()
-            .all(|r| r.kind == dsa_kv_core::core::scheduler::PlannedKind::Generation);
+            .all(|r| r.kind == dsa_kv_core::core::scheduler::RequestKind::Generation);
         // Graphs are captured per bucket of padded token counts (8, 16, 32, …, the
         // largest step), as serving engines capture batch sizes.
         let tokens: usize = batch.requests.iter().map(|r| r.tokens.len()).sum();
