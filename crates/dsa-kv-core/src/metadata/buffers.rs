@@ -5,6 +5,8 @@
 
 use serde::Serialize;
 
+use super::MetadataDims;
+
 /// A persistent buffer (index into the metadata's buffer arena).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize)]
 pub struct BufferId(pub(super) u32);
@@ -35,6 +37,41 @@ pub enum BufferRole {
     KvLens,
     /// `[max_num_sequences]` i32: KV tokens of each request before this step.
     NumCached,
+}
+
+impl BufferRole {
+    /// Every role, in the order of a set's buffers (their allocation order, and
+    /// [`StepMetadata::set_buffers`](super::StepMetadata::set_buffers)).
+    pub const ALL: [BufferRole; 9] = [
+        BufferRole::IndexerPageTable,
+        BufferRole::BlockTable,
+        BufferRole::SlotMappingValue,
+        BufferRole::SlotMappingScale,
+        BufferRole::MlaSlotMapping,
+        BufferRole::FullKvValue,
+        BufferRole::FullKvScale,
+        BufferRole::KvLens,
+        BufferRole::NumCached,
+    ];
+
+    /// This role's buffer in a set of dimensions `d`: element type, length and padding
+    /// value as the role's documentation says.
+    pub(super) fn alloc(self, d: &MetadataDims) -> MetaBuffer {
+        let table = d.max_num_sequences * d.max_blocks_per_seq;
+        match self {
+            BufferRole::IndexerPageTable => MetaBuffer::i32(self, table, 0),
+            BufferRole::BlockTable => MetaBuffer::i32(self, table, -1),
+            BufferRole::SlotMappingValue
+            | BufferRole::SlotMappingScale
+            | BufferRole::MlaSlotMapping => MetaBuffer::i64(self, d.max_num_tokens, -1),
+            BufferRole::FullKvValue | BufferRole::FullKvScale => {
+                MetaBuffer::i64(self, d.max_context_kv_tokens, -1)
+            }
+            BufferRole::KvLens | BufferRole::NumCached => {
+                MetaBuffer::i32(self, d.max_num_sequences, 0)
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,62 +141,59 @@ pub struct Bindings {
 }
 
 impl Bindings {
+    /// The buffer playing `role`.
+    pub fn get(&self, role: BufferRole) -> BufferId {
+        match role {
+            BufferRole::IndexerPageTable => self.indexer_page_table,
+            BufferRole::BlockTable => self.block_table,
+            BufferRole::SlotMappingValue => self.slot_mapping_value,
+            BufferRole::SlotMappingScale => self.slot_mapping_scale,
+            BufferRole::MlaSlotMapping => self.mla_slot_mapping,
+            BufferRole::FullKvValue => self.full_kv_value,
+            BufferRole::FullKvScale => self.full_kv_scale,
+            BufferRole::KvLens => self.kv_lens,
+            BufferRole::NumCached => self.num_cached,
+        }
+    }
+
+    /// A set's own buffers, `id(role)` for each role, called in [`BufferRole::ALL`] order.
+    pub(super) fn from_roles(mut id: impl FnMut(BufferRole) -> BufferId) -> Bindings {
+        let mut ids = BufferRole::ALL.map(&mut id).into_iter();
+        let mut next = || ids.next().expect("invariant: one id per role");
+        Bindings {
+            indexer_page_table: next(),
+            block_table: next(),
+            slot_mapping_value: next(),
+            slot_mapping_scale: next(),
+            mla_slot_mapping: next(),
+            full_kv_value: next(),
+            full_kv_scale: next(),
+            kv_lens: next(),
+            num_cached: next(),
+        }
+    }
+
+    /// A set's own bindings with its full-KV mappings aliasing its slot mappings
+    /// (`aliased`), or on their own buffers.
+    pub(super) fn with_alias(self, aliased: bool) -> Bindings {
+        if !aliased {
+            return self;
+        }
+        Bindings {
+            full_kv_value: self.slot_mapping_value,
+            full_kv_scale: self.slot_mapping_scale,
+            ..self
+        }
+    }
+
+    /// The buffer of every role, in [`BufferRole::ALL`] order.
+    pub(super) fn ids(&self) -> [BufferId; 9] {
+        BufferRole::ALL.map(|r| self.get(r))
+    }
+
     /// Whether the full-KV mappings alias the slot mappings.
     pub fn full_kv_aliased(&self) -> bool {
         self.full_kv_value == self.slot_mapping_value
             && self.full_kv_scale == self.slot_mapping_scale
-    }
-}
-
-/// The buffers of one set (target or draft), including both full-KV choices.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) struct BufferSet {
-    pub indexer_page_table: BufferId,
-    pub block_table: BufferId,
-    pub slot_mapping_value: BufferId,
-    pub slot_mapping_scale: BufferId,
-    pub mla_slot_mapping: BufferId,
-    pub full_kv_value: BufferId,
-    pub full_kv_scale: BufferId,
-    pub kv_lens: BufferId,
-    pub num_cached: BufferId,
-}
-
-impl BufferSet {
-    /// Bindings of this set with the full-KV mappings aliased or not.
-    pub(super) fn bindings(&self, aliased: bool) -> Bindings {
-        Bindings {
-            indexer_page_table: self.indexer_page_table,
-            block_table: self.block_table,
-            slot_mapping_value: self.slot_mapping_value,
-            slot_mapping_scale: self.slot_mapping_scale,
-            mla_slot_mapping: self.mla_slot_mapping,
-            full_kv_value: if aliased {
-                self.slot_mapping_value
-            } else {
-                self.full_kv_value
-            },
-            full_kv_scale: if aliased {
-                self.slot_mapping_scale
-            } else {
-                self.full_kv_scale
-            },
-            kv_lens: self.kv_lens,
-            num_cached: self.num_cached,
-        }
-    }
-
-    pub(super) fn ids(&self) -> [BufferId; 9] {
-        [
-            self.indexer_page_table,
-            self.block_table,
-            self.slot_mapping_value,
-            self.slot_mapping_scale,
-            self.mla_slot_mapping,
-            self.full_kv_value,
-            self.full_kv_scale,
-            self.kv_lens,
-            self.num_cached,
-        ]
     }
 }

@@ -73,7 +73,7 @@ impl StepMetadata {
         self.replay = Some(self.epoch);
         self.layout = *draft_layout;
         self.bound_dims = dims;
-        self.bound = set.bindings(true);
+        self.bound = set.with_alias(true);
         self.counts = counts;
         self.blocks_given[1] = reqs.iter().map(|r| r.block_slots.len() as u32).collect();
         self.fill_set(&set, dims, reqs, counts);

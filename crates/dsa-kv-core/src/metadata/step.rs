@@ -19,7 +19,7 @@
 
 use serde::Serialize;
 
-use super::buffers::{Bindings, BufferId, BufferRole, BufferSet, Data, MetaBuffer};
+use super::buffers::{Bindings, BufferId, BufferRole, Data, MetaBuffer};
 use super::MetadataError;
 use crate::core::scheduler::RequestKind;
 use crate::layout::{IndexerPageLayout, LayoutError, PoolPlan, Role, RowLayout};
@@ -127,9 +127,9 @@ pub struct StepCounts {
 #[derive(Debug)]
 pub struct StepMetadata {
     pub(super) buffers: Vec<MetaBuffer>,
-    pub(super) target: BufferSet,
+    pub(super) target: Bindings,
     pub(super) target_dims: MetadataDims,
-    pub(super) draft: Option<(BufferSet, MetadataDims)>,
+    pub(super) draft: Option<(Bindings, MetadataDims)>,
     pub(super) bound: Bindings,
     pub(super) bound_dims: MetadataDims,
     pub(super) layout: MetadataLayout,
@@ -153,47 +153,12 @@ pub struct StepMetadata {
     pub(super) replay: Option<u64>,
 }
 
-fn alloc_set(buffers: &mut Vec<MetaBuffer>, d: &MetadataDims) -> BufferSet {
-    let table = d.max_num_sequences * d.max_blocks_per_seq;
-    let mut push = |b: MetaBuffer| {
-        buffers.push(b);
+/// A set's buffers (one per role, in [`BufferRole::ALL`] order) and their bindings.
+fn alloc_set(buffers: &mut Vec<MetaBuffer>, d: &MetadataDims) -> Bindings {
+    Bindings::from_roles(|role| {
+        buffers.push(role.alloc(d));
         BufferId((buffers.len() - 1) as u32)
-    };
-    BufferSet {
-        indexer_page_table: push(MetaBuffer::i32(BufferRole::IndexerPageTable, table, 0)),
-        block_table: push(MetaBuffer::i32(BufferRole::BlockTable, table, -1)),
-        slot_mapping_value: push(MetaBuffer::i64(
-            BufferRole::SlotMappingValue,
-            d.max_num_tokens,
-            -1,
-        )),
-        slot_mapping_scale: push(MetaBuffer::i64(
-            BufferRole::SlotMappingScale,
-            d.max_num_tokens,
-            -1,
-        )),
-        mla_slot_mapping: push(MetaBuffer::i64(
-            BufferRole::MlaSlotMapping,
-            d.max_num_tokens,
-            -1,
-        )),
-        full_kv_value: push(MetaBuffer::i64(
-            BufferRole::FullKvValue,
-            d.max_context_kv_tokens,
-            -1,
-        )),
-        full_kv_scale: push(MetaBuffer::i64(
-            BufferRole::FullKvScale,
-            d.max_context_kv_tokens,
-            -1,
-        )),
-        kv_lens: push(MetaBuffer::i32(BufferRole::KvLens, d.max_num_sequences, 0)),
-        num_cached: push(MetaBuffer::i32(
-            BufferRole::NumCached,
-            d.max_num_sequences,
-            0,
-        )),
-    }
+    })
 }
 
 impl StepMetadata {
@@ -226,7 +191,7 @@ impl StepMetadata {
             target,
             target_dims: dims,
             draft,
-            bound: target.bindings(true),
+            bound: target.with_alias(true),
             bound_dims: dims,
             layout,
             full_kv_enabled: full_kv,
@@ -381,7 +346,7 @@ impl StepMetadata {
     }
 
     /// The buffer set that is bound now.
-    pub(super) fn bound_set(&self) -> BufferSet {
+    pub(super) fn bound_set(&self) -> Bindings {
         match &self.draft {
             Some((d, _)) if self.bound.indexer_page_table == d.indexer_page_table => *d,
             _ => self.target,
@@ -430,7 +395,7 @@ impl StepMetadata {
     /// mappings (own buffers or alias) of that set.
     pub(super) fn fill_set(
         &mut self,
-        set: &BufferSet,
+        set: &Bindings,
         dims: MetadataDims,
         reqs: &[StepRequest],
         counts: StepCounts,
@@ -477,14 +442,14 @@ impl StepMetadata {
         self.fill_slot_mappings(set, dims);
         if counts.num_context_requests > 0 {
             let own = counts.num_full_kv_tokens > 0;
-            self.bound = set.bindings(!own);
+            self.bound = set.with_alias(!own);
             if own {
                 self.fill_full_kv(set, dims);
             }
         } else {
             // A step with no context request leaves the full-KV bindings as they were.
             let aliased = self.bound.full_kv_aliased();
-            self.bound = set.bindings(aliased);
+            self.bound = set.with_alias(aliased);
         }
     }
 
@@ -492,7 +457,7 @@ impl StepMetadata {
     /// through the set's indexer page table, and the MLA token slots when asked.
     fn write_offsets(
         &self,
-        set: &BufferSet,
+        set: &Bindings,
         dims: MetadataDims,
         r: usize,
         gs: std::ops::Range<u32>,
@@ -524,7 +489,7 @@ impl StepMetadata {
     }
 
     /// Slot mappings of every new token, from the set's tables and cached lengths.
-    pub(super) fn fill_slot_mappings(&mut self, set: &BufferSet, dims: MetadataDims) {
+    pub(super) fn fill_slot_mappings(&mut self, set: &Bindings, dims: MetadataDims) {
         let (mut v, vd) = self.take_i64(set.slot_mapping_value);
         let (mut s, sd) = self.take_i64(set.slot_mapping_scale);
         let (mut m, md) = self.take_i64(set.mla_slot_mapping);
@@ -548,7 +513,7 @@ impl StepMetadata {
         self.put_i64(set.mla_slot_mapping, m, md, tok);
     }
 
-    fn fill_full_kv(&mut self, set: &BufferSet, dims: MetadataDims) {
+    fn fill_full_kv(&mut self, set: &Bindings, dims: MetadataDims) {
         let (mut v, vd) = self.take_i64(set.full_kv_value);
         let (mut s, sd) = self.take_i64(set.full_kv_scale);
         let mut at = 0;
@@ -703,8 +668,7 @@ impl StepMetadata {
     }
 
     /// The buffers of the target set (`draft == false`) or of the draft set (`None`
-    /// without draft buffers): indexer page table, block table, slot mappings (value,
-    /// scale, MLA), full-KV (value, scale), KV lengths, cached lengths.
+    /// without draft buffers), one per role in [`BufferRole::ALL`] order.
     pub fn set_buffers(&self, draft: bool) -> Option<[BufferId; 9]> {
         if draft {
             self.draft.map(|(s, _)| s.ids())
