@@ -3,10 +3,10 @@
 
 pub use crate::actors::{
     CommitAndStepReport, CommitReport, Drafts, FinishedReport, KvCacheBuilder, KvCacheHandle,
-    RuntimeError, RuntimeInfo, RuntimeStats, ScheduledRequest, StepReport, StepTiming,
+    RuntimeError, RuntimeInfo, RuntimeStats, Scheduled, StepReport, StepTiming,
 };
 pub use crate::config::{EngineConfig, SpecMode};
-pub use crate::core::scheduler::{RequestOutcome, SubmitRequest};
+pub use crate::core::scheduler::{PlannedRequest, RequestKind, RequestOutcome, SubmitRequest};
 pub use crate::core::ReuseScope;
 pub use crate::device::forward::{
     Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, MemKind, MetadataView,

@@ -17,11 +17,9 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use dsa_kv::actors::{
-    DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, Misdirect, ScheduledRequest,
-};
+use dsa_kv::actors::{DeviceFault, FinishedReport, KvCacheBuilder, KvCacheHandle, Misdirect};
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::SubmitRequest;
+use dsa_kv::core::scheduler::{PlannedRequest, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::device::{BackendFactory, KvPosition, KvSource, SyntheticKv, Verification};
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
@@ -92,7 +90,7 @@ async fn run(
     let mut injected = false;
     for _ in 0..10_000 {
         let report = kv.step(HashMap::new()).await.expect("step");
-        let next = |r: &ScheduledRequest| TokenId(5000 + r.num_cached);
+        let next = |r: &PlannedRequest| TokenId(5000 + r.num_cached);
         let commit = kv.commit(report.outcomes(next)).await.expect("commit");
         for f in commit.finished {
             done.insert(f.finished.id, f);

@@ -31,7 +31,7 @@ use super::stats::{
     HISTORY,
 };
 use dsa_kv_core::core::scheduler::{
-    Finished, RequestKind, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
+    Finished, PlannedRequest, RequestOutcome, Scheduler, StepPlan, SubmitRequest,
 };
 use dsa_kv_core::core::{KvEvent, ManagerStats};
 use dsa_kv_core::ids::{Fence, RequestId, Tier, TokenId};
@@ -48,21 +48,35 @@ pub struct FinishedReport {
     pub mismatches: Vec<Mismatch>,
 }
 
-/// One scheduled request, as the framework needs it to run the model and sample.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct ScheduledRequest {
-    /// The request.
-    pub id: RequestId,
-    /// Context chunk or decode step.
-    pub kind: RequestKind,
-    /// KV tokens before the step.
-    pub num_cached: u32,
-    /// Tokens processed (drafts included).
-    pub num_tokens: u32,
-    /// Draft tokens among them.
-    pub num_drafts: u32,
-    /// Whether the outcome needs a sampled `next_token`.
-    pub produces_token: bool,
+/// The requests a step scheduled (context first), as the devices ran them: the plan's
+/// own [`PlannedRequest`]s, shared with the devices (no copy per step). It derefs to a
+/// slice: `report.scheduled.iter()`, `.len()`, `[i]`; each request says its `kind`,
+/// `num_cached`, `tokens` (drafts included, the last `num_drafts`) and whether its
+/// outcome needs a sampled token (`produces_token`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scheduled(Arc<StepPlan>);
+
+impl std::ops::Deref for Scheduled {
+    type Target = [PlannedRequest];
+
+    fn deref(&self) -> &[PlannedRequest] {
+        &self.0.requests
+    }
+}
+
+impl<'a> IntoIterator for &'a Scheduled {
+    type Item = &'a PlannedRequest;
+    type IntoIter = std::slice::Iter<'a, PlannedRequest>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.requests.iter()
+    }
+}
+
+impl Serialize for Scheduled {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.requests.serialize(s)
+    }
 }
 
 /// What one step did.
@@ -71,7 +85,7 @@ pub struct StepReport {
     /// Step number.
     pub step: u64,
     /// Scheduled requests (context first).
-    pub scheduled: Vec<ScheduledRequest>,
+    pub scheduled: Scheduled,
     /// Requests preempted to make room.
     pub preempted: Vec<RequestId>,
     /// Requests resumed.
@@ -95,7 +109,7 @@ impl StepReport {
     /// `accepted_drafts` on the result.
     pub fn outcomes(
         &self,
-        mut next: impl FnMut(&ScheduledRequest) -> TokenId,
+        mut next: impl FnMut(&PlannedRequest) -> TokenId,
     ) -> Vec<RequestOutcome> {
         self.scheduled
             .iter()
@@ -334,10 +348,10 @@ struct PendingReport {
 }
 
 impl PendingReport {
-    fn report(&self, scheduled: Vec<ScheduledRequest>) -> StepReport {
+    fn report(&self) -> StepReport {
         StepReport {
             step: self.plan.step,
-            scheduled,
+            scheduled: Scheduled(self.plan.clone()),
             preempted: self.plan.preempted.clone(),
             resumed: self.plan.resumed.clone(),
             failed: self.plan.failed.clone(),
@@ -347,21 +361,6 @@ impl PendingReport {
             timing: self.timing,
         }
     }
-}
-
-/// The requests of a plan as the framework sees them.
-fn scheduled_requests(plan: &StepPlan) -> Vec<ScheduledRequest> {
-    plan.requests
-        .iter()
-        .map(|p| ScheduledRequest {
-            id: p.id,
-            kind: p.kind,
-            num_cached: p.num_cached,
-            num_tokens: p.tokens.len() as u32,
-            num_drafts: p.num_drafts,
-            produces_token: p.produces_token,
-        })
-        .collect()
 }
 
 /// What the coordinator starts with.
@@ -760,7 +759,6 @@ impl Coordinator {
                 }),
             );
         }
-        let scheduled = scheduled_requests(&plan);
         timing.overlapped_ns = nanos(t1.elapsed());
         manager_us += t1.elapsed().as_micros() as u64;
         let replies = join_all(sent.into_iter().map(|sent| async move {
@@ -879,7 +877,7 @@ impl Coordinator {
             manager_us,
             timing: *timing,
         };
-        Ok((pending.report(scheduled), pending))
+        Ok((pending.report(), pending))
     }
 
     /// The step's events in the span of each request it touched. Nothing is looked up
@@ -966,9 +964,7 @@ impl Message<PendingStep> for Coordinator {
         // The scheduler is the authority: a commit, or a device failure that abandoned
         // the step, ends it.
         match (self.sched.pending_step(), &self.pending) {
-            (Some(step), Some(p)) if p.plan.step == step => {
-                Some(p.report(scheduled_requests(&p.plan)))
-            }
+            (Some(step), Some(p)) if p.plan.step == step => Some(p.report()),
             _ => None,
         }
     }

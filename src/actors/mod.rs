@@ -17,7 +17,7 @@ mod transfer;
 
 pub use coordinator::{
     CacheCounts, CommitAndStepReport, CommitReport, Drafts, EventSnapshot, FinishedReport,
-    ScheduledRequest, StepReport, StepTiming,
+    Scheduled, StepReport, StepTiming,
 };
 pub use draft::DraftReport;
 pub use error::RuntimeError;
