@@ -8,7 +8,7 @@
 //! * leaving the indexer pools, or the draft cache, out of the transfer is caught;
 //! * a failed or partial transfer leaves both engines clean, and bad imports are refused;
 //! * both engines keep serving other requests while a transfer is open.
-#[path = "../examples/common/disagg.rs"]
+#[path = "../examples/disagg/protocol.rs"]
 mod disagg;
 
 use disagg::{prompt, run_in_process, Engine, Setup, SCOPE};

@@ -16,7 +16,7 @@
 //! single allocation larger than a bound (a counting global allocator records the
 //! largest one made while a case runs); the publisher then still answers an honest
 //! replay.
-#[path = "../examples/common/disagg.rs"]
+#[path = "../examples/disagg/protocol.rs"]
 mod disagg;
 
 use std::alloc::{GlobalAlloc, Layout, System};

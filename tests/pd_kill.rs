@@ -28,7 +28,7 @@
 //! Rounds: `DSA_KV_PD_KILL_ROUNDS` per scenario (default 12); seed `DSA_KV_PD_KILL_SEED`.
 //! Needs the NIXL runtime (`.ci/nixl_setup.sh`); skipped without it unless
 //! `DSA_KV_REQUIRE_NIXL=1`.
-#[path = "../examples/common/disagg.rs"]
+#[path = "../examples/disagg/protocol.rs"]
 mod disagg;
 #[path = "common/frames.rs"]
 mod frames;

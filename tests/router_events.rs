@@ -8,7 +8,7 @@
 //! ids; removals dropped) disagree, so the comparison can fail. The replay socket
 //! answers from any sequence number with the bytes the PUB socket sent.
 mod common;
-#[path = "../examples/common/dynamo_router.rs"]
+#[path = "common/dynamo_router.rs"]
 mod dynamo_router;
 
 use std::time::Duration;

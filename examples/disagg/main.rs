@@ -25,17 +25,17 @@
 //! `--drop index_key` (or `draft`) is the mutation drill: the prefill side leaves those
 //! pools out of the transfer, and the run must come out inexact (exit 2).
 
+#[path = "../common/mod.rs"]
 mod common;
-#[path = "common/disagg.rs"]
-mod disagg;
+mod protocol;
 
 use std::net::{TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use disagg::{BoxError, RunReport, Setup, Wire};
 use dsa_kv::transfer::{KvTransport, LocalTransport};
+use protocol::{BoxError, RunReport, Setup, Wire};
 
 /// Prefill on one engine, decode on another, KV pages moved between them.
 #[derive(Parser, Debug, Clone)]
@@ -143,13 +143,13 @@ fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     stream.set_read_timeout(Some(Duration::from_secs(600)))?;
     let t = transport(&a.transport, "decode", a.decode_gpu)?;
     // The setup (model, drafts, backend) comes from the prefill side.
-    runtime()?.block_on(disagg::decode_side_with(a.decode_gpu, t, Wire(stream)))
+    runtime()?.block_on(protocol::decode_side_with(a.decode_gpu, t, Wire(stream)))
 }
 
 /// What the prefill role did: a run, or a measurement.
 enum Outcome {
     Run(RunReport),
-    Bench(disagg::BenchReport),
+    Bench(protocol::BenchReport),
 }
 
 fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
@@ -159,13 +159,13 @@ fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
     let s = setup(a);
     if s.bench_blocks.is_some() {
         return Ok(Outcome::Bench(runtime()?.block_on(
-            disagg::bench_prefill_side(&s, a.prefill_gpu, t, Wire(stream)),
+            protocol::bench_prefill_side(&s, a.prefill_gpu, t, Wire(stream)),
         )?));
     }
-    let model = disagg::model(s.layers)?;
+    let model = protocol::model(s.layers)?;
     let quiet = a.json;
     runtime()?
-        .block_on(disagg::prefill_side(
+        .block_on(protocol::prefill_side(
             model,
             &s,
             a.prefill_gpu,
@@ -217,7 +217,7 @@ fn run(a: &Args) -> Result<Option<Outcome>, BoxError> {
         }
         // Two threads: the local transport reaches only this process.
         "both" if a.transport == "local" => {
-            Ok(Some(Outcome::Run(disagg::run_in_process(&setup(a))?)))
+            Ok(Some(Outcome::Run(protocol::run_in_process(&setup(a))?)))
         }
         "both" => {
             // Two processes: this one prefills, a child decodes.
@@ -281,10 +281,10 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
     }
 }
 
-fn bench_in_process(a: &Args, blocks: usize) -> Result<disagg::BenchReport, BoxError> {
+fn bench_in_process(a: &Args, blocks: usize) -> Result<protocol::BenchReport, BoxError> {
     let ta = transport(&a.transport, "bench-a", a.prefill_gpu)?;
     let tb = transport(&a.transport, "bench-b", a.decode_gpu)?;
-    runtime()?.block_on(disagg::bench(
+    runtime()?.block_on(protocol::bench(
         a.layers,
         blocks,
         &a.backend,
@@ -295,7 +295,7 @@ fn bench_in_process(a: &Args, blocks: usize) -> Result<disagg::BenchReport, BoxE
     ))
 }
 
-fn print_bench(a: &Args, r: &disagg::BenchReport) {
+fn print_bench(a: &Args, r: &protocol::BenchReport) {
     if a.json {
         println!(
             "{}",

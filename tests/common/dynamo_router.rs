@@ -3,7 +3,7 @@
 //! decoder and normalizer, applies the events to Dynamo's device radix tree and its
 //! lower-tier (host) indexer, and scores requests the way Dynamo's router does: its own
 //! block hashes of the request's tokens, the device prefix, then the host tiers
-//! continuing it. Shared by `tests/router_events.rs` and `examples/route.rs`.
+//! continuing it. Shared by `tests/router_events.rs` and `examples/route/main.rs`.
 
 #![allow(dead_code)] // Each user takes what it needs.
 

@@ -1,5 +1,5 @@
 //! Prefill / decode disaggregation with the reference model: the engine loop, the two
-//! sides of the protocol, and the checks. Used by `examples/disagg.rs` (two processes,
+//! sides of the protocol, and the checks. Used by `examples/disagg/main.rs` (two processes,
 //! or two threads) and `tests/disagg.rs` (two threads, the local transport).
 //!
 //! Protocol (length-prefixed JSON frames over one TCP connection, blocking):

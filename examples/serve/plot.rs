@@ -1,7 +1,7 @@
 //! `serve`'s plot: the runtime's per-step history ([`StepSample`]s, from
 //! `KvCacheHandle::history`) drawn as an SVG with `plotters`. A pure function of the
-//! samples, so that `tests/serve_plot.rs` checks what it draws; `serve` includes this
-//! file with `#[path]` (it is not one of the shared `common` modules).
+//! samples, so that its unit tests below check what it draws (they run under `cargo
+//! test`: the `serve` example is a test target, `test = true` in `Cargo.toml`).
 
 use dsa_kv::actors::{StepSample, ROLLING_WINDOW};
 use plotters::prelude::*;
