@@ -483,7 +483,23 @@ async fn the_runtime_refuses_bad_requests_with_errors() {
         "step 1 is not committed yet: commit its outcome before scheduling the next step \
          (a client that lost the step's report gets it again from `pending_step`)",
     ];
-    assert_eq!(got, want);
+    // One name per refusal, in the order `got` was filled.
+    let names = [
+        "submit: empty prompt",
+        "submit: max_new_tokens 0",
+        "submit: prompt past max_seq_len",
+        "submit: token id past TokenId::MAX",
+        "submit: duplicate id",
+        "cancel: unknown request",
+        "suspend: unknown request",
+        "commit: no step",
+        "commit: request not in the step",
+        "step: previous step not committed",
+    ];
+    assert_eq!((got.len(), want.len()), (names.len(), names.len()));
+    for ((name, got), want) in names.iter().zip(&got).zip(want) {
+        assert_eq!(got, want, "{name}");
+    }
     // The runtime keeps serving after every refusal.
     let counts = kv.check_invariants().await.unwrap();
     assert!(counts.live_sequences <= 1);
@@ -589,17 +605,20 @@ async fn a_bad_outcome_refuses_the_whole_commit_and_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extreme_limits_are_typed_errors_before_any_allocation() {
     type Edit = Box<dyn Fn(&mut EngineConfig)>;
-    let cases: Vec<(Edit, &str)> = vec![
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
+            "config: max_seq_len u32::MAX",
             Box::new(|c| c.scheduler.max_seq_len = u32::MAX),
             "scheduler.max_seq_len = 4294967295 is invalid: must be at most 16777216",
         ),
         (
+            "config: max_seq_len 2^24 with 256 sequences",
             Box::new(|c| c.scheduler.max_seq_len = 1 << 24),
             "scheduler.max_seq_len = 16777216 is invalid: with scheduler.max_num_sequences = 256 \
              the page tables would hold 67109120 entries each",
         ),
         (
+            "config: max_seq_len 2^24 with 2^16 sequences",
             Box::new(|c| {
                 c.scheduler.max_seq_len = 1 << 24;
                 c.scheduler.max_num_sequences = 1 << 16;
@@ -608,32 +627,38 @@ async fn extreme_limits_are_typed_errors_before_any_allocation() {
              65536 the page tables would hold 17179934720 entries each",
         ),
         (
+            "config: max_num_sequences u32::MAX",
             Box::new(|c| c.scheduler.max_num_sequences = u32::MAX),
             "scheduler.max_num_sequences = 4294967295 is invalid: must be at most 65536",
         ),
         (
+            "config: max_num_tokens u32::MAX",
             Box::new(|c| c.scheduler.max_num_tokens = u32::MAX),
             "scheduler.max_num_tokens = 4294967295 is invalid: must be at most 4194304",
         ),
         (
+            "config: max_prefill_chunk u32::MAX",
             Box::new(|c| c.scheduler.max_prefill_chunk = u32::MAX),
             "scheduler.max_prefill_chunk = 4294967295 is invalid: must be at most 4194304",
         ),
         (
+            "config: kv_cache.max_tokens u64::MAX",
             Box::new(|c| c.kv_cache.max_tokens = Some(u64::MAX)),
             "kv_cache.max_tokens = 18446744073709551615 is invalid: must be at most \
              1099511627776 tokens",
         ),
         (
+            "config: tp_size 10^6",
             Box::new(|c| c.parallel.tp_size = 1_000_000),
             "parallel.tp_size = 1000000 is invalid: must be at most 128",
         ),
         (
+            "config: cp_size u32::MAX",
             Box::new(|c| c.parallel.cp_size = u32::MAX),
             "parallel.cp_size = 4294967295 is invalid: must be at most 1024",
         ),
     ];
-    for (edit, want) in cases {
+    for (name, edit, want) in cases {
         let mut c = runtime_config();
         edit(&mut c);
         let got = match KvCacheBuilder::new().config(c).start().await {
@@ -643,30 +668,40 @@ async fn extreme_limits_are_typed_errors_before_any_allocation() {
             }
             Err(e) => e.to_string(),
         };
-        assert!(got.starts_with(want), "got  {got}\nwant {want}…");
+        assert!(
+            got.starts_with(want),
+            "{name}:\n    got  {got}\n    want {want}…"
+        );
     }
-    let builder = |b: KvCacheBuilder| async move {
-        match b.config(runtime_config()).start().await {
+    type Builder = fn() -> KvCacheBuilder;
+    let builders: Vec<(&str, Builder, String)> = vec![
+        (
+            "builder: host_devices 2^20",
+            || KvCacheBuilder::new().host_devices(1 << 20),
+            "KvCacheBuilder::host_devices(1048576) is too large: at most 128".into(),
+        ),
+        (
+            "builder: event_stream_capacity usize::MAX",
+            || KvCacheBuilder::new().event_stream_capacity(usize::MAX),
+            format!(
+                "KvCacheBuilder::event_stream_capacity({}) is too large: at most 1048576",
+                usize::MAX
+            ),
+        ),
+        (
+            "builder: device_mailbox 2^30",
+            || KvCacheBuilder::new().device_mailbox(1 << 30),
+            "KvCacheBuilder::device_mailbox(1073741824) is too large: at most 65536".into(),
+        ),
+    ];
+    for (name, builder, want) in builders {
+        let got = match builder().config(runtime_config()).start().await {
             Ok(kv) => {
                 kv.shutdown().await;
                 "<started>".to_string()
             }
             Err(e) => e.to_string(),
-        }
-    };
-    assert_eq!(
-        builder(KvCacheBuilder::new().host_devices(1 << 20)).await,
-        "KvCacheBuilder::host_devices(1048576) is too large: at most 128"
-    );
-    assert_eq!(
-        builder(KvCacheBuilder::new().event_stream_capacity(usize::MAX)).await,
-        format!(
-            "KvCacheBuilder::event_stream_capacity({}) is too large: at most 1048576",
-            usize::MAX
-        )
-    );
-    assert_eq!(
-        builder(KvCacheBuilder::new().device_mailbox(1 << 30)).await,
-        "KvCacheBuilder::device_mailbox(1073741824) is too large: at most 65536"
-    );
+        };
+        assert_eq!(got, want, "{name}");
+    }
 }
