@@ -18,14 +18,16 @@
 // may not include example code), and this example includes it from there.
 #[path = "../../tests/common/dynamo_router.rs"]
 mod dynamo_router;
+// The engine loop the runtime tests run, shared the same way.
+#[path = "../../tests/common/engine.rs"]
+mod engine;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use clap::Parser;
-use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, RuntimeError};
+use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::{RequestOutcome, SchedError, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{ZmqPublisher, ZmqPublisherConfig};
@@ -64,33 +66,6 @@ fn user_tokens(conv: u64, turn: u64) -> Vec<TokenId> {
     (0..n)
         .map(|i| TokenId(((conv * 7919 + turn * 104_729 + i * 31) % 30_000) as u32 + 1000))
         .collect()
-}
-
-async fn run_to_end(kv: &KvCacheHandle) -> Result<(), String> {
-    for _ in 0..100_000 {
-        let report = kv.step(HashMap::new()).await.map_err(|e| e.to_string())?;
-        let outs: Vec<RequestOutcome> = report
-            .scheduled
-            .iter()
-            .map(|s| RequestOutcome {
-                id: s.id,
-                accepted_drafts: 0,
-                next_token: s
-                    .produces_token
-                    .then(|| TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000)),
-            })
-            .collect();
-        if !outs.is_empty() {
-            match kv.commit(outs).await {
-                Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        if kv.counters().in_flight == 0 {
-            return Ok(());
-        }
-    }
-    Err("the requests did not finish".into())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -181,7 +156,7 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
                 .map_err(|e| e.to_string())?;
             // One request at a time per conversation step: run it so the next routing
             // decision sees its blocks.
-            run_to_end(&engines[w]).await?;
+            engine::try_run_to_end(&engines[w], || {}).await?;
             let target = engines[w]
                 .events()
                 .router_snapshot()

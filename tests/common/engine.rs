@@ -1,4 +1,5 @@
-//! Driving the runtime as an engine loop does, for the runtime tests.
+//! Driving the runtime as an engine loop does: the one step/commit loop that the runtime
+//! tests and the `route` example share (the example includes this file with `#[path]`).
 
 use std::collections::HashMap;
 
@@ -8,22 +9,38 @@ use dsa_kv::ids::TokenId;
 
 /// Runs every submitted request to its end (step, commit with a token that depends on
 /// the request and its position, repeat), calling `each` after every step and commit.
-pub(crate) async fn run_to_end(kv: &KvCacheHandle, mut each: impl FnMut()) {
-    for _ in 0..20_000 {
-        let report = kv.step(HashMap::new()).await.unwrap();
+/// The first error of a step or a commit is returned; so is a run that does not finish
+/// within 100,000 steps.
+pub(crate) async fn try_run_to_end(
+    kv: &KvCacheHandle,
+    mut each: impl FnMut(),
+) -> Result<(), String> {
+    for _ in 0..100_000 {
+        let report = kv
+            .step(HashMap::new())
+            .await
+            .map_err(|e| format!("step: {e}"))?;
         each();
         let outs =
             report.outcomes(|s| TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000));
         if !outs.is_empty() {
             match kv.commit(outs).await {
                 Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}
-                Err(e) => panic!("commit: {e}"),
+                Err(e) => return Err(format!("commit: {e}")),
             }
             each();
         }
         if kv.counters().in_flight == 0 {
-            return;
+            return Ok(());
         }
     }
-    panic!("the requests did not finish");
+    Err("the requests did not finish".into())
+}
+
+/// [`try_run_to_end`], panicking on its error (for tests).
+#[allow(dead_code)] // The `route` example returns the error instead.
+pub(crate) async fn run_to_end(kv: &KvCacheHandle, each: impl FnMut()) {
+    if let Err(e) = try_run_to_end(kv, each).await {
+        panic!("{e}");
+    }
 }
