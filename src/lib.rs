@@ -79,8 +79,8 @@ pub use dsa_kv_core::{config, ids, layout};
 pub use dsa_kv_core::{ops, rng, storage, sync};
 
 /// The cache manager's vocabulary as the runtime's types use it: requests and their
-/// outcomes ([`scheduler`]), reuse scopes and keys, KV and router events, errors,
-/// capacity planning ([`quota`]). The synchronous core itself (the manager, the
+/// outcomes ([`scheduler`](crate::core::scheduler)), reuse scopes and keys, KV and router events, errors,
+/// capacity planning ([`quota`](crate::core::quota)). The synchronous core itself (the manager, the
 /// scheduler) is the `dsa-kv-core` crate; with feature `testing` all of it is here too.
 pub mod core {
     pub use dsa_kv_core::core::quota;
@@ -114,7 +114,7 @@ pub mod metadata {
     };
 }
 
-/// The device side an engine sees: the forward boundary ([`forward`]), where new tokens'
+/// The device side an engine sees: the forward boundary ([`forward`](crate::device::forward)), where new tokens'
 /// KV comes from, verification, the host device, and the backend factory type. A new
 /// backend implements the contract of the `dsa-kv-device` crate (its step hooks); with
 /// feature `testing` all of that crate is here.

@@ -1224,7 +1224,7 @@ impl Message<TakeEvents> for Coordinator {
 /// one message (nothing runs in between).
 pub(super) struct TakeEventsWithSnapshot;
 
-/// What [`KvCacheHandle::take_events_with_snapshot`](super::KvCacheHandle::take_events_with_snapshot)
+/// What [`Events::take_with_snapshot`](super::Events::take_with_snapshot)
 /// returns.
 #[derive(Clone, Debug, PartialEq, Serialize, kameo::Reply)]
 pub struct EventSnapshot {

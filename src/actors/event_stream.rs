@@ -36,7 +36,7 @@ pub enum StreamItem {
     Batch(Arc<EventBatch>),
     /// The subscriber fell behind by more than the stream's capacity: the batches
     /// `first..first + count` are gone. Its view is stale: resynchronize from
-    /// [`KvCacheHandle::router_snapshot`](super::KvCacheHandle::router_snapshot) and
+    /// [`Events::router_snapshot`](super::Events::router_snapshot) and
     /// [`EventSubscriber::resync`].
     Lost {
         /// The first lost sequence number.

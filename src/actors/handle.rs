@@ -204,7 +204,7 @@ impl KvCacheBuilder {
 
     /// The framework's model: each device builds its [`Forward`](dsa_kv_device::Forward)
     /// with `factory` and runs it once per step (default: the synthetic writer,
-    /// each backend's own: [`SyntheticWriter`](crate::synthetic::SyntheticWriter) on the
+    /// each backend's own: [`SyntheticWriter`](dsa_kv_device::synthetic::SyntheticWriter) on the
     /// host).
     pub fn forward(mut self, factory: ForwardFactory) -> Self {
         self.forward = Some(factory);
