@@ -496,7 +496,6 @@ impl Coordinator {
                 }),
             );
         }
-        self.stats.scheduler.failed = self.sched.stats().failed;
         self.publish_counters();
         if let Some(d) = &self.draft {
             let _ = d.tell(SetDevices(self.alive())).await;
@@ -666,7 +665,6 @@ impl Message<Submit> for Coordinator {
         );
         self.done.take(id);
         let r = self.sched.submit(msg.0)?;
-        self.stats.scheduler.submitted = self.sched.stats().submitted;
         self.publish_counters();
         span.record("reused", r);
         tracing::debug!(parent: &span, reused = r, "submitted");
@@ -843,7 +841,6 @@ impl Coordinator {
                     }),
                 );
             }
-            self.stats.scheduler.failed = self.sched.stats().failed;
             self.publish_counters();
             return Err(e);
         }
@@ -1033,7 +1030,6 @@ impl Coordinator {
             }
             manager_us += t1.elapsed().as_micros() as u64;
         }
-        self.stats.scheduler.finished = self.sched.stats().finished;
         self.publish_counters();
         Ok(CommitReport {
             finished: reports,
@@ -1153,7 +1149,6 @@ impl Message<Cancel> for Coordinator {
 
     async fn handle(&mut self, msg: Cancel, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.sched.cancel(msg.0)?;
-        self.stats.scheduler.failed = self.sched.stats().failed;
         self.publish_counters();
         self.resolve(
             msg.0,

@@ -157,19 +157,19 @@ impl Bindings {
     }
 
     /// A set's own buffers, `id(role)` for each role, called in [`BufferRole::ALL`] order.
-    pub(super) fn from_roles(mut id: impl FnMut(BufferRole) -> BufferId) -> Bindings {
-        let mut ids = BufferRole::ALL.map(&mut id).into_iter();
-        let mut next = || ids.next().expect("invariant: one id per role");
+    pub(super) fn from_roles(id: impl FnMut(BufferRole) -> BufferId) -> Bindings {
+        let [indexer_page_table, block_table, slot_mapping_value, slot_mapping_scale, mla_slot_mapping, full_kv_value, full_kv_scale, kv_lens, num_cached] =
+            BufferRole::ALL.map(id);
         Bindings {
-            indexer_page_table: next(),
-            block_table: next(),
-            slot_mapping_value: next(),
-            slot_mapping_scale: next(),
-            mla_slot_mapping: next(),
-            full_kv_value: next(),
-            full_kv_scale: next(),
-            kv_lens: next(),
-            num_cached: next(),
+            indexer_page_table,
+            block_table,
+            slot_mapping_value,
+            slot_mapping_scale,
+            mla_slot_mapping,
+            full_kv_value,
+            full_kv_scale,
+            kv_lens,
+            num_cached,
         }
     }
 
