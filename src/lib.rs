@@ -146,23 +146,7 @@ pub mod cuda {
     };
 }
 
-/// KV pages between engines: the transport trait and what it moves, the plan of a push,
-/// the local transport, NIXL (feature `nixl`) and the NCCL transport of the CUDA backend
-/// (feature `nccl`).
-pub mod transfer {
-    #[cfg(feature = "nccl")]
-    pub use dsa_kv_cuda::nccl;
-    #[cfg(feature = "nixl")]
-    pub use dsa_kv_device::transfer::nixl;
-    #[cfg(feature = "testing")]
-    pub use dsa_kv_device::transfer::*;
-    pub use dsa_kv_device::transfer::{
-        plan_writes, push, push_plan, BlockPages, CacheKind, ExportedBlocks, ImportTicket,
-        KvTransport, LocalTransport, MemKind, MemRegion, PageLoc, PeerId, PlanError, PoolRef,
-        PoolRegion, PushError, Segment, TransferReport, TransportError, WriteBatch, WritePlan,
-        WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
-    };
-}
+pub mod transfer;
 
 // The README's Rust examples run as doctests, so they cannot drift from the crate.
 #[cfg(doctest)]

@@ -1,81 +1,35 @@
 //! Prefill / decode disaggregation through the runtime, in one process over the local
-//! transport (the NIXL transport has its own two-process test and the `disagg` example):
+//! transport (the model end to end is the `disagg` example's own test, `cargo test
+//! --example disagg`; the NIXL transport has its own two-process tests):
 //!
-//! * a request prefilled on one engine and decoded on another gives exactly the unpaged
-//!   reference's tokens, outputs and draft proposals, every block's bytes arrive
-//!   unchanged, and the decode engine reuses the imported blocks (shared blocks already
-//!   there are skipped);
-//! * leaving the indexer pools, or the draft cache, out of the transfer is caught;
+//! * the transfer session (`dsa_kv::transfer::session`) moves every device's pages and
+//!   the importer commits them; hostile or failing exporters and importers end a
+//!   transfer cleanly: the import's pages freed, the export released, nothing of it
+//!   cached, a typed error or outcome saying why;
 //! * a failed or partial transfer leaves both engines clean, and bad imports are refused;
-//! * both engines keep serving other requests while a transfer is open.
-#[path = "../examples/disagg/protocol.rs"]
-mod disagg;
+//! * both engines keep serving other requests while a transfer is open;
+//! * an import is bound to the request the importer serves; leases end what a dead peer
+//!   left.
+mod common;
 
-use disagg::{prompt, run_in_process, Engine, Setup, SCOPE};
+use common::engine::step_once;
+use common::transfer::{config, engine, prefill, SCOPE};
 use dsa_kv::actors::RuntimeError;
 use dsa_kv::core::scheduler::SchedError;
 use dsa_kv::core::{BlockKey, KvError};
 use dsa_kv::ids::{RequestId, TokenId};
-use dsa_kv::transfer::{
-    plan_writes, KvTransport, LocalTransport, MemRegion, PeerId, TransportError, WriteBatch,
-    WriteReport,
+use std::time::Duration;
+
+use dsa_kv::actors::KvCacheHandle;
+use dsa_kv::transfer::session::{
+    host_block_digests, link_pair, AbortReason, HandOver, ImportOutcome, SessionError, SessionMsg,
+    SessionOptions, TransferSession, Wire, PROTOCOL_VERSION,
 };
-
-#[test]
-fn prefilled_here_decoded_there_is_exact() {
-    let r = run_in_process(&Setup::default()).unwrap();
-    assert!(r.exact, "{r:#?}");
-    assert_eq!(r.requests.len(), 3);
-    for (i, q) in r.requests.iter().enumerate() {
-        assert!(
-            q.digests_match && q.problems.is_empty(),
-            "request {i}: {q:#?}"
-        );
-        let full = prompt(i as u64).len() / 64 * 64;
-        assert_eq!(q.exported_blocks, full / 64);
-        assert!(q.decode_reused_tokens >= full as u64, "the import is used");
-        // Request 0 brings everything; the others share its 3-block system prompt.
-        let skipped = if i == 0 { 0 } else { 3 };
-        assert_eq!(q.transfer.skipped, skipped);
-        assert_eq!(q.imported_blocks as usize, full / 64 - skipped as usize);
-        // Pages: blocks × (target + draft cache); two pools each (MLA rows, indexer).
-        assert_eq!(q.transfer.pages, 2 * q.imported_blocks as u64);
-        assert_eq!(q.transfer.uncoalesced, 2 * q.transfer.pages as usize);
-        // Fresh slots on a fresh engine are contiguous: one descriptor per pool.
-        assert_eq!(q.transfer.write.descriptors, 4, "request {i}");
-    }
-}
-
-/// The mutation drill: a transfer that leaves the indexer pools or the draft cache out
-/// is caught by the page digests (host backend), and the import is aborted: nothing of
-/// it enters the decode engine's cache (before, the digests differed and the blocks
-/// were committed anyway), which then recomputes the prompt and decodes it exactly.
-#[test]
-fn leaving_out_the_indexer_or_the_draft_cache_is_caught_and_aborted() {
-    for drop in ["index_key", "draft"] {
-        let r = run_in_process(&Setup {
-            requests: 1,
-            drop: Some(drop.into()),
-            ..Setup::default()
-        })
-        .unwrap();
-        let q = &r.requests[0];
-        assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
-        assert_eq!(
-            q.imported_blocks, 0,
-            "dropping {drop}: the import was aborted"
-        );
-        assert!(
-            q.decode_reused_tokens < 64 * q.exported_blocks as u64,
-            "dropping {drop}: the decode engine served what it did not import: {q:#?}"
-        );
-        assert!(
-            q.problems.is_empty(),
-            "dropping {drop}: recomputed, the decode is exact: {:?}",
-            q.problems
-        );
-    }
-}
+use dsa_kv::transfer::{
+    plan_writes, ImportTicket, KvTransport, LocalTransport, MemRegion, PeerId, TransportError,
+    WriteBatch, WriteReport,
+};
+use tokio::io::DuplexStream;
 
 /// Writes the first `keep` segments of a transfer, then fails.
 struct Partial {
@@ -132,22 +86,22 @@ impl KvTransport for Partial {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_transfer_leaves_both_engines_clean() {
-    let s = Setup::default();
-    let model = disagg::model(s.layers).unwrap();
-    let a = Engine::start(model.clone(), &s, 0).await.unwrap();
-    let b = Engine::start(model.clone(), &s, 0).await.unwrap();
-    let p = prompt(0);
+    let (a, b) = (
+        engine(config(2, 6, None), 1).await,
+        engine(config(2, 6, None), 1).await,
+    );
+    let p: Vec<TokenId> = (0..262).map(|t| TokenId(1000 + t % 3000)).collect();
     let id = RequestId(0);
-    a.generate(id, &p, 1).await.unwrap();
-    let toks: Vec<TokenId> = p[..256].iter().map(|&t| TokenId(t)).collect();
+    prefill(&a, id, SCOPE, &p).await;
+    let toks: Vec<TokenId> = p[..256].to_vec();
     let mut probe = toks.clone();
     probe.push(TokenId(1));
-    let cached_a = a.kv.probe_reuse(SCOPE, &probe).await.unwrap();
+    let cached_a = a.probe_reuse(SCOPE, &probe).await.unwrap();
     assert_eq!(cached_a, 256);
 
     let (ra, rb) = (
-        a.kv.transfer().regions().await.unwrap(),
-        b.kv.transfer().regions().await.unwrap(),
+        a.transfer().regions().await.unwrap(),
+        b.transfer().regions().await.unwrap(),
     );
     let mut ta = Partial {
         inner: LocalTransport::new("a"),
@@ -166,11 +120,11 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         (ta.connect(&tb.local_metadata().unwrap()).unwrap(), peer_a)
     };
 
-    let export = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
+    let export = a.transfer().export(id, SCOPE, &toks).await.unwrap();
     assert_eq!(export.blocks.len(), 4);
     // The export's id is taken while it lives: a request with it is refused.
-    let dup =
-        a.kv.submit(dsa_kv::core::scheduler::SubmitRequest {
+    let dup = a
+        .submit(dsa_kv::core::scheduler::SubmitRequest {
             id,
             scope: SCOPE,
             prompt: toks.clone(),
@@ -187,22 +141,19 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         ),
         "{dup:?}"
     );
-    let ticket =
-        b.kv.transfer()
-            .begin_import_with(&mut tb, &peer_a, &rb, id, SCOPE, &toks, &export)
-            .await
-            .unwrap()
-            .unwrap();
+    let ticket = b
+        .transfer()
+        .begin_import_with(&mut tb, &peer_a, &rb, id, SCOPE, &toks, &export)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((ticket.skipped, ticket.blocks.len()), (0, 4));
     // One segment lands, then the link fails: the importer aborts.
     let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
     assert!(ta.write(&peer, &plan.batches, b"req-0").is_err());
-    b.kv.transfer()
-        .abort_import_with(&mut tb, id)
-        .await
-        .unwrap();
-    a.kv.transfer().release_export(id).await.unwrap();
-    let cb = b.kv.check_invariants().await.unwrap();
+    b.transfer().abort_import_with(&mut tb, id).await.unwrap();
+    a.transfer().release_export(id).await.unwrap();
+    let cb = b.check_invariants().await.unwrap();
     assert_eq!(
         (
             cb.live_sequences,
@@ -213,43 +164,43 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         (0, 0, 0, 0),
         "nothing of the import stays"
     );
-    assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 0);
-    let ca = a.kv.check_invariants().await.unwrap();
+    assert_eq!(b.probe_reuse(SCOPE, &probe).await.unwrap(), 0);
+    let ca = a.check_invariants().await.unwrap();
     assert_eq!(ca.live_sequences, 0, "the export is released");
-    assert_eq!(a.kv.probe_reuse(SCOPE, &probe).await.unwrap(), cached_a);
+    assert_eq!(a.probe_reuse(SCOPE, &probe).await.unwrap(), cached_a);
     // Aborting or releasing again is an error that changes nothing.
-    assert!(b.kv.transfer().abort_import(id).await.is_err());
-    assert!(a.kv.transfer().release_export(id).await.is_err());
+    assert!(b.transfer().abort_import(id).await.is_err());
+    assert!(a.transfer().release_export(id).await.is_err());
 
     // Refusals: other keys than ours (another scope), and another engine layout.
-    let mut forged = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
+    let mut forged = a.transfer().export(id, SCOPE, &toks).await.unwrap();
     forged.blocks[2].key = BlockKey([7; 32]);
-    let e =
-        b.kv.transfer()
-            .begin_import(id, SCOPE, &toks, &forged)
-            .await
-            .unwrap_err();
+    let e = b
+        .transfer()
+        .begin_import(id, SCOPE, &toks, &forged)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("block 2's key"), "{e}");
     let mut other = forged.clone();
-    other.blocks =
-        a.kv.transfer()
-            .export(RequestId(9), SCOPE, &toks)
-            .await
-            .unwrap()
-            .blocks;
+    other.blocks = a
+        .transfer()
+        .export(RequestId(9), SCOPE, &toks)
+        .await
+        .unwrap()
+        .blocks;
     other.layout = "0123456789abcdef".into();
-    let e =
-        b.kv.transfer()
-            .begin_import(id, SCOPE, &toks, &other)
-            .await
-            .unwrap_err();
+    let e = b
+        .transfer()
+        .begin_import(id, SCOPE, &toks, &other)
+        .await
+        .unwrap_err();
     assert!(matches!(e, RuntimeError::Transfer(_)), "{e}");
-    assert_eq!(b.kv.check_invariants().await.unwrap().live_sequences, 0);
-    a.kv.transfer().release_export(id).await.unwrap();
-    a.kv.transfer().release_export(RequestId(9)).await.unwrap();
+    assert_eq!(b.check_invariants().await.unwrap().live_sequences, 0);
+    a.transfer().release_export(id).await.unwrap();
+    a.transfer().release_export(RequestId(9)).await.unwrap();
 
     // The same blocks, exported again and complete this time, are committed and used.
-    let export = a.kv.transfer().export(id, SCOPE, &toks).await.unwrap();
+    let export = a.transfer().export(id, SCOPE, &toks).await.unwrap();
     let mut ok = LocalTransport::new("a2");
     // SAFETY: as above.
     let (peer, peer_ok) = unsafe {
@@ -258,12 +209,12 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         let peer_ok = tb.connect(&ok.local_metadata().unwrap()).unwrap();
         (ok.connect(&tb.local_metadata().unwrap()).unwrap(), peer_ok)
     };
-    let ticket =
-        b.kv.transfer()
-            .begin_import_with(&mut tb, &peer_ok, &rb, id, SCOPE, &toks, &export)
-            .await
-            .unwrap()
-            .unwrap();
+    let ticket = b
+        .transfer()
+        .begin_import_with(&mut tb, &peer_ok, &rb, id, SCOPE, &toks, &export)
+        .await
+        .unwrap()
+        .unwrap();
     let r = dsa_kv::transfer::push(&mut ok, &peer, &export, &ra, &ticket, &rb, b"req-0").unwrap();
     assert_eq!((r.blocks, r.skipped), (4, 0));
     assert!(tb
@@ -272,47 +223,511 @@ async fn a_failed_transfer_leaves_both_engines_clean() {
         .iter()
         .any(|(_, m)| m == b"req-0"));
     assert_eq!(
-        b.kv.transfer()
-            .commit_import_with(&mut tb, id)
-            .await
-            .unwrap(),
+        b.transfer().commit_import_with(&mut tb, id).await.unwrap(),
         4
     );
-    assert_eq!(b.kv.probe_reuse(SCOPE, &probe).await.unwrap(), 256);
+    assert_eq!(b.probe_reuse(SCOPE, &probe).await.unwrap(), 256);
     for e in [&a, &b] {
-        e.kv.check_invariants().await.unwrap();
+        e.check_invariants().await.unwrap();
     }
-    a.kv.transfer().release_export(id).await.unwrap();
-    assert_eq!(a.kv.check_invariants().await.unwrap().live_sequences, 0);
+    a.transfer().release_export(id).await.unwrap();
+    assert_eq!(a.check_invariants().await.unwrap().live_sequences, 0);
 }
 
-/// Tensor parallelism: each of two devices holds its own copy of every page; a transfer
-/// moves every device's pages to the same device index on the other engine.
-#[test]
-fn two_device_engines_move_every_devices_pages() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
-    let (a, b) = (LocalTransport::new("tp-a"), LocalTransport::new("tp-b"));
-    let r = rt
-        .block_on(disagg::bench(
-            2,
-            6,
-            "host",
-            (0, 0),
-            2,
-            Box::new(a),
-            Box::new(b),
-        ))
-        .unwrap();
-    assert_eq!(r.digests_match, Some(true), "{r:#?}");
-    assert_eq!(r.decode_reuse_tokens, 6 * 64);
-    // 6 blocks × (target + draft) × 2 devices; 2 pools each, one descriptor per pool run.
-    assert_eq!(r.pages, 24);
-    assert_eq!(r.uncoalesced, 48);
-    assert_eq!(r.descriptors, 8);
+        .unwrap()
+}
+
+/// Two engines' sessions over an in-memory wire, each with its own local transport
+/// (`digests` as given on both).
+async fn sessions(
+    a: &KvCacheHandle,
+    b: &KvCacheHandle,
+    digests: bool,
+) -> (TransferSession<DuplexStream>, TransferSession<DuplexStream>) {
+    let (wa, wb) = tokio::io::duplex(1 << 20);
+    let options = SessionOptions {
+        digests,
+        ..SessionOptions::default()
+    };
+    // SAFETY: the engines run until after the tests drop the sessions; the wire is
+    // in-memory between the two.
+    let (sa, sb) = tokio::join!(
+        unsafe {
+            TransferSession::open(
+                a,
+                Box::new(LocalTransport::new("session-a")),
+                Wire::new(wa),
+                options.clone(),
+            )
+        },
+        unsafe {
+            TransferSession::open(
+                b,
+                Box::new(LocalTransport::new("session-b")),
+                Wire::new(wb),
+                options.clone(),
+            )
+        },
+    );
+    (sa.unwrap(), sb.unwrap())
+}
+
+/// Tensor parallelism through the session: each of two devices holds its own copy of
+/// every page; a hand-over moves every device's pages to the same device index on the
+/// other engine, the importer checks every page's digest and commits, and tells the
+/// exporter so; the export is released and the import served.
+#[test]
+fn two_device_engines_move_every_devices_pages() {
+    runtime().block_on(async {
+        let (a, b) = (
+            engine(config(2, 6, None), 2).await,
+            engine(config(2, 6, None), 2).await,
+        );
+        let (mut sa, mut sb) = sessions(&a, &b, true).await;
+        assert_eq!(sa.remote_regions(), b.transfer().regions().await.unwrap());
+        let p: Vec<TokenId> = (0..6 * 64 + 1).map(|t| TokenId(200_000 + t)).collect();
+        let id = RequestId(2);
+        prefill(&a, id, SCOPE, &p).await;
+        let export = a.transfer().export(id, SCOPE, &p[..6 * 64]).await.unwrap();
+        let import = async {
+            let offer = sb.next_offer().await.unwrap().expect("an offer");
+            assert_eq!(offer, export);
+            let ticket = sb
+                .begin(id, SCOPE, &p, &offer)
+                .await
+                .unwrap()
+                .expect("room");
+            sb.finish(&ticket).await.unwrap()
+        };
+        let (handed, imported) = tokio::join!(sa.hand_over(&export), import);
+        assert_eq!(imported, ImportOutcome::Committed { blocks: 6 });
+        let HandOver::Pushed { report, outcome } = handed.unwrap() else {
+            panic!("not pushed");
+        };
+        assert_eq!(
+            outcome, imported,
+            "the exporter hears the importer's verdict"
+        );
+        assert_eq!(b.probe_reuse(SCOPE, &p).await.unwrap(), 6 * 64);
+        // 6 blocks × (target + draft) × 2 devices; 2 pools each, one descriptor per pool run.
+        assert_eq!(report.pages, 24);
+        assert_eq!(report.uncoalesced, 48);
+        assert_eq!(report.write.descriptors, 8);
+        assert_eq!(
+            a.stats().await.unwrap().transfers.open_exports,
+            0,
+            "released"
+        );
+        sa.close().await.unwrap();
+        assert_eq!(sb.next_offer().await.unwrap(), None, "Bye ends the session");
+        drop(sb);
+        for e in [&a, &b] {
+            e.check_invariants().await.unwrap();
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}
+
+/// A peer that speaks the session's frames by hand (a hostile or broken engine): its
+/// half of the handshake, as `hello` says, with its own local transport (connected to
+/// the real side's, so it can deliver notifications).
+async fn fake_open(
+    stream: DuplexStream,
+    hello: impl FnOnce(Vec<u8>) -> SessionMsg,
+) -> (Wire<DuplexStream>, LocalTransport, PeerId) {
+    let mut w = Wire::new(stream);
+    let mut t = LocalTransport::new("fake");
+    let SessionMsg::Hello { metadata, .. } = w.recv().await.unwrap() else {
+        panic!("no Hello from the real side");
+    };
+    // SAFETY: the real side's own metadata; the fake registers nothing and writes no
+    // bytes (notifications only).
+    let peer = unsafe { t.connect(&metadata) }.unwrap();
+    w.send(&hello(t.local_metadata().unwrap())).await.unwrap();
+    (w, t, peer)
+}
+
+fn honest_hello(digests: bool) -> impl FnOnce(Vec<u8>) -> SessionMsg {
+    move |metadata| SessionMsg::Hello {
+        protocol: PROTOCOL_VERSION,
+        transport: "local".into(),
+        metadata,
+        regions: Vec::new(),
+        digests,
+    }
+}
+
+/// How a hostile or broken exporter behaves after the importer's ticket.
+#[derive(Clone, Copy, Debug)]
+enum Exporter {
+    /// Reports its write failed.
+    Fails,
+    /// Reports its write failed and may still be landing.
+    FailsInFlight,
+    /// Says nothing more (the connection stays open).
+    Silent,
+    /// Closes the connection.
+    Hangs,
+    /// Says it wrote, but no byte (and no notification) comes.
+    WritesNothing,
+    /// Sends the notification without the bytes, with digests of other bytes.
+    LiesAboutTheBytes,
+    /// One digest for a four-block ticket.
+    ShortDigests,
+    /// A `Written` about another import.
+    OtherImport,
+    /// A frame longer than the wire's limit.
+    HugeFrame,
+}
+
+/// A hostile or broken exporter cannot make the importer commit, or keep its pages: the
+/// import ends aborted (or, where a write may still land, by its lease), its pages
+/// free, nothing of it cached, and the session says why.
+#[test]
+fn hostile_exporters_end_the_import_cleanly() {
+    runtime().block_on(async {
+        let mut c = config(2, 6, None);
+        c.transfer.lease_ms = 1500; // the ticket's write window: 750 ms
+        let (a, b) = (engine(config(2, 6, None), 1).await, engine(c, 1).await);
+        let p: Vec<TokenId> = (0..4 * 64 + 1).map(|t| TokenId(300_000 + t)).collect();
+        prefill(&a, RequestId(1), SCOPE, &p).await;
+        let export = a
+            .transfer()
+            .export(RequestId(1), SCOPE, &p[..256])
+            .await
+            .unwrap();
+        let cases = [
+            Exporter::Fails,
+            Exporter::FailsInFlight,
+            Exporter::Silent,
+            Exporter::Hangs,
+            Exporter::WritesNothing,
+            Exporter::LiesAboutTheBytes,
+            Exporter::ShortDigests,
+            Exporter::OtherImport,
+            Exporter::HugeFrame,
+        ];
+        for (i, case) in cases.into_iter().enumerate() {
+            let id = RequestId(100 + i as u64);
+            let (wa, wb) = tokio::io::duplex(1 << 20);
+            let options = SessionOptions::with_digests();
+            // SAFETY: engine `b` runs until after the session is dropped (end of this
+            // round); the wire is in-memory, to the fake exporter.
+            let (fake, real) = tokio::join!(fake_open(wa, honest_hello(true)), unsafe {
+                TransferSession::open(
+                    &b,
+                    Box::new(LocalTransport::new("real")),
+                    Wire::new(wb),
+                    options,
+                )
+            });
+            let (mut w, mut t, peer) = fake;
+            let mut session = real.unwrap();
+            w.send(&SessionMsg::Offer {
+                export: export.clone(),
+            })
+            .await
+            .unwrap();
+            let offer = session.next_offer().await.unwrap().unwrap();
+            let ticket = session.begin(id, SCOPE, &p, &offer).await.unwrap().unwrap();
+            let exporter = async move {
+                let SessionMsg::Ticket {
+                    ticket: Some(t2), ..
+                } = w.recv().await.unwrap()
+                else {
+                    panic!("{case:?}: no ticket");
+                };
+                let written = |digests: Vec<String>, import: RequestId| SessionMsg::Written {
+                    export: t2.export,
+                    import,
+                    report: Default::default(),
+                    digests: Some(digests),
+                };
+                let four = vec!["00".repeat(32); 4];
+                match case {
+                    Exporter::Fails | Exporter::FailsInFlight => w
+                        .send(&SessionMsg::Failed {
+                            export: t2.export,
+                            why: "the link went down".into(),
+                            in_flight: matches!(case, Exporter::FailsInFlight),
+                        })
+                        .await
+                        .unwrap(),
+                    Exporter::Silent => {
+                        // Keep the connection open past the ticket's deadline.
+                        tokio::time::sleep(Duration::from_millis(1200)).await;
+                    }
+                    Exporter::Hangs => drop(w),
+                    Exporter::WritesNothing => w.send(&written(four, t2.id)).await.unwrap(),
+                    Exporter::LiesAboutTheBytes => {
+                        w.send(&written(four, t2.id)).await.unwrap();
+                        let note = format!("dsa-kv/transfer/{}/{}", t2.export, t2.id.0);
+                        t.write(&peer, &[], note.as_bytes()).unwrap();
+                    }
+                    Exporter::ShortDigests => w
+                        .send(&written(vec!["00".repeat(32)], t2.id))
+                        .await
+                        .unwrap(),
+                    Exporter::OtherImport => w
+                        .send(&written(four, RequestId(t2.id.0 + 1)))
+                        .await
+                        .unwrap(),
+                    Exporter::HugeFrame => {
+                        use tokio::io::AsyncWriteExt;
+                        let s = w.get_mut();
+                        s.write_all(&(1u64 << 40).to_le_bytes()).await.unwrap();
+                        s.write_all(b"{\"Written\":").await.unwrap();
+                    }
+                }
+                t
+            };
+            let (outcome, _t) = tokio::join!(session.finish(&ticket), exporter);
+            let outcome = outcome.unwrap();
+            match (case, &outcome) {
+                (
+                    Exporter::Fails,
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::PeerFailed { .. },
+                    },
+                )
+                | (Exporter::FailsInFlight, ImportOutcome::LeftToLease { .. })
+                | (
+                    Exporter::WritesNothing,
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::NoNotification,
+                    },
+                )
+                | (
+                    Exporter::LiesAboutTheBytes,
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::DigestsDiffer { block: 0 },
+                    },
+                )
+                | (
+                    Exporter::Silent
+                    | Exporter::Hangs
+                    | Exporter::ShortDigests
+                    | Exporter::OtherImport
+                    | Exporter::HugeFrame,
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::PeerGone { .. },
+                    },
+                ) => {}
+                _ => panic!("{case:?}: {outcome:?}"),
+            }
+            if matches!(case, Exporter::FailsInFlight) {
+                // The pages stay reserved until the lease ends them.
+                assert_eq!(b.stats().await.unwrap().transfers.open_imports, 1);
+                tokio::time::sleep(Duration::from_millis(1700)).await;
+            }
+            drop(session);
+            let st = b.stats().await.unwrap();
+            assert_eq!(st.transfers.open_imports, 0, "{case:?}");
+            let c = b.check_invariants().await.unwrap();
+            assert_eq!(
+                (c.live_sequences, c.gpu_slots_used),
+                (0, 0),
+                "{case:?}: pages freed"
+            );
+            assert_eq!(
+                b.probe_reuse(SCOPE, &p).await.unwrap(),
+                0,
+                "{case:?}: nothing cached"
+            );
+        }
+        a.transfer().release_export(RequestId(1)).await.unwrap();
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}
+
+/// How a hostile or broken importer answers an offer.
+#[derive(Clone, Copy, Debug)]
+enum Importer {
+    /// A ticket for another export.
+    OtherExport,
+    /// A ticket whose pages lie outside every pool it announced.
+    ForgedPages,
+    /// No ticket (no room).
+    Declines,
+    /// Closes the connection.
+    Hangs,
+    /// Something other than a ticket.
+    Garbage,
+}
+
+/// A hostile or broken importer cannot keep the exporter's blocks pinned or make it
+/// write outside the importer's announced pools: every hand-over ends with a typed
+/// error (or `Declined`), the exporter tells the peer when it failed, and the export is
+/// released.
+#[test]
+fn hostile_importers_cannot_keep_the_export() {
+    runtime().block_on(async {
+        let a = engine(config(2, 6, None), 1).await;
+        let p: Vec<TokenId> = (0..4 * 64 + 1).map(|t| TokenId(400_000 + t)).collect();
+        prefill(&a, RequestId(1), SCOPE, &p).await;
+        for (i, case) in [
+            Importer::OtherExport,
+            Importer::ForgedPages,
+            Importer::Declines,
+            Importer::Hangs,
+            Importer::Garbage,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let id = RequestId(10 + i as u64);
+            let export = a.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
+            let (wa, wb) = tokio::io::duplex(1 << 20);
+            // SAFETY: engine `a` runs until after the session is dropped; the wire is
+            // in-memory, to the fake importer.
+            let (real, fake) = tokio::join!(
+                unsafe {
+                    TransferSession::open(
+                        &a,
+                        Box::new(LocalTransport::new("real")),
+                        Wire::new(wa),
+                        SessionOptions::default(),
+                    )
+                },
+                fake_open(wb, honest_hello(false))
+            );
+            let mut session = real.unwrap();
+            let (mut w, _t, _peer) = fake;
+            let importer = async move {
+                let SessionMsg::Offer { export: offer } = w.recv().await.unwrap() else {
+                    panic!("{case:?}: no offer");
+                };
+                let forged = ImportTicket {
+                    id: RequestId(7),
+                    export: offer.id,
+                    skipped: 0,
+                    layout: offer.layout.clone(),
+                    pools: offer.pools.clone(),
+                    blocks: offer.blocks.clone(),
+                    write_within_ms: 1000,
+                    write_by: None,
+                };
+                let reply = match case {
+                    Importer::OtherExport => Some(SessionMsg::Ticket {
+                        export: RequestId(offer.id.0 + 1),
+                        ticket: Some(forged),
+                        why: None,
+                    }),
+                    Importer::ForgedPages => Some(SessionMsg::Ticket {
+                        export: offer.id,
+                        ticket: Some(forged),
+                        why: None,
+                    }),
+                    Importer::Declines => Some(SessionMsg::Ticket {
+                        export: offer.id,
+                        ticket: None,
+                        why: Some("no room".into()),
+                    }),
+                    Importer::Hangs => None,
+                    Importer::Garbage => Some(SessionMsg::Bye),
+                };
+                if let Some(m) = reply {
+                    w.send(&m).await.unwrap();
+                    // Whatever the exporter says next (a `Failed`), then the end.
+                    let _ = w
+                        .recv_within::<SessionMsg>(Duration::from_millis(200))
+                        .await;
+                }
+            };
+            let (handed, ()) = tokio::join!(session.hand_over(&export), importer);
+            match (case, &handed) {
+                (Importer::Declines, Ok(HandOver::Declined { why })) => assert_eq!(why, "no room"),
+                (
+                    Importer::OtherExport | Importer::Garbage,
+                    Err(SessionError::Unexpected { .. }),
+                )
+                | (Importer::ForgedPages, Err(SessionError::Plan(_)))
+                | (Importer::Hangs, Err(SessionError::Wire(_))) => {}
+                _ => panic!("{case:?}: {handed:?}"),
+            }
+            drop(session);
+            let st = a.stats().await.unwrap();
+            assert_eq!(
+                st.transfers.open_exports, 0,
+                "{case:?}: the export is released"
+            );
+        }
+        assert_eq!(a.check_invariants().await.unwrap().live_sequences, 0);
+        a.shutdown().await;
+    });
+}
+
+/// The handshake refuses a peer of another protocol version, with other digest
+/// settings or another transport, or one that does not start with `Hello`: typed
+/// errors, and nothing registered stays behind (the transport is dropped with the
+/// failed open).
+#[test]
+fn a_handshake_with_a_mismatched_peer_is_refused() {
+    runtime().block_on(async {
+        let a = engine(config(2, 6, None), 1).await;
+        type Hello = Box<dyn FnOnce(Vec<u8>) -> SessionMsg>;
+        let cases: Vec<(&str, Hello)> = vec![
+            (
+                "version",
+                Box::new(|metadata| SessionMsg::Hello {
+                    protocol: PROTOCOL_VERSION + 1,
+                    transport: "local".into(),
+                    metadata,
+                    regions: Vec::new(),
+                    digests: true,
+                }),
+            ),
+            ("digests", Box::new(honest_hello(false))),
+            (
+                "transport",
+                Box::new(|metadata| SessionMsg::Hello {
+                    protocol: PROTOCOL_VERSION,
+                    transport: "nixl/UCX".into(),
+                    metadata,
+                    regions: Vec::new(),
+                    digests: true,
+                }),
+            ),
+            ("not a Hello", Box::new(|_| SessionMsg::Bye)),
+        ];
+        for (what, hello) in cases {
+            let (wa, wb) = tokio::io::duplex(1 << 20);
+            // SAFETY: engine `a` runs until after the (failed) session is dropped.
+            let (real, _fake) = tokio::join!(
+                unsafe {
+                    TransferSession::open(
+                        &a,
+                        Box::new(LocalTransport::new("real")),
+                        Wire::new(wa),
+                        SessionOptions::with_digests(),
+                    )
+                },
+                fake_open(wb, hello)
+            );
+            let e = real.err().unwrap_or_else(|| panic!("{what}: accepted"));
+            let ok = match what {
+                "version" => matches!(e, SessionError::Version { .. }),
+                "digests" => e.to_string().contains("page digests are on here and off"),
+                "transport" => e.to_string().contains("\"nixl/UCX\""),
+                _ => matches!(
+                    e,
+                    SessionError::Unexpected {
+                        expected: "Hello",
+                        ..
+                    }
+                ),
+            };
+            assert!(ok, "{what}: {e}");
+        }
+        a.shutdown().await;
+    });
 }
 
 /// Both engines keep serving while a transfer is open: the exporter runs three more
@@ -336,8 +751,8 @@ fn transfers_overlap_with_serving_on_both_engines() {
     rt.block_on(async {
         // Sequences up to 640 tokens; 28 blocks per engine (target and draft alike).
         // A host tier too: a held page could be offloaded there, unless it is pinned.
-        let start = || disagg::bench_engine_with(2, 6, "host", 0, 1, Some(64 << 20));
-        let (a, b) = (start().await.unwrap(), start().await.unwrap());
+        let start = || engine(config(2, 6, Some(64 << 20)), 1);
+        let (a, b) = (start().await, start().await);
         let (ra, rb) = (
             a.transfer().regions().await.unwrap(),
             b.transfer().regions().await.unwrap(),
@@ -345,7 +760,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); only pages an import reserved are written.
         let (mut ta, mut tb) = (LocalTransport::new("ov-a"), LocalTransport::new("ov-b"));
-        let (peer, peer_a) = unsafe { disagg::connect_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
+        let (peer, peer_a) = unsafe { link_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
         let prompt = |id: u32, blocks: u32| -> Vec<TokenId> {
             (0..blocks * 64 + 1)
                 .map(|t| TokenId(id * 100_000 + t))
@@ -369,7 +784,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
             let kv = kv.clone();
             async move {
                 for _ in 0..10_000 {
-                    if !disagg::step_synthetic(&kv).await.unwrap() {
+                    if !step_once(&kv).await.unwrap() {
                         return;
                     }
                 }
@@ -393,7 +808,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
             .unwrap();
         assert_eq!(export.blocks.len(), 4);
         // SAFETY: A's pools; the blocks are pinned by the export until released below.
-        let pinned = unsafe { disagg::block_digests(&ra, &export.blocks) }.unwrap();
+        let pinned = unsafe { host_block_digests(&ra, &export.blocks) }.unwrap();
         // A serves requests 2, 4 and 7 (10 blocks each with their tokens) while the
         // export is open: 12 of its 28 blocks are cached (4 pinned), so A must evict and
         // offload around the pins (the export's held pages would be next if they were
@@ -402,16 +817,16 @@ fn transfers_overlap_with_serving_on_both_engines() {
         submit(&a, 4, prompt(4, 9)).await;
         submit(&a, 7, prompt(7, 9)).await;
         for _ in 0..3 {
-            disagg::step_synthetic(&a).await.unwrap();
+            step_once(&a).await.unwrap();
         }
         // B serves request 3 and reserves pages for the import in the middle of it.
         submit(&b, 3, prompt(3, 6)).await;
-        disagg::step_synthetic(&b).await.unwrap();
+        step_once(&b).await.unwrap();
         let id1 = RequestId(1);
         let mut ticket = None;
         for attempt in 0..4 {
             if attempt > 0 {
-                disagg::step_synthetic(&b).await.unwrap();
+                step_once(&b).await.unwrap();
             }
             ticket = b
                 .transfer()
@@ -424,13 +839,13 @@ fn transfers_overlap_with_serving_on_both_engines() {
         }
         let ticket = ticket.expect("B found room for the import");
         for _ in 0..2 {
-            disagg::step_synthetic(&a).await.unwrap();
-            disagg::step_synthetic(&b).await.unwrap();
+            step_once(&a).await.unwrap();
+            step_once(&b).await.unwrap();
         }
         let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
         push_plan(&mut ta, &peer, &ticket, &plan, b"req-1").unwrap();
         // SAFETY: as above: still pinned.
-        let before_release = unsafe { disagg::block_digests(&ra, &export.blocks) }.unwrap();
+        let before_release = unsafe { host_block_digests(&ra, &export.blocks) }.unwrap();
         assert_eq!(before_release, pinned, "A's serving changed pinned pages");
         a.transfer().release_export(RequestId(1)).await.unwrap();
         assert!(tb
@@ -439,9 +854,9 @@ fn transfers_overlap_with_serving_on_both_engines() {
             .iter()
             .any(|(_, m)| m == b"req-1"));
         // B keeps serving request 3 between the bytes landing and the commit.
-        disagg::step_synthetic(&b).await.unwrap();
+        step_once(&b).await.unwrap();
         // SAFETY: B's pools; the import's reserved pages, whose bytes have landed.
-        let landed = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
+        let landed = unsafe { host_block_digests(&rb, &ticket.blocks) }.unwrap();
         assert_eq!(landed, pinned, "the reserved pages differ from the export");
         b.transfer().commit_import_with(&mut tb, id1).await.unwrap();
         finish(&a).await;
@@ -487,8 +902,8 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let start = || disagg::bench_engine_with(2, 6, "host", 0, 1, None);
-        let (a, b) = (start().await.unwrap(), start().await.unwrap());
+        let start = || engine(config(2, 6, None), 1);
+        let (a, b) = (start().await, start().await);
         let victim = ReuseScope {
             lora_id: None,
             salt: Some(0xbeef),
@@ -507,7 +922,7 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         })
         .await
         .unwrap();
-        while disagg::step_synthetic(&a).await.unwrap() {}
+        while step_once(&a).await.unwrap() {}
         // A hostile exporter's offer: the victim's blocks, with keys for its salt.
         let export = a
             .transfer()
@@ -553,7 +968,7 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         // SAFETY: the engines' own pools, alive until the end of this block (the
         // transports are dropped first); the windows admit only reserved pages.
         let (mut ta, mut tb) = (LocalTransport::new("bind-a"), LocalTransport::new("bind-b"));
-        let (peer, peer_a) = unsafe { disagg::connect_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
+        let (peer, peer_a) = unsafe { link_pair(&mut ta, &mut tb, &ra, &rb) }.unwrap();
         let ticket = b
             .transfer()
             .begin_import_with(&mut tb, &peer_a, &rb, RequestId(9), victim, &p, &export)
@@ -579,7 +994,7 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
             .await
             .unwrap();
         // SAFETY: B's pools; the pages are pinned by this export.
-        let before = unsafe { disagg::block_digests(&rb, &held.blocks) }.unwrap();
+        let before = unsafe { host_block_digests(&rb, &held.blocks) }.unwrap();
         let forged = ImportTicket {
             id: RequestId(21),
             export: export.id,
@@ -593,7 +1008,7 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
         let e = push(&mut ta, &peer, &export, &ra, &forged, &rb, b"poison").unwrap_err();
         assert!(e.to_string().contains("no open window"), "{e}");
         // SAFETY: as above.
-        let after = unsafe { disagg::block_digests(&rb, &held.blocks) }.unwrap();
+        let after = unsafe { host_block_digests(&rb, &held.blocks) }.unwrap();
         assert_eq!(before, after, "a committed page changed");
         assert!(tb
             .take_notifications()
@@ -626,12 +1041,9 @@ fn leases_free_what_a_dead_peer_left() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let mut c = disagg::bench_config(2, 6, None);
+        let mut c = config(2, 6, None);
         c.transfer.lease_ms = 400;
-        let a = disagg::bench_engine_config(c.clone(), "host", 0, 1)
-            .await
-            .unwrap();
-        let b = disagg::bench_engine_config(c, "host", 0, 1).await.unwrap();
+        let (a, b) = (engine(c.clone(), 1).await, engine(c, 1).await);
         let p: Vec<TokenId> = (0..4 * 64 + 1).map(|t| TokenId(700 + t)).collect();
         a.submit(SubmitRequest {
             id: RequestId(1),
@@ -642,7 +1054,7 @@ fn leases_free_what_a_dead_peer_left() {
         })
         .await
         .unwrap();
-        while disagg::step_synthetic(&a).await.unwrap() {}
+        while step_once(&a).await.unwrap() {}
         let export = a
             .transfer()
             .export(RequestId(1), SCOPE, &p[..256])

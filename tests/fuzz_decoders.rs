@@ -8,7 +8,8 @@
 //!   followed by random frames;
 //! * the transports' metadata (`connect` of the local transport, and of NIXL where its
 //!   library is installed);
-//! * the disagg example's wire (`Wire::recv`);
+//! * the transfer session's wire (`dsa_kv::transfer::session::Wire::recv` of a
+//!   `SessionMsg`), a peer's frames as they come;
 //! * the transfer plan's inputs (`ExportedBlocks`, `ImportTicket`, `PoolRegion`s as a
 //!   peer sends them): JSON decoding, and `plan_writes` on random structured inputs.
 //!
@@ -16,12 +17,9 @@
 //! single allocation larger than a bound (a counting global allocator records the
 //! largest one made while a case runs); the publisher then still answers an honest
 //! replay.
-#[path = "../examples/disagg/protocol.rs"]
-mod disagg;
-
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -305,7 +303,8 @@ fn transport_metadata_is_refused_or_understood() {
 }
 
 #[test]
-fn the_disagg_wire_refuses_or_decodes() {
+fn the_session_wire_refuses_or_decodes() {
+    use dsa_kv::transfer::session::{SessionMsg, Wire, WireError};
     let _serial = SERIAL.lock().unwrap();
     let input = prop_oneof![
         proptest::collection::vec(any::<u8>(), 0..256),
@@ -314,21 +313,55 @@ fn the_disagg_wire_refuses_or_decodes() {
             f.extend(b);
             f
         }),
-        (prop_oneof![Just(0u64), Just(1 << 26), Just(64 << 20)])
+        (prop_oneof![Just(0u64), Just(1 << 26), Just(64 << 20), Just(u64::MAX)])
             .prop_map(|n| n.to_le_bytes().to_vec()),
+        // Whole frames of JSON that look like the protocol's.
+        (
+            prop_oneof![
+                Just("{\"Offer\":{\"export\":"),
+                Just("{\"Ticket\":{\"export\":1,\"ticket\":"),
+                Just("{\"Written\":{\"export\":1,\"import\":1,\"digests\":["),
+                Just("{\"Hello\":{\"protocol\":1,\"metadata\":["),
+                Just("\"Bye\""),
+            ],
+            proptest::collection::vec(any::<u8>(), 0..96)
+        )
+            .prop_map(|(head, tail)| {
+                let mut body = head.as_bytes().to_vec();
+                body.extend(tail);
+                let mut f = (body.len() as u64).to_le_bytes().to_vec();
+                f.extend(body);
+                f
+            }),
     ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     runner(192, 19)
         .run(&input, |bytes| {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-            let (b, _) = l.accept().unwrap();
-            a.write_all(&bytes).unwrap();
-            a.shutdown(std::net::Shutdown::Write).unwrap();
             LARGEST.store(0, Ordering::Relaxed);
-            let mut w = disagg::Wire(b);
-            let _ = w.recv();
+            let mut w = Wire::new(&bytes[..]);
+            // Every frame in the input, until the first refusal.
+            let mut refused = None;
+            for _ in 0..4 {
+                match rt.block_on(w.recv::<SessionMsg>()) {
+                    Ok(_) => {}
+                    Err(e) => {
+                        refused = Some(e);
+                        break;
+                    }
+                }
+            }
             let largest = LARGEST.load(Ordering::Relaxed);
             prop_assert!(largest < BOUND, "an allocation of {largest} bytes");
+            // A frame longer than the limit is refused by its length alone.
+            if bytes.len() >= 8 && u64::from_le_bytes(bytes[..8].try_into().unwrap()) > (16 << 20) {
+                prop_assert!(
+                    matches!(refused, Some(WireError::TooLarge { .. })),
+                    "{refused:?}"
+                );
+            }
             Ok(())
         })
         .unwrap();

@@ -28,67 +28,43 @@
 //! Rounds: `DSA_KV_PD_KILL_ROUNDS` per scenario (default 12); seed `DSA_KV_PD_KILL_SEED`.
 //! Needs the NIXL runtime (`.ci/nixl_setup.sh`); skipped without it unless
 //! `DSA_KV_REQUIRE_NIXL=1`.
-#[path = "../examples/disagg/protocol.rs"]
-mod disagg;
-#[path = "common/frames.rs"]
-mod frames;
+mod common;
 
 use std::collections::BTreeMap;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use disagg::SCOPE;
+use common::transfer::SCOPE;
 use dsa_kv::actors::{KvCacheHandle, RuntimeError};
 use dsa_kv::config::EngineConfig;
-use dsa_kv::core::scheduler::{SchedError, SubmitRequest};
+use dsa_kv::core::scheduler::SchedError;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::transfer::nixl::NixlTransport;
-use dsa_kv::transfer::{
-    push, ExportedBlocks, ImportTicket, KvTransport, PeerId, PoolRegion, TransportError,
+use dsa_kv::transfer::session::{
+    AbortReason, ImportOutcome, SessionOptions, TransferSession, Wire,
 };
-use frames::{recv_frame, send_frame};
-use serde::{Deserialize, Serialize};
+use dsa_kv::transfer::TransportError;
+use tokio::net::TcpStream;
 
 const ROLE: &str = "DSA_KV_PD_KILL_ROLE";
 const ADDR: &str = "DSA_KV_PD_KILL_ADDR";
 const ROUND: &str = "DSA_KV_PD_KILL_ROUND";
 const LEASE_MS: u64 = 1500;
 
-/// The frames both sides exchange.
-#[derive(Debug, Serialize, Deserialize)]
-enum Msg {
-    Hello {
-        metadata: Vec<u8>,
-        regions: Vec<PoolRegion>,
-    },
-    Export {
-        export: ExportedBlocks,
-        prompt: Vec<TokenId>,
-    },
-    Ticket(Option<ImportTicket>),
-    Written {
-        digests: Vec<String>,
-    },
-    Bye,
-}
-
-fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
-    send_frame(s, &serde_json::to_vec(m).expect("serializable"))
-}
-
-fn recv(s: &mut TcpStream, within: Duration) -> Result<Msg, String> {
-    s.set_read_timeout(Some(within.max(Duration::from_millis(1))))
-        .map_err(|e| e.to_string())?;
-    let b = recv_frame(s).map_err(|e| e.to_string())?;
-    serde_json::from_slice(&b).map_err(|e| e.to_string())
-}
-
 fn config() -> EngineConfig {
-    let mut c = disagg::bench_config(2, 6, None);
+    let mut c = common::transfer::config(2, 6, None);
     c.transfer.lease_ms = LEASE_MS;
     c
+}
+
+/// Both sides' session settings: page digests (host pools), replies within 30 s.
+fn options() -> SessionOptions {
+    SessionOptions {
+        digests: true,
+        reply_timeout: Duration::from_secs(30),
+    }
 }
 
 fn rounds() -> u64 {
@@ -137,16 +113,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Prefills `prompt` as request `id` on `kv` (synthetic writer).
 async fn prefill(kv: &KvCacheHandle, id: RequestId, prompt: &[TokenId]) {
-    kv.submit(SubmitRequest {
-        id,
-        scope: SCOPE,
-        prompt: prompt.to_vec(),
-        max_new_tokens: 2,
-        priority: 35,
-    })
-    .await
-    .unwrap();
-    while disagg::step_synthetic(kv).await.unwrap() {}
+    common::transfer::prefill(kv, id, SCOPE, prompt).await;
 }
 
 fn spawn_child(role: &str, addr: std::net::SocketAddr, round: u64) -> Child {
@@ -171,35 +138,31 @@ fn reap(mut child: Child) {
     let _ = child.wait();
 }
 
-/// Starts round `r`'s child in `role` and exchanges `Hello`s with it: the child, our
-/// connection to it, its transport as our peer, and its pool regions.
-fn meet(
+/// The session's wire on a connection of this test.
+fn wire(s: std::net::TcpStream) -> Wire<TcpStream> {
+    s.set_nonblocking(true).unwrap();
+    Wire::new(TcpStream::from_std(s).unwrap())
+}
+
+/// Starts round `r`'s child in `role` and opens a session with it over a new NIXL agent
+/// of ours (registered with `kv`'s pools): the child and the session.
+async fn meet(
     listener: &TcpListener,
     role: &str,
     r: u64,
-    t: &mut NixlTransport,
-    regions: &[PoolRegion],
-) -> (Child, TcpStream, PeerId, Vec<PoolRegion>) {
+    kv: &KvCacheHandle,
+) -> (Child, TransferSession<TcpStream>) {
     let child = spawn_child(role, listener.local_addr().unwrap(), r);
-    let (mut s, _) = listener.accept().unwrap();
-    let Ok(Msg::Hello {
-        metadata,
-        regions: theirs,
-    }) = recv(&mut s, Duration::from_secs(60))
-    else {
-        panic!("round {r}: no Hello from the {role}");
-    };
-    // SAFETY: the child's own metadata.
-    let peer = unsafe { t.connect(&metadata) }.unwrap();
-    send(
-        &mut s,
-        &Msg::Hello {
-            metadata: t.local_metadata().unwrap(),
-            regions: regions.to_vec(),
-        },
-    )
-    .unwrap();
-    (child, s, peer, theirs)
+    let (s, _) = listener.accept().unwrap();
+    let t = nixl(&format!("pd-kill-{role}-peer-{r}")).expect("NIXL");
+    // SAFETY: the engine runs until after the session is dropped (each round drops it
+    // before the next; the engine shuts down after the last); the wire is our own
+    // connection to our own child. NIXL cannot refuse writes outside the windows: the
+    // children are ours, and stopped ones are killed, never resumed.
+    let session = unsafe { TransferSession::open(kv, Box::new(t), wire(s), options()) }
+        .await
+        .unwrap_or_else(|e| panic!("round {r}: no session with the {role}: {e}"));
+    (child, session)
 }
 
 /// Waits until `f` holds, at most `within`.
@@ -216,23 +179,6 @@ async fn eventually(within: Duration, mut f: impl AsyncFnMut() -> bool) -> bool 
     }
 }
 
-/// The notification `want` from the transport, before `until`.
-fn notified(t: &mut NixlTransport, want: &[u8], until: Instant) -> bool {
-    loop {
-        if t.take_notifications()
-            .unwrap_or_default()
-            .iter()
-            .any(|(_, m)| m == want)
-        {
-            return true;
-        }
-        if Instant::now() > until {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 /// Where the other side is killed or stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Kill {
@@ -246,24 +192,16 @@ enum Kill {
 
 #[test]
 fn transfers_survive_either_side_killed_at_random_points() {
-    let Some(mut tb) = nixl("pd-kill-importer") else {
+    if nixl("pd-kill-probe").is_none() {
         return;
-    };
+    }
     let rt = runtime();
     let mut rng = SplitMix64(seed());
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
 
     // Scenario 1: the exporter (child) dies; we import.
     let summary = rt.block_on(async {
-        let kv = disagg::bench_engine_config(config(), "host", 0, 1)
-            .await
-            .unwrap();
-        let rb = kv.transfer().regions().await.unwrap();
-        // SAFETY: the engine's pools, alive until the end of this block (the transport
-        // is dropped after it: its last writes come from children killed by then);
-        // writes into them go only to reserved pages (NIXL cannot refuse others: the
-        // children are ours).
-        unsafe { tb.register(&rb.iter().map(|r| r.region).collect::<Vec<_>>()) }.unwrap();
+        let kv = common::transfer::engine(config(), 1).await;
         let mut outcomes: BTreeMap<(Kill, &str), u32> = BTreeMap::new();
         let mut committed = Vec::new();
         for r in 0..rounds() {
@@ -274,22 +212,24 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 Kill::StoppedAfterTicket,
                 Kill::AfterWritten,
             ][rng.next_u64() as usize % 5];
-            let (child, mut s, peer, _) = meet(&listener, "exporter", r, &mut tb, &rb);
-            let Ok(Msg::Export { export, prompt: p }) = recv(&mut s, Duration::from_secs(60))
-            else {
-                panic!("round {r}: no Export");
-            };
+            let (child, mut session) = meet(&listener, "exporter", r, &kv).await;
+            let offer = session
+                .next_offer()
+                .await
+                .unwrap_or_else(|e| panic!("round {r}: no offer: {e}"))
+                .expect("an offer");
             if kill == Kill::BeforeTicket {
                 signal(&child, libc::SIGKILL);
             }
+            // The request we serve: round r's prompt, as the child exported it.
+            let p = prompt(r);
             let id = RequestId(1000 + r);
-            let ticket = kv
-                .transfer()
-                .begin_import_with(&mut tb, &peer, &rb, id, SCOPE, &p, &export)
+            let ticket = session
+                .begin(id, SCOPE, &p, &offer)
                 .await
                 .unwrap()
                 .expect("room: every round's import ends before the next");
-            let _ = send(&mut s, &Msg::Ticket(Some(ticket.clone())));
+            let _ = session.reply(offer.id, Ok(&ticket)).await;
             match kill {
                 Kill::AfterTicket => {
                     std::thread::sleep(Duration::from_micros(rng.next_u64() % 3000));
@@ -298,22 +238,14 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 Kill::StoppedAfterTicket => signal(&child, libc::SIGSTOP),
                 _ => {}
             }
-            let write_by = ticket.write_by.unwrap();
-            let written = match recv(&mut s, write_by.saturating_duration_since(Instant::now())) {
-                Ok(Msg::Written { digests }) => Some(digests),
-                _ => None,
-            };
+            let written = session.wait_written(&ticket).await.ok();
             if kill == Kill::AfterWritten {
                 signal(&child, libc::SIGKILL);
             }
-            let note = format!("req-{}", export.id.0);
-            let landed = written.filter(|_| notified(&mut tb, note.as_bytes(), write_by));
-            let outcome = match landed {
-                Some(digests) => {
-                    // SAFETY: our pools; the import's pages, whose bytes have landed.
-                    let ours = unsafe { disagg::block_digests(&rb, &ticket.blocks) }.unwrap();
-                    if ours == digests {
-                        kv.transfer().commit_import_with(&mut tb, id).await.unwrap();
+            let outcome = match written {
+                Some(w) => match session.complete(&ticket, &w).await.unwrap() {
+                    ImportOutcome::Committed { blocks } => {
+                        assert_eq!(blocks, 4);
                         // Served at once (the cache is small: later rounds evict it),
                         // so the runtime's verifier reads every imported position back.
                         assert_eq!(kv.probe_reuse(SCOPE, &p).await.unwrap(), 256);
@@ -327,13 +259,34 @@ fn transfers_survive_either_side_killed_at_random_points() {
                         );
                         committed.push(p.clone());
                         "committed"
-                    } else {
-                        kv.transfer().abort_import_with(&mut tb, id).await.unwrap();
-                        "aborted: digests differ"
                     }
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::DigestsDiffer { .. },
+                    } => "aborted: digests differ",
+                    ImportOutcome::Aborted {
+                        reason: AbortReason::NoNotification,
+                    } => "aborted: no notification",
+                    other => panic!("round {r} ({kill:?}): {other:?}"),
+                },
+                None if rng.next_u64().is_multiple_of(2) => {
+                    // The exporter is gone (or stopped): we abort at once.
+                    let o = session
+                        .abort(
+                            &ticket,
+                            AbortReason::PeerGone {
+                                why: "killed".into(),
+                            },
+                        )
+                        .await
+                        .unwrap();
+                    assert!(
+                        matches!(o, ImportOutcome::Aborted { .. }),
+                        "round {r}: {o:?}"
+                    );
+                    "aborted: the exporter is gone"
                 }
                 None => {
-                    // The exporter is gone (or stopped): nobody aborts; the lease does.
+                    // Nobody aborts: the lease does.
                     let before = kv.stats().await.unwrap().transfers.expired_imports;
                     let expired = eventually(Duration::from_millis(LEASE_MS + 2000), async || {
                         kv.stats().await.unwrap().transfers.expired_imports > before
@@ -351,13 +304,13 @@ fn transfers_survive_either_side_killed_at_random_points() {
                         ),
                         "round {r}: {e}"
                     );
-                    let c = kv.check_invariants().await.unwrap();
-                    assert_eq!(c.live_sequences, 0, "round {r}: the pages are back");
                     "expired"
                 }
             };
+            let c = kv.check_invariants().await.unwrap();
+            assert_eq!(c.live_sequences, 0, "round {r}: the pages are back");
             *outcomes.entry((kill, outcome)).or_default() += 1;
-            let _ = send(&mut s, &Msg::Bye);
+            let _ = session.close().await;
             reap(child);
         }
         let after = kv.stats().await.unwrap();
@@ -369,7 +322,6 @@ fn transfers_survive_either_side_killed_at_random_points() {
         kv.shutdown().await;
         (outcomes, committed.len())
     });
-    drop(tb);
     eprintln!("exporter killed: {:?}; {} committed", summary.0, summary.1);
     assert!(
         summary.1 > 0,
@@ -377,17 +329,8 @@ fn transfers_survive_either_side_killed_at_random_points() {
     );
 
     // Scenario 2: the importer (child) dies; we export.
-    let Some(mut ta) = nixl("pd-kill-exporter") else {
-        return;
-    };
     let summary = rt.block_on(async {
-        let kv = disagg::bench_engine_config(config(), "host", 0, 1)
-            .await
-            .unwrap();
-        let ra = kv.transfer().regions().await.unwrap();
-        // SAFETY: the engine's pools, alive until the end of this block; we only read
-        // them (the children write nothing here).
-        unsafe { ta.register(&ra.iter().map(|r| r.region).collect::<Vec<_>>()) }.unwrap();
+        let kv = common::transfer::engine(config(), 1).await;
         let mut outcomes: BTreeMap<(Kill, &str), u32> = BTreeMap::new();
         for r in 0..rounds() {
             let kill = [
@@ -396,51 +339,44 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 Kill::AfterTicket,
                 Kill::DuringPush,
             ][rng.next_u64() as usize % 4];
-            let (child, mut s, peer, regions) = meet(&listener, "importer", r, &mut ta, &ra);
+            let (child, mut session) = meet(&listener, "importer", r, &kv).await;
             let id = RequestId(2000 + r);
             let p = prompt(r);
             prefill(&kv, id, &p).await;
             let export = kv.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
-            send(
-                &mut s,
-                &Msg::Export {
-                    export: export.clone(),
-                    prompt: p.clone(),
-                },
-            )
-            .unwrap();
+            session.offer(&export).await.unwrap();
             if kill == Kill::BeforeTicket {
                 signal(&child, libc::SIGKILL);
             }
-            let ticket = match recv(&mut s, Duration::from_secs(30)) {
-                Ok(Msg::Ticket(Some(t))) => Some(t),
+            let ticket = match session.wait_ticket(&export).await {
+                Ok(Ok(t)) => Some(t),
                 _ => None,
             };
             if kill == Kill::AfterTicket {
                 signal(&child, libc::SIGKILL);
             }
-            let pushed = ticket.map(|t| {
-                let pid = child.id() as i32;
-                let delay = Duration::from_micros(rng.next_u64() % 2000);
-                let killer = (kill == Kill::DuringPush).then(|| {
-                    std::thread::spawn(move || {
-                        std::thread::sleep(delay);
-                        // SAFETY: signals our own child process.
-                        unsafe { libc::kill(pid, libc::SIGKILL) };
-                    })
-                });
-                let note = format!("req-{}", export.id.0);
-                let r = push(&mut ta, &peer, &export, &ra, &t, &regions, note.as_bytes());
-                if let Some(k) = killer {
-                    k.join().unwrap();
-                }
-                r
-            });
-            let outcome = match &pushed {
+            let outcome = match ticket {
                 None => "no ticket",
-                Some(Ok(_)) => "pushed",
-                Some(Err(e)) if e.to_string().contains("in flight") => "push in flight",
-                Some(Err(_)) => "push failed",
+                Some(t) => {
+                    let pid = child.id() as i32;
+                    let delay = Duration::from_micros(rng.next_u64() % 2000);
+                    let killer = (kill == Kill::DuringPush).then(|| {
+                        std::thread::spawn(move || {
+                            std::thread::sleep(delay);
+                            // SAFETY: signals our own child process.
+                            unsafe { libc::kill(pid, libc::SIGKILL) };
+                        })
+                    });
+                    let pushed = session.push(&export, &t).await;
+                    if let Some(k) = killer {
+                        k.join().unwrap();
+                    }
+                    match pushed {
+                        Ok(_) => "pushed",
+                        Err(e) if e.in_flight() => "push in flight",
+                        Err(_) => "push failed",
+                    }
+                }
             };
             // Half the time the exporter releases; otherwise the lease must.
             if rng.next_u64().is_multiple_of(2) {
@@ -456,7 +392,7 @@ fn transfers_survive_either_side_killed_at_random_points() {
                 );
             }
             *outcomes.entry((kill, outcome)).or_default() += 1;
-            let _ = send(&mut s, &Msg::Bye);
+            let _ = session.close().await;
             reap(child);
         }
         let st = kv.stats().await.unwrap();
@@ -468,7 +404,6 @@ fn transfers_survive_either_side_killed_at_random_points() {
         kv.shutdown().await;
         outcomes
     });
-    drop(ta);
     eprintln!("importer killed: {summary:?}");
 }
 
@@ -482,89 +417,52 @@ fn child() {
     };
     let addr = std::env::var(ADDR).unwrap();
     let round: u64 = std::env::var(ROUND).unwrap().parse().unwrap();
-    let mut s = TcpStream::connect(addr).unwrap();
-    let mut t = nixl(&format!("pd-kill-{role}-{round}")).expect("NIXL");
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    let t = nixl(&format!("pd-kill-{role}-{round}")).expect("NIXL");
     runtime().block_on(async move {
-        let kv = disagg::bench_engine_config(config(), "host", 0, 1)
-            .await
-            .unwrap();
-        let regions = kv.transfer().regions().await.unwrap();
-        // SAFETY: the engine's pools, alive until this process ends (it is killed, or
-        // it returns after shutting the engine down, the transport first).
-        unsafe { t.register(&regions.iter().map(|r| r.region).collect::<Vec<_>>()) }.unwrap();
-        send(
-            &mut s,
-            &Msg::Hello {
-                metadata: t.local_metadata().unwrap(),
-                regions: regions.clone(),
-            },
-        )
-        .unwrap();
-        let Ok(Msg::Hello {
-            metadata,
-            regions: remote,
-        }) = recv(&mut s, Duration::from_secs(60))
+        let kv = common::transfer::engine(config(), 1).await;
+        // SAFETY: the engine runs until after the session is dropped (this process is
+        // killed, or it drops the session before shutting the engine down); the wire
+        // is our parent's connection.
+        let Ok(mut session) =
+            (unsafe { TransferSession::open(&kv, Box::new(t), wire(s), options()) }).await
         else {
             return;
         };
-        // SAFETY: the parent's own metadata.
-        let peer = unsafe { t.connect(&metadata) }.unwrap();
-        let wait = Duration::from_secs(60);
         if role == "exporter" {
             let id = RequestId(round);
             let p = prompt(round);
             prefill(&kv, id, &p).await;
             let export = kv.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
-            send(
-                &mut s,
-                &Msg::Export {
-                    export: export.clone(),
-                    prompt: p,
-                },
-            )
-            .unwrap();
-            if let Ok(Msg::Ticket(Some(ticket))) = recv(&mut s, wait) {
-                kv.transfer().renew(id).await.unwrap();
-                let note = format!("req-{}", export.id.0);
-                if push(
-                    &mut t,
-                    &peer,
-                    &export,
-                    &regions,
-                    &ticket,
-                    &remote,
-                    note.as_bytes(),
-                )
-                .is_ok()
-                {
-                    let skip = ticket.skipped as usize;
-                    // SAFETY: our pools, pinned by the export until released below.
-                    let digests =
-                        unsafe { disagg::block_digests(&regions, &export.blocks[skip..]) }.unwrap();
-                    let _ = send(&mut s, &Msg::Written { digests });
+            if session.offer(&export).await.is_ok() {
+                if let Ok(Ok(ticket)) = session.wait_ticket(&export).await {
+                    kv.transfer().renew(id).await.unwrap();
+                    if session.push(&export, &ticket).await.is_ok() {
+                        let _ = session.wait_outcome(&export, &ticket).await;
+                    }
                 }
-                let _ = kv.transfer().release_export(id).await;
             }
-        } else {
-            let Ok(Msg::Export { export, prompt: p }) = recv(&mut s, wait) else {
-                return;
-            };
-            let id = RequestId(round);
-            let ticket = kv
-                .transfer()
-                .begin_import_with(&mut t, &peer, &regions, id, SCOPE, &p, &export)
+            let _ = kv.transfer().release_export(id).await;
+        } else if let Ok(Some(offer)) = session.next_offer().await {
+            let ticket = session
+                .begin(RequestId(round), SCOPE, &prompt(round), &offer)
                 .await
                 .unwrap();
-            let _ = send(&mut s, &Msg::Ticket(ticket.clone()));
-            if ticket.is_some() {
-                let note = format!("req-{}", export.id.0);
-                if notified(&mut t, note.as_bytes(), Instant::now() + wait) {
-                    let _ = kv.transfer().commit_import_with(&mut t, id).await;
+            match ticket {
+                Some(t) => {
+                    let _ = session.finish(&t).await;
+                }
+                None => {
+                    let _ = session.reply(offer.id, Err("no room")).await;
                 }
             }
         }
-        let _ = recv(&mut s, wait);
-        drop(t);
+        // The parent's Bye (or its end).
+        let _ = session
+            .wire()
+            .recv_within::<dsa_kv::transfer::session::SessionMsg>(Duration::from_secs(60))
+            .await;
+        drop(session);
         kv.shutdown().await;
     });
 }

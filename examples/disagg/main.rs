@@ -25,6 +25,7 @@
 //! `--drop index_key` (or `draft`) is the mutation drill: the prefill side leaves those
 //! pools out of the transfer, and the run must come out inexact (exit 2).
 
+mod bench;
 #[path = "../common/mod.rs"]
 mod common;
 mod protocol;
@@ -33,9 +34,10 @@ use std::net::{TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use bench::BenchReport;
 use clap::Parser;
 use dsa_kv::transfer::{KvTransport, LocalTransport};
-use protocol::{BoxError, RunReport, Setup, Wire};
+use protocol::{BoxError, RunReport, Setup};
 
 /// Prefill on one engine, decode on another, KV pages moved between them.
 #[derive(Parser, Debug, Clone)]
@@ -140,26 +142,24 @@ fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
 /// The decode role: listens, serves one prefill side, returns.
 fn decode(a: &Args, listener: TcpListener) -> Result<(), BoxError> {
     let (stream, _) = listener.accept()?;
-    stream.set_read_timeout(Some(Duration::from_secs(600)))?;
     let t = transport(&a.transport, "decode", a.decode_gpu)?;
     // The setup (model, drafts, backend) comes from the prefill side.
-    runtime()?.block_on(protocol::decode_side_with(a.decode_gpu, t, Wire(stream)))
+    runtime()?.block_on(protocol::decode_side(a.decode_gpu, t, stream))
 }
 
 /// What the prefill role did: a run, or a measurement.
 enum Outcome {
     Run(RunReport),
-    Bench(protocol::BenchReport),
+    Bench(BenchReport),
 }
 
 fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
     let stream = connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(600)))?;
     let t = transport(&a.transport, "prefill", a.prefill_gpu)?;
     let s = setup(a);
     if s.bench_blocks.is_some() {
         return Ok(Outcome::Bench(runtime()?.block_on(
-            protocol::bench_prefill_side(&s, a.prefill_gpu, t, Wire(stream)),
+            protocol::bench_prefill_side(&s, a.prefill_gpu, t, stream),
         )?));
     }
     let model = protocol::model(s.layers)?;
@@ -170,7 +170,7 @@ fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
             &s,
             a.prefill_gpu,
             t,
-            Wire(stream),
+            stream,
             move |line| {
                 if !quiet {
                     eprintln!("{line}");
@@ -281,10 +281,10 @@ fn bench(a: &Args, blocks: usize) -> Result<(), BoxError> {
     }
 }
 
-fn bench_in_process(a: &Args, blocks: usize) -> Result<protocol::BenchReport, BoxError> {
+fn bench_in_process(a: &Args, blocks: usize) -> Result<BenchReport, BoxError> {
     let ta = transport(&a.transport, "bench-a", a.prefill_gpu)?;
     let tb = transport(&a.transport, "bench-b", a.decode_gpu)?;
-    runtime()?.block_on(protocol::bench(
+    runtime()?.block_on(bench::bench(
         a.layers,
         blocks,
         &a.backend,
@@ -295,7 +295,7 @@ fn bench_in_process(a: &Args, blocks: usize) -> Result<protocol::BenchReport, Bo
     ))
 }
 
-fn print_bench(a: &Args, r: &protocol::BenchReport) {
+fn print_bench(a: &Args, r: &BenchReport) {
     if a.json {
         println!(
             "{}",

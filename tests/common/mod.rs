@@ -123,3 +123,4 @@ pub(crate) fn run_copy_plans(m: &mut KvCacheManager, st: &mut HostStorage) -> us
 
 pub(crate) mod engine;
 pub(crate) mod events;
+pub(crate) mod transfer;

@@ -1,0 +1,77 @@
+//! Page digests: SHA-256 of each block's bytes in every pool of every page, read
+//! straight from an engine's registered pools (host memory), independent of the write
+//! plan, so a transfer that leaves a pool out, or lands bytes in the wrong page, is
+//! caught before the import is committed.
+
+use sha2::{Digest, Sha256};
+
+use dsa_kv_device::transfer::{BlockPages, CacheKind, MemKind, PoolRegion};
+
+use super::SessionError;
+
+/// SHA-256 (hex) of each block of `blocks`: its pages' slots in every pool of their
+/// group, target cache then draft cache, pools in (device, pool) order.
+///
+/// # Safety
+///
+/// `regions` must be live pools of this process (an engine's `Transfers::regions`, the
+/// engine running) and nothing may write the blocks' pages during the call (pinned by
+/// an export, or reserved by an import whose bytes have landed).
+// Public with feature `testing` (tests compare pages with it); the session's own else.
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+pub unsafe fn host_block_digests(
+    regions: &[PoolRegion],
+    blocks: &[BlockPages],
+) -> Result<Vec<String>, SessionError> {
+    let mut out = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        let mut h = Sha256::new();
+        let pages = b
+            .target
+            .iter()
+            .map(|p| (CacheKind::Target, p))
+            .chain(b.draft.iter().map(|p| (CacheKind::Draft, p)));
+        for (cache, p) in pages {
+            let mut pools: Vec<&PoolRegion> = regions
+                .iter()
+                .filter(|r| (r.cache, r.tier, r.group) == (cache, p.tier, p.group))
+                .collect();
+            pools.sort_by_key(|r| (r.device, r.pool));
+            if pools.is_empty() {
+                return Err(SessionError::Digests(format!(
+                    "no pool region holds page {p:?} of the {cache:?} cache"
+                )));
+            }
+            for r in pools {
+                if r.region.mem != MemKind::Host {
+                    return Err(SessionError::Digests(format!(
+                        "pool {} of group {} is {:?} memory: digests read host memory only \
+                         (the host backend); turn them off for GPU pools",
+                        r.pool, r.group, r.region.mem
+                    )));
+                }
+                let off = u64::from(p.slot.0)
+                    .checked_mul(r.slot_bytes)
+                    .filter(|off| {
+                        off.checked_add(r.slot_bytes)
+                            .is_some_and(|end| end <= r.region.len)
+                    })
+                    .ok_or_else(|| {
+                        SessionError::Digests(format!(
+                            "slot {} lies outside pool {} of group {} ({} B)",
+                            p.slot, r.pool, r.group, r.region.len
+                        ))
+                    })?;
+                let len = usize::try_from(r.slot_bytes)
+                    .map_err(|_| SessionError::Digests("a slot larger than memory".into()))?;
+                // SAFETY: inside a pool region of this process (checked above); the
+                // caller's contract keeps the pool alive and the page unwritten.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts((r.region.addr + off) as *const u8, len) };
+                h.update(bytes);
+            }
+        }
+        out.push(format!("{:x}", h.finalize()));
+    }
+    Ok(out)
+}
