@@ -16,7 +16,9 @@
 //! request generates 8 tokens greedily. Steps count from 1: steps 1–5 run the prefills
 //! (chunks, from step 4 on beside the decode tokens of the requests done with theirs),
 //! step 6 (the default) to 12 are decode steps, one token per request, as DeepGEMM's
-//! paged decode logits kernel takes them. The manifest is printed on stdout, a one-line summary on stderr.
+//! paged decode logits kernel takes them. With `--drafts N` the model's MTP layer
+//! proposes N tokens per request after each step and a decode step verifies them: 1 + N
+//! tokens per request (the kernels' `next_n`), fewer steps in all. The manifest is printed on stdout, a one-line summary on stderr.
 
 mod common;
 
@@ -27,7 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use clap::Parser;
 use dsa_kv::actors::KvCacheBuilder;
-use dsa_kv::config::{EngineConfig, KvDtype};
+use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
@@ -58,6 +60,11 @@ struct Args {
     /// Seed of the model's weights
     #[arg(long, value_name = "S", default_value_t = 11)]
     seed: u64,
+    /// MTP draft tokens per step (0: none): decode steps then verify 1 + N tokens per
+    /// request (the sparse kernels' `next_n`)
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=7))]
+    drafts: u32,
 }
 
 /// A 100-token prompt shared by all, then the request's own 20–60 tokens.
@@ -92,10 +99,14 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
     c.scheduler.max_num_tokens = 128;
     c.scheduler.max_prefill_chunk = 48;
     c.scheduler.max_seq_len = 512;
+    if a.drafts > 0 {
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = a.drafts;
+    }
     let kv = KvCacheBuilder::new()
         .config(c)
         .host_devices(1)
-        .forward(dump.factory(model, outputs.clone()))
+        .forward(dump.speculative_factory(model, outputs.clone(), a.drafts as usize))
         .start()
         .await
         .map_err(|e| e.to_string())?;
@@ -111,15 +122,27 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
         kv.submit(r).await.map_err(|e| e.to_string())?;
     }
     let mut done = 0;
+    let mut drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
     while done < requests as usize {
-        let rep = kv.step(HashMap::new()).await.map_err(|e| e.to_string())?;
+        let rep = kv.step(drafts.clone()).await.map_err(|e| e.to_string())?;
         let outcomes = {
-            let o = outputs.lock().unwrap_or_else(|e| e.into_inner());
+            let mut o = outputs.lock().unwrap_or_else(|e| e.into_inner());
+            drafts.clear();
+            // The MTP layer's proposals for the next step, and the drafts the target
+            // accepted in this one.
+            for (&(_, id), (_, d)) in std::mem::take(&mut o.drafts).iter() {
+                drafts.insert(id, d.iter().map(|&t| TokenId(t)).collect());
+            }
+            let accepted = std::mem::take(&mut o.accepted);
             rep.scheduled
                 .iter()
                 .map(|r| RequestOutcome {
                     id: r.id,
-                    accepted_drafts: 0,
+                    accepted_drafts: if r.produces_token {
+                        accepted.get(&(0, r.id)).copied().unwrap_or(0)
+                    } else {
+                        0
+                    },
                     next_token: r
                         .produces_token
                         .then(|| o.next.get(&(0, r.id)).map(|&t| TokenId(t)))

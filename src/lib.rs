@@ -50,7 +50,9 @@
 //!   ([`Forward`](device::Forward), [`Batch`](device::Batch)), where new tokens' KV
 //!   comes from ([`KvSource`](device::KvSource)), verification, the host device.
 //! * [`transfer`]: KV pages between engines (prefill/decode disaggregation): the
-//!   transport trait, the local transport, NIXL (feature `nixl`), NCCL (feature `nccl`).
+//!   [`session`](transfer::session) two engines speak to hand a prefix over (bounded
+//!   frames, digests, commit or abort), the transport trait, the local transport, NIXL
+//!   (feature `nixl`), NCCL (feature `nccl`).
 //! * `cuda` (feature `cuda`, on by default): the CUDA backend
 //!   (`cuda::CudaDevice::factory`), loaded at run time (a typed error without a GPU).
 //! * `publish` (feature `zmq`): router events on the vLLM / Dynamo ZMQ wire.

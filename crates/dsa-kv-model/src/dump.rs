@@ -95,7 +95,19 @@ impl Dump {
     /// The forward factory: [`ModelForward::factory`] (recording into `outputs`) that
     /// writes the dump after the target forward of the chosen step.
     pub fn factory(&self, model: Arc<Model>, outputs: Arc<Mutex<Outputs>>) -> ForwardFactory {
-        let inner = ModelForward::traced(model.clone(), outputs, 0, Some(self.tracer.clone()));
+        self.speculative_factory(model, outputs, 0)
+    }
+
+    /// [`factory`](Self::factory) with MTP drafts ([`ModelForward::speculative`]): a
+    /// decode step then verifies `1 + drafts` tokens of each request that has a
+    /// proposal, and the dump holds them all (`tokens_per_row`).
+    pub fn speculative_factory(
+        &self,
+        model: Arc<Model>,
+        outputs: Arc<Mutex<Outputs>>,
+        drafts: usize,
+    ) -> ForwardFactory {
+        let inner = ModelForward::traced(model.clone(), outputs, drafts, Some(self.tracer.clone()));
         let dump = self.clone();
         Arc::new(move |setup: &ForwardSetup<'_>| {
             Ok(Box::new(DumpForward {
