@@ -290,6 +290,13 @@ impl CudaModelForward {
         drafts: usize,
     ) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
+            if model.checkpoint().is_some() {
+                return Err(ForwardError::Unsupported {
+                    what: "the GPU forward runs the built-in model only: run a checkpoint's \
+                           model on the host backend"
+                        .into(),
+                });
+            }
             let mtp = check_setup(setup, &model, drafts)?;
             let Some(gpu) = setup.extension::<Arc<Gpu>>() else {
                 return Err(ForwardError::Unsupported {

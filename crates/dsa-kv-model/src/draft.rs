@@ -118,6 +118,18 @@ impl KvStore for Overlay<'_> {
 }
 
 impl Model {
+    /// A checkpoint's model has no MTP draft layer (transformers does not load one).
+    pub(crate) fn has_draft(&self) -> Result<(), ModelError> {
+        if self.hf.is_some() {
+            return Err(ModelError::Unsupported(
+                "a checkpoint's model has no MTP draft layer: run it without speculative \
+                 decoding and without an MTP cache layer (model.num_mtp_layers = 0)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn draft_at(&self, cache: DraftCache) -> At<'_> {
         At {
             w: &self.draft,
@@ -136,6 +148,7 @@ impl Model {
         first: u32,
         tokens: &[u32],
     ) -> Result<(), ModelError> {
+        self.has_draft()?;
         let at = self.draft_at(cache);
         for (i, &t) in tokens.iter().enumerate() {
             self.write_kv(kv, at, &rmsnorm(&self.embedding(t)), first + i as u32)?;
@@ -158,6 +171,7 @@ impl Model {
         next: u32,
         k: usize,
     ) -> Result<Vec<u32>, ModelError> {
+        self.has_draft()?;
         let at = self.draft_at(cache);
         let mut local = Overlay::new(kv, cache.layer, last + 1, self.format.row_bytes());
         let mut h = hidden.to_vec();

@@ -11,4 +11,10 @@ pub enum ModelError {
     /// A cache access outside what the step's metadata covers.
     #[error("cache access: {0}")]
     Access(String),
+    /// A checkpoint that cannot be loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// Something this model cannot do (an MTP draft of a checkpoint without one).
+    #[error("{0}")]
+    Unsupported(String),
 }

@@ -21,6 +21,7 @@
 //! intermediate values of one layer of one token; [`dump`] writes one layer of one step
 //! as `.npy` files for external kernels.
 
+pub mod checkpoint;
 mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

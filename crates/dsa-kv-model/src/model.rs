@@ -5,6 +5,7 @@
 
 use half::bf16;
 
+use super::checkpoint::{HfConfig, HfModel};
 use super::config::{ModelConfig, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
 use super::math::{add, dot, exp, relu, rmsnorm, rope, to_bf16, Mat};
 use super::trace::{HeadTrace, IndexTrace, Trace, TracePoint, TracedRun};
@@ -68,6 +69,9 @@ pub struct Model {
     /// The MTP draft layer (shares the embedding and the output head).
     pub(crate) draft: Layer,
     pub(crate) w_out: Mat,
+    /// A checkpoint's model ([`Model::from_checkpoint`]): it runs instead of the built-in
+    /// layers (`layers` is empty then).
+    pub(crate) hf: Option<Box<HfModel>>,
 }
 
 impl Model {
@@ -109,11 +113,85 @@ impl Model {
             layers,
             draft,
             w_out,
+            hf: None,
         })
     }
+
+    /// The model of the Hugging Face checkpoint in `dir` (`config.json` and
+    /// safetensors of `DeepseekV32ForCausalLM` or `GlmMoeDsaForCausalLM`; see
+    /// [`checkpoint`](crate::checkpoint)) for a cache in `format`, whose per-layer
+    /// indexers must be the checkpoint's ([`HfConfig::indexer`]). Its
+    /// [`config`](Self::config) reports the checkpoint's dimensions (`topk` is
+    /// `index_topk`, `mlp` the dense layers' width, `seed` 0).
+    pub fn from_checkpoint(
+        dir: &std::path::Path,
+        format: CacheFormat,
+    ) -> Result<Model, ModelError> {
+        let hf = HfModel::load(dir)?;
+        let c = &hf.cfg;
+        if format.indexer != c.indexer {
+            return Err(ModelError::Cache(format!(
+                "the cache's indexer layers are {:?}, the checkpoint's {:?}: set \
+                 model.num_layers = {} and the indexer layers to the checkpoint's",
+                format.indexer, c.indexer, c.layers
+            )));
+        }
+        if !matches!(format.kv_dtype, KvDtype::Bf16 | KvDtype::Fp8DsMla) {
+            return Err(ModelError::Cache(format!(
+                "MLA rows in {:?}: the reference model writes bf16 or fp8_ds_mla",
+                format.kv_dtype
+            )));
+        }
+        let cfg = ModelConfig {
+            layers: c.layers,
+            hidden: c.hidden,
+            vocab: c.vocab,
+            heads: c.heads,
+            nope_dim: c.nope_dim,
+            v_dim: c.v_dim,
+            index_heads: c.index_heads,
+            topk: c.index_topk,
+            mlp: c.intermediate,
+            seed: 0,
+        };
+        let empty = || Mat {
+            rows: 0,
+            cols: 0,
+            w: Vec::new(),
+        };
+        Ok(Model {
+            cfg,
+            format,
+            embed: empty(),
+            layers: Vec::new(),
+            draft: Layer::empty(),
+            w_out: empty(),
+            hf: Some(Box::new(hf)),
+        })
+    }
+
+    /// The logits after final hidden state `x` ([`run_hidden`](Self::run_hidden)): the
+    /// output head over the final norm.
+    pub fn logits(&self, x: &[f32]) -> Vec<f32> {
+        match &self.hf {
+            Some(hf) => hf.logits(x),
+            None => self.w_out.apply(&rmsnorm(x)),
+        }
+    }
+
+    /// The checkpoint's configuration, for a model loaded from one.
+    pub fn checkpoint(&self) -> Option<&HfConfig> {
+        self.hf.as_ref().map(|h| &h.cfg)
+    }
+
     /// The dimensions.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// The cache format the model was built for.
+    pub fn format(&self) -> &CacheFormat {
+        &self.format
     }
 
     /// Runs one request's new tokens `tokens` at positions `first..` (the cache holds
@@ -165,6 +243,9 @@ impl Model {
         points: &[TracePoint],
         traces: &mut Vec<Trace>,
     ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
+        if let Some(hf) = &self.hf {
+            return hf.run(&self.format, kv, first, tokens, points, traces);
+        }
         let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| self.embedding(t)).collect();
         for (l, layer) in self.layers.iter().enumerate() {
             let at = At {
@@ -211,7 +292,7 @@ impl Model {
 
     /// The logits of final hidden state `x`: greedy token and digest.
     pub(crate) fn output(&self, x: &[f32], pos: u32) -> TokenOut {
-        output_of(&self.w_out.apply(&rmsnorm(x)), pos)
+        output_of(&self.logits(x), pos)
     }
 
     pub(crate) fn write_kv(
@@ -379,26 +460,31 @@ impl Model {
 
     /// A cache row as `(latent, rope)` in f32.
     fn decode_row(&self, r: &[u8]) -> (Vec<f32>, Vec<f32>) {
-        let bf = |b: &[u8]| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-        match self.format.kv_dtype {
-            KvDtype::Fp8DsMla => {
-                let lat = (0..LATENT)
-                    .map(|i| {
-                        let so = FP8_DS_MLA_SCALE_OFFSET + 4 * (i / FP8_DS_MLA_TILE);
-                        let s = f32::from_le_bytes([r[so], r[so + 1], r[so + 2], r[so + 3]]);
-                        e4m3_to_f32(r[i]) * s
-                    })
-                    .collect();
-                let pe = (0..ROPE)
-                    .map(|i| bf(&r[FP8_DS_MLA_ROPE_OFFSET + 2 * i..]))
-                    .collect();
-                (lat, pe)
-            }
-            _ => {
-                let lat = (0..LATENT).map(|i| bf(&r[2 * i..])).collect();
-                let pe = (0..ROPE).map(|i| bf(&r[2 * (LATENT + i)..])).collect();
-                (lat, pe)
-            }
+        decode_row(&self.format, r)
+    }
+}
+
+/// A cache row of `format` as `(latent, rope)` in f32.
+pub(crate) fn decode_row(format: &CacheFormat, r: &[u8]) -> (Vec<f32>, Vec<f32>) {
+    let bf = |b: &[u8]| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+    match format.kv_dtype {
+        KvDtype::Fp8DsMla => {
+            let lat = (0..LATENT)
+                .map(|i| {
+                    let so = FP8_DS_MLA_SCALE_OFFSET + 4 * (i / FP8_DS_MLA_TILE);
+                    let s = f32::from_le_bytes([r[so], r[so + 1], r[so + 2], r[so + 3]]);
+                    e4m3_to_f32(r[i]) * s
+                })
+                .collect();
+            let pe = (0..ROPE)
+                .map(|i| bf(&r[FP8_DS_MLA_ROPE_OFFSET + 2 * i..]))
+                .collect();
+            (lat, pe)
+        }
+        _ => {
+            let lat = (0..LATENT).map(|i| bf(&r[2 * i..])).collect();
+            let pe = (0..ROPE).map(|i| bf(&r[2 * (LATENT + i)..])).collect();
+            (lat, pe)
         }
     }
 }

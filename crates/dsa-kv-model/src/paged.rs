@@ -174,6 +174,11 @@ pub(crate) fn check_setup(
         },
         _ => Mtp::None,
     };
+    if !matches!(mtp, Mtp::None) {
+        model.has_draft().map_err(|e| ForwardError::Unsupported {
+            what: e.to_string(),
+        })?;
+    }
     if drafts > 0 && matches!(mtp, Mtp::None) {
         return Err(ForwardError::Unsupported {
             what: format!(

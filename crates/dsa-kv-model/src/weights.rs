@@ -23,6 +23,29 @@ pub(crate) struct Layer {
 }
 
 impl Layer {
+    /// A layer of no weights (a checkpoint's model has no built-in layers).
+    pub(crate) fn empty() -> Layer {
+        let m = || Mat {
+            rows: 0,
+            cols: 0,
+            w: Vec::new(),
+        };
+        Layer {
+            w_dkv: m(),
+            w_kr: m(),
+            w_ik: m(),
+            w_iq: Vec::new(),
+            w_iw: m(),
+            w_qn: Vec::new(),
+            w_uk: Vec::new(),
+            w_qr: Vec::new(),
+            w_uv: Vec::new(),
+            w_o: m(),
+            w_1: m(),
+            w_2: m(),
+        }
+    }
+
     pub(crate) fn random(rng: &mut SplitMix64, cfg: &ModelConfig) -> Layer {
         let h = cfg.hidden;
         let heads = |rng: &mut SplitMix64, n: usize, rows: usize, cols: usize| -> Vec<Mat> {

@@ -17,7 +17,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::model::{DsaModel, IndexerDtype, KvDtype, LayerSet, ModelError, ModelPreset};
+use super::model::{
+    DsaModel, IndexerDtype, IndexerLayers, KvDtype, LayerSet, ModelError, ModelPreset,
+};
 
 /// The only page size DSA kernels accept (DeepGEMM's paged logits and FlashMLA read
 /// 64-token pages).
@@ -94,6 +96,10 @@ pub struct ModelConfig {
     /// Indexer key dtype.
     #[serde(default)]
     pub indexer_dtype: Option<IndexerDtype>,
+    /// Which target layers own an indexer (the preset's pattern when absent; e.g. a
+    /// checkpoint's GLM layers that share the previous layer's top-k).
+    #[serde(default)]
+    pub indexer_layers: Option<IndexerLayers>,
 }
 
 impl Default for ModelConfig {
@@ -104,6 +110,7 @@ impl Default for ModelConfig {
             num_mtp_layers: None,
             kv_dtype: None,
             indexer_dtype: None,
+            indexer_layers: None,
         }
     }
 }
@@ -120,6 +127,9 @@ impl ModelConfig {
         }
         if let Some(d) = self.indexer_dtype {
             spec.indexer_dtype = d;
+        }
+        if let Some(l) = &self.indexer_layers {
+            spec.indexer_layers = l.clone();
         }
         DsaModel::new(spec)
     }

@@ -1,0 +1,53 @@
+//! The Hugging Face checkpoint format of the published DSA implementations
+//! (`DeepseekV32ForCausalLM`, `GlmMoeDsaForCausalLM` in transformers 5.x): `config.json`
+//! and safetensors under their own tensor names, loaded into [`Model`](crate::Model)
+//! with [`Model::from_checkpoint`](crate::Model::from_checkpoint) and run through the
+//! same [`KvStore`](crate::KvStore) as the built-in model (paged or unpaged).
+//!
+//! What is supported: q-LoRA attention (`q_lora_rank`; the implementations require it),
+//! RoPE `default` or `yarn` (with `mscale` / `mscale_all_dim`), attention biases, dense
+//! MLP layers and MoE layers (sigmoid router with the correction bias, group-limited
+//! top-k, normalized and scaled weights, a shared expert), tied or separate output
+//! head, GLM's layers that share the previous layer's top-k. The cache's widths are
+//! fixed (latent 512, RoPE 64, indexer key 128: DeepSeek-V3.2's and GLM-5's); a
+//! checkpoint with others is refused, as are quantized (FP8) checkpoints and an MTP
+//! layer for speculative decoding (its weights are skipped, as transformers skips them).
+//! The GPU forward runs the built-in model only.
+
+mod config;
+mod forward;
+mod tensors;
+mod weights;
+
+pub use config::{Family, HfConfig, MlpKind, RopeConfig, Yarn};
+pub(crate) use weights::HfModel;
+
+/// A checkpoint that cannot be loaded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file could not be read or parsed.
+    #[error("{path}: {what}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        what: String,
+    },
+    /// A configuration key the model cannot take.
+    #[error("config.json: {key} = {what}")]
+    Config {
+        /// The key.
+        key: String,
+        /// What is wrong with it, and what the model takes.
+        what: String,
+    },
+    /// A tensor that is missing, of the wrong shape or type, or left over.
+    #[error("tensor {name}: {what}")]
+    Tensor {
+        /// The tensor's name.
+        name: String,
+        /// What is wrong with it.
+        what: String,
+    },
+}
