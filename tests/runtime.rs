@@ -807,3 +807,59 @@ async fn steps_report_their_timing_and_a_polling_runtime_serves_the_same_steps()
     assert_eq!(runs[0], runs[1]);
     assert!(runs[0].len() >= 4, "prefill and decode steps");
 }
+
+/// A committed step's plan goes back to the scheduler (whose next plans reuse its
+/// buffers) also when the engine loop still holds the step's report during the commit,
+/// as loops do (`kv.commit(report.outcomes(..))`, or `commit_and_step` with the report of
+/// the step being committed): it is recycled once the report is dropped. Before, it was
+/// recycled only when nothing else held it at the commit: in such loops never
+/// (`plans_recycled` stayed 0), and every step allocated its plan afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plans_are_recycled_while_engine_loops_hold_their_reports() {
+    for fused in [false, true] {
+        let kv = KvCacheBuilder::new()
+            .config(config(4096, false, false))
+            .start()
+            .await
+            .unwrap();
+        for i in 0..8u64 {
+            kv.submit(SubmitRequest::new(RequestId(i), prompt(i, 100), 40))
+                .await
+                .unwrap();
+        }
+        let mut steps = 0u64;
+        let mut report = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
+        loop {
+            steps += 1;
+            let outs = report.outcomes(|s| TokenId(s.id.0 as u32 + 7));
+            if fused {
+                // The report of the step being committed is alive during the call.
+                let next = kv
+                    .commit_and_step(outs, dsa_kv::actors::Drafts::none())
+                    .await
+                    .unwrap();
+                match next.step {
+                    Ok(r) => report = r,
+                    Err(RuntimeError::Scheduler(_)) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            } else {
+                kv.commit(outs).await.unwrap();
+                // `report` is still alive here; it is replaced (dropped) only now.
+                report = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
+            }
+            if kv.counters().in_flight == 0 {
+                break;
+            }
+        }
+        drop(report);
+        let st = kv.stats().await.unwrap();
+        assert!(steps > 30, "{steps}");
+        assert!(
+            st.plans_recycled + 2 >= steps,
+            "fused {fused}: {} of {steps} plans recycled",
+            st.plans_recycled
+        );
+        kv.shutdown().await;
+    }
+}

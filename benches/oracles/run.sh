@@ -3,7 +3,9 @@
 # network), from the repository root, with these carried (all git-ignored):
 #   .gpu/oracles          benches/oracles/make_dumps.sh's output (dumps, block tables)
 #   .gpu/wheels           the sgl-flash-mla 1.0.0 wheel (pip download --no-deps sgl-flash-mla==1.0.0)
-#   target/deepgemm-src   DeepGEMM sources + CUTLASS/fmt headers and deepgemm_build.sh (optional)
+#   target/deepgemm-src   DeepGEMM sources, CUTLASS/fmt headers and the build and smoke scripts
+#                         (benches/oracles/deepgemm/prepare.sh assembles it from fetched
+#                         mirrors; optional: without it DeepGEMM is skipped)
 # What it runs, results under $OUT/r (bundled into $OUT/results.tgz):
 #   1. tests/fixtures/hf/make_fixtures.py: the tiny HF checkpoints and HF's outputs (CPU);
 #   2. DeepGEMM built from source (target/deepgemm-src/build.sh, in the background);
@@ -36,8 +38,8 @@ if [ -x target/deepgemm-src/build.sh ]; then
   # linked into the extension beside torch's libstdc++, crash in std::locale (codecvt)
   # at the first formatted output or regex (seen 2026-12-03: every DeepGEMM build).
   ( OUT="$R/deepgemm" CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -pthread -shared" \
-      DG_BUDGET_S=${DG_BUDGET_S:-330} DG_COMMITS=${DG_COMMITS:-"54e2261 0f5f266"} \
-      DG_VARIANTS=${DG_VARIANTS-"rtapi noregex"} DG_PERF=0 DG_SHIM=${DG_SHIM:-0} \
+      DG_BUDGET_S=${DG_BUDGET_S:-330} DG_COMMITS=${DG_COMMITS:-54e2261} \
+      DG_VARIANTS=${DG_VARIANTS-} DG_PERF=0 DG_SHIM=${DG_SHIM:-0} \
       bash target/deepgemm-src/build.sh > "$R/deepgemm/build_stdout.txt" 2>&1 ) &
   DG=$!
 fi
@@ -71,6 +73,19 @@ EOF
     say "no DeepGEMM variant passed its smoke test: see deepgemm/summary.txt"
   fi
 fi
+# The runtime benchmark of two builds, alternately, on this quiet 16-core host
+# (.gpu/bench/runtime_old, runtime_new: `cargo bench --bench runtime --no-run` of each
+# commit, stripped); criterion medians in $R/bench_*.txt.
+if [ -x .gpu/bench/runtime_old ] && [ -x .gpu/bench/runtime_new ]; then
+  for i in 1 2; do
+    for b in old new; do
+      say "runtime bench $b ($i)"
+      timeout 120 .gpu/bench/runtime_$b --bench --warm-up-time 1 --measurement-time 3 \
+        > "$R/bench_runtime_${b}_$i.txt" 2>&1
+    done
+  done
+fi
+
 if [ -n "$HF" ]; then
   wait "$HF"
   say "HF fixtures: $(tail -1 "$R/hf.log")"

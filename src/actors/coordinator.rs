@@ -325,10 +325,17 @@ pub(super) struct Coordinator {
     /// The step scheduled and not committed yet: a client whose `step` future was
     /// dropped gets its report again (the step ran; its report must not be lost).
     pending: Option<PendingReport>,
+    /// Committed plans a caller's `StepReport` still shared at the commit, oldest first
+    /// (at most [`RETIRED`]): recycled once the report is dropped.
+    retired: VecDeque<Arc<StepPlan>>,
+    plans_recycled: u64,
     /// How long the coordinator polls for the devices' replies before yielding.
     idle_spin: Duration,
     shared: Arc<RuntimeShared>,
 }
+
+/// Committed plans kept for recycling while callers still hold their reports.
+const RETIRED: usize = 4;
 
 /// A request's `request` span and whether a step has activated it yet.
 struct RequestTrace {
@@ -415,6 +422,8 @@ impl Actor for Coordinator {
             request_spans: HashMap::new(),
             pending_manager_us: 0,
             pending: None,
+            retired: VecDeque::new(),
+            plans_recycled: 0,
             idle_spin: args.idle_spin,
             shared: args.shared,
         })
@@ -615,6 +624,7 @@ impl Coordinator {
             utilization,
             events: self.event_counts,
             history_dropped: self.history.dropped(),
+            plans_recycled: self.plans_recycled,
             transfers: self.sched.transfer_stats(),
             ..self.stats.clone()
         }
@@ -724,6 +734,7 @@ impl Coordinator {
             return Err(RuntimeError::NoDevices);
         }
         let t0 = Instant::now();
+        self.recycle_retired();
         let plan = Arc::new(self.sched.schedule(&drafts)?);
         let scheduled_at = Instant::now();
         timing.schedule_ns = between(t0, scheduled_at);
@@ -1037,16 +1048,35 @@ impl Coordinator {
         })
     }
 
+    /// Gives the retired plans nobody shares any more back to the scheduler; keeps the
+    /// others (the newest [`RETIRED`]; an older one is freed when its report goes).
+    fn recycle_retired(&mut self) {
+        let mut kept = VecDeque::with_capacity(self.retired.len());
+        while let Some(p) = self.retired.pop_front() {
+            match Arc::try_unwrap(p) {
+                Ok(plan) => {
+                    self.sched.recycle(plan);
+                    self.plans_recycled += 1;
+                }
+                Err(p) => kept.push_back(p),
+            }
+        }
+        while kept.len() > RETIRED {
+            kept.pop_front();
+        }
+        self.retired = kept;
+    }
+
     /// A commit's bookkeeping that its caller does not wait for (after the reply).
     fn after_commit(&mut self, manager_us: u64) {
         let t = Instant::now();
         self.drain_events();
         // The committed step's plan goes back to the scheduler, whose next plans reuse
-        // its buffers (unless a device still holds it: then it is simply freed).
+        // its buffers; while the caller's report still shares it (an engine loop holds
+        // the report until its next step), it waits among the retired plans.
         if let Some(p) = self.pending.take() {
-            if let Ok(plan) = Arc::try_unwrap(p.plan) {
-                self.sched.recycle(plan);
-            }
+            self.retired.push_back(p.plan);
+            self.recycle_retired();
         }
         let deferred_us = t.elapsed().as_micros() as u64;
         self.stats.manager_us += self.pending_manager_us + manager_us + deferred_us;

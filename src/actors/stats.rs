@@ -97,6 +97,11 @@ pub struct RuntimeStats {
     /// KV transfers between engines: open exports and imports, and those whose lease
     /// ran out.
     pub transfers: dsa_kv_core::core::scheduler::TransferStats,
+    /// Committed steps whose plan went back to the scheduler, whose later plans reuse
+    /// its buffers (a plan still shared with a caller's `StepReport` waits until the
+    /// report is dropped; one held longer than a few steps is freed instead).
+    #[serde(default)]
+    pub plans_recycled: u64,
 }
 
 /// Part of the per-step history, as
