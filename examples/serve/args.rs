@@ -60,6 +60,12 @@ pub(crate) struct Args {
     /// Engine configuration file (.toml, .json or .yaml) instead of the built-in one
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
+    /// Run this Hugging Face checkpoint's model instead of the built-in one (a folder with
+    /// config.json and safetensors of DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM, e.g.
+    /// tests/fixtures/hf/deepseek_v32; host backend): the cache takes its layers and
+    /// indexer layers, the workload its vocabulary
+    #[arg(long, value_name = "DIR")]
+    pub(crate) checkpoint: Option<PathBuf>,
     /// Where the report files go
     #[arg(long, value_name = "DIR", default_value = "target/serve")]
     pub(crate) out: PathBuf,

@@ -90,7 +90,7 @@ use args::{check, verify_name, Args, Source};
 use clap::Parser;
 use common::Backend;
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats, StepReport};
-use dsa_kv::config::{EngineConfig, KvDtype, LayerSet, SpecMode};
+use dsa_kv::config::{EngineConfig, IndexerLayers, KvDtype, LayerSet, SpecMode};
 use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::ForwardFactory;
@@ -98,6 +98,7 @@ use dsa_kv::device::Verification;
 use dsa_kv::ids::{LayerId, RequestId, TokenId};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv::rng::SplitMix64;
+use dsa_kv_model::checkpoint::HfConfig;
 use dsa_kv_model::paged::{ModelForward, Outputs};
 use dsa_kv_model::unpaged::generate;
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
@@ -195,6 +196,22 @@ struct Conversation {
     in_flight: Option<RequestId>,
 }
 
+/// The configuration of `--checkpoint`'s model.
+fn checkpoint_config(a: &Args) -> Result<Option<HfConfig>, String> {
+    let Some(dir) = &a.checkpoint else {
+        return Ok(None);
+    };
+    if a.source != Source::Model {
+        return Err("--checkpoint runs a model: drop --source synthetic".into());
+    }
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("--checkpoint: {}: {e}", path.display()))?;
+    Ok(Some(
+        HfConfig::parse(&text).map_err(|e| format!("--checkpoint: {e}"))?,
+    ))
+}
+
 fn engine_config(a: &Args) -> Result<EngineConfig, String> {
     let mut c = match (&a.config, a.source) {
         (Some(p), _) => EngineConfig::from_file(p).map_err(|e| e.to_string())?,
@@ -223,6 +240,12 @@ fn engine_config(a: &Args) -> Result<EngineConfig, String> {
     };
     if let Some(d) = a.kv_dtype {
         c.model.kv_dtype = Some(d);
+    }
+    if let Some(hf) = checkpoint_config(a)? {
+        // The cache holds the checkpoint's layers (no MTP layer: it has none to run).
+        c.model.num_layers = Some(hf.layers as u32);
+        c.model.indexer_layers = Some(IndexerLayers::Mask(hf.indexer.clone()));
+        c.model.num_mtp_layers = Some(0);
     }
     if a.config.is_none() {
         // Small enough that eviction, offload and preemption happen.
@@ -318,9 +341,10 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         }
         None => None,
     };
-    let vocab = match a.source {
-        Source::Synthetic => SYNTHETIC_VOCAB,
-        Source::Model => ModelConfig::tiny(MODEL_SEED).vocab as u64,
+    let vocab = match (a.source, checkpoint_config(&a)?) {
+        (Source::Synthetic, _) => SYNTHETIC_VOCAB,
+        (Source::Model, Some(hf)) => hf.vocab as u64,
+        (Source::Model, None) => ModelConfig::tiny(MODEL_SEED).vocab as u64,
     };
     let mut rng = Rng {
         g: SplitMix64(a.seed),
@@ -328,7 +352,11 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     };
     let w = Workload::new(&a, &mut rng);
     let mut model = match a.source {
-        Source::Model => Some(ModelSource::new(&config, a.devices)?),
+        Source::Model => Some(ModelSource::new(
+            &config,
+            a.devices,
+            a.checkpoint.as_deref(),
+        )?),
         Source::Synthetic => None,
     };
     let mut builder = KvCacheBuilder::new()
@@ -638,7 +666,11 @@ struct ModelSource {
 impl ModelSource {
     /// The model for the target cache `config` describes (its layer count must be the
     /// model's: `Model::new` says which to set otherwise).
-    fn new(config: &EngineConfig, devices: usize) -> Result<Self, ServeError> {
+    fn new(
+        config: &EngineConfig,
+        devices: usize,
+        checkpoint: Option<&std::path::Path>,
+    ) -> Result<Self, ServeError> {
         let dsa = config.model.build()?;
         let spec = dsa.spec();
         // As `model::paged::cache_format` reads it from the devices' cache views.
@@ -649,7 +681,10 @@ impl ModelSource {
                 .map(|l| dsa.has_indexer(LayerId(l)))
                 .collect(),
         };
-        let model = Model::new(ModelConfig::tiny(MODEL_SEED), format.clone())?;
+        let model = match checkpoint {
+            Some(dir) => Model::from_checkpoint(dir, format.clone())?,
+            None => Model::new(ModelConfig::tiny(MODEL_SEED), format.clone())?,
+        };
         Ok(ModelSource {
             model: Arc::new(model),
             format,
@@ -685,8 +720,12 @@ impl ModelSource {
 
     fn describe(&self) -> String {
         let c = self.model.config();
+        let what = match self.model.checkpoint() {
+            Some(hf) => format!("{:?} checkpoint, ", hf.family),
+            None => String::new(),
+        };
         format!(
-            "{} layers, hidden {}, top-{}, vocabulary {}, {} rows",
+            "{what}{} layers, hidden {}, top-{}, vocabulary {}, {} rows",
             c.layers,
             c.hidden,
             c.topk,
