@@ -369,20 +369,7 @@ impl Model {
             })
             .collect();
         let w = layer.w_iw.apply(xn);
-        let mut scored = Vec::with_capacity(n);
-        let mut k = [0f32; INDEX_DIM];
-        for j in 0..=pos {
-            let (values, scale) = kv.index_key(l, j)?;
-            for (o, &b) in k.iter_mut().zip(values) {
-                *o = e4m3_to_f32(b);
-            }
-            let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
-            let mut s = 0f32;
-            for (q, wh) in qs.iter().zip(&w) {
-                s += wh * relu(dot(q, &k));
-            }
-            scored.push((s * scale, j));
-        }
+        let scored = index_scores(kv, l, pos, &qs, &w)?;
         if let (Some(trace), Some(mut t)) = (trace, index) {
             t.weights = w;
             t.logits = scored.iter().map(|&(s, _)| s).collect();
@@ -391,11 +378,7 @@ impl Model {
         if n <= self.cfg.topk {
             return Ok((0..=pos).collect());
         }
-        // Highest score first; equal scores: the earlier position.
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut top: Vec<u32> = scored[..self.cfg.topk].iter().map(|&(_, j)| j).collect();
-        top.sort_unstable();
-        Ok(top)
+        Ok(top_k(scored, self.cfg.topk))
     }
 
     pub(crate) fn attend(
@@ -427,25 +410,7 @@ impl Model {
             let q_lat = layer.w_uk[h].apply_t(&layer.w_qn[h].apply(xn));
             let mut q_pe = layer.w_qr[h].apply(xn);
             rope(&mut q_pe, pos);
-            let scores: Vec<f32> = rows
-                .iter()
-                .map(|(lat, pe)| (dot(&q_lat, lat) + dot(&q_pe, pe)) * scale)
-                .collect();
-            let m = scores
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
-            let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
-            let mut sum = 0f32;
-            for v in &e {
-                sum += v;
-            }
-            let mut o_lat = vec![0f32; LATENT];
-            for ((lat, _), ej) in rows.iter().zip(&e) {
-                let p = ej / sum;
-                for (o, v) in o_lat.iter_mut().zip(lat) {
-                    *o += p * v;
-                }
-            }
+            let o_lat = attend_head(&q_lat, &q_pe, &rows, scale);
             heads.extend(layer.w_uv[h].apply(&o_lat));
             if let Some(t) = trace.as_deref_mut() {
                 t.heads.push(HeadTrace { q_lat, q_pe, o_lat });
@@ -462,6 +427,72 @@ impl Model {
     fn decode_row(&self, r: &[u8]) -> (Vec<f32>, Vec<f32>) {
         decode_row(&self.format, r)
     }
+}
+
+/// The indexer's score of every causal position `j ≤ pos` of cache layer `l`:
+/// `Σ_h w_h · relu(q_h · k_j) · scale_j` (the FP8 key and its scale read from `kv`,
+/// heads summed in order), with its position.
+pub(crate) fn index_scores(
+    kv: &dyn KvStore,
+    l: usize,
+    pos: u32,
+    qs: &[Vec<f32>],
+    w: &[f32],
+) -> Result<Vec<(f32, u32)>, ModelError> {
+    let mut scored = Vec::with_capacity(pos as usize + 1);
+    let mut k = [0f32; INDEX_DIM];
+    for j in 0..=pos {
+        let (values, scale) = kv.index_key(l, j)?;
+        for (o, &b) in k.iter_mut().zip(values) {
+            *o = e4m3_to_f32(b);
+        }
+        let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+        let mut s = 0f32;
+        for (q, wh) in qs.iter().zip(w) {
+            s += wh * relu(dot(q, &k));
+        }
+        scored.push((s * scale, j));
+    }
+    Ok(scored)
+}
+
+/// The `k` best-scored positions, ascending (highest score first; equal scores: the
+/// earlier position).
+pub(crate) fn top_k(mut scored: Vec<(f32, u32)>, k: usize) -> Vec<u32> {
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut top: Vec<u32> = scored[..k].iter().map(|&(_, j)| j).collect();
+    top.sort_unstable();
+    top
+}
+
+/// One head's attention over decoded `rows` (latent, RoPE part) in the absorbed form:
+/// `Σ_j softmax_j(scale · (q_lat · latent_j + q_pe · rope_j)) · latent_j` (512 wide).
+pub(crate) fn attend_head(
+    q_lat: &[f32],
+    q_pe: &[f32],
+    rows: &[(Vec<f32>, Vec<f32>)],
+    scale: f32,
+) -> Vec<f32> {
+    let scores: Vec<f32> = rows
+        .iter()
+        .map(|(lat, pe)| (dot(q_lat, lat) + dot(q_pe, pe)) * scale)
+        .collect();
+    let m = scores
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
+    let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
+    let mut sum = 0f32;
+    for v in &e {
+        sum += v;
+    }
+    let mut o_lat = vec![0f32; LATENT];
+    for ((lat, _), ej) in rows.iter().zip(&e) {
+        let p = ej / sum;
+        for (o, v) in o_lat.iter_mut().zip(lat) {
+            *o += p * v;
+        }
+    }
+    o_lat
 }
 
 /// A cache row of `format` as `(latent, rope)` in f32.

@@ -18,13 +18,13 @@
 use dsa_kv_core::config::KvDtype;
 use dsa_kv_core::layout::FP8_DS_MLA_ROW_BYTES;
 use dsa_kv_core::ops::mla::quantize_fp8_ds_mla_row;
-use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token};
+use dsa_kv_core::ops::quant::{dequantize_fp8_token, quantize_fp8_token};
 
 use super::config::Family;
 use super::weights::{FeedForward, HfLayer, HfModel, Mlp};
 use crate::config::{INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
-use crate::math::{add, dot, exp, relu, to_bf16};
-use crate::model::{decode_row, output_of};
+use crate::math::{add, dot, exp, to_bf16};
+use crate::model::{attend_head, decode_row, index_scores, output_of, top_k};
 use crate::trace::{HeadTrace, IndexTrace, Trace, TracePoint};
 use crate::{CacheFormat, KvStore, ModelError, TokenOut};
 
@@ -255,20 +255,7 @@ impl HfModel {
             .collect();
         let fold = ((c.index_heads as f64).powf(-0.5) * (INDEX_DIM as f64).powf(-0.5)) as f32;
         let w: Vec<f32> = ix.weights_proj.apply(h).iter().map(|v| v * fold).collect();
-        let mut scored = Vec::with_capacity(n);
-        let mut k = [0f32; INDEX_DIM];
-        for j in 0..=pos {
-            let (values, scale) = kv.index_key(l, j)?;
-            for (o, &b) in k.iter_mut().zip(values) {
-                *o = e4m3_to_f32(b);
-            }
-            let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
-            let mut s = 0f32;
-            for (qh, wh) in qs.iter().zip(&w) {
-                s += wh * relu(dot(qh, &k));
-            }
-            scored.push((s * scale, j));
-        }
+        let scored = index_scores(kv, l, pos, &qs, &w)?;
         if let (Some(trace), Some(mut t)) = (trace, index) {
             t.weights = w;
             t.logits = scored.iter().map(|&(s, _)| s).collect();
@@ -277,10 +264,7 @@ impl HfModel {
         if n <= c.index_topk {
             return Ok((0..=pos).collect());
         }
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut top: Vec<u32> = scored[..c.index_topk].iter().map(|&(_, j)| j).collect();
-        top.sort_unstable();
-        Ok(top)
+        Ok(top_k(scored, c.index_topk))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -312,25 +296,7 @@ impl HfModel {
         let mut heads = Vec::with_capacity(self.cfg.heads * self.cfg.v_dim);
         for (hd, (q_nope, q_pe)) in q.heads.iter().enumerate() {
             let q_lat = a.w_uk[hd].apply_t(q_nope);
-            let scores: Vec<f32> = rows
-                .iter()
-                .map(|(lat, pe)| (dot(&q_lat, lat) + dot(q_pe, pe)) * scale)
-                .collect();
-            let m = scores
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
-            let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
-            let mut sum = 0f32;
-            for v in &e {
-                sum += v;
-            }
-            let mut o_lat = vec![0f32; LATENT];
-            for ((lat, _), ej) in rows.iter().zip(&e) {
-                let p = ej / sum;
-                for (o, v) in o_lat.iter_mut().zip(lat) {
-                    *o += p * v;
-                }
-            }
+            let o_lat = attend_head(&q_lat, q_pe, &rows, scale);
             heads.extend(a.w_uv[hd].apply(&o_lat));
             if let Some(t) = trace.as_deref_mut() {
                 t.heads.push(HeadTrace {
