@@ -5,6 +5,7 @@
 //! * [`indexer_k`]: indexer K scatter (byte-offset slot mappings, negative = skip) and
 //!   gather.
 //! * [`mla`]: MLA row writes (BF16, FP8, `fp8_ds_mla` quantize-and-scatter) and gather.
+//! * [`model1`]: DeepSeek-V4's 584-byte row (FlashMLA's MODEL1) and its page geometry.
 //! * [`topk`]: top-k → global row ids, dense short-sequence top-k.
 //! * block copy ([`CopyPlan`]): slot copies between tiers and for copy-on-resume.
 
@@ -12,6 +13,7 @@ mod block_copy;
 mod error;
 pub mod indexer_k;
 pub mod mla;
+pub mod model1;
 pub mod quant;
 pub mod topk;
 
