@@ -5,7 +5,7 @@
 //! first (row `i` at `576·i`), then their scale rows (at `576·E + 8·i`), and the page is
 //! padded to a multiple of 576 bytes. The quantization rule: per tile of 64, scale
 //! `2^e` with `e = ceil(log2(max(amax, 1e-4) / 448))` (the crate's UE8M0
-//! [`block_scale`](super::quant::block_scale)), value `e4m3(x / 2^e)`, scale byte `e + 127`.
+//! [`block_scale`]), value `e4m3(x / 2^e)`, scale byte `e + 127`.
 //! (DeepSeek-V4 support is planned in ARCHITECTURE.md; this is its row codec.)
 
 use half::bf16;
