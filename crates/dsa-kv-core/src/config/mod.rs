@@ -15,6 +15,7 @@
 
 mod engine;
 mod model;
+mod v4;
 
 pub use engine::{
     limits, star_cached_tokens, ConfigError, CpMode, EngineConfig, KvCacheConfig, LayoutKind,
@@ -25,6 +26,7 @@ pub use model::{
     ComponentBytes, DsaModel, DsaModelSpec, IndexerDtype, IndexerLayers, KvDtype, LayerKind,
     LayerSet, ModelError, ModelPreset,
 };
+pub use v4::{V4Error, V4LayerKind, V4Spec, V4_BLOCK_TOKENS, V4_WINDOW_PAGE_TOKENS};
 
 #[cfg(test)]
 mod tests;

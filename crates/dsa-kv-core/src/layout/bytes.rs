@@ -18,6 +18,46 @@ pub const FP8_DS_MLA_ROW_BYTES: usize = 656;
 /// Bytes of one indexer scale word.
 pub const INDEXER_SCALE_BYTES: u32 = 4;
 
+/// DeepSeek-V4 "MODEL1" row (FlashMLA's format on H100/H200): data bytes (448 FP8 E4M3
+/// nope values, then 64 BF16 RoPE values).
+pub const MODEL1_DATA_BYTES: u32 = 576;
+/// MODEL1 row: scale bytes (7 UE8M0, one per 64 nope values, then a zero pad).
+pub const MODEL1_SCALE_BYTES: u32 = 8;
+/// MODEL1 row: bytes in all.
+pub const MODEL1_ROW_BYTES: u32 = MODEL1_DATA_BYTES + MODEL1_SCALE_BYTES;
+/// A MODEL1 page is padded to a multiple of this many bytes.
+pub const MODEL1_PAGE_ALIGN: u64 = 576;
+
+/// Geometry of a page of MODEL1 rows: the `entries` rows' data first (row `i` at
+/// `576·i`), then their scale rows (at `576·E + 8·i`), the page padded to a multiple of
+/// 576 bytes. DeepSeek-V4's window pages (64 tokens) and compressed pages (64 or 2
+/// entries per 256-token block) are such pages.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct Model1PageLayout {
+    /// Rows per page.
+    pub entries: u32,
+}
+
+impl Model1PageLayout {
+    /// Bytes per page, padding included.
+    pub fn page_bytes(&self) -> u64 {
+        (u64::from(self.entries) * u64::from(MODEL1_ROW_BYTES)).div_ceil(MODEL1_PAGE_ALIGN)
+            * MODEL1_PAGE_ALIGN
+    }
+
+    /// Offset of row `i`'s data in page `page`.
+    pub fn data_offset(&self, page: u64, i: u32) -> u64 {
+        page * self.page_bytes() + u64::from(i) * u64::from(MODEL1_DATA_BYTES)
+    }
+
+    /// Offset of row `i`'s scale bytes in page `page`.
+    pub fn scale_offset(&self, page: u64, i: u32) -> u64 {
+        page * self.page_bytes()
+            + u64::from(self.entries) * u64::from(MODEL1_DATA_BYTES)
+            + u64::from(i) * u64::from(MODEL1_SCALE_BYTES)
+    }
+}
+
 /// How the tokens of one page of a buffer are laid out.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

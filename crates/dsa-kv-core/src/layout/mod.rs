@@ -15,17 +15,21 @@ mod model_layers;
 mod plan;
 mod v1;
 mod v2;
+mod v4;
 
 pub use crate::config::DSA_TOKENS_PER_BLOCK;
 pub use bytes::{
-    IndexerPageLayout, RowLayout, TokenRanges, FP8_DS_MLA_NOPE_BYTES, FP8_DS_MLA_ROPE_OFFSET,
-    FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SCALE_OFFSET, FP8_DS_MLA_TILE, INDEXER_SCALE_BYTES,
+    IndexerPageLayout, Model1PageLayout, RowLayout, TokenRanges, FP8_DS_MLA_NOPE_BYTES,
+    FP8_DS_MLA_ROPE_OFFSET, FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SCALE_OFFSET, FP8_DS_MLA_TILE,
+    INDEXER_SCALE_BYTES, MODEL1_DATA_BYTES, MODEL1_PAGE_ALIGN, MODEL1_ROW_BYTES,
+    MODEL1_SCALE_BYTES,
 };
 pub use model_layers::layer_specs_for_model;
 pub use plan::{
     BufferPlacement, PageIndexConverter, PoolDesc, PoolGroupPlan, PoolPlan, PoolTableEntry,
     PrimaryPoolView,
 };
+pub use v4::{V4BlockBytes, V4WindowBytes};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

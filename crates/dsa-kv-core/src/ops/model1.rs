@@ -6,11 +6,13 @@
 //! padded to a multiple of 576 bytes. The quantization rule: per tile of 64, scale
 //! `2^e` with `e = ceil(log2(max(amax, 1e-4) / 448))` (the crate's UE8M0
 //! [`block_scale`]), value `e4m3(x / 2^e)`, scale byte `e + 127`.
-//! (DeepSeek-V4 support is planned in ARCHITECTURE.md; this is its row codec.)
+//! The page geometry is [`crate::layout::Model1PageLayout`]. (DeepSeek-V4 support is
+//! planned in ARCHITECTURE.md; this is its row codec.)
 
 use half::bf16;
 
 use super::quant::{block_scale, e4m3_to_f32, f32_to_e4m3, ue8m0_byte, ScaleFormat, FP8_E4M3_MAX};
+use crate::layout::{MODEL1_DATA_BYTES, MODEL1_SCALE_BYTES};
 
 /// NoPE values per row (FP8).
 pub const MODEL1_NOPE: usize = 448;
@@ -18,36 +20,17 @@ pub const MODEL1_NOPE: usize = 448;
 pub const MODEL1_ROPE: usize = 64;
 /// NoPE values per scale.
 pub const MODEL1_TILE: usize = 64;
-/// Data bytes of a row: 448 FP8 bytes, then 64 BF16 values.
-pub const MODEL1_DATA_BYTES: usize = MODEL1_NOPE + 2 * MODEL1_ROPE;
-/// Scale bytes of a row: 7 UE8M0 bytes and a zero pad.
-pub const MODEL1_SCALE_BYTES: usize = 8;
-/// Bytes of a row.
-pub const MODEL1_ROW_BYTES: usize = MODEL1_DATA_BYTES + MODEL1_SCALE_BYTES;
-/// A page is padded to a multiple of this.
-pub const MODEL1_PAGE_ALIGN: u64 = 576;
-
-/// Bytes of a page of `entries` rows (data rows, scale rows, padding).
-pub fn model1_page_bytes(entries: u32) -> u64 {
-    (u64::from(entries) * MODEL1_ROW_BYTES as u64).div_ceil(MODEL1_PAGE_ALIGN) * MODEL1_PAGE_ALIGN
-}
-
-/// Offset of row `i`'s data inside its page.
-pub fn model1_data_offset(i: u32) -> u64 {
-    u64::from(i) * MODEL1_DATA_BYTES as u64
-}
-
-/// Offset of row `i`'s scale bytes inside a page of `entries` rows.
-pub fn model1_scale_offset(entries: u32, i: u32) -> u64 {
-    u64::from(entries) * MODEL1_DATA_BYTES as u64 + u64::from(i) * MODEL1_SCALE_BYTES as u64
-}
+/// Data bytes of a row ([`crate::layout::MODEL1_DATA_BYTES`]).
+pub const MODEL1_DATA: usize = MODEL1_DATA_BYTES as usize;
+/// Scale bytes of a row ([`crate::layout::MODEL1_SCALE_BYTES`]).
+pub const MODEL1_SCALES: usize = MODEL1_SCALE_BYTES as usize;
 
 /// Quantizes one row (`row`: 448 nope then 64 RoPE values) into its data bytes and its
 /// scale bytes.
 pub fn quantize_model1_row(
     row: &[bf16],
-    data: &mut [u8; MODEL1_DATA_BYTES],
-    scales: &mut [u8; MODEL1_SCALE_BYTES],
+    data: &mut [u8; MODEL1_DATA],
+    scales: &mut [u8; MODEL1_SCALES],
 ) {
     debug_assert_eq!(row.len(), MODEL1_NOPE + MODEL1_ROPE);
     let (nope, rope) = row.split_at(MODEL1_NOPE);
@@ -68,8 +51,8 @@ pub fn quantize_model1_row(
 
 /// The values a row holds (448 nope dequantized, then 64 RoPE).
 pub fn dequantize_model1_row(
-    data: &[u8; MODEL1_DATA_BYTES],
-    scales: &[u8; MODEL1_SCALE_BYTES],
+    data: &[u8; MODEL1_DATA],
+    scales: &[u8; MODEL1_SCALES],
 ) -> [f32; MODEL1_NOPE + MODEL1_ROPE] {
     let mut out = [0f32; MODEL1_NOPE + MODEL1_ROPE];
     for (i, o) in out[..MODEL1_NOPE].iter_mut().enumerate() {
@@ -89,17 +72,23 @@ mod tests {
 
     #[test]
     fn pages_are_data_rows_then_scale_rows_padded_to_576() {
+        use crate::layout::{Model1PageLayout, MODEL1_ROW_BYTES};
+        let p = |entries| Model1PageLayout { entries };
         // 64 rows: 37,376 bytes, padded to 65 · 576; 2 rows (a ratio-128 page of a
         // 256-token block): 1,168 → 1,728; 4 rows: 2,336 → 2,880.
-        assert_eq!(model1_page_bytes(64), 37_440);
-        assert_eq!(model1_page_bytes(2), 1_728);
-        assert_eq!(model1_page_bytes(4), 2_880);
-        assert_eq!(model1_page_bytes(0), 0);
-        assert_eq!(model1_data_offset(3), 1_728);
-        assert_eq!(model1_scale_offset(64, 0), 36_864);
-        assert_eq!(model1_scale_offset(64, 63), 36_864 + 504);
-        assert_eq!(model1_scale_offset(2, 1), 1_160);
-        assert_eq!(MODEL1_ROW_BYTES, 584);
+        assert_eq!(p(64).page_bytes(), 37_440);
+        assert_eq!(p(2).page_bytes(), 1_728);
+        assert_eq!(p(4).page_bytes(), 2_880);
+        assert_eq!(p(0).page_bytes(), 0);
+        assert_eq!(p(64).data_offset(0, 3), 1_728);
+        assert_eq!(p(64).data_offset(2, 0), 74_880);
+        assert_eq!(p(64).scale_offset(0, 0), 36_864);
+        assert_eq!(p(64).scale_offset(1, 63), 37_440 + 36_864 + 504);
+        assert_eq!(p(2).scale_offset(0, 1), 1_160);
+        assert_eq!(
+            (MODEL1_ROW_BYTES, MODEL1_DATA, MODEL1_SCALES),
+            (584, 576, 8)
+        );
     }
 
     /// Golden bytes, worked by hand: a tile of 1.0s has amax 1, 1/448 = 2^-8.81, so
@@ -125,7 +114,7 @@ mod tests {
         row[200] = bf16::from_f32(100.0);
         row[MODEL1_NOPE] = bf16::from_f32(1.5);
         row[MODEL1_NOPE + 63] = bf16::from_f32(-2.0);
-        let (mut data, mut scales) = ([0u8; MODEL1_DATA_BYTES], [0xAAu8; MODEL1_SCALE_BYTES]);
+        let (mut data, mut scales) = ([0u8; MODEL1_DATA], [0xAAu8; MODEL1_SCALES]);
         quantize_model1_row(&row, &mut data, &mut scales);
         assert_eq!(scales, [119, 120, 105, 125, 105, 105, 105, 0]);
         assert!(data[..64].iter().all(|&b| b == 0x78));
@@ -133,7 +122,7 @@ mod tests {
         assert!(data[128..192].iter().all(|&b| b == 0));
         assert_eq!((data[192], data[200]), (0x44, 0x7C));
         assert_eq!(&data[MODEL1_NOPE..MODEL1_NOPE + 2], &[0xC0, 0x3F]);
-        assert_eq!(&data[MODEL1_DATA_BYTES - 2..], &[0x00, 0xC0]);
+        assert_eq!(&data[MODEL1_DATA - 2..], &[0x00, 0xC0]);
         let back = dequantize_model1_row(&data, &scales);
         assert_eq!(
             (back[0], back[64], back[192], back[200]),
@@ -151,7 +140,7 @@ mod tests {
             let row: Vec<bf16> = (0..MODEL1_NOPE + MODEL1_ROPE)
                 .map(|_| bf16::from_f32((rng.uniform() as f32 - 0.5) * 20.0))
                 .collect();
-            let (mut data, mut scales) = ([0u8; MODEL1_DATA_BYTES], [0u8; MODEL1_SCALE_BYTES]);
+            let (mut data, mut scales) = ([0u8; MODEL1_DATA], [0u8; MODEL1_SCALES]);
             quantize_model1_row(&row, &mut data, &mut scales);
             let back = dequantize_model1_row(&data, &scales);
             for (i, (x, y)) in row.iter().zip(back).enumerate() {
