@@ -282,13 +282,14 @@ impl HfConfig {
                 || r.n_routed_experts / r.n_group < 2
                 || r.topk_group == 0
                 || r.topk_group > r.n_group
-                || r.num_experts_per_tok > r.n_routed_experts
+                || r.num_experts_per_tok > r.topk_group * (r.n_routed_experts / r.n_group)
             {
                 return Err(bad(
                     "n_group",
                     format!(
                         "{} experts in {} groups (top {} groups, {} experts per token): the \
-                         experts must split into groups of at least 2",
+                         experts must split into groups of at least 2, and the chosen groups \
+                         must hold the experts per token",
                         r.n_routed_experts, r.n_group, r.topk_group, r.num_experts_per_tok
                     ),
                 ));
