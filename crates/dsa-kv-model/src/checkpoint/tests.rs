@@ -7,6 +7,9 @@ use crate::{CacheFormat, Model, ModelError};
 use dsa_kv_core::config::KvDtype;
 use dsa_kv_core::ops::quant::ScaleFormat;
 
+/// An edit of a configuration's JSON.
+type Edit = fn(&mut serde_json::Value);
+
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/deepseek_v32")
 }
@@ -29,7 +32,7 @@ fn key_of(e: CheckpointError) -> String {
 #[test]
 fn configurations_it_cannot_run_name_their_key() {
     config_with(|_| {}).unwrap();
-    let cases: [(&str, fn(&mut serde_json::Value)); 8] = [
+    let cases: [(&str, Edit); 8] = [
         ("kv_lora_rank", |v| v["kv_lora_rank"] = 256.into()),
         ("index_head_dim", |v| v["index_head_dim"] = 64.into()),
         ("model_type", |v| v["model_type"] = "llama".into()),
