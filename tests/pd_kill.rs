@@ -378,8 +378,9 @@ fn transfers_survive_either_side_killed_at_random_points() {
                     }
                 }
             };
-            // Half the time the exporter releases; otherwise the lease must.
-            if rng.next_u64().is_multiple_of(2) {
+            // Half the time the exporter releases (never while a write may still read
+            // the pages: then the lease must); otherwise the lease must.
+            if outcome != "push in flight" && rng.next_u64().is_multiple_of(2) {
                 kv.transfer().release_export(id).await.unwrap();
             } else {
                 let gone = eventually(Duration::from_millis(LEASE_MS + 2000), async || {
@@ -435,14 +436,20 @@ fn child() {
             prefill(&kv, id, &p).await;
             let export = kv.transfer().export(id, SCOPE, &p[..256]).await.unwrap();
             if session.offer(&export).await.is_ok() {
+                let mut in_flight = false;
                 if let Ok(Ok(ticket)) = session.wait_ticket(&export).await {
-                    kv.transfer().renew(id).await.unwrap();
-                    if session.push(&export, &ticket).await.is_ok() {
-                        let _ = session.wait_outcome(&export, &ticket).await;
+                    match session.push(&export, &ticket).await {
+                        Ok(_) => {
+                            let _ = session.wait_outcome(&export, &ticket).await;
+                        }
+                        Err(e) => in_flight = e.in_flight(),
                     }
                 }
+                // A write that may still read the pages keeps them pinned (the lease ends it).
+                if !in_flight {
+                    let _ = kv.transfer().release_export(id).await;
+                }
             }
-            let _ = kv.transfer().release_export(id).await;
         } else if let Ok(Some(offer)) = session.next_offer().await {
             let ticket = session
                 .begin(RequestId(round), SCOPE, &prompt(round), &offer)

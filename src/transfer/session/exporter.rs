@@ -34,8 +34,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
     /// [`push`](Self::push), [`wait_outcome`](Self::wait_outcome). The export is
     /// released in every case but one: a write that may still be reading its pages
     /// ([`SessionError::in_flight`]) keeps them pinned until the export's lease ends.
-    /// A failure after the offer is reported to the peer (`Failed`) before it is
-    /// returned.
+    /// A failure after the offer and before the outcome is reported to the peer
+    /// (`Failed`) before it is returned.
     pub async fn hand_over(&mut self, export: &ExportedBlocks) -> Result<HandOver, SessionError> {
         let r = self.hand_over_pinned(export).await;
         let keep_pinned = matches!(&r, Err(e) if e.in_flight());
@@ -53,10 +53,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         export: &ExportedBlocks,
     ) -> Result<HandOver, SessionError> {
         self.offer(export).await?;
-        let ticket = match self.wait_ticket(export).await? {
-            Ok(t) => t,
-            Err(why) => return Ok(HandOver::Declined { why }),
+        let ticket = match self.wait_ticket(export).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(why)) => return Ok(HandOver::Declined { why }),
+            Err(e) => {
+                // The importer may hold pages for a ticket this side never took: it may
+                // free them now (best effort: the peer may be the reason).
+                let _ = self
+                    .wire
+                    .send(&SessionMsg::Failed {
+                        export: export.id,
+                        why: e.to_string(),
+                        in_flight: false,
+                    })
+                    .await;
+                return Err(e);
+            }
         };
+        // `push` reports its own failures to the peer.
         let report = self.push(export, &ticket).await?;
         let outcome = self.wait_outcome(export, &ticket).await?;
         Ok(HandOver::Pushed { report, outcome })
@@ -106,9 +120,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         }
     }
 
-    /// Writes the exported blocks the ticket asks for into the importer's reserved
-    /// pages (the plan checks the ticket against the export and both engines' pools
-    /// first), takes their digests when the session checks them, and sends `Written`.
+    /// Renews the export's lease, writes the exported blocks the ticket asks for into the
+    /// importer's reserved pages (the plan checks the ticket against the export and both
+    /// engines' pools first), takes their digests when the session checks them, and
+    /// sends `Written`.
     /// On a failure the peer is sent `Failed` (saying whether a write may still be
     /// landing) and the error returned. The export stays pinned: release it after
     /// (`Transfers::release_export`), unless the error is
@@ -120,7 +135,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         export: &ExportedBlocks,
         ticket: &ImportTicket,
     ) -> Result<TransferReport, SessionError> {
-        let r = self.push_pages(export, ticket);
+        // The export's lease started at the export: the ticket may have taken a while.
+        // Renewed now, its pins hold through the write and the digests (a lease that ran
+        // out already is `TransferExpired`: its blocks may have moved, nothing is written).
+        let r = match self.kv.transfer().renew(export.id).await {
+            Ok(_) => self.push_pages(export, ticket),
+            Err(e) => Err(e.into()),
+        };
         match r {
             Ok((report, digests)) => {
                 self.wire
@@ -185,9 +206,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         ticket: &ImportTicket,
     ) -> Result<ImportOutcome, SessionError> {
         // The importer waits up to the ticket's deadline for the notification, then
-        // checks digests: allow that on top of the usual reply time.
-        let within =
-            self.options.reply_timeout + std::time::Duration::from_millis(ticket.write_within_ms);
+        // checks digests: allow that on top of the usual reply time (the ticket's
+        // deadline is the peer's word: at most another reply time).
+        let write = std::time::Duration::from_millis(ticket.write_within_ms)
+            .min(self.options.reply_timeout);
+        let within = self.options.reply_timeout.saturating_add(write);
         match self.wire.recv_within(within).await? {
             SessionMsg::Outcome {
                 export: e,

@@ -132,9 +132,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
     }
 
     /// After the exporter's `Written`: waits for the transport's notification (the
-    /// bytes have landed) until the ticket's deadline, checks the pages' digests when
-    /// the session takes them, then commits the import (closing its window first), or
-    /// aborts it: bytes that are not the exporter's never enter the cache. Tells the
+    /// bytes have landed) until the ticket's deadline, closes the import's window (what
+    /// is checked is what is committed), checks the pages' digests when the session
+    /// takes them, then commits the import, or aborts it: bytes that are not the
+    /// exporter's never enter the cache. Tells the
     /// exporter the outcome (`Outcome`; an exporter gone by then changes nothing) and
     /// returns it.
     pub async fn complete(
@@ -145,24 +146,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         let note = notification(ticket.export.0, ticket.id.0);
         let outcome = if !self.wait_notification(&note, deadline(ticket)).await? {
             self.abort(ticket, AbortReason::NoNotification).await?
-        } else if let Some(block) = self.first_differing_block(ticket, written)? {
-            self.abort(ticket, AbortReason::DigestsDiffer { block })
-                .await?
         } else {
-            let kv = self.kv.clone();
-            match kv
-                .transfer()
-                .commit_import_with(self.transport.as_mut(), ticket.id)
-                .await
-            {
-                Ok(blocks) => ImportOutcome::Committed { blocks },
-                Err(RuntimeError::Scheduler(SchedError::TransferExpired { .. })) => {
-                    ImportOutcome::Aborted {
-                        reason: AbortReason::Expired,
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
+            self.check_and_commit(ticket, written).await?
         };
         // The import is decided: an exporter that is gone by now does not change it.
         let told = self
@@ -234,6 +219,53 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         }
     }
 
+    /// The bytes have landed: closes the window (no write lands after this, so what is
+    /// checked is what is committed), renews the import (its lease must outlast the
+    /// check), compares the digests, and commits or aborts.
+    async fn check_and_commit(
+        &mut self,
+        ticket: &ImportTicket,
+        written: &Written,
+    ) -> Result<ImportOutcome, SessionError> {
+        match self.transport.close_window(ticket.id.0) {
+            Ok(()) => {}
+            Err(e) if e.in_flight() => {
+                return Ok(ImportOutcome::LeftToLease {
+                    why: format!("the window could not be closed: {e}"),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let kv = self.kv.clone();
+        let expired = |e: &RuntimeError| {
+            matches!(
+                e,
+                RuntimeError::Scheduler(SchedError::TransferExpired { .. })
+            )
+        };
+        match kv.transfer().renew(ticket.id).await {
+            Ok(_) => {}
+            Err(e) if expired(&e) => {
+                return Ok(ImportOutcome::Aborted {
+                    reason: AbortReason::Expired,
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if let Some(block) = self.first_differing_block(ticket, written)? {
+            return self
+                .abort(ticket, AbortReason::DigestsDiffer { block })
+                .await;
+        }
+        match kv.transfer().commit_import(ticket.id).await {
+            Ok(blocks) => Ok(ImportOutcome::Committed { blocks }),
+            Err(e) if expired(&e) => Ok(ImportOutcome::Aborted {
+                reason: AbortReason::Expired,
+            }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The first block of the ticket whose pages differ from the exporter's digest
     /// (`None`: all equal, or the session takes no digests).
     fn first_differing_block(
@@ -246,9 +278,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         };
         let local = &self.local;
         // SAFETY: this engine's pools (registered at `open`, alive by its contract);
-        // the pages are reserved by the import, whose bytes have landed (the
-        // notification came), and nothing else writes them until it is committed or
-        // aborted.
+        // the pages are reserved by the import, renewed just now, whose bytes have landed
+        // (the notification came) and whose window is closed: nothing writes them until
+        // it is committed or aborted.
         let ours = blocking(|| unsafe { host_block_digests(local, &ticket.blocks) })?;
         Ok(ours.iter().zip(theirs).position(|(a, b)| a != b))
     }

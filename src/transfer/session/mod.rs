@@ -32,10 +32,14 @@
 //! ([`SessionOptions::reply_timeout`], the ticket's own for the write); the importer
 //! reserves pages only for its own request (the offer's keys must be the ones it
 //! computes), a peer writes only into an open import's window, and an import is
-//! committed only after the transport's notification and, with
-//! [`SessionOptions::digests`] (host memory), only when every page's SHA-256 equals the
-//! exporter's; a failed transfer frees the importer's pages and the exporter's pins,
-//! except while a write may still be landing, when the leases end them.
+//! committed only after the transport's notification and after its window is closed
+//! and, with [`SessionOptions::digests`] (host memory), only when every page's SHA-256
+//! equals the exporter's (checked after the close: what is checked is what is
+//! committed); the exporter renews the export's lease before it writes, so its pages
+//! stay pinned through the write; a failed transfer frees the importer's pages and the
+//! exporter's pins, except while a write may still be landing, when the leases end
+//! them. The handshake sends and receives at once (`Wire::exchange`): no `Hello` is too
+//! large for the connection's buffers.
 
 mod digests;
 mod error;

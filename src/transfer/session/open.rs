@@ -113,15 +113,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         // transport) lives by the caller's contract; peers write only into the windows
         // of open imports, which cover pages the import reserved.
         unsafe { transport.register(&regions)? };
-        wire.send(&SessionMsg::Hello {
+        let hello = SessionMsg::Hello {
             protocol: PROTOCOL_VERSION,
             transport: transport.name().to_string(),
             metadata: transport.local_metadata()?,
             regions: local.clone(),
             digests: options.digests,
-        })
-        .await?;
-        let (metadata, remote) = match wire.recv_within(options.reply_timeout).await? {
+        };
+        // Both sides send theirs while they receive the other's.
+        let (metadata, remote) = match wire.exchange(&hello, options.reply_timeout).await? {
             SessionMsg::Hello {
                 protocol,
                 transport: theirs,

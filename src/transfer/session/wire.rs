@@ -122,17 +122,7 @@ impl<S> Wire<S> {
 impl<S: AsyncWrite + Unpin> Wire<S> {
     /// Sends `m` as one frame (one write of length and body, then a flush).
     pub async fn send<T: Serialize + ?Sized>(&mut self, m: &T) -> Result<(), WireError> {
-        let body = serde_json::to_vec(m).map_err(|e| WireError::Encode(e.to_string()))?;
-        let len = body.len() as u64;
-        if len > self.max_frame {
-            return Err(WireError::Encode(format!(
-                "the message is {len} bytes of JSON, over the wire's limit of {}",
-                self.max_frame
-            )));
-        }
-        let mut frame = Vec::with_capacity(8 + body.len());
-        frame.extend_from_slice(&len.to_le_bytes());
-        frame.extend_from_slice(&body);
+        let frame = encode(m, self.max_frame)?;
         self.stream.write_all(&frame).await?;
         self.stream.flush().await?;
         Ok(())
@@ -163,50 +153,106 @@ impl<S: AsyncRead + Unpin> Wire<S> {
     }
 
     async fn read_frame<T: DeserializeOwned>(&mut self) -> Result<T, WireError> {
-        let mut head = [0u8; 8];
-        let mut got = 0;
-        while got < head.len() {
-            match self.stream.read(&mut head[got..]).await? {
-                0 if got == 0 => return Err(WireError::Closed),
-                0 => {
-                    return Err(WireError::Truncated {
-                        got: got as u64,
-                        want: 8,
-                    })
-                }
-                n => {
-                    // From the first byte on, stopping here leaves the stream mid-frame.
-                    self.mid_frame = true;
-                    got += n;
-                }
+        read_frame(&mut self.stream, self.max_frame, &mut self.mid_frame).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Wire<S> {
+    /// Sends `m` and receives one frame at the same time, within `within` (both sides of
+    /// a symmetric exchange can call it: neither waits for the other to read first, so
+    /// no frame is too large for the connection's buffers).
+    pub async fn exchange<T: Serialize + ?Sized, U: DeserializeOwned>(
+        &mut self,
+        m: &T,
+        within: Duration,
+    ) -> Result<U, WireError> {
+        if self.mid_frame {
+            return Err(WireError::OutOfStep);
+        }
+        let frame = encode(m, self.max_frame)?;
+        let (max, mid) = (self.max_frame, &mut self.mid_frame);
+        let (mut r, mut w) = tokio::io::split(&mut self.stream);
+        let send = async {
+            w.write_all(&frame).await?;
+            w.flush().await?;
+            Ok::<(), WireError>(())
+        };
+        let both = async { tokio::join!(send, read_frame::<_, U>(&mut r, max, mid)) };
+        match tokio::time::timeout(within, both).await {
+            Ok((sent, got)) => {
+                sent?;
+                got
+            }
+            Err(_) => Err(WireError::Timeout(within)),
+        }
+    }
+}
+
+/// `m` as one frame: the 8-byte little-endian length, then the JSON.
+fn encode<T: Serialize + ?Sized>(m: &T, max_frame: u64) -> Result<Vec<u8>, WireError> {
+    let body = serde_json::to_vec(m).map_err(|e| WireError::Encode(e.to_string()))?;
+    let len = body.len() as u64;
+    if len > max_frame {
+        return Err(WireError::Encode(format!(
+            "the message is {len} bytes of JSON, over the wire's limit of {max_frame}"
+        )));
+    }
+    let mut frame = Vec::with_capacity(8 + body.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+/// Reads one frame from `stream` (at most `max_frame` bytes of body) and decodes it;
+/// `mid_frame` is set from its first byte until it is whole.
+async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    stream: &mut R,
+    max_frame: u64,
+    mid_frame: &mut bool,
+) -> Result<T, WireError> {
+    let mut head = [0u8; 8];
+    let mut got = 0;
+    while got < head.len() {
+        match stream.read(&mut head[got..]).await? {
+            0 if got == 0 => return Err(WireError::Closed),
+            0 => {
+                return Err(WireError::Truncated {
+                    got: got as u64,
+                    want: 8,
+                })
+            }
+            n => {
+                // From the first byte on, stopping here leaves the stream mid-frame.
+                *mid_frame = true;
+                got += n;
             }
         }
-        let len = u64::from_le_bytes(head);
-        if len > self.max_frame {
-            return Err(WireError::TooLarge {
-                len,
-                max: self.max_frame,
-            });
-        }
-        let mut body = Vec::new();
-        (&mut self.stream).take(len).read_to_end(&mut body).await?;
-        if (body.len() as u64) < len {
-            return Err(WireError::Truncated {
-                got: body.len() as u64,
-                want: len,
-            });
-        }
-        // The frame is whole: the next receive starts at a frame's beginning.
-        self.mid_frame = false;
-        serde_json::from_slice(&body).map_err(|e| WireError::Decode {
-            len,
-            expected: std::any::type_name::<T>()
-                .rsplit("::")
-                .next()
-                .unwrap_or("message"),
-            why: e.to_string(),
-        })
     }
+    let len = u64::from_le_bytes(head);
+    if len > max_frame {
+        return Err(WireError::TooLarge {
+            len,
+            max: max_frame,
+        });
+    }
+    let mut body = Vec::new();
+    (&mut *stream).take(len).read_to_end(&mut body).await?;
+    if (body.len() as u64) < len {
+        return Err(WireError::Truncated {
+            got: body.len() as u64,
+            want: len,
+        });
+    }
+    // The frame is whole: the next receive starts at a frame's beginning.
+    *mid_frame = false;
+    serde_json::from_slice(&body).map_err(|e| WireError::Decode {
+        len,
+        expected: std::any::type_name::<T>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("message"),
+        why: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -285,6 +331,23 @@ mod tests {
                 Err(WireError::Encode(_))
             ));
             assert!(sink.get_ref().is_empty(), "nothing was written");
+        });
+    }
+
+    /// Both ends exchange a frame far larger than the connection buffers at once: each
+    /// sends while it receives, so neither blocks.
+    #[test]
+    fn a_symmetric_exchange_does_not_depend_on_buffer_sizes() {
+        block_on(async {
+            let (a, b) = tokio::io::duplex(64);
+            let (mut a, mut b) = (Wire::new(a), Wire::new(b));
+            let big = vec![7u8; 100_000];
+            let within = Duration::from_secs(5);
+            let (x, y) = tokio::join!(
+                a.exchange::<_, Vec<u8>>(&big, within),
+                b.exchange::<_, Vec<u8>>(&big, within)
+            );
+            assert_eq!((x.unwrap().len(), y.unwrap().len()), (100_000, 100_000));
         });
     }
 
