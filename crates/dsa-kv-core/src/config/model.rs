@@ -183,6 +183,9 @@ impl ModelPreset {
 
     /// Parses a name as printed by [`ModelPreset::name`].
     pub fn parse(s: &str) -> Result<Self, ModelError> {
+        if let Some(v4) = super::V4Preset::parse(s) {
+            return Err(ModelError::V4NotServed { model: v4.name() });
+        }
         Self::ALL
             .into_iter()
             .find(|p| p.name() == s)
@@ -352,6 +355,16 @@ pub enum ModelError {
         value: u64,
         /// What is required.
         why: &'static str,
+    },
+    /// A DeepSeek-V4 model where only DSA models are served.
+    #[error(
+        "{model} is a DeepSeek-V4 model: its caches are planned (`plan --model {model}`), \
+         but the cache manager does not serve its window life cycles yet; serve \
+         deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3"
+    )]
+    V4NotServed {
+        /// The preset's name.
+        model: &'static str,
     },
     /// An unknown name for an enumerated field.
     #[error("unknown {field} {value:?}: expected {expected}")]
@@ -746,6 +759,14 @@ mod tests {
         for d in KvDtype::ALL {
             assert_eq!(KvDtype::parse(d.name()), Ok(d));
         }
+        let v4 = ModelPreset::parse("deepseek-v4-flash").unwrap_err();
+        assert_eq!(
+            v4,
+            ModelError::V4NotServed {
+                model: "deepseek-v4-flash"
+            }
+        );
+        assert!(v4.to_string().contains("plan --model deepseek-v4-flash"));
     }
 
     #[test]

@@ -37,6 +37,43 @@ pub struct V4Spec {
     pub indexer_dtype: IndexerDtype,
 }
 
+/// The published DeepSeek-V4 models.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum V4Preset {
+    /// [`V4Spec::flash`].
+    #[serde(rename = "deepseek-v4-flash")]
+    Flash,
+    /// [`V4Spec::pro`].
+    #[serde(rename = "deepseek-v4-pro")]
+    Pro,
+}
+
+impl V4Preset {
+    /// Every preset.
+    pub const ALL: [V4Preset; 2] = [V4Preset::Flash, V4Preset::Pro];
+
+    /// The name used on command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            V4Preset::Flash => "deepseek-v4-flash",
+            V4Preset::Pro => "deepseek-v4-pro",
+        }
+    }
+
+    /// Parses a name as printed by [`V4Preset::name`].
+    pub fn parse(s: &str) -> Option<V4Preset> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// The preset's structure.
+    pub fn spec(self) -> V4Spec {
+        match self {
+            V4Preset::Flash => V4Spec::flash(),
+            V4Preset::Pro => V4Spec::pro(),
+        }
+    }
+}
+
 /// What a layer caches.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -193,6 +230,11 @@ mod tests {
         assert_eq!(p.layer_kind(61), None);
         f.validate().unwrap();
         p.validate().unwrap();
+        for preset in V4Preset::ALL {
+            assert_eq!(V4Preset::parse(preset.name()), Some(preset));
+        }
+        assert_eq!(V4Preset::Pro.spec(), p);
+        assert_eq!(V4Preset::parse("deepseek-v4"), None);
     }
 
     #[test]

@@ -11,6 +11,10 @@
 
 use serde::Serialize;
 
+mod v4;
+
+pub use v4::{v4_capacity, v4_life_cycle_bytes, v4_window_slots, V4Capacity, V4Demand};
+
 use crate::config::{DsaModel, LayerSet};
 use crate::layout::{LayoutError, LayoutKind, PoolPlan, Role};
 
@@ -255,6 +259,26 @@ pub enum QuotaError {
     /// Page indices would overflow.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// DeepSeek-V4: the window life cycles alone take the budget, or leave no room for
+    /// one block.
+    #[error(
+        "the budget of {budget} B cannot hold the sliding windows and compressor states of \
+         max_sequences {max_sequences} sequences with max_batched_tokens {max_batched_tokens} \
+         ({window_bytes} B) and one 256-token block ({block_bytes} B): raise the budget or \
+         lower max_sequences or max_batched_tokens"
+    )]
+    V4WindowsDoNotFit {
+        /// The budget.
+        budget: u64,
+        /// What the window life cycles take.
+        window_bytes: u64,
+        /// One block of the compressed life cycle (its pools rounded up).
+        block_bytes: u64,
+        /// Sequences at once.
+        max_sequences: u32,
+        /// Positions per step.
+        max_batched_tokens: u32,
+    },
 }
 
 /// Checks that `needed` tokens fit in `budget`; the error says which component dominates

@@ -29,7 +29,10 @@ pub use plan::{
     BufferPlacement, PageIndexConverter, PoolDesc, PoolGroupPlan, PoolPlan, PoolTableEntry,
     PrimaryPoolView,
 };
-pub use v4::{V4BlockBytes, V4WindowBytes};
+pub use v4::{
+    Retention, V4BlockBytes, V4Buffer, V4LifeCycle, V4LifeCycleKind, V4PageFormat, V4Plan, V4Pool,
+    V4WindowBytes,
+};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -42,6 +45,7 @@ use crate::ids::LayerId;
 /// a buffer and never owns pages.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Role {
     /// The MLA latent row (K only: MLA caches are SELFKONLY).
     Key,
@@ -53,6 +57,16 @@ pub enum Role {
     ValueBlockScale,
     /// The lightning-indexer K cache of a layer that owns an indexer.
     IndexKey,
+    /// DeepSeek-V4: a layer's raw sliding-window KV (MODEL1 rows, one per token).
+    WindowKey,
+    /// DeepSeek-V4: a layer's compressed KV (MODEL1 rows, one per 4 or 128 tokens).
+    CompressedKey,
+    /// DeepSeek-V4: the indexer keys of a ratio-4 layer's compressed entries.
+    CompressedIndexKey,
+    /// DeepSeek-V4: a compressor's fp32 state rows (one per token).
+    CompressorState,
+    /// DeepSeek-V4: a ratio-4 layer's indexer compressor's fp32 state rows.
+    IndexerCompressorState,
     /// Accounting only: the sum of every buffer of the layer.
     All,
 }
@@ -65,6 +79,11 @@ impl fmt::Display for Role {
             Role::KeyBlockScale => "key_block_scale",
             Role::ValueBlockScale => "value_block_scale",
             Role::IndexKey => "index_key",
+            Role::WindowKey => "window_key",
+            Role::CompressedKey => "compressed_key",
+            Role::CompressedIndexKey => "compressed_index_key",
+            Role::CompressorState => "compressor_state",
+            Role::IndexerCompressorState => "indexer_compressor_state",
             Role::All => "all",
         })
     }

@@ -3,8 +3,8 @@
 //! ratio-128 layers' compressed KV), and the fixed cost of a decoding request's window
 //! life cycles (every layer's raw window, the compressors' fp32 state), page by page.
 
-use super::bytes::{IndexerPageLayout, Model1PageLayout, INDEXER_SCALE_BYTES};
 use crate::config::{IndexerDtype, V4Spec, V4_BLOCK_TOKENS, V4_WINDOW_PAGE_TOKENS};
+use crate::layout::{IndexerPageLayout, Model1PageLayout, INDEXER_SCALE_BYTES};
 
 /// Compressor state bytes per token slot: a ratio-4 layer's main compressor (two
 /// overlapping series of `[kv | score]`, 512 wide, f32), its indexer's (128 wide), a
@@ -75,7 +75,7 @@ pub struct V4WindowBytes {
 }
 
 /// Pages of `page` tokens that a span of `span` consecutive tokens may touch.
-fn pages_touched(span: u64, page: u64) -> u64 {
+pub(crate) fn pages_touched(span: u64, page: u64) -> u64 {
     (span.saturating_sub(1)).div_ceil(page) + 1
 }
 

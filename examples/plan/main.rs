@@ -6,7 +6,15 @@
 //!     [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] [--fraction F] [--layout v1|v2]
 //!     [--layers N] [--tokens-per-block T] [--with-mtp [--mtp-in-target]]
 //!     [--max-gpu-total-bytes B] [--json]
+//! cargo run --release --example plan -- --model deepseek-v4-flash|deepseek-v4-pro
+//!     [--indexer-dtype fp8|fp4] [--gpu-mem-gib N] [--fraction F] [--max-gpu-total-bytes B]
+//!     [--max-sequences S] [--max-batched-tokens B] [--drafts D] [--tail-boundaries N] [--json]
 //! ```
+//!
+//! DeepSeek-V4 models print their four life cycles (compressed blocks, raw window, two
+//! compressor states), the bytes a block and a decoding request cost, and the budget split
+//! into window slots (sized for `--max-sequences`, `--max-batched-tokens`, `--drafts` and
+//! `--tail-boundaries`) and blocks (`plan/v4.rs`). They are planned, not yet served.
 //!
 //! `--help` lists every flag with its default; `--flag=value` works as well as
 //! `--flag value`. `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
@@ -16,15 +24,19 @@
 //! budget (`--mtp-in-target`: the MTP layers in the target manager instead). The figures
 //! come from `CapacityPlan`, the computation the runtime sizes its pools with.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod v4;
 
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use dsa_kv::config::{
     DsaModel, EngineConfig, IndexerDtype, KvDtype, LayerSet, ModelPreset, SpecMode, V2Choice,
+    V4Preset,
 };
 use dsa_kv::core::quota::CapacityPlan;
+use dsa_kv::core::quota::V4Demand;
 use dsa_kv::layout::{PoolPlan, Role};
 use serde_json::json;
 
@@ -36,9 +48,8 @@ const GIB: f64 = (1u64 << 30) as f64;
 #[command(name = "plan")]
 struct Args {
     /// The model preset
-    #[arg(long = "model", value_name = "MODEL",
-          value_parser = common::named(&ModelPreset::ALL, ModelPreset::name))]
-    preset: ModelPreset,
+    #[arg(long = "model", value_name = "MODEL", value_parser = model_names())]
+    model: PlanModel,
     /// Storage of the MLA latent rows [default: the preset's]
     #[arg(long, value_name = "DTYPE", value_parser = common::named(&KvDtype::ALL, KvDtype::name))]
     kv_dtype: Option<KvDtype>,
@@ -71,9 +82,50 @@ struct Args {
     /// The KV budget in bytes, instead of --fraction of --gpu-mem-gib
     #[arg(long, value_name = "B")]
     max_gpu_total_bytes: Option<u64>,
+    /// DeepSeek-V4: sequences scheduled at once (sizes the window life cycles)
+    #[arg(long, value_name = "S", default_value_t = 256)]
+    max_sequences: u32,
+    /// DeepSeek-V4: positions written per step, all sequences together
+    #[arg(long, value_name = "B", default_value_t = 8192)]
+    max_batched_tokens: u32,
+    /// DeepSeek-V4: draft positions kept per sequence [default: 1 with --with-mtp, else 0]
+    #[arg(long, value_name = "D")]
+    drafts: Option<u32>,
+    /// DeepSeek-V4: block boundaries whose window tails are kept for prefix reuse
+    /// [default: 2 × --max-sequences]
+    #[arg(long, value_name = "N")]
+    tail_boundaries: Option<u32>,
     /// One JSON object on stdout instead of the tables
     #[arg(long)]
     json: bool,
+}
+
+/// `--model`: a DSA preset or a DeepSeek-V4 one.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PlanModel {
+    Dsa(ModelPreset),
+    V4(V4Preset),
+}
+
+impl PlanModel {
+    fn all() -> Vec<PlanModel> {
+        ModelPreset::ALL
+            .into_iter()
+            .map(PlanModel::Dsa)
+            .chain(V4Preset::ALL.into_iter().map(PlanModel::V4))
+            .collect()
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            PlanModel::Dsa(p) => p.name(),
+            PlanModel::V4(p) => p.name(),
+        }
+    }
+}
+
+fn model_names() -> impl clap::builder::TypedValueParser<Value = PlanModel> {
+    common::named(&PlanModel::all(), PlanModel::name)
 }
 
 /// `--layout`.
@@ -110,7 +162,11 @@ fn group_digits(n: u64) -> String {
 }
 
 fn run(a: Args) -> Result<(), String> {
-    let mut spec = a.preset.spec(a.layers).map_err(|e| e.to_string())?;
+    let preset = match a.model {
+        PlanModel::Dsa(p) => p,
+        PlanModel::V4(preset) => return run_v4(a, preset),
+    };
+    let mut spec = preset.spec(a.layers).map_err(|e| e.to_string())?;
     if let Some(d) = a.kv_dtype {
         spec.kv_dtype = d;
     }
@@ -172,7 +228,7 @@ fn run(a: Args) -> Result<(), String> {
         .collect();
     let report = json!({
         "model": s.name,
-        "preset": a.preset.name(),
+        "preset": preset.name(),
         "num_layers": s.num_layers,
         "indexer_layers": num_idx,
         "kv_dtype": s.kv_dtype.name(),
@@ -322,11 +378,79 @@ fn run(a: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The flags a DeepSeek-V4 plan has no use for, if given.
+fn v4_unused_flag(a: &Args) -> Option<&'static str> {
+    [
+        (a.kv_dtype.is_some(), "--kv-dtype (V4 rows are MODEL1)"),
+        (a.layout.is_some(), "--layout (V4 has its own life cycles)"),
+        (a.layers.is_some(), "--layers"),
+        (
+            a.tokens_per_block != 64,
+            "--tokens-per-block (V4 blocks are 256 tokens)",
+        ),
+        (a.mtp_in_target, "--mtp-in-target"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
+}
+
+/// The DSA-only flags for V4 parameters, if given with a DSA model.
+fn dsa_unused_flag(a: &Args) -> Option<&'static str> {
+    [
+        (a.drafts.is_some(), "--drafts"),
+        (a.tail_boundaries.is_some(), "--tail-boundaries"),
+        (a.max_sequences != 256, "--max-sequences"),
+        (a.max_batched_tokens != 8192, "--max-batched-tokens"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
+}
+
+fn run_v4(a: Args, preset: V4Preset) -> Result<(), String> {
+    let (budget, budget_source) = match a.max_gpu_total_bytes {
+        Some(b) => (b, format!("max_gpu_total_bytes {b}")),
+        None => (
+            (a.gpu_mem_gib * GIB * a.fraction) as u64,
+            format!("{:.1} GiB free × {}", a.gpu_mem_gib, a.fraction),
+        ),
+    };
+    v4::run(v4::V4Args {
+        preset,
+        indexer_dtype: a.indexer_dtype,
+        budget,
+        budget_source,
+        demand: V4Demand {
+            max_sequences: a.max_sequences,
+            drafts: a.drafts.unwrap_or(u32::from(a.with_mtp)),
+            max_batched_tokens: a.max_batched_tokens,
+            tail_boundaries: a
+                .tail_boundaries
+                .unwrap_or(a.max_sequences.saturating_mul(2)),
+        },
+        json: a.json,
+    })
+}
+
 fn main() -> ExitCode {
     common::quiet_on_closed_stdout();
     let args = Args::parse();
     if args.mtp_in_target && !args.with_mtp {
         common::usage_error::<Args>("--mtp-in-target needs --with-mtp");
+    }
+    match args.model {
+        PlanModel::V4(p) => {
+            if let Some(flag) = v4_unused_flag(&args) {
+                common::usage_error::<Args>(&format!("{flag} does not apply to {}", p.name()));
+            }
+        }
+        PlanModel::Dsa(p) => {
+            if let Some(flag) = dsa_unused_flag(&args) {
+                common::usage_error::<Args>(&format!(
+                    "{flag} applies to the DeepSeek-V4 models only, not to {}",
+                    p.name()
+                ));
+            }
+        }
     }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
