@@ -75,10 +75,29 @@ pub enum RowLayout {
         /// Scale bytes per token (4).
         scale_bytes: u32,
     },
+    /// DeepSeek-V4's MODEL1 rows ([`Model1PageLayout`]), one per `tokens_per_entry`
+    /// tokens: every row's 576 data bytes, then every row's 8 scale bytes, the page
+    /// padded to a multiple of 576 B.
+    Model1 {
+        /// Tokens one row stands for (1: the raw window; 4 or 128: compressed KV).
+        tokens_per_entry: u32,
+    },
+    /// DeepSeek-V4's indexer keys over compressed entries: values then scales, as
+    /// [`RowLayout::ValuesThenScales`], one entry per `tokens_per_entry` tokens.
+    EntryValuesThenScales {
+        /// Payload bytes per entry.
+        data_bytes: u32,
+        /// Scale bytes per entry.
+        scale_bytes: u32,
+        /// Tokens one entry stands for.
+        tokens_per_entry: u32,
+    },
 }
 
 impl RowLayout {
-    /// Bytes per token.
+    /// Bytes per token. For the per-entry layouts (one row per several tokens, pages
+    /// padded) this is the row's bytes over its tokens, rounded up: an accounting figure;
+    /// [`RowLayout::page_bytes`] is exact.
     pub fn bytes_per_token(&self) -> u32 {
         match *self {
             RowLayout::Interleaved { row_bytes } => row_bytes,
@@ -86,14 +105,79 @@ impl RowLayout {
                 data_bytes,
                 scale_bytes,
             } => data_bytes + scale_bytes,
+            RowLayout::Model1 { tokens_per_entry } => {
+                MODEL1_ROW_BYTES.div_ceil(tokens_per_entry.max(1))
+            }
+            RowLayout::EntryValuesThenScales {
+                data_bytes,
+                scale_bytes,
+                tokens_per_entry,
+            } => (data_bytes + scale_bytes).div_ceil(tokens_per_entry.max(1)),
+        }
+    }
+
+    /// Tokens one row stands for (1 but for the per-entry layouts).
+    pub fn tokens_per_entry(&self) -> u32 {
+        match *self {
+            RowLayout::Interleaved { .. } | RowLayout::ValuesThenScales { .. } => 1,
+            RowLayout::Model1 { tokens_per_entry }
+            | RowLayout::EntryValuesThenScales {
+                tokens_per_entry, ..
+            } => tokens_per_entry,
+        }
+    }
+
+    /// Bytes of a page of `tokens` tokens (a multiple of
+    /// [`tokens_per_entry`](Self::tokens_per_entry)), padding included.
+    pub fn page_bytes(&self, tokens: u32) -> u64 {
+        match *self {
+            RowLayout::Interleaved { .. } | RowLayout::ValuesThenScales { .. } => {
+                u64::from(self.bytes_per_token()) * u64::from(tokens)
+            }
+            RowLayout::Model1 { tokens_per_entry } => Model1PageLayout {
+                entries: tokens / tokens_per_entry.max(1),
+            }
+            .page_bytes(),
+            RowLayout::EntryValuesThenScales {
+                data_bytes,
+                scale_bytes,
+                tokens_per_entry,
+            } => u64::from(tokens / tokens_per_entry.max(1)) * u64::from(data_bytes + scale_bytes),
         }
     }
 
     /// Byte ranges `(offset, len)` inside a page of `tokens_per_block` tokens that hold
     /// token `pos`: one range for interleaved rows, two (value, scale) for split pages.
+    ///
+    /// The per-entry layouts give entry `pos` of a page of `tokens_per_block` tokens
+    /// (`pos < tokens_per_block / tokens_per_entry`).
     pub fn token_ranges(&self, tokens_per_block: u32, pos: u32) -> TokenRanges {
-        debug_assert!(pos < tokens_per_block);
+        debug_assert!(pos < tokens_per_block / self.tokens_per_entry().max(1));
         match *self {
+            RowLayout::Model1 { tokens_per_entry } => {
+                let page = Model1PageLayout {
+                    entries: tokens_per_block / tokens_per_entry.max(1),
+                };
+                TokenRanges {
+                    value: (page.data_offset(0, pos), MODEL1_DATA_BYTES),
+                    scale: Some((page.scale_offset(0, pos), MODEL1_SCALE_BYTES)),
+                }
+            }
+            RowLayout::EntryValuesThenScales {
+                data_bytes,
+                scale_bytes,
+                tokens_per_entry,
+            } => {
+                let split = IndexerPageLayout {
+                    tokens_per_block: tokens_per_block / tokens_per_entry.max(1),
+                    data_bytes,
+                    scale_bytes,
+                };
+                TokenRanges {
+                    value: (split.value_offset(0, pos), data_bytes),
+                    scale: Some((split.scale_offset(0, pos), scale_bytes)),
+                }
+            }
             RowLayout::Interleaved { row_bytes } => TokenRanges {
                 value: (u64::from(pos) * u64::from(row_bytes), row_bytes),
                 scale: None,
@@ -206,6 +290,40 @@ mod tests {
                 scale: Some((8200, 4))
             }
         );
+        // MODEL1, a 64-entry page of 256 tokens: data rows, then scale rows, padded.
+        let c4 = RowLayout::Model1 {
+            tokens_per_entry: 4,
+        };
+        assert_eq!(c4.page_bytes(256), 37_440);
+        assert_eq!(c4.bytes_per_token(), 146);
+        assert_eq!(
+            c4.token_ranges(256, 3),
+            TokenRanges {
+                value: (3 * 576, 576),
+                scale: Some((64 * 576 + 3 * 8, 8))
+            }
+        );
+        assert_eq!(
+            RowLayout::Model1 {
+                tokens_per_entry: 128
+            }
+            .page_bytes(256),
+            1_728
+        );
+        let ci = RowLayout::EntryValuesThenScales {
+            data_bytes: 128,
+            scale_bytes: 4,
+            tokens_per_entry: 4,
+        };
+        assert_eq!(ci.page_bytes(256), 8_448);
+        assert_eq!(
+            ci.token_ranges(256, 2),
+            TokenRanges {
+                value: (256, 128),
+                scale: Some((8200, 4))
+            }
+        );
+        assert_eq!(idx.page_bytes(64), 8_448);
         assert_eq!(FP8_DS_MLA_NOPE_BYTES / FP8_DS_MLA_TILE, 4);
         assert_eq!(FP8_DS_MLA_ROPE_OFFSET + 64 * 2, FP8_DS_MLA_ROW_BYTES);
     }

@@ -207,6 +207,21 @@ pub enum LayoutError {
         /// The plan's tokens per block.
         tokens_per_block: u32,
     },
+    /// A per-entry row layout whose entries do not tile the page.
+    #[error(
+        "layer {layer} role {role}: one entry per {tokens_per_entry} tokens does not tile a \
+         {page_tokens}-token page; tokens_per_entry must be positive and divide the page"
+    )]
+    BadEntry {
+        /// The layer.
+        layer: LayerId,
+        /// The role.
+        role: Role,
+        /// Tokens per entry given.
+        tokens_per_entry: u32,
+        /// Tokens per page.
+        page_tokens: u32,
+    },
     /// A query for a buffer the layer does not have.
     #[error("layer {layer} has no {role} buffer{hint}")]
     NoSuchBuffer {

@@ -50,6 +50,8 @@ pub struct BufferPlacement {
     pub converter: PageIndexConverter,
     /// Token layout inside a page.
     pub row: RowLayout,
+    /// Tokens per page (the plan's tokens per block, or the buffer's override).
+    pub page_tokens: u32,
 }
 
 impl BufferPlacement {
@@ -61,7 +63,7 @@ impl BufferPlacement {
 
     /// Tokens per page of this buffer.
     pub fn tokens_per_page(&self) -> u32 {
-        (self.page_stride / u64::from(self.row.bytes_per_token())) as u32
+        self.page_tokens
     }
 }
 

@@ -498,6 +498,26 @@ fn spec_validation_errors() {
         PoolPlan::v2(64, vec![bad]),
         Err(LayoutError::BadOverride { got: 48, .. })
     ));
+    let mut bad = ok(0);
+    bad.buffers[0].row = RowLayout::Model1 {
+        tokens_per_entry: 128,
+    };
+    assert_eq!(
+        PoolPlan::v2(64, vec![bad.clone()]),
+        Err(LayoutError::BadEntry {
+            layer: LayerId(0),
+            role: Role::Key,
+            tokens_per_entry: 128,
+            page_tokens: 64
+        })
+    );
+    bad.buffers[0].row = RowLayout::Model1 {
+        tokens_per_entry: 0,
+    };
+    assert!(matches!(
+        PoolPlan::v2(64, vec![bad]),
+        Err(LayoutError::BadEntry { .. })
+    ));
     let p = PoolPlan::v2(64, vec![ok(0)]).unwrap();
     assert!(matches!(
         p.placement(LayerId(0), Role::All),

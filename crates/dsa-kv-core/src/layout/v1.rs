@@ -94,6 +94,7 @@ impl PoolPlan {
                         expansion: 1,
                     },
                     row: b0.row,
+                    page_tokens: tokens_per_block,
                 });
             }
         }
@@ -123,6 +124,7 @@ impl PoolPlan {
                     expansion: 1,
                 },
                 row: b.row,
+                page_tokens: tokens_per_block,
             });
         }
         placements.sort_by_key(|p| (p.layer, p.role));

@@ -52,6 +52,16 @@ pub(super) fn canonical_specs(
                     role: b.role,
                 });
             }
+            let entry = b.row.tokens_per_entry();
+            let page_tokens = b.tokens_per_block_override.unwrap_or(tokens_per_block);
+            if entry == 0 || !page_tokens.is_multiple_of(entry) {
+                return Err(LayoutError::BadEntry {
+                    layer: spec.layer,
+                    role: b.role,
+                    tokens_per_entry: entry,
+                    page_tokens,
+                });
+            }
             if let Some(o) = b.tokens_per_block_override {
                 if o == 0 || !tokens_per_block.is_multiple_of(o) {
                     return Err(LayoutError::BadOverride {
@@ -80,13 +90,10 @@ pub(super) fn life_cycles_of(layers: &[LayerSpec]) -> Vec<LifeCycleKey> {
 
 /// Page geometry of one buffer: (expanded bytes per block, page stride, expansion).
 pub(super) fn buffer_geometry(tokens_per_block: u32, b: &BufferSpec) -> (u64, u64, u32) {
-    let per_token = u64::from(b.row.bytes_per_token());
     let page_tokens = b.tokens_per_block_override.unwrap_or(tokens_per_block);
-    (
-        per_token * u64::from(tokens_per_block),
-        per_token * u64::from(page_tokens),
-        tokens_per_block / page_tokens,
-    )
+    let expansion = tokens_per_block / page_tokens;
+    let stride = b.row.page_bytes(page_tokens);
+    (stride * u64::from(expansion), stride, expansion)
 }
 
 /// Buffers of one life cycle with one expanded size, in physical order.
@@ -190,6 +197,7 @@ impl PoolPlan {
                                 expansion,
                             },
                             row: b.row,
+                            page_tokens: tokens_per_block / expansion,
                         });
                     }
                 }

@@ -52,7 +52,7 @@ impl MetadataLayout {
                     data_bytes,
                     scale_bytes,
                 }),
-                RowLayout::Interleaved { .. } => Err(LayoutError::NoSuchBuffer {
+                _ => Err(LayoutError::NoSuchBuffer {
                     layer: p.layer,
                     role: Role::IndexKey,
                     hint: ": an indexer buffer must use the values-then-scales page layout",

@@ -18,7 +18,8 @@
 use serde::Serialize;
 
 use super::super::{
-    IndexerPageLayout, Model1PageLayout, PageIndexConverter, Role, INDEXER_SCALE_BYTES,
+    BufferSpec, IndexerPageLayout, LayerSpec, LifeCycleKey, Model1PageLayout, PageIndexConverter,
+    PoolPlan, Role, RowLayout, INDEXER_SCALE_BYTES,
 };
 use crate::config::{
     IndexerDtype, V4Error, V4LayerKind, V4Spec, V4_BLOCK_TOKENS, V4_WINDOW_PAGE_TOKENS,
@@ -501,6 +502,43 @@ impl V4Plan {
             .sum()
     }
 
+    /// The compressed life cycle as a [`PoolPlan`] (one life cycle, 256-token blocks,
+    /// the same pools and converters as this plan's): what the block manager allocates,
+    /// reuses and evicts. `None` for a model without compressed layers.
+    pub fn compressed_pool_plan(&self) -> Option<PoolPlan> {
+        let lc = self.life_cycle(V4LifeCycleKind::Compressed)?.id;
+        let mut specs: Vec<LayerSpec> = Vec::new();
+        for b in self.buffers.iter().filter(|b| b.life_cycle == lc) {
+            let row = match b.format {
+                V4PageFormat::Model1 {
+                    tokens_per_entry, ..
+                } => RowLayout::Model1 { tokens_per_entry },
+                V4PageFormat::IndexKeys {
+                    page,
+                    tokens_per_entry,
+                } => RowLayout::EntryValuesThenScales {
+                    data_bytes: page.data_bytes,
+                    scale_bytes: page.scale_bytes,
+                    tokens_per_entry,
+                },
+                V4PageFormat::State { row_bytes, .. } => RowLayout::Interleaved { row_bytes },
+            };
+            let buffer = BufferSpec::new(b.role, row);
+            match specs.last_mut() {
+                Some(s) if s.layer == b.layer => s.buffers.push(buffer),
+                _ => specs.push(LayerSpec {
+                    layer: b.layer,
+                    life_cycle: LifeCycleKey(0),
+                    buffers: vec![buffer],
+                }),
+            }
+        }
+        Some(
+            PoolPlan::v2(V4_BLOCK_TOKENS, specs)
+                .expect("invariant: a validated V4 spec gives valid compressed buffers"),
+        )
+    }
+
     /// The bytes the tails of one retained block boundary keep (the window pages a
     /// request resuming there reads).
     pub fn tail_bytes(&self) -> u64 {
@@ -613,6 +651,45 @@ mod tests {
             .collect();
         assert_eq!(tails, [0, 2, 1, 0]);
         assert_eq!(p.tail_bytes(), 2 * 44 * 37_440 + 21 * 4 * (8_192 + 2_048));
+    }
+
+    /// The block manager's plan of the compressed life cycle has this plan's pools,
+    /// converters and page strides, 256-token blocks and the same bytes per block.
+    #[test]
+    fn the_compressed_pool_plan_agrees() {
+        for spec in [V4Spec::flash(), V4Spec::pro()] {
+            let p = V4Plan::new(&spec).unwrap();
+            let pp = p.compressed_pool_plan().unwrap();
+            assert_eq!(pp.tokens_per_block(), 256);
+            assert_eq!(pp.bytes_per_block(), p.bytes_per_block());
+            let lc = p.life_cycle(V4LifeCycleKind::Compressed).unwrap();
+            let slots: Vec<u64> = pp.pool_groups()[0]
+                .pools
+                .iter()
+                .map(|q| q.slot_bytes)
+                .collect();
+            let want: Vec<u64> = lc.pools.iter().map(V4Pool::slot_bytes).collect();
+            assert_eq!(slots, want);
+            let mut n = 0;
+            for b in p.buffers().iter().filter(|b| b.life_cycle == lc.id) {
+                let pl = pp.placement(b.layer, b.role).unwrap();
+                assert_eq!(pl.converter, b.converter);
+                assert_eq!(pl.pool, b.pool);
+                assert_eq!(pl.page_stride, b.page_bytes());
+                assert_eq!(pl.offset_in_slot, b.offset_in_slot);
+                assert_eq!(pl.tokens_per_page(), 256);
+                n += 1;
+            }
+            assert_eq!(n, pp.placements().len());
+        }
+        let window_only = V4Spec {
+            compress_ratios: vec![0, 0],
+            ..V4Spec::flash()
+        };
+        assert!(V4Plan::new(&window_only)
+            .unwrap()
+            .compressed_pool_plan()
+            .is_none());
     }
 
     /// Every buffer has one placement, the placements of a pool tile its slot exactly,
