@@ -27,6 +27,7 @@ mod sequence_ops;
 #[cfg_attr(not(any(test, feature = "testing")), allow(unreachable_pub, dead_code))]
 mod slot_allocator;
 mod transfer;
+mod window;
 
 pub use cached_blocks::CachedPage;
 pub use error::{KvError, SeqStatus};
@@ -41,6 +42,7 @@ pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc};
+pub use window::{WindowCache, WindowError, WindowSpec, WindowStats};
 
 // Feature `testing`: the raw allocator and fence clock the manager is built from, and the
 // reference replay of router events that tests check streams against.
