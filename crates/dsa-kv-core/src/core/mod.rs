@@ -27,6 +27,7 @@ mod sequence_ops;
 #[cfg_attr(not(any(test, feature = "testing")), allow(unreachable_pub, dead_code))]
 mod slot_allocator;
 mod transfer;
+mod v4;
 mod window;
 
 pub use cached_blocks::CachedPage;
@@ -42,6 +43,7 @@ pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc};
+pub use v4::{V4CacheManager, V4Created, V4Error, V4Options, V4Slots, V4Stats};
 pub use window::{WindowCache, WindowError, WindowSpec, WindowStats};
 
 // Feature `testing`: the raw allocator and fence clock the manager is built from, and the

@@ -33,6 +33,9 @@ use crate::layout::{Retention, V4Plan};
 #[cfg(test)]
 mod tests;
 
+/// Use stamps below this mark demoted tails (evicted before every other tail).
+const DEMOTED_STAMPS: u64 = 1 << 48;
+
 /// One window life cycle's geometry.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct WindowSpec {
@@ -212,9 +215,12 @@ pub struct WindowCache {
     free_pages: Vec<u32>,
     seqs: HashMap<RequestId, Rings>,
     tails: BTreeMap<BlockKey, Tail>,
-    /// Tails by last use.
+    /// Tails by last use (demoted tails first).
     lru: BTreeSet<(u64, BlockKey)>,
+    /// The next use stamp (starts above every demotion stamp).
     stamp: u64,
+    /// The next demotion stamp.
+    demoted: u64,
     stats: WindowStats,
 }
 
@@ -243,7 +249,8 @@ impl WindowCache {
             seqs: HashMap::new(),
             tails: BTreeMap::new(),
             lru: BTreeSet::new(),
-            stamp: 0,
+            stamp: DEMOTED_STAMPS,
+            demoted: 0,
             stats: WindowStats::default(),
         })
     }
@@ -266,6 +273,11 @@ impl WindowCache {
     /// Tails kept.
     pub fn num_tails(&self) -> usize {
         self.tails.len()
+    }
+
+    /// The blocks that have a tail.
+    pub fn tail_keys(&self) -> impl Iterator<Item = &BlockKey> {
+        self.tails.keys()
     }
 
     /// Whether a tail is kept for `key`.
@@ -595,6 +607,28 @@ impl WindowCache {
         self.lru.remove(&(t.stamp, *key));
         self.unref(t.pages.into_iter().flatten(), false, last_use);
         true
+    }
+
+    /// Makes the tail of `key` the next to be evicted (after those demoted earlier) while
+    /// keeping it usable: the retention policy's way of saying nobody is likely to resume
+    /// there. A later use (a resume, a new link of the same block) promotes it again.
+    /// Whether one was kept.
+    pub fn demote(&mut self, key: &BlockKey) -> bool {
+        let Some(t) = self.tails.get_mut(key) else {
+            return false;
+        };
+        self.lru.remove(&(t.stamp, *key));
+        self.demoted += 1;
+        t.stamp = self.demoted;
+        self.lru.insert((t.stamp, *key));
+        true
+    }
+
+    /// Whether the tail of `key` is demoted.
+    pub fn is_demoted(&self, key: &BlockKey) -> bool {
+        self.tails
+            .get(key)
+            .is_some_and(|t| t.stamp < DEMOTED_STAMPS)
     }
 
     /// Drops the tail of `key` (its block left the prefix tree, or the retention policy

@@ -218,6 +218,20 @@ fn tails_make_room_only_when_that_suffices() {
     assert!(!w.has_tail(&keys[0]) && w.has_tail(&keys[1]));
     assert_eq!(w.stats().tails_evicted, 1);
     w.check_invariants();
+    // A demoted tail goes before an older one that is not.
+    w.close(c, f).unwrap();
+    let d = RequestId(10);
+    w.open(d, None).unwrap();
+    assert!(w.ensure(d, 257, f, f).unwrap());
+    let newer = BlockKey([7; 32]);
+    w.commit(d, 257, &[(256, newer)], BLOCK, f).unwrap();
+    w.close(d, f).unwrap();
+    assert!(w.demote(&newer) && w.is_demoted(&newer) && !w.is_demoted(&keys[1]));
+    let e = RequestId(11);
+    w.open(e, None).unwrap();
+    assert!(w.ensure(e, 4 * 64, f, f).unwrap());
+    assert!(!w.has_tail(&newer) && w.has_tail(&keys[1]));
+    assert!(!w.demote(&newer));
     assert!(w.drop_tail(&keys[1], f));
     assert!(!w.drop_tail(&keys[1], f));
     w.check_invariants();

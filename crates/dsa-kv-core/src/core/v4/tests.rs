@@ -1,0 +1,498 @@
+use std::collections::HashMap;
+
+use super::*;
+use crate::config::V4Spec;
+
+const T: u64 = 256;
+
+/// SplitMix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+fn manager(blocks: u32, windows: [u32; 3], opts: V4Options) -> V4CacheManager {
+    V4CacheManager::new(
+        V4Plan::new(&V4Spec::flash()).unwrap(),
+        V4Slots {
+            blocks: TierSlots {
+                gpu: vec![blocks],
+                host: vec![],
+            },
+            windows: windows.to_vec(),
+        },
+        opts,
+    )
+    .unwrap()
+}
+
+fn toks(range: impl IntoIterator<Item = u32>) -> Vec<TokenId> {
+    range.into_iter().map(TokenId).collect()
+}
+
+/// Runs `id` from its reused prefix through its prompt (chunks of `chunk`), then
+/// `generate` tokens in MTP steps (1 token + `drafts` drafts written, a seeded number
+/// accepted), completing every step's fence. Returns every committed token.
+fn run(
+    m: &mut V4CacheManager,
+    id: RequestId,
+    prompt: &[TokenId],
+    generate: u64,
+    drafts: u64,
+    rng: &mut Rng,
+) -> Vec<TokenId> {
+    assert!(m.resume(id).unwrap());
+    let mut done = m.committed(id).unwrap() as usize;
+    let mut tokens = prompt[..done].to_vec();
+    let chunk = 300;
+    while done < prompt.len() {
+        let n = (prompt.len() - done).min(chunk);
+        assert!(
+            m.resize(id, (done + n) as u64, done as u64).unwrap(),
+            "room for the prompt"
+        );
+        let f = m.issue_fence();
+        m.commit(id, &prompt[done..done + n]).unwrap();
+        m.complete_fences(f).unwrap();
+        tokens.extend_from_slice(&prompt[done..done + n]);
+        done += n;
+        m.check_invariants();
+    }
+    let end = prompt.len() as u64 + generate;
+    while (tokens.len() as u64) < end {
+        let c = tokens.len() as u64;
+        assert!(m.resize(id, c + 1 + drafts, c).unwrap(), "room to decode");
+        let f = m.issue_fence();
+        let accepted = (1 + rng.below(drafts + 1)).min(end - c);
+        let new = toks((0..accepted).map(|_| 50_000 + rng.below(1000) as u32));
+        m.commit(id, &new).unwrap();
+        assert!(m.resize(id, c + accepted, c + accepted).unwrap());
+        m.complete_fences(f).unwrap();
+        tokens.extend(new);
+    }
+    m.check_invariants();
+    tokens
+}
+
+#[test]
+fn partial_reuse_window_only_models_and_suspends_are_refused() {
+    let plan = V4Plan::new(&V4Spec::flash()).unwrap();
+    let slots = V4Slots {
+        blocks: TierSlots {
+            gpu: vec![8],
+            host: vec![],
+        },
+        windows: vec![8, 200, 100],
+    };
+    let partial = V4Options {
+        blocks: ManagerOptions::default(),
+        ..V4Options::default()
+    };
+    assert!(matches!(
+        V4CacheManager::new(plan.clone(), slots.clone(), partial),
+        Err(V4Error::PartialReuse)
+    ));
+    let window_only = V4Spec {
+        compress_ratios: vec![0, 0],
+        ..V4Spec::flash()
+    };
+    assert!(matches!(
+        V4CacheManager::new(
+            V4Plan::new(&window_only).unwrap(),
+            slots.clone(),
+            V4Options::default()
+        ),
+        Err(V4Error::NoBlocks { .. })
+    ));
+    let mut m = V4CacheManager::new(plan, slots, V4Options::default()).unwrap();
+    let id = RequestId(1);
+    assert!(matches!(
+        m.create(id, ReuseScope::SHARED, &[], SeqOptions::default()),
+        Err(V4Error::EmptyPrompt { .. })
+    ));
+    m.create(id, ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .unwrap();
+    assert!(matches!(m.suspend(id), Err(V4Error::NoSuspend { .. })));
+    assert!(matches!(
+        m.create(id, ReuseScope::SHARED, &toks(0..10), SeqOptions::default()),
+        Err(V4Error::Blocks(KvError::DuplicateRequest { .. }))
+    ));
+    m.close(id).unwrap();
+    m.check_invariants();
+}
+
+/// When the windows have no room, the blocks do not grow either.
+#[test]
+fn a_resize_grows_both_halves_or_neither() {
+    let mut m = manager(64, [4, 200, 100], V4Options::default());
+    let id = RequestId(1);
+    m.create(
+        id,
+        ReuseScope::SHARED,
+        &toks(0..1000),
+        SeqOptions::default(),
+    )
+    .unwrap();
+    assert!(m.resume(id).unwrap());
+    // 300 positions need 5 window pages of 64: only 4 exist.
+    assert!(!m.resize(id, 300, 0).unwrap());
+    assert_eq!(m.blocks().info_of(&m.seqs[&id].handle).unwrap().capacity, 0);
+    assert_eq!(m.windows().used_slots(), [0, 0, 0]);
+    assert!(m.resize(id, 250, 0).unwrap());
+    assert_eq!(m.windows().used_slots(), [4, 63, 32]);
+    assert_eq!(m.block_slots(id).unwrap().len(), 1);
+    m.check_invariants();
+    m.close(id).unwrap();
+}
+
+/// The issue's MTP case (vLLM #51441: with MTP, a prompt whose length is not a multiple
+/// of 256 missed the prefix cache completely): a prompt is run, its answer decoded in MTP
+/// steps (3 drafts, seeded acceptance), the request closed; then the same prompt comes
+/// again (the lookup leaves its last token out), and the whole conversation comes back
+/// as the next turn. Measured: blocks lost against the deepest cached boundary the
+/// lookup can use. Ours: none, at every length.
+#[test]
+fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
+    let mut rng = Rng(0x51441);
+    let lengths = [257u32, 300, 511, 700, 1000, 1025, 1500, 2049, 3000, 4095];
+    let mut report = Vec::new();
+    let mut evicted = 0;
+    for (i, &len) in lengths.iter().enumerate() {
+        // 14 window slots: a 300-token chunk's ring takes up to 7, each tail 2, so the
+        // boundaries a long answer crosses evict tails; the retention policy decides
+        // which.
+        let mut m = manager(256, [14, 2_000, 1_000], V4Options::default());
+        let base = 1_000 * i as u32;
+        let prompt = toks(base * 10..base * 10 + len);
+        let a = RequestId(1);
+        m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
+            .unwrap();
+        let conversation = run(&mut m, a, &prompt, 1_500, 3, &mut rng);
+        m.close(a).unwrap();
+        // The same prompt again.
+        let b = RequestId(2);
+        let hit = m
+            .create(b, ReuseScope::SHARED, &prompt, SeqOptions::default())
+            .unwrap();
+        let deepest = (u64::from(len) - 1) / T * T;
+        assert_eq!(
+            (hit.reused_tokens, hit.backed_off_blocks),
+            (deepest, 0),
+            "prompt of {len}"
+        );
+        m.close(b).unwrap();
+        // The next turn: the whole conversation and a new message.
+        let mut next = conversation.clone();
+        next.extend(toks(90_000..90_050));
+        let c = RequestId(3);
+        let turn = m
+            .create(c, ReuseScope::SHARED, &next, SeqOptions::default())
+            .unwrap();
+        let last = conversation.len() as u64 / T * T;
+        assert_eq!(
+            (turn.reused_tokens, turn.backed_off_blocks),
+            (last, 0),
+            "next turn after a prompt of {len}"
+        );
+        m.close(c).unwrap();
+        m.check_invariants();
+        report.push((len, hit.reused_tokens, deepest, turn.reused_tokens, last));
+        evicted += m.window_stats().tails_evicted;
+    }
+    assert!(
+        evicted > 20,
+        "the windows were under pressure: {evicted} tails evicted"
+    );
+    // The table ARCHITECTURE.md quotes.
+    for (len, hit, deepest, turn, last) in report {
+        eprintln!(
+            "prompt {len}: same prompt reuses {hit} of {deepest}; next turn {turn} of {last}"
+        );
+    }
+}
+
+/// A tail dropped (its block evicted, or demoted and evicted for room) makes the next hit
+/// back off to the deepest boundary that still has one, never further.
+#[test]
+fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
+    let mut rng = Rng(7);
+    let opts = V4Options {
+        tail_interval: 2,
+        ..V4Options::default()
+    };
+    let mut m = manager(256, [32, 2_000, 1_000], opts);
+    let prompt = toks(0..2_000);
+    let a = RequestId(1);
+    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
+        .unwrap();
+    run(&mut m, a, &prompt, 0, 0, &mut rng);
+    m.close(a).unwrap();
+    // Kept: the prompt's last two boundaries (1536, 1792) and every second one (512, 1024,
+    // 1536); the others (256, 768, 1280) demoted but still usable while there is room.
+    assert_eq!(m.stats().tails_demoted, 3);
+    let b = RequestId(2);
+    let hit = m
+        .create(
+            b,
+            ReuseScope::SHARED,
+            &toks(0..1_300),
+            SeqOptions::default(),
+        )
+        .unwrap();
+    assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_280, 0));
+    m.close(b).unwrap();
+    // The tail at 1280 goes (as when its block is evicted): back off one block, to 1024.
+    let key = |n: u32| {
+        let mut k = ReuseScope::SHARED.root_key();
+        for b in toks(0..n).chunks(256) {
+            k = KeyHasher::default().block_key(&k, b);
+        }
+        k
+    };
+    let f = m.blocks().issued_fence();
+    assert!(m.windows.drop_tail(&key(1_280), f));
+    let c = RequestId(3);
+    let hit = m
+        .create(
+            c,
+            ReuseScope::SHARED,
+            &toks(0..1_300),
+            SeqOptions::default(),
+        )
+        .unwrap();
+    assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_024, 1));
+    assert_eq!(m.stats().backed_off_blocks, 1);
+    m.close(c).unwrap();
+    m.check_invariants();
+}
+
+/// Evicting a block from the prefix tree drops its tail (the invariant check asserts no
+/// tail outlives its block), and clearing the prefix cache drops them all.
+#[test]
+fn tails_follow_their_blocks_out_of_the_tree() {
+    let mut rng = Rng(3);
+    // 12 blocks: a second long prompt must evict the first one's blocks.
+    let mut m = manager(12, [40, 2_000, 1_000], V4Options::default());
+    for (i, start) in [0u32, 100_000].into_iter().enumerate() {
+        let prompt = toks(start..start + 2_600);
+        let id = RequestId(i as u64);
+        m.create(id, ReuseScope::SHARED, &prompt, SeqOptions::default())
+            .unwrap();
+        run(&mut m, id, &prompt, 0, 0, &mut rng);
+        m.close(id).unwrap();
+        m.check_invariants();
+    }
+    let events = m.take_events();
+    assert!(events.iter().any(|e| matches!(e, KvEvent::Removed { .. })));
+    assert!(m.windows().num_tails() > 0);
+    m.reset_prefix_cache().unwrap();
+    assert_eq!(m.windows().num_tails(), 0);
+    assert_eq!(m.windows().used_slots(), [0, 0, 0]);
+    m.check_invariants();
+}
+
+/// Many sequences at once, sharing prefixes, with chunked prefill, MTP decoding, closes
+/// and recompute preemption when room runs out: the block table and window tables of
+/// every sequence give, for every position a step reads, the row its own prefix wrote
+/// (compressed entries through the blocks, raw rows and states through the windows).
+#[test]
+fn blocks_and_windows_read_what_their_prefix_wrote() {
+    for seed in 0..6 {
+        model(seed);
+    }
+}
+
+fn mix(h: u64, x: u64) -> u64 {
+    let mut z = (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z ^= z >> 29;
+    z.wrapping_mul(0xbf58_476d_1ce4_e5b9)
+}
+
+struct Live {
+    id: RequestId,
+    tokens: Vec<TokenId>,
+    prompt: Vec<TokenId>,
+    end: usize,
+}
+
+/// Memory of every pool: (cache, slot) → values by index in the page. Caches: 0–2 the
+/// window life cycles, 3 the ratio-4 entries, 4 the ratio-128 entries.
+type Memory = HashMap<(usize, u32), HashMap<u64, u64>>;
+
+fn model(seed: u64) {
+    let mut rng = Rng(seed);
+    let mut m = manager(
+        24 + rng.below(40) as u32,
+        [12 + rng.below(20) as u32, 300, 200],
+        V4Options {
+            tail_interval: rng.below(4) as u32,
+            ..V4Options::default()
+        },
+    );
+    let specs: Vec<WindowSpec> = m.windows().specs().to_vec();
+    let bases: Vec<Vec<TokenId>> = (0..2)
+        .map(|b| toks((0..1_800).map(|i| (mix(b, i) % 5_000) as u32)))
+        .collect();
+    let mut mem: Memory = HashMap::new();
+    let mut live: Vec<Live> = Vec::new();
+    let (mut next, mut hits, mut steps) = (0u64, 0u64, 0u64);
+    for _ in 0..800 {
+        if live.len() < 3 && rng.below(3) == 0 {
+            let mut prompt = bases[rng.below(2) as usize][..rng.below(1_700) as usize].to_vec();
+            prompt.extend(toks(
+                (0..1 + rng.below(200)).map(|_| 9_000 + rng.below(500) as u32),
+            ));
+            let id = RequestId(next);
+            next += 1;
+            let c = m
+                .create(id, ReuseScope::SHARED, &prompt, SeqOptions::default())
+                .unwrap();
+            hits += u64::from(c.reused_tokens > 0);
+            if !m.resume(id).unwrap() {
+                m.close(id).unwrap();
+                continue;
+            }
+            let end = prompt.len() + rng.below(60) as usize;
+            live.push(Live {
+                id,
+                tokens: prompt[..c.reused_tokens as usize].to_vec(),
+                prompt,
+                end,
+            });
+        } else if !live.is_empty() {
+            let i = rng.below(live.len() as u64) as usize;
+            let done = live[i].tokens.len() >= live[i].end;
+            if done || !step(&mut m, &mut mem, &specs, &mut live[i], &mut rng) {
+                // Finished, or no room: closed (a preemption is a close and a later
+                // re-create).
+                let s = live.swap_remove(i);
+                m.close(s.id).unwrap();
+            } else {
+                steps += 1;
+            }
+        }
+        m.check_invariants();
+    }
+    for s in live {
+        m.close(s.id).unwrap();
+    }
+    m.check_invariants();
+    assert!(
+        steps > 100 && hits > 3,
+        "seed {seed}: {steps} steps, {hits} hits"
+    );
+}
+
+fn step(
+    m: &mut V4CacheManager,
+    mem: &mut Memory,
+    specs: &[WindowSpec],
+    s: &mut Live,
+    rng: &mut Rng,
+) -> bool {
+    let c = s.tokens.len();
+    let prefill = c < s.prompt.len();
+    let n = if prefill {
+        (s.prompt.len() - c).min(1 + rng.below(300) as usize)
+    } else {
+        1 + rng.below(4) as usize
+    };
+    if !m.resize(s.id, (c + n) as u64, c as u64).unwrap() {
+        return false;
+    }
+    let f = m.issue_fence();
+    let mut tokens = s.tokens.clone();
+    for j in 0..n {
+        tokens.push(if prefill {
+            s.prompt[c + j]
+        } else {
+            TokenId(20_000 + rng.below(100) as u32)
+        });
+    }
+    let mut prefix = Vec::with_capacity(tokens.len());
+    let mut h = 1u64;
+    for t in &tokens {
+        h = mix(h, u64::from(t.get()));
+        prefix.push(h);
+    }
+    let blocks = m.block_slots(s.id).unwrap();
+    // Writes: every window row; a compressed entry at the last token of its group.
+    for p in c..c + n {
+        for (lc, spec) in specs.iter().enumerate() {
+            let (start, slots) = m.window_table(s.id, lc).unwrap();
+            let page = u64::from(spec.tokens_per_page);
+            let slot = slots[((p as u64 - start) / page) as usize];
+            mem.entry((lc, slot.get()))
+                .or_default()
+                .insert(p as u64 % page, mix(prefix[p], lc as u64));
+        }
+        for (cache, r) in [(3usize, 4u64), (4, 128)] {
+            if (p as u64 + 1).is_multiple_of(r) {
+                let slot = blocks[p / T as usize];
+                mem.entry((cache, slot.get()))
+                    .or_default()
+                    .insert((p as u64 % T) / r, mix(prefix[p], r));
+            }
+        }
+    }
+    // Reads of the step: every window row its queries read, and every visible compressed
+    // entry (sampled for long contexts).
+    for (lc, spec) in specs.iter().enumerate() {
+        let (start, slots) = m.window_table(s.id, lc).unwrap();
+        let page = u64::from(spec.tokens_per_page);
+        let low = match lc {
+            0 => (c as u64).saturating_sub(127),
+            1 => (c as u64 / 4 * 4).saturating_sub(4),
+            _ => c as u64 / 128 * 128,
+        };
+        for r in low..(c + n) as u64 {
+            assert!(
+                r >= start,
+                "lc {lc}: position {r} before the ring's {start}"
+            );
+            let slot = slots[((r - start) / page) as usize];
+            assert_eq!(
+                mem.get(&(lc, slot.get())).and_then(|v| v.get(&(r % page))),
+                Some(&mix(prefix[r as usize], lc as u64)),
+                "lc {lc}: position {r}"
+            );
+        }
+    }
+    for (cache, r) in [(3usize, 4u64), (4, 128)] {
+        let visible = (c + n) as u64 / r;
+        for _ in 0..32.min(visible) {
+            let w = rng.below(visible);
+            let last = (w * r + r - 1) as usize;
+            let slot = blocks[last / T as usize];
+            assert_eq!(
+                mem.get(&(cache, slot.get()))
+                    .and_then(|v| v.get(&((last as u64 % T) / r))),
+                Some(&mix(prefix[last], r)),
+                "ratio {r}: entry {w}"
+            );
+        }
+    }
+    let accepted = if prefill {
+        n
+    } else {
+        1 + rng.below(n as u64) as usize
+    };
+    m.commit(s.id, &tokens[c..c + accepted]).unwrap();
+    let k = (c + accepted) as u64;
+    assert!(m.resize(s.id, k, k).unwrap());
+    m.complete_fences(f).unwrap();
+    tokens.truncate(c + accepted);
+    s.tokens = tokens;
+    true
+}
