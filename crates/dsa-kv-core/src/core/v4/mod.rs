@@ -247,6 +247,22 @@ impl V4CacheManager {
         std::mem::take(&mut self.events)
     }
 
+    /// Copy plans the block manager decided since the last call (onloads of reused blocks
+    /// from the host tier, offloads), in the order they must run.
+    pub fn take_copy_plans(&mut self) -> Vec<crate::ops::CopyPlan> {
+        self.blocks.take_copy_plans()
+    }
+
+    /// Router events (the block manager's, for KV-aware routers) since the last call.
+    pub fn take_router_events(&mut self) -> Vec<super::RouterEvent> {
+        self.blocks.take_router_events()
+    }
+
+    /// Turns the recording of router events on or off.
+    pub fn set_record_router_events(&mut self, on: bool) {
+        self.blocks.set_record_router_events(on);
+    }
+
     /// Creates a sequence for `prompt`, serving its longest cached prefix of whole blocks
     /// whose last boundary has a window tail (never the last token). The sequence starts
     /// suspended in the block manager; [`resume`](Self::resume) brings its blocks to the
