@@ -9,6 +9,7 @@ mod draft;
 mod error;
 pub mod mirror;
 mod step;
+pub mod v4;
 
 /// A request's step kind: the scheduler's (one type, re-exported here for the builder's
 /// callers).

@@ -2,6 +2,7 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::config::V4Spec;
+use crate::metadata::v4 as meta;
 
 const T: u64 = 256;
 
@@ -444,6 +445,59 @@ fn step(
                     .or_default()
                     .insert((p as u64 % T) / r, mix(prefix[p], r));
             }
+        }
+    }
+    // The metadata references (`metadata::v4`) address the same rows as the arithmetic
+    // above: the write mappings of every cache, and the window indices of the step's last
+    // query.
+    let unit = crate::layout::PageIndexConverter {
+        scale: 1,
+        layer_offset: 0,
+        expansion: 1,
+    };
+    for (lc, spec) in specs.iter().enumerate() {
+        let (start, slots) = m.window_table(s.id, lc).unwrap();
+        let page = u64::from(spec.tokens_per_page);
+        let table = meta::PageTable {
+            start,
+            slots: &slots,
+            page,
+        };
+        let want: Vec<i64> = (c..c + n)
+            .map(|p| {
+                i64::from(slots[((p as u64 - start) / page) as usize].get()) * page as i64
+                    + (p as u64 % page) as i64
+            })
+            .collect();
+        assert_eq!(
+            table.slot_mapping(unit, c as u64, (c + n) as u64).unwrap(),
+            want
+        );
+        if lc == 0 {
+            let q = (c + n - 1) as u64;
+            let (idx, len) = meta::window_indices(&table, unit, q, 128, 128).unwrap();
+            let low = (q + 1).saturating_sub(128);
+            assert_eq!(u64::from(len), q + 1 - low);
+            for (i, r) in (low..=q).enumerate() {
+                let slot = slots[((r - start) / page) as usize];
+                assert_eq!(
+                    i64::from(idx[i]),
+                    i64::from(slot.get()) * 64 + (r % 64) as i64
+                );
+            }
+        }
+    }
+    for r in [4u64, 128] {
+        let got =
+            meta::compressed_slot_mapping(&blocks, unit, r, c as u64, (c + n) as u64).unwrap();
+        for (j, p) in (c..c + n).enumerate() {
+            let want = if (p as u64 + 1).is_multiple_of(r) {
+                i64::from(blocks[p / T as usize].get()) * (T / r) as i64
+                    + ((p as u64 % T) / r) as i64
+            } else {
+                -1
+            };
+            assert_eq!(got[j], want, "ratio {r} position {p}");
         }
     }
     // Reads of the step: every window row its queries read, and every visible compressed
