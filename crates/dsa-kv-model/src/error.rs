@@ -14,6 +14,19 @@ pub enum ModelError {
     /// A checkpoint that cannot be loaded.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// A token id the checkpoint's vocabulary does not have.
+    #[error(
+        "token {token} at input position {index} is not in the checkpoint's vocabulary of \
+         {vocab} ids: tokenize with the checkpoint's own tokenizer"
+    )]
+    TokenOutOfVocab {
+        /// The token.
+        token: u32,
+        /// Its index in the step's input.
+        index: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
     /// Something this model cannot do (an MTP draft of a checkpoint without one).
     #[error("{0}")]
     Unsupported(String),

@@ -176,6 +176,9 @@ struct RawRope {
     attention_factor: Option<f64>,
 }
 
+/// The largest size a configuration may give (2^24; products of two stay below 2^48).
+const MAX_SIZE: usize = 1 << 24;
+
 fn one() -> usize {
     1
 }
@@ -242,6 +245,36 @@ impl HfConfig {
         for (key, v) in positive {
             if v == 0 {
                 return Err(bad(key, "0: must be at least 1".into()));
+            }
+        }
+        // Every size is bounded, so the products the loader forms (heads × head dims,
+        // experts × intermediate sizes) cannot overflow, whatever a file says; the
+        // published models are far below.
+        let sizes = [
+            ("vocab_size", r.vocab_size),
+            ("hidden_size", r.hidden_size),
+            ("num_hidden_layers", r.num_hidden_layers),
+            ("num_attention_heads", r.num_attention_heads),
+            ("q_lora_rank", q_lora),
+            ("qk_nope_head_dim", r.qk_nope_head_dim),
+            ("v_head_dim", r.v_head_dim),
+            ("index_n_heads", r.index_n_heads),
+            ("index_topk", r.index_topk),
+            ("intermediate_size", r.intermediate_size),
+            ("moe_intermediate_size", r.moe_intermediate_size),
+            ("n_routed_experts", r.n_routed_experts),
+            ("n_shared_experts", r.n_shared_experts),
+            ("num_experts_per_tok", r.num_experts_per_tok),
+            ("n_group", r.n_group),
+            ("topk_group", r.topk_group),
+            (
+                "first_k_dense_replace",
+                r.first_k_dense_replace.unwrap_or(0),
+            ),
+        ];
+        for (key, v) in sizes {
+            if v > MAX_SIZE {
+                return Err(bad(key, format!("{v}: at most {MAX_SIZE}")));
             }
         }
         let layers = r.num_hidden_layers;

@@ -94,10 +94,23 @@ impl HfModel {
         traces: &mut Vec<Trace>,
     ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
         let c = &self.cfg;
+        // A checkpoint's ids come from its tokenizer: one past the vocabulary is an error,
+        // not another token (the built-in model folds ids into its vocabulary instead).
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= c.vocab)
+        {
+            return Err(ModelError::TokenOutOfVocab {
+                token,
+                index,
+                vocab: c.vocab,
+            });
+        }
         let mut xs: Vec<Vec<f32>> = tokens
             .iter()
             .map(|&t| {
-                let r = t as usize % c.vocab;
+                let r = t as usize;
                 self.embed.w[r * c.hidden..(r + 1) * c.hidden].to_vec()
             })
             .collect();

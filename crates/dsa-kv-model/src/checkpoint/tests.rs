@@ -32,7 +32,13 @@ fn key_of(e: CheckpointError) -> String {
 #[test]
 fn configurations_it_cannot_run_name_their_key() {
     config_with(|_| {}).unwrap();
-    let cases: [(&str, Edit); 8] = [
+    let cases: [(&str, Edit); 10] = [
+        ("num_attention_heads", |v| {
+            v["num_attention_heads"] = (1u64 << 40).into()
+        }),
+        ("moe_intermediate_size", |v| {
+            v["moe_intermediate_size"] = u64::MAX.into()
+        }),
         ("kv_lora_rank", |v| v["kv_lora_rank"] = 256.into()),
         ("index_head_dim", |v| v["index_head_dim"] = 64.into()),
         ("model_type", |v| v["model_type"] = "llama".into()),
@@ -95,7 +101,16 @@ fn checkpoints_that_do_not_fit_are_refused() {
         std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
         Model::from_checkpoint(&dir, format.clone())
     };
-    load(|_| {}).unwrap();
+    let m = load(|_| {}).unwrap();
+    // A token past the vocabulary is refused before anything is written.
+    let vocab = m.config().vocab as u32;
+    let mut kv = crate::unpaged::Contiguous::new(m.format());
+    let e = m.run(&mut kv, 0, &[1, vocab, 2]).unwrap_err();
+    assert!(
+        matches!(e, ModelError::TokenOutOfVocab { token, index: 1, .. } if token == vocab),
+        "{e}"
+    );
+    assert!(m.run(&mut kv, 0, &[1, vocab - 1]).is_ok());
     let tensor = |r: Result<Model, ModelError>| match r {
         Err(ModelError::Checkpoint(CheckpointError::Tensor { name, .. })) => name,
         Err(e) => panic!("{e}"),
