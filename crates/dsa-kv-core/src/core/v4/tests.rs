@@ -550,3 +550,64 @@ fn step(
     s.tokens = tokens;
     true
 }
+
+/// With a host tier, a cached prompt's compressed blocks are offloaded when the GPU needs
+/// room and come back (copy plans) when the prompt is served again; its window tail stays
+/// on the GPU the whole time, and the hit is whole.
+#[test]
+fn offloaded_blocks_come_back_with_their_tail_in_place() {
+    let mut rng = Rng(11);
+    let mut m = V4CacheManager::new(
+        V4Plan::new(&V4Spec::flash()).unwrap(),
+        V4Slots {
+            blocks: TierSlots {
+                gpu: vec![8],
+                host: vec![16],
+            },
+            windows: vec![32, 2_000, 1_000],
+        },
+        V4Options::default(),
+    )
+    .unwrap();
+    let first = toks(0..1_100);
+    let a = RequestId(1);
+    m.create(a, ReuseScope::SHARED, &first, SeqOptions::default())
+        .unwrap();
+    run(&mut m, a, &first, 0, 0, &mut rng);
+    m.close(a).unwrap();
+    let tails = m.windows().num_tails();
+    let _ = m.take_copy_plans();
+    // Another prompt needs all 8 GPU blocks: the first prompt's 4 go to the host.
+    let other = toks(50_000..51_900);
+    let b = RequestId(2);
+    m.create(b, ReuseScope::SHARED, &other, SeqOptions::default())
+        .unwrap();
+    run(&mut m, b, &other, 0, 0, &mut rng);
+    m.close(b).unwrap();
+    let offloads = m.take_copy_plans();
+    assert!(
+        !offloads.is_empty(),
+        "the first prompt's blocks were offloaded"
+    );
+    assert!(
+        m.windows().num_tails() >= tails,
+        "tails stay while their blocks are cached"
+    );
+    m.check_invariants();
+    // The first prompt again: served whole from the host, its tail read in place.
+    let c = RequestId(3);
+    let hit = m
+        .create(c, ReuseScope::SHARED, &first, SeqOptions::default())
+        .unwrap();
+    assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_024, 0));
+    assert!(m.resume(c).unwrap());
+    let onloads = m.take_copy_plans();
+    assert!(
+        onloads.iter().map(|p| p.num_slot_copies()).sum::<usize>() >= 4,
+        "the reused blocks were copied back to the GPU"
+    );
+    let (start, slots) = m.window_table(c, 0).unwrap();
+    assert_eq!((start, slots.len()), (1_024 - 128, 2));
+    m.check_invariants();
+    m.close(c).unwrap();
+}
