@@ -101,6 +101,13 @@ fn row(rng: &mut SplitMix64) -> Vec<bf16> {
     out
 }
 
+/// `id`'s block table and its raw window's page table (first position, slots).
+fn tables(m: &V4CacheManager, id: RequestId) -> Result<(Vec<SlotId>, u64, Vec<SlotId>), String> {
+    let blocks = m.block_slots(id).map_err(|e| e.to_string())?;
+    let (start, slots) = m.window_table(id, 0).map_err(|e| e.to_string())?;
+    Ok((blocks, start, slots))
+}
+
 fn run(a: Args) -> Result<(), String> {
     let spec = V4Spec {
         name: "V4 oracle (ratio 4, ratio 128, 1 MTP layer)".into(),
@@ -163,8 +170,7 @@ fn run(a: Args) -> Result<(), String> {
             {
                 return Err(format!("no room at {c}"));
             }
-            let blocks = m.block_slots(id).map_err(|e| e.to_string())?;
-            let (start, slots) = m.window_table(id, 0).map_err(|e| e.to_string())?;
+            let (blocks, start, slots) = tables(&m, id)?;
             let table = PageTable {
                 start,
                 slots: &slots,
@@ -189,8 +195,7 @@ fn run(a: Args) -> Result<(), String> {
             c += n;
         }
         let q = c as u64 - 1;
-        let blocks = m.block_slots(id).map_err(|e| e.to_string())?;
-        let (start, slots) = m.window_table(id, 0).map_err(|e| e.to_string())?;
+        let (blocks, start, slots) = tables(&m, id)?;
         let table = PageTable {
             start,
             slots: &slots,
@@ -220,7 +225,6 @@ fn run(a: Args) -> Result<(), String> {
             }));
         }
         queries.push(per_layer);
-        let _: Vec<SlotId> = blocks;
     }
     // What our codec decodes at request 0's indices, for the script's decoder.
     let q0 = &queries[0][0];
