@@ -135,16 +135,14 @@ struct Raw {
     intermediate_size: usize,
     moe_intermediate_size: usize,
     n_routed_experts: usize,
-    #[serde(default = "one")]
+    // The routing keys are required: transformers' defaults for them differ by model type
+    // and version (e.g. a scaling of 2.5, 8 groups), and `save_pretrained` writes them all,
+    // so a configuration without them is not one a published checkpoint has.
     n_shared_experts: usize,
     num_experts_per_tok: usize,
-    #[serde(default = "one")]
     n_group: usize,
-    #[serde(default = "one")]
     topk_group: usize,
-    #[serde(default = "yes")]
     norm_topk_prob: bool,
-    #[serde(default = "unit")]
     routed_scaling_factor: f32,
     rms_norm_eps: f32,
     #[serde(default)]
@@ -178,16 +176,6 @@ struct RawRope {
 
 /// The largest size a configuration may give (2^24; products of two stay below 2^48).
 const MAX_SIZE: usize = 1 << 24;
-
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
-}
-fn unit() -> f32 {
-    1.0
-}
 
 fn bad(key: &str, what: String) -> CheckpointError {
     CheckpointError::Config {
@@ -294,14 +282,16 @@ impl HfConfig {
                     })
                     .collect::<Result<Vec<_>, _>>()?
             }
-            (None, k) => (0..layers)
-                .map(|l| {
-                    if l < k.unwrap_or(0) {
-                        MlpKind::Dense
-                    } else {
-                        MlpKind::Moe
-                    }
-                })
+            (None, None) => {
+                return Err(bad(
+                    "mlp_layer_types",
+                    "missing, and so is first_k_dense_replace: one of them must say which \
+                     layers are dense"
+                        .into(),
+                ))
+            }
+            (None, Some(k)) => (0..layers)
+                .map(|l| if l < k { MlpKind::Dense } else { MlpKind::Moe })
                 .collect(),
         };
         if mlp.contains(&MlpKind::Moe) {

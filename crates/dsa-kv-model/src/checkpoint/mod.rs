@@ -12,7 +12,11 @@
 //! fixed (latent 512, RoPE 64, indexer key 128: DeepSeek-V3.2's and GLM-5's); a
 //! checkpoint with others is refused, as are quantized (FP8) checkpoints and an MTP
 //! layer for speculative decoding (its weights are skipped, as transformers skips them).
-//! The GPU forward runs the built-in model only.
+//! The routing keys (`n_group`, `topk_group`, `routed_scaling_factor`,
+//! `norm_topk_prob`, `n_shared_experts`) and one of `mlp_layer_types` /
+//! `first_k_dense_replace` are required, not defaulted: transformers' defaults differ by
+//! model type, and `save_pretrained` writes them all. Token ids past the vocabulary are
+//! refused. The GPU forward runs the built-in model only.
 
 mod config;
 mod error;

@@ -58,6 +58,26 @@ fn configurations_it_cannot_run_name_their_key() {
     for (key, edit) in cases {
         assert_eq!(key_of(config_with(edit).unwrap_err()), key);
     }
+    // The routing keys have no defaults here (transformers' differ by model type).
+    for key in [
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+    ] {
+        let e = config_with(|v| {
+            v.as_object_mut().unwrap().remove(key);
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains(key), "{key}: {e}");
+    }
+    let e = config_with(|v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("mlp_layer_types");
+        o.remove("first_k_dense_replace");
+    })
+    .unwrap_err();
+    assert_eq!(key_of(e), "mlp_layer_types");
     let glm = |types: serde_json::Value| {
         config_with(|v| {
             v["model_type"] = "glm_moe_dsa".into();
