@@ -133,6 +133,12 @@ impl Rope {
     }
 
     /// `(cos, sin)` of pair `i` at `pos`, times the attention factor.
+    ///
+    /// Deliberately in f64, rounded to f32 once at the end: transformers forms the angle
+    /// as an f32 product (`inv_freq` × position), whose rounding grows with the position;
+    /// ours is the closer value. The oracle's tolerances in `tests/hf_checkpoint.rs`
+    /// cover the difference, and it keeps our paged and unpaged runs bit-identical either
+    /// way (both use this function).
     fn cos_sin(&self, pos: u32, i: usize) -> (f32, f32) {
         let a = f64::from(pos) * self.inv_freq[i];
         (
