@@ -775,6 +775,12 @@ impl KvCacheManager {
         Ok(self.info(self.seq(self.seq_index(h)?)))
     }
 
+    /// How many leading blocks of the sequence driven by `h` it has linked into (or
+    /// reused from) the prefix tree.
+    pub fn tree_blocks(&self, h: &SeqHandle) -> Result<u64, KvError> {
+        Ok(self.seq(self.seq_index(h)?).nodes.len() as u64)
+    }
+
     /// The committed tokens of the sequence driven by `h`.
     pub fn committed_tokens(&self, h: &SeqHandle) -> Result<&[TokenId], KvError> {
         Ok(&self.seq(self.seq_index(h)?).tokens)

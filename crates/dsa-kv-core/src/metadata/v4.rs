@@ -101,8 +101,10 @@ impl PageTable<'_> {
                 end,
             });
         }
-        let slot = self.slots[((pos - self.start) / self.page) as usize];
-        Ok(i64::from(conv.page_index(slot).get()) * self.page as i64 + (pos % self.page) as i64)
+        // `pos ≥ start` and `end > start` here, so `page > 0`.
+        let off = pos - self.start;
+        let slot = self.slots[(off / self.page) as usize];
+        Ok(i64::from(conv.page_index(slot).get()) * self.page as i64 + (off % self.page) as i64)
     }
 
     /// The write mapping of positions `[from, to)`.

@@ -345,20 +345,23 @@ impl V4CacheManager {
     /// Shrinking gives back pages past the capacity.
     pub fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, V4Error> {
         let h = &Self::get(&self.seqs, id)?.handle;
-        let before = self.blocks.info_of(h)?;
+        // The windows are asked first, without changing anything: the block manager may
+        // evict or offload cached blocks to make room, which cannot be undone.
+        if !self.windows.fits(id, capacity)? {
+            return Ok(false);
+        }
         if !self.blocks.resize(h, capacity, history)? {
             self.sync_events();
             return Ok(false);
         }
         let (completed, issued) = (self.blocks.completed_fence(), self.blocks.issued_fence());
+        // The room was there, and the block manager's evictions only drop tails (more
+        // room).
         let grown = self.windows.ensure(id, capacity, completed, issued)?;
-        if !grown {
-            let h = &self.seqs[&id].handle;
-            let undone = self.blocks.resize(h, before.capacity, before.history)?;
-            debug_assert!(undone, "giving capacity back never needs room");
-            self.sync_events();
-            return Ok(false);
-        }
+        assert!(
+            grown,
+            "invariant: windows that fit before a resize fit after it"
+        );
         self.windows.truncate(id, capacity, issued)?;
         self.sync_events();
         Ok(true)
@@ -372,16 +375,28 @@ impl V4CacheManager {
         let s = Self::get(&self.seqs, id)?;
         let h = &s.handle;
         let before = s.committed;
-        self.blocks.commit(h, tokens)?;
         let committed = before + tokens.len() as u64;
-        let all = self.blocks.committed_tokens(h)?;
+        // The keys of the boundaries crossed, from the committed tokens and the new ones.
+        let old = self.blocks.committed_tokens(h)?;
         let mut key = s.last_key;
         let mut crossed = Vec::new();
+        let mut block = Vec::with_capacity(t as usize);
         for e in (before / t + 1)..=(committed / t) {
-            let block = &all[((e - 1) * t) as usize..(e * t) as usize];
-            key = self.hasher.block_key(&key, block);
+            block.clear();
+            block.extend(((e - 1) * t..e * t).map(|i| match i.checked_sub(before) {
+                None => old[i as usize],
+                Some(j) => tokens[j as usize],
+            }));
+            key = self.hasher.block_key(&key, &block);
             crossed.push((e * t, key));
         }
+        // Everything the windows would refuse is refused before the blocks change.
+        self.windows.check_commit(id, committed, &crossed, t)?;
+        self.blocks.commit(h, tokens)?;
+        // Only blocks the block manager linked into the prefix tree get a tail: a tail
+        // without its block could never be resumed from (reuse off, or the chain broken).
+        let in_tree = self.blocks.tree_blocks(h)? * t;
+        crossed.retain(|&(e, _)| e <= in_tree);
         let issued = self.blocks.issued_fence();
         self.windows.commit(id, committed, &crossed, t, issued)?;
         let s = self.seqs.get_mut(&id).expect("invariant: checked above");

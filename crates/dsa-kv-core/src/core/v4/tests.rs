@@ -596,3 +596,103 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
     m.check_invariants();
     m.close(c).unwrap();
 }
+
+/// Found by review: a resize the windows cannot hold, with a raised history, returned an
+/// error after the blocks had grown (the rollback lowered history, which the block
+/// manager refuses), and the next commit failed halfway. Now: `Ok(false)`, nothing
+/// changed, and a commit the windows would refuse changes nothing either.
+#[test]
+fn a_refused_resize_with_a_raised_history_changes_nothing() {
+    let mut m = manager(64, [4, 200, 100], V4Options::default());
+    let id = RequestId(1);
+    m.create(
+        id,
+        ReuseScope::SHARED,
+        &toks(0..1000),
+        SeqOptions::default(),
+    )
+    .unwrap();
+    assert!(m.resume(id).unwrap());
+    assert!(!m.resize(id, 300, 10).unwrap());
+    let info = m.blocks().info_of(&m.seqs[&id].handle).unwrap();
+    assert_eq!((info.capacity, info.history), (0, 0));
+    assert_eq!(m.windows().used_slots(), [0, 0, 0]);
+    // Beyond the capacity: the block manager refuses, nothing committed anywhere.
+    assert!(m.commit(id, &toks(0..260)).is_err());
+    assert_eq!(m.committed(id).unwrap(), 0);
+    assert_eq!(
+        m.blocks().info_of(&m.seqs[&id].handle).unwrap().committed,
+        0
+    );
+    m.check_invariants();
+}
+
+/// Found by review: a resize the windows then refused had already let the block manager
+/// evict cached blocks (and, through their events, their tails). Now the windows are
+/// asked first.
+#[test]
+fn a_resize_the_windows_refuse_evicts_nothing() {
+    let mut rng = Rng(1);
+    let mut m = manager(4, [8, 200, 100], V4Options::default());
+    let a = RequestId(1);
+    let prompt = toks(0..600);
+    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
+        .unwrap();
+    run(&mut m, a, &prompt, 0, 0, &mut rng);
+    m.close(a).unwrap();
+    let before = (m.blocks().cached_blocks().len(), m.windows().num_tails());
+    let b = RequestId(2);
+    m.create(
+        b,
+        ReuseScope::SHARED,
+        &toks(5_000..6_000),
+        SeqOptions::default(),
+    )
+    .unwrap();
+    assert!(m.resume(b).unwrap());
+    assert!(!m.resize(b, 1_000, 0).unwrap());
+    let after = (m.blocks().cached_blocks().len(), m.windows().num_tails());
+    assert_eq!(after, before, "a refused resize changed the cache");
+    m.check_invariants();
+}
+
+/// Found by review: with block reuse off no block enters the tree, yet tails were linked
+/// and never dropped. Now only blocks in the tree get a tail.
+#[test]
+fn without_reuse_no_tail_is_kept() {
+    let mut rng = Rng(2);
+    let opts = V4Options {
+        blocks: ManagerOptions {
+            enable_block_reuse: false,
+            enable_partial_reuse: false,
+            ..ManagerOptions::default()
+        },
+        ..V4Options::default()
+    };
+    let mut m = manager(64, [40, 200, 100], opts);
+    let a = RequestId(1);
+    let prompt = toks(0..1_000);
+    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
+        .unwrap();
+    run(&mut m, a, &prompt, 0, 0, &mut rng);
+    assert_eq!(m.windows().num_tails(), 0);
+    m.close(a).unwrap();
+    assert_eq!(m.windows().used_slots(), [0, 0, 0]);
+    m.check_invariants();
+}
+
+/// Found by review: a window life cycle index past the specs panicked.
+#[test]
+fn a_window_index_past_the_specs_is_a_typed_error() {
+    let mut m = manager(64, [40, 200, 100], V4Options::default());
+    let a = RequestId(1);
+    m.create(a, ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
+        .unwrap();
+    assert!(matches!(
+        m.window_table(a, 3),
+        Err(V4Error::Windows(WindowError::NoLifeCycle {
+            lc: 3,
+            count: 3
+        }))
+    ));
+}

@@ -126,6 +126,14 @@ pub enum WindowError {
         /// Why.
         why: &'static str,
     },
+    /// A window life cycle index past the specs.
+    #[error("window life cycle {lc} does not exist: there are {count}")]
+    NoLifeCycle {
+        /// The index given.
+        lc: usize,
+        /// Window life cycles.
+        count: usize,
+    },
     /// A geometry that is not a window: empty pages, or a tail that is not whole groups
     /// shorter than the retention.
     #[error("window life cycle {spec:?}: pages must hold tokens, and the tail must be whole groups shorter than the retention")]
@@ -294,6 +302,15 @@ impl WindowCache {
         self.seqs.get(&id).ok_or(WindowError::UnknownRequest { id })
     }
 
+    /// `id`'s rings and the spec of window life cycle `lc`.
+    fn rings_lc(&self, id: RequestId, lc: usize) -> Result<(&Rings, &WindowSpec), WindowError> {
+        let spec = self.specs.get(lc).ok_or(WindowError::NoLifeCycle {
+            lc,
+            count: self.specs.len(),
+        })?;
+        Ok((self.rings(id)?, spec))
+    }
+
     /// Opens `id`'s rings at position 0, or at the boundary of the tail kept for `resume`
     /// (its pages become the rings' first pages, shared and read-only). Returns the
     /// position the rings start serving from (0 or the tail's boundary).
@@ -367,6 +384,39 @@ impl WindowCache {
             }
         }
         out
+    }
+
+    /// Whether [`ensure`](Self::ensure)`(id, end, ..)` would succeed now (changes
+    /// nothing). Dropping tails only adds room, so it still would after any tails go.
+    pub fn fits(&self, id: RequestId, end: u64) -> Result<bool, WindowError> {
+        let need = self.needed(self.rings(id)?, end);
+        let free = |(&n, a): (&u64, &SlotAllocator)| n <= u64::from(a.available());
+        if need.iter().zip(&self.alloc).all(free) {
+            return Ok(true);
+        }
+        Ok(need.iter().zip(&self.reclaimable()).all(|(n, c)| n <= c))
+    }
+
+    /// Checks what [`commit`](Self::commit) would check (changes nothing).
+    pub fn check_commit(
+        &self,
+        id: RequestId,
+        committed: u64,
+        tails: &[(u64, BlockKey)],
+        block_tokens: u64,
+    ) -> Result<(), WindowError> {
+        let rings = self.rings(id)?;
+        if committed < rings.committed {
+            return Err(WindowError::BadTail {
+                id,
+                boundary: committed,
+                why: "committed positions never go back",
+            });
+        }
+        for &(boundary, _) in tails {
+            self.tail_pages_at(id, boundary, committed, block_tokens)?;
+        }
+        Ok(())
     }
 
     /// Extends `id`'s rings so positions up to `end` (exclusive) can be written. With too
@@ -474,14 +524,7 @@ impl WindowCache {
         block_tokens: u64,
         issued: Fence,
     ) -> Result<(), WindowError> {
-        let rings = self.rings(id)?;
-        if committed < rings.committed {
-            return Err(WindowError::BadTail {
-                id,
-                boundary: committed,
-                why: "committed positions never go back",
-            });
-        }
+        self.check_commit(id, committed, tails, block_tokens)?;
         let mut linked = Vec::with_capacity(tails.len());
         for &(boundary, key) in tails {
             linked.push((
@@ -558,7 +601,9 @@ impl WindowCache {
                 return Err(bad("not a multiple of every page size"));
             }
             let n = spec.tail_pages();
-            let first = boundary - n * spec.page();
+            let Some(first) = boundary.checked_sub(n * spec.page()) else {
+                return Err(bad("its tail would start before position 0"));
+            };
             if n > 0 && (first < rings.start[lc] || boundary > rings.end(lc, spec)) {
                 return Err(bad(
                     "the rings no longer hold its pages (a boundary committed earlier)",
@@ -667,7 +712,7 @@ impl WindowCache {
     /// the first position its first page holds, and the slots in position order (slot
     /// `i` holds positions `[start + i·P, start + (i+1)·P)`).
     pub fn page_table(&self, id: RequestId, lc: usize) -> Result<(u64, Vec<SlotId>), WindowError> {
-        let rings = self.rings(id)?;
+        let (rings, _) = self.rings_lc(id, lc)?;
         Ok((
             rings.start[lc],
             rings.pages[lc]
@@ -684,8 +729,7 @@ impl WindowCache {
         lc: usize,
         pos: u64,
     ) -> Result<Option<SlotId>, WindowError> {
-        let rings = self.rings(id)?;
-        let spec = &self.specs[lc];
+        let (rings, spec) = self.rings_lc(id, lc)?;
         if pos < rings.start[lc] {
             return Ok(None);
         }
@@ -696,8 +740,7 @@ impl WindowCache {
     /// Whether `id` may write position `pos` of life cycle `lc`: its rings hold the page,
     /// nobody else does, and no tail does.
     pub fn writable(&self, id: RequestId, lc: usize, pos: u64) -> Result<bool, WindowError> {
-        let rings = self.rings(id)?;
-        let spec = &self.specs[lc];
+        let (rings, spec) = self.rings_lc(id, lc)?;
         if pos < rings.start[lc] || pos < rings.committed {
             return Ok(false);
         }

@@ -423,3 +423,29 @@ fn step(
     }
     true
 }
+
+/// Found by review: a custom window whose tail is longer than the first block wrapped
+/// below position 0 (a release build stored an empty tail). Now a typed refusal.
+#[test]
+fn a_tail_reaching_before_position_zero_is_refused() {
+    let spec = WindowSpec {
+        life_cycle: LifeCycleId(1),
+        tokens_per_page: 64,
+        retain: 320,
+        tail_tokens: 319,
+    };
+    let mut w = WindowCache::new(vec![spec], vec![16]).unwrap();
+    let id = RequestId(1);
+    w.open(id, None).unwrap();
+    assert!(w.ensure(id, 300, Fence::NONE, Fence::NONE).unwrap());
+    assert!(matches!(
+        w.commit(id, 300, &[(256, BlockKey([1; 32]))], BLOCK, Fence::NONE),
+        Err(WindowError::BadTail { .. })
+    ));
+    assert_eq!(w.num_tails(), 0);
+    assert!(matches!(
+        w.page_table(id, 1),
+        Err(WindowError::NoLifeCycle { lc: 1, count: 1 })
+    ));
+    w.check_invariants();
+}
