@@ -6,9 +6,11 @@
 //! * **Create.** A prompt is served from the deepest cached block boundary that still has
 //!   a window tail (a hit without one would need the window recomputed, which is not
 //!   bit-exact); the back-off is counted (`V4Stats::backed_off_blocks`).
-//! * **Resize** grows (or shrinks) both; when either has no room, neither changes.
-//! * **Commit** commits the tokens to the blocks, links a tail at every block boundary
-//!   crossed, then lets the windows free what lies behind them.
+//! * **Resize** grows (or shrinks) both; when either has no room, neither changes (the
+//!   windows are asked first, read-only: the block manager's evictions cannot be undone).
+//! * **Commit** checks what the windows would refuse, commits the tokens to the blocks,
+//!   links a tail at every block boundary crossed whose block entered the prefix tree,
+//!   then lets the windows free what lies behind them.
 //! * **Retention** ([`V4Options::tail_interval`]): the tails at the last two boundaries of
 //!   a prompt (where the same prompt, resent with or without MTP, resumes) and every
 //!   `tail_interval`-th boundary stay in the LRU order of use; the others are *demoted*
