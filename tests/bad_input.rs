@@ -8,13 +8,15 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use dsa_kv::actors::KvCacheBuilder;
-use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
+use dsa_kv::config::{DsaModel, EngineConfig, LayerSet, ModelPreset, V4Spec};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::{
     quota, KvCacheManager, ManagerOptions, ReuseScope, SeqOptions, SlotAllocator, TierSlots,
+    V4CacheManager, V4Options, V4Slots,
 };
 use dsa_kv::ids::{Fence, RequestId, SlotId, TokenId};
-use dsa_kv::layout::{IndexerPageLayout, LayoutKind, PoolPlan};
+use dsa_kv::layout::{IndexerPageLayout, LayoutKind, PageIndexConverter, PoolPlan, V4Plan};
+use dsa_kv::metadata::v4::PageTable;
 use dsa_kv::metadata::{MetadataDims, MetadataLayout, RequestKind, StepMetadata, StepRequest};
 use dsa_kv::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
 use dsa_kv::sync::QuotaLedger;
@@ -391,7 +393,145 @@ fn rows() -> Vec<Row> {
             }),
             "indexer payload width 96 B is not supported: use 128 (FP8) or 64 (FP4)",
         ),
+        (
+            "v4: a budget the windows alone exceed",
+            Box::new(|| {
+                let plan = V4Plan::new(&V4Spec::flash()).unwrap();
+                let demand = quota::V4Demand {
+                    max_sequences: 256,
+                    drafts: 1,
+                    max_batched_tokens: 8192,
+                    tail_boundaries: 512,
+                };
+                err(quota::v4_capacity(&plan, 1 << 30, &demand))
+            }),
+            "the budget of 1073741824 B cannot hold the sliding windows and compressor states for max_sequences = 256 and max_batched_tokens = 8192 (10359930880 B) plus one 256-token block (6291456 B): raise the budget or lower max_sequences or max_batched_tokens",
+        ),
+        (
+            "v4: an impossible layer structure",
+            Box::new(|| {
+                let spec = V4Spec {
+                    compress_ratios: vec![4, 3],
+                    ..V4Spec::flash()
+                };
+                err(V4Plan::new(&spec))
+            }),
+            "compress_ratios[1] = 3: DeepSeek-V4 layers have ratio 0, 4 or 128",
+        ),
+        (
+            "v4: partial-block reuse asked for",
+            Box::new(|| {
+                err(V4CacheManager::new(
+                    V4Plan::new(&V4Spec::flash()).unwrap(),
+                    v4_slots(vec![8, 200, 100]),
+                    V4Options {
+                        blocks: ManagerOptions::default(),
+                        ..V4Options::default()
+                    },
+                )
+                .map(|_| ()))
+            }),
+            "enable_partial_reuse must be off for DeepSeek-V4: a hit must end on a 256-token boundary, where every compression group is whole",
+        ),
+        (
+            "v4: window slots for two of three life cycles",
+            Box::new(|| {
+                err(V4CacheManager::new(
+                    V4Plan::new(&V4Spec::flash()).unwrap(),
+                    v4_slots(vec![8, 200]),
+                    V4Options::default(),
+                )
+                .map(|_| ()))
+            }),
+            "window slots [8, 200]: give one non-zero count per window life cycle (3 of them)",
+        ),
+        (
+            "v4: an empty prompt",
+            Box::new(|| {
+                let mut m = v4_manager();
+                err(m.create(RequestId(1), ReuseScope::SHARED, &[], SeqOptions::default()))
+            }),
+            "request 1: the prompt is empty",
+        ),
+        (
+            "v4: suspend",
+            Box::new(|| {
+                let mut m = v4_manager();
+                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
+                    .unwrap();
+                err(m.suspend(RequestId(1)))
+            }),
+            "request 1: a DeepSeek-V4 sequence cannot be suspended (its windows live on the GPU only); preempt it by recompute: close it and create it again",
+        ),
+        (
+            "v4: an unknown request",
+            Box::new(|| err(v4_manager().resize(RequestId(9), 10, 0))),
+            "unknown request 9: it was never created here or has been closed",
+        ),
+        (
+            "v4: a commit beyond the capacity",
+            Box::new(|| {
+                let mut m = v4_manager();
+                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
+                    .unwrap();
+                m.resume(RequestId(1)).unwrap();
+                err(m.commit(RequestId(1), &toks(10)))
+            }),
+            "request 1: committing 10 tokens would make 10 committed tokens, above capacity 0; resize first (only tokens whose KV was written can be committed)",
+        ),
+        (
+            "v4: a window life cycle past the specs",
+            Box::new(|| {
+                let mut m = v4_manager();
+                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
+                    .unwrap();
+                err(m.window_table(RequestId(1), 7))
+            }),
+            "window life cycle 7 does not exist: there are 3",
+        ),
+        (
+            "v4 metadata: a position the table does not hold",
+            Box::new(|| {
+                let slots = [SlotId(3)];
+                let table = PageTable {
+                    start: 128,
+                    slots: &slots,
+                    page: 64,
+                };
+                let unit = PageIndexConverter {
+                    scale: 1,
+                    layer_offset: 0,
+                    expansion: 1,
+                };
+                err(table.row(unit, 100))
+            }),
+            "position 100 is not held by the table (it holds [128, 192)): the rings were not extended for this step, or the position lies behind the window",
+        ),
+        (
+            "config: a DeepSeek-V4 preset where a DSA model is served",
+            Box::new(|| err(ModelPreset::parse("deepseek-v4-pro"))),
+            "deepseek-v4-pro is a DeepSeek-V4 model: its caches are planned (`plan --model deepseek-v4-pro`) and managed by `core::V4CacheManager`, but the runtime does not serve it yet (no V4 model or scheduler path); serve deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3",
+        ),
     ]
+}
+
+fn v4_slots(windows: Vec<u32>) -> V4Slots {
+    V4Slots {
+        blocks: TierSlots {
+            gpu: vec![8],
+            host: vec![],
+        },
+        windows,
+    }
+}
+
+fn v4_manager() -> V4CacheManager {
+    V4CacheManager::new(
+        V4Plan::new(&V4Spec::flash()).unwrap(),
+        v4_slots(vec![8, 200, 100]),
+        V4Options::default(),
+    )
+    .unwrap()
 }
 
 #[test]

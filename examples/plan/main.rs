@@ -14,7 +14,7 @@
 //! DeepSeek-V4 models print their four life cycles (compressed blocks, raw window, two
 //! compressor states), the bytes a block and a decoding request cost, and the budget split
 //! into window slots (sized for `--max-sequences`, `--max-batched-tokens`, `--drafts` and
-//! `--tail-boundaries`) and blocks (`plan/v4.rs`). They are planned, not yet served.
+//! `--tail-boundaries`) and blocks (`plan/v4.rs`). The runtime does not serve them yet.
 //!
 //! `--help` lists every flag with its default; `--flag=value` works as well as
 //! `--flag value`. `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget

@@ -358,9 +358,9 @@ pub enum ModelError {
     },
     /// A DeepSeek-V4 model where only DSA models are served.
     #[error(
-        "{model} is a DeepSeek-V4 model: its caches are planned (`plan --model {model}`), \
-         but the cache manager does not serve its window life cycles yet; serve \
-         deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3"
+        "{model} is a DeepSeek-V4 model: its caches are planned (`plan --model {model}`) \
+         and managed by `core::V4CacheManager`, but the runtime does not serve it yet (no \
+         V4 model or scheduler path); serve deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3"
     )]
     V4NotServed {
         /// The preset's name.

@@ -262,9 +262,9 @@ pub enum QuotaError {
     /// DeepSeek-V4: the window life cycles alone take the budget, or leave no room for
     /// one block.
     #[error(
-        "the budget of {budget} B cannot hold the sliding windows and compressor states of \
-         max_sequences {max_sequences} sequences with max_batched_tokens {max_batched_tokens} \
-         ({window_bytes} B) and one 256-token block ({block_bytes} B): raise the budget or \
+        "the budget of {budget} B cannot hold the sliding windows and compressor states for \
+         max_sequences = {max_sequences} and max_batched_tokens = {max_batched_tokens} \
+         ({window_bytes} B) plus one 256-token block ({block_bytes} B): raise the budget or \
          lower max_sequences or max_batched_tokens"
     )]
     V4WindowsDoNotFit {

@@ -219,7 +219,7 @@ mod tests {
             panic!("{e}")
         };
         assert!(window_bytes > GIB);
-        assert!(e.to_string().contains("max_sequences 256"), "{e}");
+        assert!(e.to_string().contains("max_sequences = 256"), "{e}");
         // Windows fit, not one block.
         let small = V4Demand {
             max_sequences: 1,
