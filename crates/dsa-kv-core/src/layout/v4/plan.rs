@@ -119,6 +119,24 @@ impl V4PageFormat {
         }
     }
 
+    /// The same rows as a [`RowLayout`] (the state rows are interleaved).
+    pub fn row(&self) -> RowLayout {
+        match *self {
+            V4PageFormat::Model1 {
+                tokens_per_entry, ..
+            } => RowLayout::Model1 { tokens_per_entry },
+            V4PageFormat::IndexKeys {
+                page,
+                tokens_per_entry,
+            } => RowLayout::EntryValuesThenScales {
+                data_bytes: page.data_bytes,
+                scale_bytes: page.scale_bytes,
+                tokens_per_entry,
+            },
+            V4PageFormat::State { row_bytes, .. } => RowLayout::Interleaved { row_bytes },
+        }
+    }
+
     /// Rows per page.
     pub fn entries(&self) -> u32 {
         match *self {
@@ -247,6 +265,8 @@ pub struct V4Plan {
     life_cycles: Vec<V4LifeCycle>,
     /// Sorted by (layer, role).
     buffers: Vec<V4Buffer>,
+    /// The compressed life cycle's V2 plan (what the block manager allocates).
+    compressed: Option<PoolPlan>,
 }
 
 /// A buffer before placement.
@@ -382,49 +402,57 @@ impl V4Plan {
         ];
         let mut life_cycles = Vec::new();
         let mut buffers = Vec::new();
+        let mut compressed = None;
         for (kind, retention, tokens_per_page, tail_tokens) in kinds {
-            let members: Vec<&Wanted> = wanted.iter().filter(|w| w.kind == kind).collect();
-            if members.is_empty() {
+            // Each life cycle is one V2 plan of its own page size: the V2 planner
+            // coalesces equal pages into pools and gives the converters.
+            let mut specs: Vec<LayerSpec> = Vec::new();
+            for w in wanted.iter().filter(|w| w.kind == kind) {
+                let buffer = BufferSpec::new(w.role, w.format.row());
+                match specs.last_mut() {
+                    Some(s) if s.layer == w.layer => s.buffers.push(buffer),
+                    _ => specs.push(LayerSpec {
+                        layer: w.layer,
+                        life_cycle: LifeCycleKey(0),
+                        buffers: vec![buffer],
+                    }),
+                }
+            }
+            if specs.is_empty() {
                 continue;
             }
             let id = LifeCycleId(life_cycles.len() as u16);
-            // Coalesce by page bytes, in first-seen order, then largest slot first.
-            let mut by_size: Vec<(u64, Vec<&Wanted>)> = Vec::new();
-            for w in members {
-                let bytes = w.format.page_bytes();
-                match by_size.iter_mut().find(|(b, _)| *b == bytes) {
-                    Some((_, m)) => m.push(w),
-                    None => by_size.push((bytes, vec![w])),
-                }
-            }
-            by_size.sort_by(|a, b| {
-                (b.0 * b.1.len() as u64)
-                    .cmp(&(a.0 * a.1.len() as u64))
-                    .then(b.0.cmp(&a.0))
-            });
-            let mut pools = Vec::new();
-            for (p, (page_bytes, members)) in by_size.iter().enumerate() {
-                let pool = PoolId(p as u16);
-                pools.push(V4Pool {
-                    id: pool,
-                    page_bytes: *page_bytes,
-                    pages_per_slot: members.len() as u32,
+            let plan = PoolPlan::v2(tokens_per_page, specs)
+                .expect("invariant: a validated V4 spec gives valid buffers");
+            let mut pools: Vec<V4Pool> = plan.pool_groups()[0]
+                .pools
+                .iter()
+                .map(|p| V4Pool {
+                    id: p.id,
+                    page_bytes: 0,
+                    pages_per_slot: 0,
+                })
+                .collect();
+            for pl in plan.placements() {
+                let w = wanted
+                    .iter()
+                    .find(|w| w.kind == kind && (w.layer, w.role) == (pl.layer, pl.role))
+                    .expect("invariant: every placement is a wanted buffer");
+                let pool = &mut pools[pl.pool.index()];
+                pool.page_bytes = pl.page_stride;
+                pool.pages_per_slot = pl.converter.scale;
+                buffers.push(V4Buffer {
+                    layer: pl.layer,
+                    role: pl.role,
+                    life_cycle: id,
+                    pool: pl.pool,
+                    format: w.format,
+                    converter: pl.converter,
+                    offset_in_slot: pl.offset_in_slot,
                 });
-                for (pos, w) in members.iter().enumerate() {
-                    buffers.push(V4Buffer {
-                        layer: w.layer,
-                        role: w.role,
-                        life_cycle: id,
-                        pool,
-                        format: w.format,
-                        converter: PageIndexConverter {
-                            scale: members.len() as u32,
-                            layer_offset: pos as u32,
-                            expansion: 1,
-                        },
-                        offset_in_slot: pos as u64 * page_bytes,
-                    });
-                }
+            }
+            if retention == Retention::Full {
+                compressed = Some(plan);
             }
             life_cycles.push(V4LifeCycle {
                 id,
@@ -440,6 +468,7 @@ impl V4Plan {
             spec: spec.clone(),
             life_cycles,
             buffers,
+            compressed,
         })
     }
 
@@ -506,37 +535,7 @@ impl V4Plan {
     /// the same pools and converters as this plan's): what the block manager allocates,
     /// reuses and evicts. `None` for a model without compressed layers.
     pub fn compressed_pool_plan(&self) -> Option<PoolPlan> {
-        let lc = self.life_cycle(V4LifeCycleKind::Compressed)?.id;
-        let mut specs: Vec<LayerSpec> = Vec::new();
-        for b in self.buffers.iter().filter(|b| b.life_cycle == lc) {
-            let row = match b.format {
-                V4PageFormat::Model1 {
-                    tokens_per_entry, ..
-                } => RowLayout::Model1 { tokens_per_entry },
-                V4PageFormat::IndexKeys {
-                    page,
-                    tokens_per_entry,
-                } => RowLayout::EntryValuesThenScales {
-                    data_bytes: page.data_bytes,
-                    scale_bytes: page.scale_bytes,
-                    tokens_per_entry,
-                },
-                V4PageFormat::State { row_bytes, .. } => RowLayout::Interleaved { row_bytes },
-            };
-            let buffer = BufferSpec::new(b.role, row);
-            match specs.last_mut() {
-                Some(s) if s.layer == b.layer => s.buffers.push(buffer),
-                _ => specs.push(LayerSpec {
-                    layer: b.layer,
-                    life_cycle: LifeCycleKey(0),
-                    buffers: vec![buffer],
-                }),
-            }
-        }
-        Some(
-            PoolPlan::v2(V4_BLOCK_TOKENS, specs)
-                .expect("invariant: a validated V4 spec gives valid compressed buffers"),
-        )
+        self.compressed.clone()
     }
 
     /// The bytes the tails of one retained block boundary keep (the window pages a
