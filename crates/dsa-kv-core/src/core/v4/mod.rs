@@ -382,7 +382,8 @@ impl V4CacheManager {
         let old = self.blocks.committed_tokens(h)?;
         let mut key = s.last_key;
         let mut crossed = Vec::new();
-        let mut block = Vec::with_capacity(t as usize);
+        // Allocated only when a boundary is crossed (once per block, not per token).
+        let mut block = Vec::new();
         for e in (before / t + 1)..=(committed / t) {
             block.clear();
             block.extend(((e - 1) * t..e * t).map(|i| match i.checked_sub(before) {

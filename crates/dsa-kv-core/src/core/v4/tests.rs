@@ -23,6 +23,12 @@ fn manager(blocks: u32, windows: [u32; 3], opts: V4Options) -> V4CacheManager {
     .unwrap()
 }
 
+/// Creates `id` for `prompt` in the shared scope (every test's way in).
+fn create(m: &mut V4CacheManager, id: RequestId, prompt: &[TokenId]) -> V4Created {
+    m.create(id, ReuseScope::SHARED, prompt, SeqOptions::default())
+        .unwrap()
+}
+
 fn toks(range: impl IntoIterator<Item = u32>) -> Vec<TokenId> {
     range.into_iter().map(TokenId).collect()
 }
@@ -107,8 +113,7 @@ fn partial_reuse_window_only_models_and_suspends_are_refused() {
         m.create(id, ReuseScope::SHARED, &[], SeqOptions::default()),
         Err(V4Error::EmptyPrompt { .. })
     ));
-    m.create(id, ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
-        .unwrap();
+    create(&mut m, id, &toks(0..10));
     assert!(matches!(m.suspend(id), Err(V4Error::NoSuspend { .. })));
     assert!(matches!(
         m.create(id, ReuseScope::SHARED, &toks(0..10), SeqOptions::default()),
@@ -123,13 +128,7 @@ fn partial_reuse_window_only_models_and_suspends_are_refused() {
 fn a_resize_grows_both_halves_or_neither() {
     let mut m = manager(64, [4, 200, 100], V4Options::default());
     let id = RequestId(1);
-    m.create(
-        id,
-        ReuseScope::SHARED,
-        &toks(0..1000),
-        SeqOptions::default(),
-    )
-    .unwrap();
+    create(&mut m, id, &toks(0..1000));
     assert!(m.resume(id).unwrap());
     // 300 positions need 5 window pages of 64: only 4 exist.
     assert!(!m.resize(id, 300, 0).unwrap());
@@ -162,15 +161,12 @@ fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
         let base = 1_000 * i as u32;
         let prompt = toks(base * 10..base * 10 + len);
         let a = RequestId(1);
-        m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
-            .unwrap();
+        create(&mut m, a, &prompt);
         let conversation = run(&mut m, a, &prompt, 1_500, 3, &mut rng);
         m.close(a).unwrap();
         // The same prompt again.
         let b = RequestId(2);
-        let hit = m
-            .create(b, ReuseScope::SHARED, &prompt, SeqOptions::default())
-            .unwrap();
+        let hit = create(&mut m, b, &prompt);
         let deepest = (u64::from(len) - 1) / T * T;
         assert_eq!(
             (hit.reused_tokens, hit.backed_off_blocks),
@@ -182,9 +178,7 @@ fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
         let mut next = conversation.clone();
         next.extend(toks(90_000..90_050));
         let c = RequestId(3);
-        let turn = m
-            .create(c, ReuseScope::SHARED, &next, SeqOptions::default())
-            .unwrap();
+        let turn = create(&mut m, c, &next);
         let last = conversation.len() as u64 / T * T;
         assert_eq!(
             (turn.reused_tokens, turn.backed_off_blocks),
@@ -220,22 +214,14 @@ fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
     let mut m = manager(256, [32, 2_000, 1_000], opts);
     let prompt = toks(0..2_000);
     let a = RequestId(1);
-    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
-        .unwrap();
+    create(&mut m, a, &prompt);
     run(&mut m, a, &prompt, 0, 0, &mut rng);
     m.close(a).unwrap();
     // Kept: the prompt's last two boundaries (1536, 1792) and every second one (512, 1024,
     // 1536); the others (256, 768, 1280) demoted but still usable while there is room.
     assert_eq!(m.stats().tails_demoted, 3);
     let b = RequestId(2);
-    let hit = m
-        .create(
-            b,
-            ReuseScope::SHARED,
-            &toks(0..1_300),
-            SeqOptions::default(),
-        )
-        .unwrap();
+    let hit = create(&mut m, b, &toks(0..1_300));
     assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_280, 0));
     m.close(b).unwrap();
     // The tail at 1280 goes (as when its block is evicted): back off one block, to 1024.
@@ -249,14 +235,7 @@ fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
     let f = m.blocks().issued_fence();
     assert!(m.windows.drop_tail(&key(1_280), f));
     let c = RequestId(3);
-    let hit = m
-        .create(
-            c,
-            ReuseScope::SHARED,
-            &toks(0..1_300),
-            SeqOptions::default(),
-        )
-        .unwrap();
+    let hit = create(&mut m, c, &toks(0..1_300));
     assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_024, 1));
     assert_eq!(m.stats().backed_off_blocks, 1);
     m.close(c).unwrap();
@@ -273,8 +252,7 @@ fn tails_follow_their_blocks_out_of_the_tree() {
     for (i, start) in [0u32, 100_000].into_iter().enumerate() {
         let prompt = toks(start..start + 2_600);
         let id = RequestId(i as u64);
-        m.create(id, ReuseScope::SHARED, &prompt, SeqOptions::default())
-            .unwrap();
+        create(&mut m, id, &prompt);
         run(&mut m, id, &prompt, 0, 0, &mut rng);
         m.close(id).unwrap();
         m.check_invariants();
@@ -341,9 +319,7 @@ fn model(seed: u64) {
             ));
             let id = RequestId(next);
             next += 1;
-            let c = m
-                .create(id, ReuseScope::SHARED, &prompt, SeqOptions::default())
-                .unwrap();
+            let c = create(&mut m, id, &prompt);
             hits += u64::from(c.reused_tokens > 0);
             if !m.resume(id).unwrap() {
                 m.close(id).unwrap();
@@ -556,8 +532,7 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
     .unwrap();
     let first = toks(0..1_100);
     let a = RequestId(1);
-    m.create(a, ReuseScope::SHARED, &first, SeqOptions::default())
-        .unwrap();
+    create(&mut m, a, &first);
     run(&mut m, a, &first, 0, 0, &mut rng);
     m.close(a).unwrap();
     let tails = m.windows().num_tails();
@@ -565,8 +540,7 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
     // Another prompt needs all 8 GPU blocks: the first prompt's 4 go to the host.
     let other = toks(50_000..51_900);
     let b = RequestId(2);
-    m.create(b, ReuseScope::SHARED, &other, SeqOptions::default())
-        .unwrap();
+    create(&mut m, b, &other);
     run(&mut m, b, &other, 0, 0, &mut rng);
     m.close(b).unwrap();
     let offloads = m.take_copy_plans();
@@ -581,9 +555,7 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
     m.check_invariants();
     // The first prompt again: served whole from the host, its tail read in place.
     let c = RequestId(3);
-    let hit = m
-        .create(c, ReuseScope::SHARED, &first, SeqOptions::default())
-        .unwrap();
+    let hit = create(&mut m, c, &first);
     assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_024, 0));
     assert!(m.resume(c).unwrap());
     let onloads = m.take_copy_plans();
@@ -605,13 +577,7 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
 fn a_refused_resize_with_a_raised_history_changes_nothing() {
     let mut m = manager(64, [4, 200, 100], V4Options::default());
     let id = RequestId(1);
-    m.create(
-        id,
-        ReuseScope::SHARED,
-        &toks(0..1000),
-        SeqOptions::default(),
-    )
-    .unwrap();
+    create(&mut m, id, &toks(0..1000));
     assert!(m.resume(id).unwrap());
     assert!(!m.resize(id, 300, 10).unwrap());
     let info = m.blocks().info_of(&m.seqs[&id].handle).unwrap();
@@ -636,19 +602,12 @@ fn a_resize_the_windows_refuse_evicts_nothing() {
     let mut m = manager(4, [8, 200, 100], V4Options::default());
     let a = RequestId(1);
     let prompt = toks(0..600);
-    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
-        .unwrap();
+    create(&mut m, a, &prompt);
     run(&mut m, a, &prompt, 0, 0, &mut rng);
     m.close(a).unwrap();
     let before = (m.blocks().cached_blocks().len(), m.windows().num_tails());
     let b = RequestId(2);
-    m.create(
-        b,
-        ReuseScope::SHARED,
-        &toks(5_000..6_000),
-        SeqOptions::default(),
-    )
-    .unwrap();
+    create(&mut m, b, &toks(5_000..6_000));
     assert!(m.resume(b).unwrap());
     assert!(!m.resize(b, 1_000, 0).unwrap());
     let after = (m.blocks().cached_blocks().len(), m.windows().num_tails());
@@ -672,8 +631,7 @@ fn without_reuse_no_tail_is_kept() {
     let mut m = manager(64, [40, 200, 100], opts);
     let a = RequestId(1);
     let prompt = toks(0..1_000);
-    m.create(a, ReuseScope::SHARED, &prompt, SeqOptions::default())
-        .unwrap();
+    create(&mut m, a, &prompt);
     run(&mut m, a, &prompt, 0, 0, &mut rng);
     assert_eq!(m.windows().num_tails(), 0);
     m.close(a).unwrap();
@@ -686,8 +644,7 @@ fn without_reuse_no_tail_is_kept() {
 fn a_window_index_past_the_specs_is_a_typed_error() {
     let mut m = manager(64, [40, 200, 100], V4Options::default());
     let a = RequestId(1);
-    m.create(a, ReuseScope::SHARED, &toks(0..10), SeqOptions::default())
-        .unwrap();
+    create(&mut m, a, &toks(0..10));
     assert!(matches!(
         m.window_table(a, 3),
         Err(V4Error::Windows(WindowError::NoLifeCycle {

@@ -536,7 +536,8 @@ impl WindowCache {
         for (key, boundary, pages) in linked {
             self.link(key, boundary, pages);
         }
-        let specs = self.specs.clone();
+        // Field borrows: the specs are read while the rings change (no copy per step).
+        let specs = &self.specs;
         let rings = self.seqs.get_mut(&id).expect("invariant: checked above");
         rings.committed = committed;
         let mut freed = Vec::new();
@@ -562,7 +563,7 @@ impl WindowCache {
     /// Frees `id`'s pages wholly at or past position `end` (capacity given back after a
     /// rollback). Positions before the committed ones are never given back.
     pub fn truncate(&mut self, id: RequestId, end: u64, issued: Fence) -> Result<(), WindowError> {
-        let specs = self.specs.clone();
+        let specs = &self.specs;
         let rings = self
             .seqs
             .get_mut(&id)
