@@ -58,15 +58,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
             Ok(Err(why)) => return Ok(HandOver::Declined { why }),
             Err(e) => {
                 // The importer may hold pages for a ticket this side never took: it may
-                // free them now (best effort: the peer may be the reason).
-                let _ = self
-                    .wire
-                    .send(&SessionMsg::Failed {
-                        export: export.id,
-                        why: e.to_string(),
-                        in_flight: false,
-                    })
-                    .await;
+                // free them now.
+                self.tell_failed(export, &e, false).await;
                 return Err(e);
             }
         };
@@ -155,15 +148,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
                 Ok(report)
             }
             Err(e) => {
-                // Best effort: the peer may be the reason.
-                let _ = self
-                    .wire
-                    .send(&SessionMsg::Failed {
-                        export: export.id,
-                        why: e.to_string(),
-                        in_flight: e.in_flight(),
-                    })
-                    .await;
+                self.tell_failed(export, &e, e.in_flight()).await;
                 Err(e)
             }
         }
@@ -197,6 +182,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
             None
         };
         Ok((report, digests))
+    }
+
+    /// Tells the importer this export failed with `e` (best effort: the peer may be the
+    /// reason it failed, so a send error is not reported).
+    async fn tell_failed(&mut self, export: &ExportedBlocks, e: &SessionError, in_flight: bool) {
+        let _ = self
+            .wire
+            .send(&SessionMsg::Failed {
+                export: export.id,
+                why: e.to_string(),
+                in_flight,
+            })
+            .await;
     }
 
     /// The importer's verdict on the transfer `export` → `ticket` (its `Outcome`).
