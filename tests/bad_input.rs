@@ -456,9 +456,7 @@ fn rows() -> Vec<Row> {
         (
             "v4: suspend",
             Box::new(|| {
-                let mut m = v4_manager();
-                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
-                    .unwrap();
+                let mut m = v4_with_request_1();
                 err(m.suspend(RequestId(1)))
             }),
             "request 1: a DeepSeek-V4 sequence cannot be suspended (its windows live on the GPU only); preempt it by recompute: close it and create it again",
@@ -471,9 +469,7 @@ fn rows() -> Vec<Row> {
         (
             "v4: a commit beyond the capacity",
             Box::new(|| {
-                let mut m = v4_manager();
-                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
-                    .unwrap();
+                let mut m = v4_with_request_1();
                 m.resume(RequestId(1)).unwrap();
                 err(m.commit(RequestId(1), &toks(10)))
             }),
@@ -482,9 +478,7 @@ fn rows() -> Vec<Row> {
         (
             "v4: a window life cycle past the specs",
             Box::new(|| {
-                let mut m = v4_manager();
-                m.create(RequestId(1), ReuseScope::SHARED, &toks(10), SeqOptions::default())
-                    .unwrap();
+                let m = v4_with_request_1();
                 err(m.window_table(RequestId(1), 7))
             }),
             "window life cycle 7 does not exist: there are 3",
@@ -523,6 +517,19 @@ fn v4_slots(windows: Vec<u32>) -> V4Slots {
         },
         windows,
     }
+}
+
+/// A V4 manager holding request 1 (10 prompt tokens, not resumed).
+fn v4_with_request_1() -> V4CacheManager {
+    let mut m = v4_manager();
+    m.create(
+        RequestId(1),
+        ReuseScope::SHARED,
+        &toks(10),
+        SeqOptions::default(),
+    )
+    .unwrap();
+    m
 }
 
 fn v4_manager() -> V4CacheManager {
