@@ -285,12 +285,9 @@ impl V4CacheManager {
         let t = self.block_tokens();
         let cached = self.blocks.probe_reuse(scope, prompt)? / t;
         // The deepest cached boundary with a tail.
-        let mut key = scope.root_key();
-        let mut keys = Vec::with_capacity(cached as usize);
-        for b in prompt.chunks_exact(t as usize).take(cached as usize) {
-            key = self.hasher.block_key(&key, b);
-            keys.push(key);
-        }
+        let keys = self
+            .blocks
+            .block_keys(scope, &prompt[..(cached * t) as usize]);
         let hit = (1..=keys.len())
             .rev()
             .find(|&j| self.windows.has_tail(&keys[j - 1]))
