@@ -35,6 +35,7 @@ pub mod paged;
 mod store;
 pub mod trace;
 pub mod unpaged;
+pub mod v4;
 mod weights;
 
 pub use config::{ModelConfig, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};

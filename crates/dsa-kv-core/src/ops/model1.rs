@@ -55,9 +55,11 @@ pub fn dequantize_model1_row(
     scales: &[u8; MODEL1_SCALES],
 ) -> [f32; MODEL1_NOPE + MODEL1_ROPE] {
     let mut out = [0f32; MODEL1_NOPE + MODEL1_ROPE];
-    for (i, o) in out[..MODEL1_NOPE].iter_mut().enumerate() {
-        let e = i32::from(scales[i / MODEL1_TILE]) - 127;
-        *o = e4m3_to_f32(data[i]) * (e as f32).exp2();
+    for (t, tile) in out[..MODEL1_NOPE].chunks_exact_mut(MODEL1_TILE).enumerate() {
+        let scale = ((i32::from(scales[t]) - 127) as f32).exp2();
+        for (j, o) in tile.iter_mut().enumerate() {
+            *o = e4m3_to_f32(data[t * MODEL1_TILE + j]) * scale;
+        }
     }
     for (j, o) in out[MODEL1_NOPE..].iter_mut().enumerate() {
         let b = MODEL1_NOPE + 2 * j;

@@ -86,8 +86,15 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | ((e as u8) << 3) | m as u8
 }
 
-/// FP8 E4M3 → f32.
+/// FP8 E4M3 → f32 (a table of [`e4m3_decode`]'s 256 values, built once: decoding is
+/// the inner loop of every reference attention).
 pub fn e4m3_to_f32(b: u8) -> f32 {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|i| e4m3_decode(i as u8)))[usize::from(b)]
+}
+
+/// FP8 E4M3 → f32, computed from the bit fields.
+pub fn e4m3_decode(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let e = i32::from((b >> 3) & 0xF);
     let m = f32::from(b & 7);

@@ -1,0 +1,51 @@
+//! A small DeepSeek-V4-style model (random weights from a seed) that reads and writes
+//! every cache a V4 layer has: the raw sliding window, the compressed entries, the
+//! indexer keys over them and the compressor state. It is the reference behind the V4
+//! exactness test: run on [`V4Contiguous`] (one request, every position kept, no pages)
+//! and on [`V4Paged`] (the pools a [`V4Plan`](dsa_kv_core::layout::V4Plan) lays out,
+//! addressed through the V4 cache manager's block table and ring page tables), it must
+//! give the same bits.
+//!
+//! The cache rows have V4's real sizes and formats; everything the cache does not store
+//! is small. Per layer `l` of ratio `r ∈ {0, 4, 128}`, for every new token at `p`:
+//!
+//! * **Window row**: the latent `c = w_kv · x̂` (512: 448 NoPE, 64 RoPE), RMS-normed, RoPE
+//!   on its last 64 values at `p`, in bf16, then the 584-byte MODEL1 row
+//!   ([`quantize_model1_row`](dsa_kv_core::ops::model1::quantize_model1_row)).
+//! * **Compressor state** (`r > 0`): the fp32 row `[kv | score]` of `coff · 512` values
+//!   each (`coff` = 2 for ratio 4, whose groups overlap; 1 for ratio 128), `kv = w_ckv ·
+//!   x̂`, `score = w_cs · x̂ + ape[p mod r]`.
+//! * **Compressed entry** `w`, written by the token that closes its group (`p = r·w + r −
+//!   1`): per channel a softmax over the group's slots of the scores, the weighted sum of
+//!   the kv values (ratio 4: the first halves of tokens `4w − 4 .. 4w − 1`, when `w > 0`,
+//!   then the second halves of `4w .. 4w + 3`; ratio 128: tokens `128w .. 128w + 127`),
+//!   RMS-normed, RoPE on the last 64 at `r·w`, a MODEL1 row. The slots are read back from
+//!   the state cache, so an entry depends on nothing a step keeps in registers.
+//! * **Indexer key** (`r = 4`): the same overlapping compressor at width 128 over its own
+//!   state rows, RMS-normed, RoPE on its first 64 at `4w`, FP8 with a UE8M0 scale word
+//!   (132 bytes).
+//!
+//! Then each new token attends: the window rows `max(0, q − W + 1) ..= q` and the
+//! compressed entries it sees (`w < (q + 1) / r`: all of them on a ratio-128 layer, the
+//! indexer's top-k on a ratio-4 layer: `Σ_h w_h · relu(q_h · k_w) · scale_w` with FP8
+//! queries, ties to the earlier entry), in one softmax per head with scale `512^−½` and a
+//! per-head sink logit; the 512-wide output (values are the keys' rows) gets the inverse
+//! RoPE at `q` on its last 64, then the output projection, a residual, a small MLP.
+//! The MTP draft layer is window-only (it has its own window cache after the target
+//! layers); its row of a position depends only on that position's token.
+//!
+//! Left out, because the cache does not see them: mixture of experts, hyper-connections,
+//! grouped output projections, learned norms. Batch invariance is the V3.2 model's:
+//! every value is computed for one token of one request by loops in a fixed order,
+//! reading only that request's cache.
+
+mod model;
+mod paged;
+mod store;
+
+pub use model::{V4Model, V4ModelConfig};
+pub use paged::{V4Paged, V4Pools};
+pub use store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
+
+#[cfg(test)]
+mod tests;
