@@ -29,8 +29,11 @@
 //! compressed entries it sees (`w < (q + 1) / r`: all of them on a ratio-128 layer, the
 //! indexer's top-k on a ratio-4 layer: `Σ_h w_h · relu(q_h · k_w) · scale_w` with FP8
 //! queries, ties to the earlier entry), in one softmax per head with scale `512^−½` and a
-//! per-head sink logit; the 512-wide output (values are the keys' rows) gets the inverse
+//! per-head sink logit, the head's query (RMS-normed, RoPE on its last 64 at `q`) in
+//! bf16 as the sparse decode takes it; the 512-wide output (values are the keys' rows) gets the inverse
 //! RoPE at `q` on its last 64, then the output projection, a residual, a small MLP.
+//! [`V4Model::run_traced`] gives a token's attention as the sparse decode sees it
+//! ([`V4Trace`]), for external kernels.
 //! The MTP draft layer is window-only (it has its own window cache after the target
 //! layers); its row of a position depends only on that position's token.
 //!
@@ -43,7 +46,7 @@ mod model;
 mod paged;
 mod store;
 
-pub use model::{V4Model, V4ModelConfig};
+pub use model::{V4Model, V4ModelConfig, V4Trace};
 pub use paged::{V4Paged, V4Pools};
 pub use store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
 

@@ -75,6 +75,30 @@ impl V4ModelConfig {
     }
 }
 
+/// One token's attention in one layer, as a sparse decode kernel sees it: the positions
+/// of the window rows and the compressed entries read (in that order), and per head the
+/// bf16 query (RoPE applied), the sink logit and the output over the rows (512 wide,
+/// before the inverse RoPE).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct V4Trace {
+    /// The layer.
+    pub layer: usize,
+    /// The query's position.
+    pub pos: u32,
+    /// Window positions read, ascending.
+    pub window: Vec<u32>,
+    /// Compressed entries read, ascending.
+    pub entries: Vec<u32>,
+    /// The softmax scale (`512^−½`).
+    pub softmax_scale: f32,
+    /// Per head: the sink logit.
+    pub sink: Vec<f32>,
+    /// Per head: the query (values of bf16).
+    pub q: Vec<Vec<f32>>,
+    /// Per head: the attention output.
+    pub out: Vec<Vec<f32>>,
+}
+
 /// A compressor: per token a `[kv | score]` state row of `coff · width` values each.
 #[derive(Clone)]
 struct Compressor {
@@ -184,7 +208,7 @@ impl V4Layer {
         let w_q = (0..cfg.heads)
             .map(|_| Mat::random(rng, LATENT, h))
             .collect();
-        let sink = Mat::random(rng, cfg.heads, 3).w;
+        let sink = Mat::random(rng, 1, cfg.heads).w;
         let w_o = Mat::random(rng, h, cfg.heads * LATENT);
         let w_1 = Mat::random(rng, cfg.mlp, h);
         let w_2 = Mat::random(rng, h, cfg.mlp);
@@ -338,6 +362,32 @@ impl V4Model {
         first: u32,
         tokens: &[u32],
     ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
+        self.run_layers(kv, first, tokens, &[], &mut Vec::new())
+    }
+
+    /// [`run_hidden`](Self::run_hidden), also tracing the attention of `points`
+    /// (`(layer, position)`; those not among the new positions are ignored), in layer
+    /// order, then position order. Every output bit is the untraced run's.
+    pub fn run_traced(
+        &self,
+        kv: &mut dyn V4Store,
+        first: u32,
+        tokens: &[u32],
+        points: &[(usize, u32)],
+    ) -> Result<(Vec<TokenOut>, Vec<V4Trace>), ModelError> {
+        let mut traces = Vec::new();
+        let (outs, _) = self.run_layers(kv, first, tokens, points, &mut traces)?;
+        Ok((outs, traces))
+    }
+
+    fn run_layers(
+        &self,
+        kv: &mut dyn V4Store,
+        first: u32,
+        tokens: &[u32],
+        points: &[(usize, u32)],
+        traces: &mut Vec<V4Trace>,
+    ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
         if first.checked_add(tokens.len() as u32).is_none() || tokens.len() > u32::MAX as usize {
             return Err(ModelError::Access(format!(
                 "positions {first}.. of {} tokens pass u32",
@@ -353,7 +403,14 @@ impl V4Model {
                 self.write(kv, l, layer, xn, first + i as u32)?;
             }
             for (i, xn) in normed.iter().enumerate() {
-                let attn = self.attend(kv, l, layer, xn, first + i as u32)?;
+                let q = first + i as u32;
+                let mut trace = points.contains(&(l, q)).then(|| V4Trace {
+                    layer: l,
+                    pos: q,
+                    ..V4Trace::default()
+                });
+                let attn = self.attend(kv, l, layer, xn, q, trace.as_mut())?;
+                traces.extend(trace);
                 add(&mut xs[i], &attn);
                 Self::mlp(layer, &mut xs[i]);
             }
@@ -459,7 +516,8 @@ impl V4Model {
         Ok(top_k(scored, self.cfg.topk as usize))
     }
 
-    /// The attention output of the token at `q` in layer `l`.
+    /// The attention output of the token at `q` in layer `l` (`trace`: what a sparse
+    /// decode kernel is handed and computes, per head).
     fn attend(
         &self,
         kv: &dyn V4Store,
@@ -467,6 +525,7 @@ impl V4Model {
         layer: &V4Layer,
         xn: &[f32],
         q: u32,
+        mut trace: Option<&mut V4Trace>,
     ) -> Result<Vec<f32>, ModelError> {
         let decode = |r: Model1Row| dequantize_model1_row(&r.data, &r.scales);
         let low = (q + 1).saturating_sub(self.cfg.window);
@@ -479,15 +538,27 @@ impl V4Model {
             (None, 0) => Vec::new(),
             (None, r) => (0..(q + 1) / r).collect(),
         };
-        for w in entries {
+        for &w in &entries {
             rows.push(decode(kv.entry(l, w)?));
         }
         let scale = 1.0 / (LATENT as f32).sqrt();
+        if let Some(t) = trace.as_deref_mut() {
+            t.window = (low..=q).collect();
+            t.entries = entries;
+            t.softmax_scale = scale;
+            t.sink = layer.sink.clone();
+        }
         let mut heads = Vec::with_capacity(self.cfg.heads * LATENT);
         for (w_q, &sink) in layer.w_q.iter().zip(&layer.sink) {
             let mut qh = rmsnorm(&w_q.apply(xn));
             rope(&mut qh[MODEL1_NOPE..], q);
+            // The query in bf16, as the sparse decode kernel takes it.
+            let qh: Vec<f32> = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
             let mut o = attend_sink(&qh, &rows, scale, sink);
+            if let Some(t) = trace.as_deref_mut() {
+                t.q.push(qh);
+                t.out.push(o.clone());
+            }
             rope_inverse(&mut o[MODEL1_NOPE..], q);
             heads.extend(o);
         }
@@ -549,7 +620,7 @@ impl V4Model {
             local.write_window(layer, pos, &row)?;
             let mut x = self.embedding(tok);
             add(&mut x, &rmsnorm(&h));
-            let attn = self.attend(&local, layer, &self.draft, &rmsnorm(&x), pos)?;
+            let attn = self.attend(&local, layer, &self.draft, &rmsnorm(&x), pos, None)?;
             add(&mut x, &attn);
             Self::mlp(&self.draft, &mut x);
             tok = self.output(&x, pos).greedy;

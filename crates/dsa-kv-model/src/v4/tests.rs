@@ -122,3 +122,28 @@ fn bad_configs_are_refused() {
     // The RoPE part of a row is its last 64 values.
     assert_eq!(MODEL1_NOPE + crate::ROPE, crate::LATENT);
 }
+
+/// A traced run gives the untraced bits; a trace holds what the sparse decode is handed
+/// (128 window rows, the selected or visible entries) and one query and output per head.
+#[test]
+fn traces_change_nothing_and_hold_the_kernel_inputs() {
+    let m = model(V4ModelConfig::tiny(3));
+    let p = prompt(400);
+    let plain = m.run(&mut V4Contiguous::new(), 0, &p).unwrap();
+    let points = [(1, 399), (2, 399), (0, 5), (2, 1000)];
+    let (outs, traces) = m
+        .run_traced(&mut V4Contiguous::new(), 0, &p, &points)
+        .unwrap();
+    assert_eq!(outs, plain);
+    assert_eq!(traces.len(), 3, "a point past the run is ignored");
+    let (t0, t1, t2) = (&traces[0], &traces[1], &traces[2]);
+    assert_eq!((t0.layer, t0.pos, t0.window.len()), (0, 5, 6));
+    assert!(t0.entries.is_empty());
+    assert_eq!((t1.layer, t1.window.len(), t1.entries.len()), (1, 128, 64));
+    assert_eq!(t2.entries, vec![0, 1, 2]);
+    assert_eq!((t2.q.len(), t2.out.len(), t2.sink.len()), (2, 2, 2));
+    assert!(t2.q[0]
+        .iter()
+        .all(|&v| half::bf16::from_f32(v).to_f32() == v));
+    assert_eq!(t2.softmax_scale, 1.0 / 512f32.sqrt());
+}
