@@ -33,6 +33,7 @@ use super::window::{WindowCache, WindowError, WindowSpec, WindowStats};
 use crate::ids::{Fence, LifeCycleId, RequestId, SlotId, TokenId};
 use crate::layout::V4Plan;
 
+pub(super) mod scheduler;
 #[cfg(test)]
 mod tests;
 
