@@ -106,6 +106,22 @@ pub mod core {
     }
 }
 
+/// DeepSeek-V4 (hybrid caches: a raw sliding window on every layer, compressed KV and
+/// indexer keys on 256-token blocks, compressor state): the structure
+/// ([`V4Spec`](v4::V4Spec)) and plan ([`V4Plan`](v4::V4Plan)), the cache manager and
+/// its scheduler (plain synchronous Rust), the device boundary a V4 model plugs into
+/// ([`V4Forward`](v4::V4Forward)) and the actor runtime ([`V4Runtime`](v4::V4Runtime)).
+pub mod v4 {
+    pub use crate::actors::{V4Runtime, V4RuntimeError, V4RuntimeStats, V4StepReport};
+    pub use dsa_kv_core::config::{V4LayerKind, V4Preset, V4Spec};
+    pub use dsa_kv_core::core::{
+        V4CacheManager, V4Created, V4Error, V4Failed, V4Finished, V4Limits, V4Options, V4Outcome,
+        V4Planned, V4SchedError, V4SchedStats, V4Scheduler, V4Slots, V4Stats, V4StepPlan, V4Work,
+    };
+    pub use dsa_kv_core::layout::{V4Buffer, V4LifeCycle, V4LifeCycleKind, V4PageFormat, V4Plan};
+    pub use dsa_kv_device::v4::{V4DeviceError, V4Forward, V4HostDevice, V4Pools};
+}
+
 /// What the kernels' step metadata holds, as a forward reads it through
 /// [`MetadataView`](device::MetadataView): its dimensions and buffer roles.
 pub mod metadata {

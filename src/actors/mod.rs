@@ -14,6 +14,7 @@ mod metrics;
 mod shared;
 mod stats;
 mod transfer;
+mod v4;
 
 pub use coordinator::{
     CacheCounts, CommitAndStepReport, CommitReport, Drafts, EventSnapshot, FinishedReport,
@@ -32,3 +33,4 @@ pub use stats::{
     EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
 };
 pub use transfer::{Lease, Transfers};
+pub use v4::{V4Runtime, V4RuntimeError, V4RuntimeStats, V4StepReport};

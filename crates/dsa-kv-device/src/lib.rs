@@ -16,6 +16,7 @@ mod kv_source;
 mod step;
 pub mod synthetic;
 pub mod transfer;
+pub mod v4;
 
 pub use backend::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch,

@@ -13,7 +13,7 @@ use dsa_kv_core::ids::{LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{Role, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::entry_row;
 use dsa_kv_core::rng::SplitMix64;
-use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Pools, V4Store};
+use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Paged, V4Pools, V4Store};
 use dsa_kv_model::TokenOut;
 
 const DRAFTS: usize = 3;
@@ -230,7 +230,7 @@ impl Engine {
             r.id
         );
         self.copies();
-        let mut kv = self.pools.view(&self.m, r.id).unwrap();
+        let mut kv = V4Paged::from_manager(&mut self.pools, &self.m, r.id).unwrap();
         let (outs, hidden) = self.model.run_hidden(&mut kv, c as u32, &tokens).unwrap();
         // Drafts accepted: each that the target's greedy token before it agrees with.
         let accepted = if c < r.prefill {
@@ -257,7 +257,7 @@ impl Engine {
         r.committed = done;
         if done >= r.prefill && done < len {
             r.next = outs[accepted].greedy;
-            let kv = self.pools.view(&self.m, r.id).unwrap();
+            let kv = V4Paged::from_manager(&mut self.pools, &self.m, r.id).unwrap();
             r.drafts = self
                 .model
                 .propose(&kv, (done - 1) as u32, &hidden[accepted], r.next, DRAFTS)
@@ -347,14 +347,14 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     let reference = Reference::new(&e.model, &a, 600);
     // A window write at a reused (committed) position is refused.
     {
-        let mut kv = e.pools.view(&e.m, r).unwrap();
+        let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
         let row = kv.window(0, 500).unwrap();
         let err = kv.write_window(0, 500, &row).unwrap_err().to_string();
         assert!(err.contains("not writable"), "{err}");
     }
     // Flip one bit of entry 0 of the ratio-128 layer (layer 2) in the pool.
     {
-        let mut kv = e.pools.view(&e.m, r).unwrap();
+        let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
         let mut row = kv.entry(2, 0).unwrap();
         row.data[3] ^= 0x10;
         // Written through the pools' bytes, as a fault would: not through the store,
@@ -377,7 +377,7 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     }
     assert!(e.m.resize(r, 600, 512).unwrap());
     e.copies();
-    let mut kv = e.pools.view(&e.m, r).unwrap();
+    let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
     let outs = e.model.run(&mut kv, 512, &a[512..]).unwrap();
     assert_ne!(
         outs[..],

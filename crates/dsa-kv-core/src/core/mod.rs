@@ -44,7 +44,7 @@ pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc};
 pub use v4::scheduler::{
-    V4Finished, V4Limits, V4Outcome, V4Planned, V4SchedError, V4SchedStats, V4Scheduler,
+    V4Failed, V4Finished, V4Limits, V4Outcome, V4Planned, V4SchedError, V4SchedStats, V4Scheduler,
     V4StepPlan, V4Work,
 };
 pub use v4::{V4CacheManager, V4Created, V4Error, V4Options, V4Slots, V4Stats};

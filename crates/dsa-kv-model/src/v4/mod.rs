@@ -42,12 +42,15 @@
 //! every value is computed for one token of one request by loops in a fixed order,
 //! reading only that request's cache.
 
+mod forward;
 mod model;
 mod paged;
 mod store;
 
+pub use dsa_kv_device::v4::V4Pools;
+pub use forward::{V4ModelForward, V4Outputs};
 pub use model::{V4Model, V4ModelConfig, V4Trace};
-pub use paged::{V4Paged, V4Pools};
+pub use paged::V4Paged;
 pub use store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
 
 #[cfg(test)]

@@ -1,187 +1,83 @@
-//! The V4 caches as the kernels hold them: [`V4Pools`], the byte pools a
-//! [`V4Plan`] lays out (per life cycle, per tier, per pool), and [`V4Paged`], one
-//! request's view of them through the V4 cache manager's tables, which the forward
-//! reads and writes as the sparse decode and the compressors do:
+//! [`V4Paged`]: one request's DeepSeek-V4 caches in a device's [`V4Pools`], through
+//! its tables (a step plan's, or the V4 cache manager's), read and written as the sparse
+//! decode and the compressors do:
 //!
 //! * window rows and state rows through the request's ring page tables
 //!   ([`PageTable::row`]);
 //! * compressed entries and their indexer keys through its block table
 //!   ([`entry_row`]);
-//! * a write only at or past the committed length, and a window or state write only to
-//!   a page the request alone holds (never a shared tail): anything else is a typed
-//!   [`ModelError::Access`], not a silent overwrite.
-//!
-//! Offload and onboarding move compressed blocks between the tiers by the manager's
-//! [`CopyPlan`]s ([`V4Pools::apply`]).
+//! * a write only at or past the committed length: anything else is a typed
+//!   [`ModelError::Access`], not a silent overwrite. That keeps shared rows read-only:
+//!   a shared tail ends at a block boundary at or before the committed length, and every
+//!   page size divides the 256-token block, so no page of a tail holds a position past
+//!   it; a shared block holds only entries closed before it. Built from the manager
+//!   ([`V4Paged::from_manager`]), a window or state write also asks the window cache
+//!   that the request alone holds the page.
 
-use dsa_kv_core::core::{V4CacheManager, V4Slots};
+use dsa_kv_core::core::{V4CacheManager, V4Planned};
 use dsa_kv_core::ids::{LayerId, RequestId, SlotId, Tier};
-use dsa_kv_core::layout::{Retention, Role, V4Buffer, V4PageFormat, V4Plan};
+use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
 use dsa_kv_core::ops::model1::{MODEL1_DATA, MODEL1_SCALES};
-use dsa_kv_core::ops::CopyPlan;
+use dsa_kv_device::v4::V4Pools;
 
 use super::store::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
 use crate::{ModelError, INDEX_VALUE_BYTES};
 
-/// The pools of every life cycle of a plan: the compressed one on the GPU and (with a
-/// host tier) on the host, the window ones on the GPU.
-pub struct V4Pools {
-    plan: V4Plan,
-    /// Per life cycle (plan order): per tier (GPU, host): per pool: its bytes.
-    bytes: Vec<[Vec<Vec<u8>>; 2]>,
-    /// Per life cycle: its index among the window life cycles (the manager's `lc`).
-    window_index: Vec<Option<usize>>,
+/// One request's caches in [`V4Pools`], through its tables.
+pub struct V4Paged<'a> {
+    pools: &'a mut V4Pools,
+    m: Option<&'a V4CacheManager>,
+    id: RequestId,
+    committed: u64,
+    blocks: Vec<SlotId>,
+    /// Per window life cycle: the first position held and the slots.
+    windows: Vec<(u64, Vec<SlotId>)>,
 }
 
-fn tier_index(t: Tier) -> usize {
-    match t {
-        Tier::Gpu => 0,
-        Tier::Host => 1,
-    }
-}
-
-impl V4Pools {
-    /// Zeroed pools for `plan` with `slots` (as the manager was built with).
-    pub fn new(plan: &V4Plan, slots: &V4Slots) -> Result<V4Pools, ModelError> {
-        let mut bytes = Vec::new();
-        let mut window_index = Vec::new();
-        let mut windows = 0;
-        for lc in plan.life_cycles() {
-            let (gpu, host, index) = match lc.retention {
-                Retention::Full => (
-                    slots.blocks.gpu.first().copied(),
-                    slots.blocks.host.first().copied().unwrap_or(0),
-                    None,
-                ),
-                Retention::Window { .. } => {
-                    windows += 1;
-                    (
-                        slots.windows.get(windows - 1).copied(),
-                        0,
-                        Some(windows - 1),
-                    )
-                }
-            };
-            let gpu = gpu.ok_or_else(|| {
-                ModelError::Cache(format!(
-                    "no slot count for the {} life cycle: give V4Slots one per life cycle",
-                    lc.kind.name()
-                ))
-            })?;
-            let tier = |n: u32| -> Vec<Vec<u8>> {
-                lc.pools
-                    .iter()
-                    .map(|p| vec![0u8; (u64::from(n) * p.slot_bytes()) as usize])
-                    .collect()
-            };
-            bytes.push([tier(gpu), tier(host)]);
-            window_index.push(index);
+impl<'a> V4Paged<'a> {
+    /// `p`'s view: the tables of its step plan (positions from `p.first` written).
+    pub fn of_step(pools: &'a mut V4Pools, p: &V4Planned) -> Result<Self, ModelError> {
+        if p.windows.len() != pools.window_life_cycles() {
+            return Err(ModelError::Access(format!(
+                "request {}: {} window tables for {} window life cycles",
+                p.id,
+                p.windows.len(),
+                pools.window_life_cycles()
+            )));
         }
-        Ok(V4Pools {
-            plan: plan.clone(),
-            bytes,
-            window_index,
+        Ok(V4Paged {
+            pools,
+            m: None,
+            id: p.id,
+            committed: p.first,
+            blocks: p.blocks.clone(),
+            windows: p.windows.clone(),
         })
-    }
-
-    /// The plan.
-    pub fn plan(&self) -> &V4Plan {
-        &self.plan
-    }
-
-    /// The bytes of pool `pool` of life cycle `lc` (plan order) on `tier` (empty for a
-    /// tier the life cycle does not have): what a kernel or a dump reads.
-    pub fn pool(&self, lc: usize, tier: Tier, pool: usize) -> &[u8] {
-        self.bytes
-            .get(lc)
-            .and_then(|t| t[tier_index(tier)].get(pool))
-            .map_or(&[], Vec::as_slice)
-    }
-
-    /// [`pool`](Self::pool), writable (a transfer landing, a fault injected in a test).
-    pub fn pool_mut(&mut self, lc: usize, tier: Tier, pool: usize) -> &mut [u8] {
-        self.bytes
-            .get_mut(lc)
-            .and_then(|t| t[tier_index(tier)].get_mut(pool))
-            .map_or(&mut [], Vec::as_mut_slice)
-    }
-
-    /// Executes the manager's copy plans (offload, onboarding) in order: every pool of
-    /// the compressed life cycle, slot by slot.
-    pub fn apply(&mut self, plans: &[CopyPlan]) -> Result<(), ModelError> {
-        let lc = self
-            .plan
-            .life_cycles()
-            .iter()
-            .position(|lc| lc.retention == Retention::Full)
-            .ok_or_else(|| ModelError::Cache("the plan has no compressed life cycle".into()))?;
-        let slot_bytes: Vec<usize> = self.plan.life_cycles()[lc]
-            .pools
-            .iter()
-            .map(|p| p.slot_bytes() as usize)
-            .collect();
-        for copy in plans.iter().flat_map(|p| &p.copies) {
-            if copy.pool_group.index() != 0 {
-                return Err(ModelError::Access(format!(
-                    "a copy of pool group {}: V4 blocks have one",
-                    copy.pool_group.index()
-                )));
-            }
-            let (src, dst) = (tier_index(copy.src_tier), tier_index(copy.dst_tier));
-            for (pool, &n) in slot_bytes.iter().enumerate() {
-                for &(s, d) in &copy.pairs {
-                    let range = |slot: SlotId, t: usize| {
-                        let at = slot.index() * n;
-                        (at + n <= self.bytes[lc][t][pool].len()).then_some(at..at + n)
-                    };
-                    let (Some(from), Some(to)) = (range(s, src), range(d, dst)) else {
-                        return Err(ModelError::Access(format!(
-                            "copy {s:?} → {d:?} ({:?} → {:?}) is past the pools",
-                            copy.src_tier, copy.dst_tier
-                        )));
-                    };
-                    let data = self.bytes[lc][src][pool][from].to_vec();
-                    self.bytes[lc][dst][pool][to].copy_from_slice(&data);
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Request `id`'s view through `m`'s tables (taken now; build a new view after the
     /// manager changes).
-    pub fn view<'a>(
-        &'a mut self,
+    pub fn from_manager(
+        pools: &'a mut V4Pools,
         m: &'a V4CacheManager,
         id: RequestId,
-    ) -> Result<V4Paged<'a>, ModelError> {
+    ) -> Result<Self, ModelError> {
         let err = |e: dsa_kv_core::core::V4Error| ModelError::Access(e.to_string());
         let blocks = m.block_slots(id).map_err(err)?;
-        let windows = (0..self.window_index.iter().flatten().count())
+        let windows = (0..pools.window_life_cycles())
             .map(|lc| m.window_table(id, lc).map_err(err))
             .collect::<Result<_, _>>()?;
         let committed = m.committed(id).map_err(err)?;
         Ok(V4Paged {
-            pools: self,
-            m,
+            pools,
+            m: Some(m),
             id,
             committed,
             blocks,
             windows,
         })
     }
-}
-
-/// One request's caches in [`V4Pools`], through its tables.
-pub struct V4Paged<'a> {
-    pools: &'a mut V4Pools,
-    m: &'a V4CacheManager,
-    id: RequestId,
-    committed: u64,
-    blocks: Vec<SlotId>,
-    /// Per window life cycle: the first position held and the slots.
-    windows: Vec<(u64, Vec<SlotId>)>,
 }
 
 /// Where a row lives: (life cycle, pool, byte offset of its data, of its scale bytes).
@@ -195,7 +91,7 @@ struct At {
 impl V4Paged<'_> {
     fn buffer(&self, layer: usize, role: Role) -> Result<V4Buffer, ModelError> {
         self.pools
-            .plan
+            .plan()
             .buffer(LayerId(layer as u32), role)
             .copied()
             .ok_or_else(|| {
@@ -207,14 +103,14 @@ impl V4Paged<'_> {
     /// `write`, only a page the request alone holds, at or past the committed length.
     fn ring_row(&self, b: &V4Buffer, pos: u32, write: bool) -> Result<At, ModelError> {
         let lc = b.life_cycle.index();
-        let w = self.pools.window_index[lc].ok_or_else(|| {
+        let w = self.pools.window_index(lc).ok_or_else(|| {
             ModelError::Cache(format!(
                 "{:?} of layer {} is not windowed",
                 b.role,
                 b.layer.get()
             ))
         })?;
-        let page = u64::from(self.pools.plan.life_cycles()[lc].tokens_per_page);
+        let page = u64::from(self.pools.plan().life_cycles()[lc].tokens_per_page);
         let (start, slots) = &self.windows[w];
         let table = PageTable {
             start: *start,
@@ -225,18 +121,20 @@ impl V4Paged<'_> {
             .row(b.converter, u64::from(pos))
             .map_err(|e| ModelError::Access(format!("layer {}: {e}", b.layer.get())))?;
         if write {
-            let ok = u64::from(pos) >= self.committed
-                && self
-                    .m
+            let alone = match self.m {
+                Some(m) => m
                     .windows()
                     .writable(self.id, w, u64::from(pos))
-                    .map_err(|e| ModelError::Access(e.to_string()))?;
+                    .map_err(|e| ModelError::Access(e.to_string()))?,
+                None => true,
+            };
+            let ok = u64::from(pos) >= self.committed && alone;
             if !ok {
                 return Err(ModelError::Access(format!(
                     "request {}: position {pos} of the {} life cycle is not writable (behind \
                      the committed {} or in a page shared with a tail)",
                     self.id,
-                    self.pools.plan.life_cycles()[lc].kind.name(),
+                    self.pools.plan().life_cycles()[lc].kind.name(),
                     self.committed
                 )));
             }
@@ -299,11 +197,11 @@ impl V4Paged<'_> {
     }
 
     fn bytes(&self, at: &At, from: usize, n: usize) -> &[u8] {
-        &self.pools.bytes[at.lc][0][at.pool][from..from + n]
+        &self.pools.pool(at.lc, Tier::Gpu, at.pool)[from..from + n]
     }
 
     fn bytes_mut(&mut self, at: &At, from: usize, n: usize) -> &mut [u8] {
-        &mut self.pools.bytes[at.lc][0][at.pool][from..from + n]
+        &mut self.pools.pool_mut(at.lc, Tier::Gpu, at.pool)[from..from + n]
     }
 
     fn read_model1(&self, at: &At) -> Model1Row {

@@ -213,7 +213,7 @@ pub struct V4SchedStats {
     /// Tokens recomputed after preemptions (served neither from cache nor for the
     /// first time).
     pub recomputed_tokens: u64,
-    /// Tokens served from the cache at admissions.
+    /// Tokens served from the cache at admissions (of requests that then ran).
     pub reused_tokens: u64,
     /// Requests finished.
     pub finished: u64,
@@ -428,8 +428,9 @@ impl V4Scheduler {
         Ok(())
     }
 
-    /// Closes running request `id` for recompute and queues it first.
-    fn preempt(&mut self, id: RequestId) -> Result<(), V4SchedError> {
+    /// Closes running request `id` for recompute and queues it first; `count`: a
+    /// preemption (not a request given back at its admission, which computed nothing).
+    fn preempt(&mut self, id: RequestId, count: bool) -> Result<(), V4SchedError> {
         self.m.close(id)?;
         let r = self
             .reqs
@@ -443,20 +444,21 @@ impl V4Scheduler {
         r.context_end = r.context_end.max(r.committed);
         r.committed = 0;
         r.drafts.clear();
-        r.preemptions += 1;
+        r.preemptions += u32::from(count);
         self.running.retain(|&x| x != id);
         self.waiting.push_front(id);
-        self.stats.preemptions += 1;
+        self.stats.preemptions += u64::from(count);
         Ok(())
     }
 
     /// Plans `id` with `budget`: grows its caches. With no room, a context chunk is
     /// halved first (down to one token); then the newest running request not yet planned
-    /// this step is preempted (possibly `id` itself). `Ok(None)`: nothing planned (no
-    /// budget, or `id` was preempted).
+    /// this step is preempted (possibly `id` itself; one `admitting` is given back to the
+    /// queue instead). `Ok(None)`: nothing planned (no budget, or `id` was preempted).
     fn plan_one(
         &mut self,
         id: RequestId,
+        admitting: bool,
         mut budget: u32,
         planned: &[RequestId],
         preempted: &mut Vec<RequestId>,
@@ -502,7 +504,11 @@ impl V4Scheduler {
                 self.fail(id, why, failed)?;
                 return Ok(None);
             }
-            self.preempt(victim)?;
+            if victim == id && admitting {
+                self.preempt(id, false)?;
+                return Ok(None);
+            }
+            self.preempt(victim, true)?;
             preempted.push(victim);
             if victim == id {
                 return Ok(None);
@@ -552,10 +558,6 @@ impl V4Scheduler {
         let r = self.reqs.get_mut(&id).expect("invariant: known");
         r.committed = created.reused_tokens;
         r.running = true;
-        if r.first_reuse.is_none() {
-            r.first_reuse = Some(created.reused_tokens);
-        }
-        self.stats.reused_tokens += created.reused_tokens;
         self.waiting.pop_front();
         self.running.push(id);
         Ok(true)
@@ -584,22 +586,34 @@ impl V4Scheduler {
             if !self.reqs[&id].running {
                 continue; // preempted by an older request this step
             }
-            if let Some(p) = self.plan_one(id, budget, &planned, &mut preempted, &mut failed)? {
+            if let Some(p) =
+                self.plan_one(id, false, budget, &planned, &mut preempted, &mut failed)?
+            {
                 budget -= p.tokens.len() as u32;
                 planned.push(id);
                 requests.push(p);
             }
         }
-        // Waiting requests, front first, while there are sequence slots and budget.
-        while budget > 0 && self.running.len() < self.limits.max_num_sequences as usize {
+        // Waiting requests, front first, while there are sequence slots and budget, and
+        // no running request had to give way this step (admitting then would only make
+        // the next preemption).
+        while budget > 0
+            && preempted.is_empty()
+            && self.running.len() < self.limits.max_num_sequences as usize
+        {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
-            if preempted.contains(&id) || !self.admit(id)? {
+            if !self.admit(id)? {
                 break;
             }
-            match self.plan_one(id, budget, &planned, &mut preempted, &mut failed)? {
+            match self.plan_one(id, true, budget, &planned, &mut preempted, &mut failed)? {
                 Some(p) => {
+                    // Counted once it runs (a request given back at admission reused
+                    // nothing).
+                    self.stats.reused_tokens += p.first;
+                    let r = self.reqs.get_mut(&id).expect("invariant: admitted");
+                    r.first_reuse.get_or_insert(p.first);
                     budget -= p.tokens.len() as u32;
                     planned.push(id);
                     requests.push(p);

@@ -1,0 +1,111 @@
+//! The V4 model as a device's [`V4Forward`]: every planned request runs through its own
+//! tables ([`V4Paged::of_step`]); a decode step accepts each draft the target's greedy
+//! token before it agrees with, the MTP layer's rows are written for the tokens kept,
+//! the greedy token is sampled and the MTP layer proposes the next step's drafts.
+//! Every kept position's output is recorded ([`V4Outputs`]) for the exactness check.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use dsa_kv_core::core::{V4Outcome, V4StepPlan, V4Work};
+use dsa_kv_core::ids::{RequestId, TokenId};
+use dsa_kv_device::v4::{V4DeviceError, V4Forward, V4Pools};
+
+use super::{V4Model, V4Paged};
+use crate::{ModelError, TokenOut};
+
+/// What every device's V4 forward produced.
+#[derive(Debug, Default)]
+pub struct V4Outputs {
+    /// `(device, request)` → position → output. A position computed again (a recompute
+    /// after preemption) must give the same output: see `conflicts`.
+    pub tokens: HashMap<(usize, RequestId), BTreeMap<u32, TokenOut>>,
+    /// Positions whose recomputed output differed from the first (must stay empty).
+    pub conflicts: Vec<String>,
+}
+
+/// The V4 model as a device's forward. See the module docs.
+pub struct V4ModelForward {
+    model: Arc<V4Model>,
+    outputs: Arc<Mutex<V4Outputs>>,
+}
+
+impl V4ModelForward {
+    /// The forward of `model`, recording into `outputs`.
+    pub fn new(model: Arc<V4Model>, outputs: Arc<Mutex<V4Outputs>>) -> Self {
+        V4ModelForward { model, outputs }
+    }
+}
+
+impl V4Forward for V4ModelForward {
+    fn forward(
+        &mut self,
+        device: usize,
+        pools: &mut V4Pools,
+        plan: &V4StepPlan,
+    ) -> Result<Vec<V4Outcome>, V4DeviceError> {
+        let mut outcomes = Vec::with_capacity(plan.requests.len());
+        for p in &plan.requests {
+            let err = |e: ModelError| V4DeviceError::Forward {
+                device,
+                what: format!("request {}: {e}", p.id),
+            };
+            let first = u32::try_from(p.first)
+                .map_err(|_| err(ModelError::Access(format!("position {} past u32", p.first))))?;
+            let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
+            let n = tokens.len();
+            let mut kv = V4Paged::of_step(pools, p).map_err(err)?;
+            let (outs, hidden) = self
+                .model
+                .run_hidden(&mut kv, first, &tokens)
+                .map_err(err)?;
+            let accepted = match p.work {
+                V4Work::Context => 0,
+                V4Work::Decode => (1..n)
+                    .take_while(|&i| tokens[i] == outs[i - 1].greedy)
+                    .count(),
+            };
+            let kept = match p.work {
+                V4Work::Context => n,
+                V4Work::Decode => accepted + 1,
+            };
+            let mtp = self.model.config().mtp;
+            if mtp {
+                self.model
+                    .draft_write(&mut kv, first, &tokens[..kept])
+                    .map_err(err)?;
+            }
+            let next = outs[kept - 1].greedy;
+            let drafts = if p.sample && mtp && p.next_drafts > 0 {
+                let last = first + kept as u32 - 1;
+                self.model
+                    .propose(&kv, last, &hidden[kept - 1], next, p.next_drafts as usize)
+                    .map_err(err)?
+            } else {
+                Vec::new()
+            };
+            {
+                let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+                let V4Outputs { tokens, conflicts } = &mut *o;
+                let m = tokens.entry((device, p.id)).or_default();
+                for out in &outs[..kept] {
+                    if let Some(prev) = m.insert(out.pos, *out) {
+                        if prev != *out {
+                            conflicts.push(format!(
+                                "device {device}, request {}, position {}: {prev:?} then {out:?}",
+                                p.id, out.pos
+                            ));
+                        }
+                    }
+                }
+            }
+            outcomes.push(V4Outcome {
+                id: p.id,
+                accepted_drafts: accepted as u32,
+                next_token: p.sample.then_some(TokenId(next)),
+                drafts: drafts.into_iter().map(TokenId).collect(),
+            });
+        }
+        Ok(outcomes)
+    }
+}
