@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use dsa_kv::config::KvDtype;
 use dsa_kv::device::Verification;
+use dsa_kv::v4::V4Preset;
 
 use crate::common::{self, Backend};
 
@@ -88,6 +89,13 @@ pub(crate) struct Args {
     #[arg(long, value_name = "PCT", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) room_faults: u8,
+    /// A DeepSeek-V4 preset: run the V4 reference model with its layer structure through
+    /// the V4 runtime instead (the other models come with --config)
+    #[arg(long, value_name = "NAME", value_parser = common::named(&V4Preset::ALL, V4Preset::name))]
+    pub(crate) model: Option<V4Preset>,
+    /// Cache budget of the V4 run in MiB (per device; the pools are sized from it)
+    #[arg(long, value_name = "MIB", default_value_t = 400)]
+    pub(crate) budget_mib: u64,
 }
 
 fn at_least_one(v: &str) -> Result<usize, String> {
@@ -108,6 +116,36 @@ pub(crate) fn check(mut a: Args) -> Args {
         common::usage_error::<Args>(
             "--room-faults needs the fault drills: run with --features fault-injection",
         );
+    }
+    if let Some(p) = a.model {
+        let mut clash = Vec::new();
+        for (set, flag) in [
+            (a.source != Source::Model, "--source synthetic"),
+            (a.checkpoint.is_some(), "--checkpoint"),
+            (a.config.is_some(), "--config"),
+            (a.kv_dtype.is_some(), "--kv-dtype"),
+            (a.backend != Backend::Host, "--backend cuda"),
+            (a.gpus.is_some(), "--gpus"),
+            (a.cuda_graphs, "--cuda-graphs"),
+            (a.room_faults > 0, "--room-faults"),
+            (a.metrics_addr.is_some(), "--metrics-addr"),
+            (a.verify.is_some_and(|v| v.is_on()), "--verify"),
+        ] {
+            if set {
+                clash.push(flag);
+            }
+        }
+        if !clash.is_empty() {
+            common::usage_error::<Args>(format!(
+                "--model {} runs the V4 reference model on the host backend through the V4 \
+                 runtime; it does not take {}",
+                p.name(),
+                clash.join(", ")
+            ));
+        }
+        if a.budget_mib == 0 {
+            common::usage_error::<Args>("--budget-mib must be at least 1");
+        }
     }
     a.conversations = a.conversations.map(|n| n.max(1));
     a.turns = a.turns.map(|n| n.max(1));

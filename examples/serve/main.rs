@@ -78,6 +78,7 @@ mod args;
 #[path = "../common/mod.rs"]
 mod common;
 mod plot;
+mod v4;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
@@ -326,6 +327,9 @@ impl StepLatency {
 }
 
 async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
+    if let Some(preset) = a.model {
+        return v4::run(a, preset).await;
+    }
     let config = engine_config(&a)?;
     // The embedder's choice of exporter: here Prometheus text over HTTP.
     let prometheus = match a.metrics_addr {

@@ -31,6 +31,12 @@ impl Mat {
         self.w.chunks_exact(self.cols).map(|r| dot(r, x)).collect()
     }
 
+    /// `out = W · x`, each output a [`dot8`] (the V4 model's order).
+    pub(crate) fn apply8(&self, x: &[f32]) -> Vec<f32> {
+        debug_assert_eq!(x.len(), self.cols);
+        self.w.chunks_exact(self.cols).map(|r| dot8(r, x)).collect()
+    }
+
     /// `out = Wᵀ · x`, each output summed by ascending row.
     pub(crate) fn apply_t(&self, x: &[f32]) -> Vec<f32> {
         debug_assert_eq!(x.len(), self.rows);
@@ -53,6 +59,25 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `a · b` in a fixed order that vectorizes (the V4 model's): element `i` goes to lane
+/// `i mod 8` (each lane summed in ascending order), then the lanes pairwise:
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`. A GPU twin reproduces it with
+/// the same lanes.
+pub(crate) fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut l = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for j in 0..8 {
+            l[j] += x[j] * y[j];
+        }
+    }
+    for (j, (x, y)) in ra.iter().zip(rb).enumerate() {
+        l[j] += x * y;
+    }
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
 /// `x += y`, element by element.
 pub(crate) fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -62,6 +87,13 @@ pub(crate) fn add(x: &mut [f32], y: &[f32]) {
 
 pub(crate) fn rmsnorm(x: &[f32]) -> Vec<f32> {
     let ms = dot(x, x) / x.len() as f32;
+    let r = 1.0 / (ms + 1e-6).sqrt();
+    x.iter().map(|v| v * r).collect()
+}
+
+/// [`rmsnorm`] with the sum of squares as a [`dot8`] (the V4 model's).
+pub(crate) fn rmsnorm8(x: &[f32]) -> Vec<f32> {
+    let ms = dot8(x, x) / x.len() as f32;
     let r = 1.0 / (ms + 1e-6).sqrt();
     x.iter().map(|v| v * r).collect()
 }

@@ -11,7 +11,7 @@
 
 use half::bf16;
 
-use super::quant::{block_scale, e4m3_to_f32, f32_to_e4m3, ue8m0_byte, ScaleFormat, FP8_E4M3_MAX};
+use super::quant::{block_scale, e4m3_table, f32_to_e4m3, ue8m0_byte, ScaleFormat, FP8_E4M3_MAX};
 use crate::layout::{MODEL1_DATA_BYTES, MODEL1_SCALE_BYTES};
 
 /// NoPE values per row (FP8).
@@ -55,10 +55,11 @@ pub fn dequantize_model1_row(
     scales: &[u8; MODEL1_SCALES],
 ) -> [f32; MODEL1_NOPE + MODEL1_ROPE] {
     let mut out = [0f32; MODEL1_NOPE + MODEL1_ROPE];
+    let table = e4m3_table();
     for (t, tile) in out[..MODEL1_NOPE].chunks_exact_mut(MODEL1_TILE).enumerate() {
         let scale = ((i32::from(scales[t]) - 127) as f32).exp2();
-        for (j, o) in tile.iter_mut().enumerate() {
-            *o = e4m3_to_f32(data[t * MODEL1_TILE + j]) * scale;
+        for (o, &b) in tile.iter_mut().zip(&data[t * MODEL1_TILE..]) {
+            *o = table[usize::from(b)] * scale;
         }
     }
     for (j, o) in out[MODEL1_NOPE..].iter_mut().enumerate() {

@@ -89,8 +89,13 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
 /// FP8 E4M3 → f32 (a table of [`e4m3_decode`]'s 256 values, built once: decoding is
 /// the inner loop of every reference attention).
 pub fn e4m3_to_f32(b: u8) -> f32 {
+    e4m3_table()[usize::from(b)]
+}
+
+/// The 256 values of [`e4m3_decode`], by code (built once).
+pub fn e4m3_table() -> &'static [f32; 256] {
     static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|i| e4m3_decode(i as u8)))[usize::from(b)]
+    TABLE.get_or_init(|| std::array::from_fn(|i| e4m3_decode(i as u8)))
 }
 
 /// FP8 E4M3 → f32, computed from the bit fields.

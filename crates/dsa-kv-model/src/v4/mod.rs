@@ -37,6 +37,12 @@
 //! The MTP draft layer is window-only (it has its own window cache after the target
 //! layers); its row of a position depends only on that position's token.
 //!
+//! Arithmetic: that of the V3.2 model (`exp` as a fixed polynomial, softmax and
+//! weighted sums in ascending order), except that every dot product (projections,
+//! attention scores, indexer scores, RMSNorm's sum of squares) runs in 8
+//! interleaved lanes combined pairwise (`dot8`): a fixed order that vectorizes on the
+//! host and that a GPU twin reproduces.
+//!
 //! Left out, because the cache does not see them: mixture of experts, hyper-connections,
 //! grouped output projections, learned norms. Batch invariance is the V3.2 model's:
 //! every value is computed for one token of one request by loops in a fixed order,

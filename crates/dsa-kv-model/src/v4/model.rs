@@ -7,7 +7,7 @@ use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_to
 use dsa_kv_core::rng::SplitMix64;
 
 use super::store::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
-use crate::math::{add, dot, exp, relu, rmsnorm, rope, rope_cos_sin, to_bf16, Mat};
+use crate::math::{add, dot8, exp, relu, rmsnorm8, rope, rope_cos_sin, to_bf16, Mat};
 use crate::model::{output_of, top_k};
 use crate::{ModelError, TokenOut, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
 
@@ -128,8 +128,8 @@ impl Compressor {
     /// The state row of the token at `p` (normed hidden state `xn`).
     fn state_row(&self, xn: &[f32], p: u32) -> Vec<f32> {
         let n = self.coff * self.width;
-        let mut row = self.w_kv.apply(xn);
-        let mut score = self.w_score.apply(xn);
+        let mut row = self.w_kv.apply8(xn);
+        let mut score = self.w_score.apply8(xn);
         let r = (p % self.ratio) as usize;
         add(&mut score, &self.ape.w[r * n..(r + 1) * n]);
         row.extend(score);
@@ -266,9 +266,10 @@ fn rope_inverse(x: &mut [f32], pos: u32) {
 }
 
 /// One head over `rows` (keys and values alike) and a sink: `Σ_j p_j · row_j` with
-/// `p_j = e^(s_j − m) / (e^(sink − m) + Σ_i e^(s_i − m))`, `s_j = scale · q · row_j`.
+/// `p_j = e^(s_j − m) / (e^(sink − m) + Σ_i e^(s_i − m))`, `s_j = scale · q · row_j`
+/// ([`dot8`]).
 fn attend_sink(q: &[f32], rows: &[[f32; LATENT]], scale: f32, sink: f32) -> Vec<f32> {
-    let scores: Vec<f32> = rows.iter().map(|r| dot(q, r) * scale).collect();
+    let scores: Vec<f32> = rows.iter().map(|r| dot8(q, r) * scale).collect();
     let m = scores.iter().fold(sink, |m, &s| if s > m { s } else { m });
     let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
     let mut sum = exp(sink - m);
@@ -335,12 +336,17 @@ impl V4Model {
     }
 
     fn output(&self, x: &[f32], pos: u32) -> TokenOut {
-        output_of(&self.w_out.apply(&rmsnorm(x)), pos)
+        output_of(&self.w_out.apply8(&rmsnorm8(x)), pos)
     }
 
     fn mlp(layer: &V4Layer, x: &mut [f32]) {
-        let mid: Vec<f32> = layer.w_1.apply(&rmsnorm(x)).into_iter().map(relu).collect();
-        add(x, &layer.w_2.apply(&mid));
+        let mid: Vec<f32> = layer
+            .w_1
+            .apply8(&rmsnorm8(x))
+            .into_iter()
+            .map(relu)
+            .collect();
+        add(x, &layer.w_2.apply8(&mid));
     }
 
     /// Runs one request's new `tokens` at positions `first..` (the caches hold what
@@ -396,7 +402,7 @@ impl V4Model {
         }
         let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| self.embedding(t)).collect();
         for (l, layer) in self.layers.iter().enumerate() {
-            let normed: Vec<Vec<f32>> = xs.iter().map(|x| rmsnorm(x)).collect();
+            let normed: Vec<Vec<f32>> = xs.iter().map(|x| rmsnorm8(x)).collect();
             // Every new token's rows first: a token attends to the new tokens before it,
             // and an entry closed inside the step is seen by its closing token.
             for (i, xn) in normed.iter().enumerate() {
@@ -425,7 +431,7 @@ impl V4Model {
 
     /// The window row of the token at `p`.
     fn window_row(layer: &V4Layer, xn: &[f32], p: u32) -> Model1Row {
-        let mut c = rmsnorm(&layer.w_kv.apply(xn));
+        let mut c = rmsnorm8(&layer.w_kv.apply8(xn));
         rope(&mut c[MODEL1_NOPE..], p);
         model1(&c)
     }
@@ -452,11 +458,11 @@ impl V4Model {
             return Ok(());
         }
         let w = p / layer.ratio;
-        let mut e = rmsnorm(&comp.entry(kv, l, StateKind::Kv, w)?);
+        let mut e = rmsnorm8(&comp.entry(kv, l, StateKind::Kv, w)?);
         rope(&mut e[MODEL1_NOPE..], layer.ratio * w);
         kv.write_entry(l, w, &model1(&e))?;
         if let Some(ix) = &layer.index {
-            let mut k = rmsnorm(&ix.comp.entry(kv, l, StateKind::Index, w)?);
+            let mut k = rmsnorm8(&ix.comp.entry(kv, l, StateKind::Index, w)?);
             rope(&mut k[..ROPE], layer.ratio * w);
             let mut key = [0u8; INDEX_ENTRY_BYTES];
             let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
@@ -484,7 +490,7 @@ impl V4Model {
             .w_q
             .iter()
             .map(|w| {
-                let mut v = w.apply(xn);
+                let mut v = w.apply8(xn);
                 rope(&mut v[..ROPE], q);
                 let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
                 quantize_fp8_token(&to_bf16(&v), ScaleFormat::Ue8m0, &mut b, &mut s);
@@ -493,7 +499,7 @@ impl V4Model {
                 out
             })
             .collect();
-        let weights = ix.w_w.apply(xn);
+        let weights = ix.w_w.apply8(xn);
         let mut scored = Vec::with_capacity(visible as usize);
         let mut k = [0f32; INDEX_DIM];
         for w in 0..visible {
@@ -509,7 +515,7 @@ impl V4Model {
             ]);
             let mut s = 0f32;
             for (qh, wh) in qs.iter().zip(&weights) {
-                s += wh * relu(dot(qh, &k));
+                s += wh * relu(dot8(qh, &k));
             }
             scored.push((s * scale, w));
         }
@@ -550,7 +556,7 @@ impl V4Model {
         }
         let mut heads = Vec::with_capacity(self.cfg.heads * LATENT);
         for (w_q, &sink) in layer.w_q.iter().zip(&layer.sink) {
-            let mut qh = rmsnorm(&w_q.apply(xn));
+            let mut qh = rmsnorm8(&w_q.apply8(xn));
             rope(&mut qh[MODEL1_NOPE..], q);
             // The query in bf16, as the sparse decode kernel takes it.
             let qh: Vec<f32> = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
@@ -562,7 +568,7 @@ impl V4Model {
             rope_inverse(&mut o[MODEL1_NOPE..], q);
             heads.extend(o);
         }
-        Ok(layer.w_o.apply(&heads))
+        Ok(layer.w_o.apply8(&heads))
     }
 
     /// Writes the MTP layer's window rows of `tokens` at positions `first..` (a pure
@@ -577,7 +583,7 @@ impl V4Model {
         self.has_draft()?;
         for (i, &t) in tokens.iter().enumerate() {
             let p = first + i as u32;
-            let row = Self::window_row(&self.draft, &rmsnorm(&self.embedding(t)), p);
+            let row = Self::window_row(&self.draft, &rmsnorm8(&self.embedding(t)), p);
             kv.write_window(self.mtp_layer(), p, &row)?;
         }
         Ok(())
@@ -616,11 +622,11 @@ impl V4Model {
         let mut out = Vec::with_capacity(k);
         for i in 0..k as u32 {
             let pos = last + 1 + i;
-            let row = Self::window_row(&self.draft, &rmsnorm(&self.embedding(tok)), pos);
+            let row = Self::window_row(&self.draft, &rmsnorm8(&self.embedding(tok)), pos);
             local.write_window(layer, pos, &row)?;
             let mut x = self.embedding(tok);
-            add(&mut x, &rmsnorm(&h));
-            let attn = self.attend(&local, layer, &self.draft, &rmsnorm(&x), pos, None)?;
+            add(&mut x, &rmsnorm8(&h));
+            let attn = self.attend(&local, layer, &self.draft, &rmsnorm8(&x), pos, None)?;
             add(&mut x, &attn);
             Self::mlp(&self.draft, &mut x);
             tok = self.output(&x, pos).greedy;

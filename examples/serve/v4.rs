@@ -1,0 +1,333 @@
+//! `serve --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 main job on the host
+//! backend. The V4 reference model (`dsa_kv_model::v4`) with the preset's layer structure
+//! (its ratio list: window-only, ratio-4 and ratio-128 layers, and the MTP layer) and
+//! tiny widths elsewhere (hidden 64, 2 heads, top-64) runs through the V4 runtime
+//! (`dsa_kv::v4::V4Runtime`: the V4 scheduler and cache manager on the coordinator, one
+//! device actor per `--devices`) on a multi-turn chat workload over shared system prompts:
+//! chunked prefill, MTP decode with 3 drafts, prefix hits at window tails, preemption by
+//! recompute and a host tier for the compressed blocks. The pools are sized by
+//! `core::quota::v4_capacity` from `--budget-mib`. After the run every request is run
+//! again alone on a contiguous cache: its output tokens, and the logits of every position
+//! every device computed, must be equal bit for bit.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use dsa_kv::core::quota::{v4_capacity, V4Demand};
+use dsa_kv::core::scheduler::SubmitRequest;
+use dsa_kv::core::ManagerOptions;
+use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::layout::Retention;
+use dsa_kv::rng::SplitMix64;
+use dsa_kv::v4::{
+    V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan, V4Preset, V4Runtime, V4Scheduler,
+    V4Slots,
+};
+use dsa_kv_core::core::TierSlots;
+use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
+use dsa_kv_model::TokenOut;
+use serde_json::json;
+
+use super::{Args, ServeError, MODEL_SEED};
+
+/// A conversation: its system prompt and everything said so far.
+struct Conversation {
+    history: Vec<u32>,
+    turn: usize,
+}
+
+/// What one request was.
+struct Sent {
+    prompt: Vec<u32>,
+    max_new: u32,
+}
+
+/// The model alone on a contiguous cache: its greedy tokens and every position's output.
+fn reference(
+    model: &V4Model,
+    prompt: &[u32],
+    max_new: u32,
+) -> Result<(Vec<u32>, Vec<TokenOut>), ServeError> {
+    let mut kv = V4Contiguous::new();
+    let mut outs = model.run(&mut kv, 0, prompt)?;
+    let mut gen = Vec::new();
+    loop {
+        let t = outs.last().map_or(0, |o| o.greedy);
+        gen.push(t);
+        if gen.len() as u32 == max_new {
+            break;
+        }
+        let p = (prompt.len() + gen.len() - 1) as u32;
+        outs.extend(model.run(&mut kv, p, &[t])?);
+    }
+    Ok((gen, outs))
+}
+
+pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, ServeError> {
+    let spec = preset.spec();
+    let cfg = V4ModelConfig {
+        ratios: spec.compress_ratios.clone(),
+        mtp: spec.num_mtp_layers > 0,
+        ..V4ModelConfig::tiny(MODEL_SEED)
+    };
+    let model = Arc::new(V4Model::new(cfg)?);
+    let plan = V4Plan::new(&model.config().spec()?)?;
+    let limits = V4Limits {
+        max_num_sequences: 4,
+        max_num_tokens: 512,
+        max_prefill_chunk: 256,
+        max_seq_len: 8192,
+        draft_tokens: if model.config().mtp { 3 } else { 0 },
+        livelock_steps: 16,
+    };
+    let demand = V4Demand {
+        max_sequences: limits.max_num_sequences,
+        drafts: limits.draft_tokens,
+        max_batched_tokens: limits.max_num_tokens,
+        tail_boundaries: 16,
+    };
+    let budget = a.budget_mib << 20;
+    let cap = v4_capacity(&plan, budget, &demand)?;
+    let windows: Vec<u32> = plan
+        .life_cycles()
+        .iter()
+        .filter(|lc| lc.retention != Retention::Full)
+        .map(|lc| cap.slots[lc.id.index()] as u32)
+        .collect();
+    let blocks = cap.blocks as u32;
+    let slots = V4Slots {
+        blocks: TierSlots {
+            gpu: vec![blocks],
+            host: vec![blocks],
+        },
+        windows,
+    };
+    let m = V4CacheManager::new(
+        plan.clone(),
+        slots.clone(),
+        V4Options {
+            blocks: ManagerOptions {
+                enable_partial_reuse: false,
+                ..ManagerOptions::default()
+            },
+            ..V4Options::default()
+        },
+    )?;
+    let sched = V4Scheduler::new(m, limits)?;
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let devices = (0..a.devices)
+        .map(|i| {
+            let f = V4ModelForward::new(model.clone(), outputs.clone());
+            V4HostDevice::new(i, &plan, &slots, Box::new(f))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let rt = V4Runtime::start(sched, devices).await?;
+
+    let (conversations, turns) = match a.quick {
+        true => (a.conversations.unwrap_or(3), a.turns.unwrap_or(2)),
+        false => (a.conversations.unwrap_or(6), a.turns.unwrap_or(3)),
+    };
+    let vocab = model.config().vocab as u64;
+    let mut rng = SplitMix64(a.seed);
+    let systems: Vec<Vec<u32>> = (0..2)
+        .map(|_| {
+            let n = 300 + rng.below(300);
+            (0..n).map(|_| rng.below(vocab) as u32).collect()
+        })
+        .collect();
+    let mut convs: Vec<Conversation> = (0..conversations)
+        .map(|c| Conversation {
+            history: systems[c % systems.len()].clone(),
+            turn: 0,
+        })
+        .collect();
+    let mut sent: HashMap<RequestId, Sent> = HashMap::new();
+    let mut owner: HashMap<RequestId, usize> = HashMap::new();
+    let mut next_id = 0u64;
+    let mut submit = |c: usize, convs: &mut Vec<Conversation>, rng: &mut SplitMix64| {
+        let conv = &mut convs[c];
+        let n = 20 + rng.below(100);
+        conv.history.extend((0..n).map(|_| rng.below(vocab) as u32));
+        conv.turn += 1;
+        let id = RequestId(next_id);
+        next_id += 1;
+        let max_new = 16 + rng.below(48) as u32;
+        let prompt = conv.history.clone();
+        (id, prompt, max_new)
+    };
+    for c in 0..conversations {
+        let (id, prompt, max_new) = submit(c, &mut convs, &mut rng);
+        let toks = prompt.iter().map(|&t| TokenId(t)).collect();
+        rt.submit(SubmitRequest::new(id, toks, max_new)).await?;
+        owner.insert(id, c);
+        sent.insert(id, Sent { prompt, max_new });
+    }
+    let started = Instant::now();
+    let mut step_ms = Vec::new();
+    let mut finished: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let (mut failed, mut preempted, mut copies, mut tokens) = (Vec::new(), 0usize, 0usize, 0usize);
+    loop {
+        let t = Instant::now();
+        let Some(rep) = rt.step().await? else {
+            break;
+        };
+        step_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        preempted += rep.preempted.len();
+        copies += rep.slot_copies;
+        tokens += rep.tokens;
+        failed.extend(rep.failed.iter().map(|f| format!("{}: {}", f.id, f.reason)));
+        for f in rep.finished {
+            let out: Vec<u32> = f.output.iter().map(|t| t.0).collect();
+            let c = owner[&f.id];
+            convs[c].history.extend(&out);
+            finished.insert(f.id, out);
+            if convs[c].turn < turns {
+                let (id, prompt, max_new) = submit(c, &mut convs, &mut rng);
+                let toks = prompt.iter().map(|&t| TokenId(t)).collect();
+                rt.submit(SubmitRequest::new(id, toks, max_new)).await?;
+                owner.insert(id, c);
+                sent.insert(id, Sent { prompt, max_new });
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let stats = rt.stats().await?;
+    rt.stop().await;
+
+    // The exactness check: every request alone, unpaged.
+    let out = outputs.lock().unwrap_or_else(|e| e.into_inner());
+    let mut exact = 0usize;
+    let mut differences = Vec::new();
+    let mut positions = 0u64;
+    let mut ids: Vec<&RequestId> = sent.keys().collect();
+    ids.sort();
+    for id in ids {
+        let s = &sent[id];
+        let Some(got) = finished.get(id) else {
+            continue;
+        };
+        let (gen, outs) = reference(&model, &s.prompt, s.max_new)?;
+        let mut ok = *got == gen;
+        if !ok {
+            differences.push(format!("request {id}: tokens differ"));
+        }
+        for device in 0..a.devices {
+            for (&pos, o) in out.tokens.get(&(device, *id)).into_iter().flatten() {
+                positions += 1;
+                if outs.get(pos as usize) != Some(o) {
+                    ok = false;
+                    differences.push(format!("request {id}, device {device}, position {pos}"));
+                }
+            }
+        }
+        exact += usize::from(ok);
+    }
+    differences.extend(out.conflicts.iter().cloned());
+    let checked = finished.len();
+    let all_exact = exact == checked && out.conflicts.is_empty();
+    let prompt_tokens: usize = sent.values().map(|s| s.prompt.len()).sum();
+    let generated: usize = finished.values().map(Vec::len).sum();
+    step_ms.sort_by(f64::total_cmp);
+    let rank = |q: f64| {
+        let i = ((q * step_ms.len() as f64).ceil() as usize).clamp(1, step_ms.len().max(1)) - 1;
+        step_ms.get(i).copied()
+    };
+    let (window, c4, c128) = spec.layer_counts();
+    let report = json!({
+        "model": preset.name(),
+        "structure": {
+            "layers": spec.compress_ratios.len(), "window_only": window, "ratio_4": c4,
+            "ratio_128": c128, "mtp_layers": spec.num_mtp_layers,
+            "widths": "latent 512 (MODEL1 rows), indexer 128; hidden 64, 2 heads, top-64",
+        },
+        "devices": a.devices,
+        "budget_bytes": budget,
+        "gpu_blocks": blocks,
+        "host_blocks": blocks,
+        "window_slots": slots.windows,
+        "bytes_per_block": plan.bytes_per_block(),
+        "requests": sent.len(),
+        "requests_finished": checked,
+        "requests_failed": failed.len(),
+        "failures": failed,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "processed_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens as f64 / wall.max(1e-9),
+        "step_ms": {"steps": step_ms.len(), "median": rank(0.5), "p99": rank(0.99)},
+        "reused_tokens": stats.sched.reused_tokens,
+        "prefix_hit_rate": stats.sched.reused_tokens as f64 / prompt_tokens.max(1) as f64,
+        "preemptions": preempted,
+        "recomputed_tokens": stats.sched.recomputed_tokens,
+        "slot_copies": copies,
+        "drafts": stats.sched.drafts,
+        "accepted_drafts": stats.sched.accepted_drafts,
+        "tails_adopted": stats.windows.tails_adopted,
+        "tails_linked": stats.windows.tails_linked,
+        "backed_off_blocks": stats.cache.backed_off_blocks,
+        "checked_requests": checked,
+        "exact_requests": exact,
+        "positions_checked": positions,
+        "exact": all_exact,
+        "exactness_differences": differences.iter().take(20).collect::<Vec<_>>(),
+        "integrity_ok": all_exact && failed.is_empty() && checked == sent.len(),
+    });
+    std::fs::create_dir_all(&a.out)
+        .and_then(|()| std::fs::write(a.out.join("serve_v4_report.json"), report.to_string()))
+        .map_err(|e| format!("--out {}: {e}", a.out.display()))?;
+    if !a.json {
+        let r = &report;
+        println!(
+            "model                {} ({} layers + {} MTP, tiny widths)",
+            preset.name(),
+            spec.compress_ratios.len(),
+            spec.num_mtp_layers
+        );
+        println!(
+            "requests             {} finished of {}, {} failed",
+            r["requests_finished"], r["requests"], r["requests_failed"]
+        );
+        println!(
+            "tokens               {} prompt, {} generated, {} processed ({:.0}/s)",
+            r["prompt_tokens"],
+            r["generated_tokens"],
+            r["processed_tokens"],
+            r["tokens_per_s"].as_f64().unwrap_or(0.0)
+        );
+        println!(
+            "step ms              median {:.2}, p99 {:.2} over {} steps",
+            r["step_ms"]["median"].as_f64().unwrap_or(0.0),
+            r["step_ms"]["p99"].as_f64().unwrap_or(0.0),
+            r["step_ms"]["steps"]
+        );
+        println!(
+            "prefix hit rate      {:.3} ({} tokens at window tails, {} tails adopted)",
+            r["prefix_hit_rate"].as_f64().unwrap_or(0.0),
+            r["reused_tokens"],
+            r["tails_adopted"]
+        );
+        println!(
+            "preemptions          {} ({} tokens recomputed)",
+            r["preemptions"], r["recomputed_tokens"]
+        );
+        println!(
+            "slot copies          {} (offload and onboarding)",
+            r["slot_copies"]
+        );
+        println!(
+            "MTP drafts           {} accepted of {}",
+            r["accepted_drafts"], r["drafts"]
+        );
+        println!(
+            "exact                {} of {} requests ({} positions on {} device(s))",
+            r["exact_requests"], r["checked_requests"], r["positions_checked"], a.devices
+        );
+        println!(
+            "report               {}",
+            a.out.join("serve_v4_report.json").display()
+        );
+    }
+    Ok(report)
+}
