@@ -175,6 +175,47 @@ impl V4Pools {
             .map_or(&mut [], Vec::as_mut_slice)
     }
 
+    /// Copies whole slots of every pool of life cycle `lc` from `src`'s `src_tier` (another
+    /// device's pools of the same plan) into this device's GPU tier (`(source slot,
+    /// destination slot)` pairs, in order): an in-process transport, what a P/D
+    /// transfer's wire carries.
+    pub fn copy_slots_from(
+        &mut self,
+        src: &V4Pools,
+        src_tier: Tier,
+        lc: usize,
+        pairs: &[(SlotId, SlotId)],
+    ) -> Result<(), V4DeviceError> {
+        let (Some(from), Some(to)) = (
+            src.plan.life_cycles().get(lc),
+            self.plan.life_cycles().get(lc),
+        ) else {
+            return Err(V4DeviceError::Copy(format!("no life cycle {lc}")));
+        };
+        if from.pools != to.pools {
+            return Err(V4DeviceError::Copy(format!(
+                "life cycle {lc}: the two devices' pools differ (not the same plan)"
+            )));
+        }
+        for (pool, p) in to.pools.iter().enumerate() {
+            let n = p.slot_bytes() as usize;
+            for &(s, d) in pairs {
+                let (a, b) = (s.index() * n, d.index() * n);
+                let from = src.bytes[lc][tier_index(src_tier)][pool].get(a..a + n);
+                let to = self.bytes[lc][0][pool].get_mut(b..b + n);
+                match (from, to) {
+                    (Some(f), Some(t)) => t.copy_from_slice(f),
+                    _ => {
+                        return Err(V4DeviceError::Copy(format!(
+                            "life cycle {lc}: slot {s:?} → {d:?} is past the pools"
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Executes the manager's copy plans (offload, onboarding) in order: every pool of
     /// the compressed life cycle, slot by slot.
     pub fn apply(&mut self, plans: &[CopyPlan]) -> Result<(), V4DeviceError> {

@@ -10,7 +10,7 @@ use dsa_kv_core::core::{
     ManagerOptions, ReuseScope, SeqOptions, TierSlots, V4CacheManager, V4Options, V4Slots,
 };
 use dsa_kv_core::ids::{LayerId, RequestId, Tier, TokenId};
-use dsa_kv_core::layout::{Role, V4PageFormat, V4Plan};
+use dsa_kv_core::layout::{Retention, Role, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::entry_row;
 use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Paged, V4Pools, V4Store};
@@ -384,4 +384,103 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
         reference.outs[512..600],
         "a corrupted compressed entry must change the outputs"
     );
+}
+
+/// Moves the prefix of `tokens` that `pre` can export into `dec` (blocks and, at their
+/// last boundary, the windows' tail), copying the bytes unless told not to. Returns the
+/// boundary.
+fn transfer(pre: &mut Engine, dec: &mut Engine, tokens: &[u32], blocks: bool, tail: bool) -> u64 {
+    let toks: Vec<TokenId> = tokens.iter().map(|&t| TokenId(t)).collect();
+    let (x, y) = (RequestId(900), RequestId(901));
+    let out = pre
+        .m
+        .export(x, ReuseScope::SHARED, &toks)
+        .unwrap()
+        .expect("the prefill engine keeps a tail");
+    let e = out.boundary;
+    let inp = dec
+        .m
+        .begin_import(y, ReuseScope::SHARED, &toks[..e as usize])
+        .unwrap()
+        .expect("room to import");
+    assert_eq!((inp.skipped, inp.blocks.len()), (0, out.blocks.len()));
+    let lcs = pre.m.plan().life_cycles().to_vec();
+    let full = lcs
+        .iter()
+        .position(|l| l.retention == Retention::Full)
+        .unwrap();
+    if blocks {
+        for (a, b) in out.blocks.iter().zip(&inp.blocks) {
+            assert_eq!(a.key, b.key, "the same chained keys on both engines");
+            let (pa, pb) = (a.pages[0], b.pages[0]);
+            assert_eq!(pb.tier, Tier::Gpu);
+            dec.pools
+                .copy_slots_from(&pre.pools, pa.tier, full, &[(pa.slot, pb.slot)])
+                .unwrap();
+        }
+    }
+    let windows: Vec<usize> = (0..lcs.len()).filter(|&i| i != full).collect();
+    assert_eq!(
+        inp.tails.len(),
+        windows.len(),
+        "fresh tail pages on the decode engine"
+    );
+    for ((lc, (sa, a)), (sb, b)) in windows.iter().zip(&out.tails).zip(&inp.tails) {
+        assert_eq!((sa, a.len()), (sb, b.len()), "the same tail span");
+        if tail {
+            let pairs: Vec<_> = a.iter().copied().zip(b.iter().copied()).collect();
+            dec.pools
+                .copy_slots_from(&pre.pools, Tier::Gpu, *lc, &pairs)
+                .unwrap();
+        }
+    }
+    dec.m.commit_import(y, &toks[..e as usize]).unwrap();
+    pre.m.close_export(x).unwrap();
+    pre.m.check_invariants();
+    dec.m.check_invariants();
+    e
+}
+
+/// P/D by role: a prefill engine runs a 700-token prompt; its whole blocks (compressed
+/// KV and indexer keys) and the windows' tail at their last boundary (512) move to a
+/// decode engine, which recomputes positions 512–699 and decodes 60 tokens with MTP:
+/// every output equals the contiguous run's. Without the tail's bytes, or without the
+/// blocks', the recomputed positions differ (the transfer is what they read).
+#[test]
+fn pd_transfer_moves_blocks_and_tail_and_decoding_stays_exact() {
+    let mut rng = SplitMix64(21);
+    let prompt = random_tokens(&mut rng, 700);
+    let mut pre = Engine::new(9);
+    let lp = pre.start(1, &prompt, 701, None);
+    pre.run(vec![lp]);
+    let mut dec = Engine::new(9);
+    assert_eq!(transfer(&mut pre, &mut dec, &prompt, true, true), 512);
+    let ld = dec.start(2, &prompt, 760, None);
+    dec.run(vec![ld]);
+    assert_eq!(
+        dec.counts.reused_tokens, 512,
+        "the decode engine resumed at the tail"
+    );
+    assert!(dec.counts.positions_checked >= 188 + 59);
+    // Without the bytes of either role, the first recomputed position already differs.
+    let reference = Reference::new(&pre.model, &prompt, 700);
+    for (blocks, tail) in [(true, false), (false, true)] {
+        let mut dec = Engine::new(9);
+        transfer(&mut pre, &mut dec, &prompt, blocks, tail);
+        let r = RequestId(3);
+        assert_eq!(dec.create(r, &prompt), 512);
+        assert!(dec.m.resize(r, 700, 512).unwrap());
+        dec.copies();
+        let mut kv = V4Paged::from_manager(&mut dec.pools, &dec.m, r).unwrap();
+        let outs = dec.model.run(&mut kv, 512, &prompt[512..]).unwrap();
+        let differ = outs
+            .iter()
+            .zip(&reference.outs[512..])
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            differ > 0,
+            "blocks {blocks}, tail {tail}: the outputs must depend on them"
+        );
+    }
 }

@@ -227,6 +227,9 @@ pub(super) struct Sequence {
     pub pinned: bool,
     /// An open import: active, its fresh pages written by a transfer (`transfer.rs`).
     pub importing: bool,
+    /// An open import's last block key (its tokens, chained): `commit_import` must be
+    /// given the same tokens.
+    pub import_key: Option<BlockKey>,
 }
 
 impl Sequence {
@@ -687,6 +690,7 @@ impl KvCacheManager {
             ready_after: Fence::NONE,
             pinned: false,
             importing: false,
+            import_key: None,
         };
         if !lookup.is_empty() {
             let m = self.tree.match_prefix(

@@ -47,6 +47,7 @@ pub use v4::scheduler::{
     V4Failed, V4Finished, V4Limits, V4Outcome, V4Planned, V4SchedError, V4SchedStats, V4Scheduler,
     V4StepPlan, V4Work,
 };
+pub use v4::transfer::V4TransferPages;
 pub use v4::{V4CacheManager, V4Created, V4Error, V4Options, V4Slots, V4Stats};
 pub use window::{WindowCache, WindowError, WindowSpec, WindowStats};
 

@@ -215,6 +215,7 @@ impl KvCacheManager {
             }
         }
         let keys = self.block_keys(scope, tokens);
+        self.seq_mut(idx).import_key = keys.last().copied();
         let first = skipped as usize * self.n_lc;
         let blocks = self.block_locs(&self.seq(idx).pages[first..], &keys[skipped as usize..]);
         self.debug_check();
@@ -232,7 +233,16 @@ impl KvCacheManager {
         let idx = self.seq_index(h)?;
         let s = self.seq(idx);
         let done = s.committed() as usize;
-        if tokens.len() as u64 != s.capacity || s.tokens[..] != tokens[..done] {
+        let (root, expected) = (s.scope_key, s.import_key);
+        let mut chained = root;
+        for b in tokens.chunks_exact(self.tpb as usize) {
+            chained = self.hasher.block_key(&chained, b);
+        }
+        let s = self.seq(idx);
+        if tokens.len() as u64 != s.capacity
+            || s.tokens[..] != tokens[..done]
+            || expected != Some(chained)
+        {
             return Err(KvError::Transfer {
                 id: s.id,
                 why: "commit_import got other tokens than begin_import".into(),

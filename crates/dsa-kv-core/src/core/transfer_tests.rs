@@ -111,9 +111,16 @@ fn import_reserves_fresh_pages_then_links_them_atomically() {
     q.push(TokenId(77));
     assert_eq!(m.probe_reuse(ReuseScope::SHARED, &q).unwrap(), 0);
     m.check_invariants();
-    // Fewer tokens than begin_import's are refused.
+    // Fewer tokens than begin_import's are refused, and as many other ones (the blocks
+    // would enter the tree under another prefix's keys).
     assert!(matches!(
         m.commit_import(&mut imp.handle, &toks(0..8)),
+        Err(KvError::Transfer { .. })
+    ));
+    let mut other = p.clone();
+    other[5] = TokenId(9_999);
+    assert!(matches!(
+        m.commit_import(&mut imp.handle, &other),
         Err(KvError::Transfer { .. })
     ));
     m.commit_import(&mut imp.handle, &p).unwrap();

@@ -36,6 +36,7 @@ use crate::layout::V4Plan;
 pub(super) mod scheduler;
 #[cfg(test)]
 mod tests;
+pub(super) mod transfer;
 
 /// The V4 manager's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -150,6 +151,8 @@ pub struct V4CacheManager {
     blocks: KvCacheManager,
     windows: WindowCache,
     seqs: HashMap<RequestId, V4Seq>,
+    /// Exports and imports in flight (their ids share the requests' space).
+    transfers: HashMap<RequestId, transfer::Transfer>,
     hasher: KeyHasher,
     events: Vec<KvEvent>,
     opts: V4Options,
@@ -180,6 +183,7 @@ impl V4CacheManager {
             blocks,
             windows,
             seqs: HashMap::new(),
+            transfers: HashMap::new(),
             hasher: KeyHasher::default(),
             events: Vec::new(),
             opts,
@@ -280,7 +284,7 @@ impl V4CacheManager {
         if prompt.is_empty() {
             return Err(V4Error::EmptyPrompt { id });
         }
-        if self.seqs.contains_key(&id) {
+        if self.seqs.contains_key(&id) || self.transfers.contains_key(&id) {
             return Err(KvError::DuplicateRequest { id }.into());
         }
         let t = self.block_tokens();
@@ -510,12 +514,12 @@ impl V4CacheManager {
         self.blocks.check_invariants();
         self.windows.check_invariants();
         assert_eq!(
-            self.seqs.len(),
+            self.seqs.len() + self.transfers.len(),
             self.windows.num_sequences(),
-            "one ring set per sequence"
+            "one ring set per sequence and transfer"
         );
         assert_eq!(
-            self.seqs.len(),
+            self.seqs.len() + self.transfers.len(),
             self.blocks.num_sequences(),
             "one block sequence each"
         );

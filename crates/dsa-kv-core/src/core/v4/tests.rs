@@ -653,3 +653,86 @@ fn a_window_index_past_the_specs_is_a_typed_error() {
         }))
     ));
 }
+
+/// Export and import by role: what is offered (blocks to the deepest boundary with a
+/// tail, the tail's pages), what is reserved (fresh blocks and tail pages, or none of the
+/// windows when a tail is kept there already), pins held until closed, and every refusal
+/// typed with nothing changed.
+#[test]
+fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
+    let mut rng = Rng(5);
+    let mut pre = manager(16, [24, 200, 100], V4Options::default());
+    let mut dec = manager(16, [24, 200, 100], V4Options::default());
+    let prompt = toks(0..700);
+    let id = RequestId(1);
+    create(&mut pre, id, &prompt);
+    run(&mut pre, id, &prompt, 10, 3, &mut rng);
+    pre.close(id).unwrap();
+    let s = ReuseScope::SHARED;
+    // Fewer than 256 tokens, or nothing cached: nothing is offered or pinned.
+    assert_eq!(pre.export(RequestId(7), s, &prompt[..200]).unwrap(), None);
+    assert_eq!(
+        pre.export(RequestId(7), s, &toks(5000..5600)).unwrap(),
+        None
+    );
+    pre.check_invariants();
+    let out = pre.export(RequestId(7), s, &prompt).unwrap().unwrap();
+    assert_eq!((out.boundary, out.blocks.len(), out.skipped), (512, 2, 0));
+    let spans: Vec<(u64, usize)> = out.tails.iter().map(|(a, v)| (*a, v.len())).collect();
+    assert_eq!(spans, vec![(384, 2), (508, 1), (512, 0)]);
+    assert!(matches!(
+        pre.export(RequestId(7), s, &prompt),
+        Err(V4Error::Blocks(KvError::DuplicateRequest { .. }))
+    ));
+    assert!(
+        pre.abort_import(RequestId(7)).is_err(),
+        "an export is closed by close_export"
+    );
+    pre.check_invariants();
+    // The decode side: fresh pages for both blocks and the tail.
+    let y = RequestId(8);
+    let inp = dec.begin_import(y, s, &prompt[..512]).unwrap().unwrap();
+    assert_eq!((inp.skipped, inp.blocks.len(), inp.boundary), (0, 2, 512));
+    let spans: Vec<(u64, usize)> = inp.tails.iter().map(|(a, v)| (*a, v.len())).collect();
+    assert_eq!(spans, vec![(384, 2), (508, 1), (512, 0)]);
+    dec.check_invariants();
+    let used = dec.windows().used_slots();
+    // Wrong tokens: refused, the import still open.
+    assert!(dec.commit_import(y, &prompt[1..513]).is_err());
+    dec.check_invariants();
+    dec.commit_import(y, &prompt[..512]).unwrap();
+    pre.close_export(RequestId(7)).unwrap();
+    pre.check_invariants();
+    dec.check_invariants();
+    assert_eq!(
+        dec.windows().used_slots(),
+        used,
+        "the tail pages stay, as the tail"
+    );
+    assert_eq!(dec.windows().stats().tails_linked, 1);
+    // A request for the prompt resumes at the imported tail.
+    assert_eq!(create(&mut dec, RequestId(9), &prompt).reused_tokens, 512);
+    dec.close(RequestId(9)).unwrap();
+    // Imported again: the blocks are skipped and the tail is held, nothing moves.
+    let again = dec
+        .begin_import(RequestId(10), s, &prompt[..512])
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (again.skipped, again.blocks.len(), again.tails.len()),
+        (2, 0, 0)
+    );
+    dec.abort_import(RequestId(10)).unwrap();
+    dec.check_invariants();
+    // An aborted fresh import gives every page back.
+    let mut other = manager(16, [24, 200, 100], V4Options::default());
+    let before = other.windows().used_slots();
+    other
+        .begin_import(RequestId(11), s, &prompt[..256])
+        .unwrap()
+        .unwrap();
+    other.abort_import(RequestId(11)).unwrap();
+    assert_eq!(other.windows().used_slots(), before);
+    assert_eq!(create(&mut other, RequestId(12), &prompt).reused_tokens, 0);
+    other.check_invariants();
+}

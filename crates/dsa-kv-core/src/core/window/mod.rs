@@ -349,6 +349,33 @@ impl WindowCache {
         Ok(at)
     }
 
+    /// Opens empty rings for `id` positioned as if `at` positions were committed: each
+    /// life cycle's ring starts at the page holding what the next query reads
+    /// ([`reads_from`](WindowSpec::reads_from)`(at)`). [`ensure`](Self::ensure)`(id, at,
+    /// ..)` then gives fresh pages for exactly a tail's span before `at`: the pages an
+    /// import writes before [`commit`](Self::commit) links them as the tail at `at`.
+    pub fn open_at(&mut self, id: RequestId, at: u64) -> Result<(), WindowError> {
+        if self.seqs.contains_key(&id) {
+            return Err(WindowError::DuplicateRequest { id });
+        }
+        let n = self.specs.len();
+        let start = self
+            .specs
+            .iter()
+            .map(|s| s.reads_from(at) / s.page() * s.page())
+            .collect();
+        self.seqs.insert(
+            id,
+            Rings {
+                start,
+                pages: vec![VecDeque::new(); n],
+                committed: at,
+                wait_for: Fence::NONE,
+            },
+        );
+        Ok(())
+    }
+
     fn touch(&mut self, key: &BlockKey) {
         self.stamp += 1;
         if let Some(t) = self.tails.get_mut(key) {
