@@ -15,11 +15,14 @@ use dsa_kv::core::{
     V4CacheManager, V4Options, V4Slots,
 };
 use dsa_kv::ids::{Fence, RequestId, SlotId, TokenId};
+use dsa_kv::ids::{PoolGroupId, Tier};
 use dsa_kv::layout::{IndexerPageLayout, LayoutKind, PageIndexConverter, PoolPlan, V4Plan};
 use dsa_kv::metadata::v4::PageTable;
 use dsa_kv::metadata::{MetadataDims, MetadataLayout, RequestKind, StepMetadata, StepRequest};
 use dsa_kv::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
+use dsa_kv::ops::{CopyPlan, GroupCopy};
 use dsa_kv::sync::QuotaLedger;
+use dsa_kv::v4::{V4Limits, V4Outcome, V4Pools, V4Runtime, V4Scheduler};
 
 type Row = (&'static str, Box<dyn FnOnce() -> String>, &'static str);
 
@@ -502,9 +505,90 @@ fn rows() -> Vec<Row> {
             "position 100 is not held by the table (it holds [128, 192)): the rings were not extended for this step, or the position lies behind the window",
         ),
         (
+            "v4 scheduler: max_new_tokens 0",
+            Box::new(|| {
+                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                err(s.submit(SubmitRequest::new(RequestId(1), toks(4), 0)))
+            }),
+            "request 1: max_new_tokens must be at least 1",
+        ),
+        (
+            "v4 scheduler: longer than the GPU blocks hold",
+            Box::new(|| {
+                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                err(s.submit(SubmitRequest::new(RequestId(1), toks(3000), 1)))
+            }),
+            "request 1: prompt 3000 + 1 new tokens exceeds the 2048 tokens the GPU blocks hold: give the V4 manager more block slots",
+        ),
+        (
+            "v4 scheduler: an outcome for a request the step did not run",
+            Box::new(|| {
+                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                s.submit(SubmitRequest::new(RequestId(1), toks(10), 2)).unwrap();
+                s.schedule().unwrap();
+                err(s.commit(&[V4Outcome {
+                    id: RequestId(5),
+                    accepted_drafts: 0,
+                    next_token: Some(TokenId(1)),
+                    drafts: vec![],
+                }]))
+            }),
+            "step 0, request 5: not planned in this step",
+        ),
+        (
+            "v4 scheduler: drafts at least the token budget",
+            Box::new(|| {
+                let limits = V4Limits {
+                    draft_tokens: 4,
+                    max_num_tokens: 4,
+                    ..V4Limits::default()
+                };
+                err(V4Scheduler::new(v4_manager(), limits).map(|_| ()))
+            }),
+            "V4 scheduler limits: draft_tokens must be below max_num_tokens (a decode step carries 1 + drafts)",
+        ),
+        (
+            "v4 device: a copy past the pools",
+            Box::new(|| {
+                let plan = V4Plan::new(&V4Spec::flash()).unwrap();
+                let mut p = V4Pools::new(&plan, &v4_slots(vec![8, 200, 100])).unwrap();
+                err(p.apply(&[CopyPlan {
+                    fence: Fence(1),
+                    wait_for: Fence(0),
+                    copies: vec![GroupCopy {
+                        pool_group: PoolGroupId(0),
+                        src_tier: Tier::Gpu,
+                        dst_tier: Tier::Gpu,
+                        pairs: vec![(SlotId(0), SlotId(8))],
+                    }],
+                }]))
+            }),
+            "V4 copy: copy SlotId(0) → SlotId(8) (Gpu → Gpu) is past the pools",
+        ),
+        (
+            "v4 device: pools without a slot count for a window life cycle",
+            Box::new(|| {
+                let plan = V4Plan::new(&V4Spec::flash()).unwrap();
+                err(V4Pools::new(&plan, &v4_slots(vec![8])).map(|_| ()))
+            }),
+            "V4 pools: no slot count for the state4 life cycle: give V4Slots one per life cycle",
+        ),
+        (
+            "v4 runtime: no devices",
+            Box::new(|| {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .build()
+                    .unwrap();
+                let s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                err(rt.block_on(V4Runtime::start(s, vec![])).map(|_| ()))
+            }),
+            "a V4 runtime needs at least one device",
+        ),
+        (
             "config: a DeepSeek-V4 preset where a DSA model is served",
             Box::new(|| err(ModelPreset::parse("deepseek-v4-pro"))),
-            "deepseek-v4-pro is a DeepSeek-V4 model: its caches are planned (`plan --model deepseek-v4-pro`) and managed by `core::V4CacheManager`, but the runtime does not serve it yet (no V4 model or scheduler path); serve deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3",
+            "deepseek-v4-pro is a DeepSeek-V4 model: the engine configuration serves DSA models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); V4 has its own cache manager, scheduler and runtime (`dsa_kv::v4`: `V4Plan`, `V4CacheManager`, `V4Runtime`; `plan --model deepseek-v4-pro`, `serve --model deepseek-v4-pro`)",
         ),
     ]
 }

@@ -358,9 +358,10 @@ pub enum ModelError {
     },
     /// A DeepSeek-V4 model where only DSA models are served.
     #[error(
-        "{model} is a DeepSeek-V4 model: its caches are planned (`plan --model {model}`) \
-         and managed by `core::V4CacheManager`, but the runtime does not serve it yet (no \
-         V4 model or scheduler path); serve deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3"
+        "{model} is a DeepSeek-V4 model: the engine configuration serves DSA models \
+         (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); V4 has its own cache manager, \
+         scheduler and runtime (`dsa_kv::v4`: `V4Plan`, `V4CacheManager`, `V4Runtime`; \
+         `plan --model {model}`, `serve --model {model}`)"
     )]
     V4NotServed {
         /// The preset's name.

@@ -73,6 +73,9 @@ pub enum V4SchedError {
         /// What is wrong and what to do.
         what: String,
     },
+    /// Limits that cannot schedule anything.
+    #[error("V4 scheduler limits: {0}")]
+    Limits(String),
     /// `schedule` before the previous step was committed.
     #[error("step {step} is not committed yet: commit its outcomes before the next step")]
     StepNotCommitted {
@@ -259,12 +262,7 @@ pub struct V4Scheduler {
 impl V4Scheduler {
     /// A scheduler over `m`.
     pub fn new(m: V4CacheManager, limits: V4Limits) -> Result<Self, V4SchedError> {
-        let bad = |what: &str| {
-            Err(V4SchedError::BadRequest {
-                id: RequestId(0),
-                what: format!("limits: {what}"),
-            })
-        };
+        let bad = |what: &str| Err(V4SchedError::Limits(what.into()));
         if limits.max_num_sequences == 0 || limits.max_num_tokens == 0 {
             return bad("max_num_sequences and max_num_tokens must be at least 1");
         }

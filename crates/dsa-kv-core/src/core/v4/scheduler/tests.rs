@@ -259,7 +259,7 @@ fn bad_requests_and_outcomes_are_refused() {
                 ..limits
             }
         ),
-        Err(V4SchedError::BadRequest { .. })
+        Err(V4SchedError::Limits(_))
     ));
 }
 
