@@ -93,9 +93,10 @@ pub(crate) struct Args {
     /// the V4 runtime instead (the other models come with --config)
     #[arg(long, value_name = "NAME", value_parser = common::named(&V4Preset::ALL, V4Preset::name))]
     pub(crate) model: Option<V4Preset>,
-    /// Cache budget of the V4 run in MiB (per device; the pools are sized from it)
-    #[arg(long, value_name = "MIB", default_value_t = 400)]
-    pub(crate) budget_mib: u64,
+    /// Cache budget of the V4 run in MiB per device (the pools are sized from it)
+    /// [default: 400 for deepseek-v4-flash, 640 for deepseek-v4-pro]
+    #[arg(long, value_name = "MIB")]
+    pub(crate) budget_mib: Option<u64>,
 }
 
 fn at_least_one(v: &str) -> Result<usize, String> {
@@ -143,9 +144,14 @@ pub(crate) fn check(mut a: Args) -> Args {
                 clash.join(", ")
             ));
         }
-        if a.budget_mib == 0 {
+        if a.budget_mib == Some(0) {
             common::usage_error::<Args>("--budget-mib must be at least 1");
         }
+    } else if a.budget_mib.is_some() {
+        common::usage_error::<Args>(
+            "--budget-mib sizes a DeepSeek-V4 run: add --model deepseek-v4-flash or \
+             deepseek-v4-pro (the other models are sized with --config)",
+        );
     }
     a.conversations = a.conversations.map(|n| n.max(1));
     a.turns = a.turns.map(|n| n.max(1));

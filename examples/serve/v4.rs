@@ -87,7 +87,11 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         max_batched_tokens: limits.max_num_tokens,
         tail_boundaries: 16,
     };
-    let budget = a.budget_mib << 20;
+    let default_mib = match preset {
+        V4Preset::Flash => 400,
+        V4Preset::Pro => 640,
+    };
+    let budget = a.budget_mib.unwrap_or(default_mib) << 20;
     let cap = v4_capacity(&plan, budget, &demand)?;
     let windows: Vec<u32> = plan
         .life_cycles()
