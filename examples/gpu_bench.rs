@@ -11,7 +11,8 @@
 //! `--flag value`. `--quick` is 5 repetitions up to 64K tokens (an explicit `--reps` or
 //! `--max-tokens` wins). `--only` times just the kernels whose names contain one of the
 //! given strings (the ceilings are always measured), e.g. `--only mla_scatter` for the two
-//! MLA scatters.
+//! MLA scatters, `--only model1` for DeepSeek-V4's MODEL1 scatter (host-checked and
+//! guarded) and gather.
 //!
 //! Bytes are counted as every byte read plus every byte written (mappings included),
 //! the same way the memcpy ceiling counts its reads and writes; host copies count the
@@ -24,9 +25,10 @@ use std::sync::Arc;
 
 use clap::Parser;
 use dsa_kv::cuda::cudarc::driver::{sys, CudaEvent};
-use dsa_kv::cuda::kernels::{DevRows, MlaEncoding, RecomputeTables};
+use dsa_kv::cuda::kernels::{DevRows, Guard, MlaEncoding, RecomputeTables};
+use dsa_kv::cuda::v4::{check_model1, Bounds, Model1Pool, V4KernelError, V4Kernels};
 use dsa_kv::cuda::{CudaError, DeviceBuffer, Gpu, PinnedHost};
-use dsa_kv::layout::IndexerPageLayout;
+use dsa_kv::layout::{IndexerPageLayout, Model1PageLayout};
 use dsa_kv::metadata::MetadataLayout;
 use dsa_kv::ops::topk::PrimaryPageParams;
 use dsa_kv::rng::SplitMix64;
@@ -402,6 +404,111 @@ fn run(a: &Args) -> R<Value> {
             rows.push(row(name, n, n * (1152 + 8 + row_bytes), us, d2d, "d2d"));
         }
         drop((input, slb));
+
+        // DeepSeek-V4 MODEL1: quantize-and-scatter of n BF16 rows [n, 512] into 64-row
+        // pages (37,440 B) at kernel row indices page × 64 + i, pages in random order; the
+        // indices checked on the host once (`Bounds::Checked`), or by the guard kernel in
+        // the timed launch (`_guarded`); and the gather of the same rows back to f32.
+        if ["model1_scatter", "model1_scatter_guarded", "model1_gather"]
+            .iter()
+            .any(|k| a.wants(k))
+        {
+            let v4k = V4Kernels::load(&gpu).map_err(e)?;
+            let layout = Model1PageLayout { entries: T as u32 };
+            let pool_len = pages * layout.page_bytes();
+            let pool = b.zeroed(pool_len)?;
+            let m1 = Model1Pool {
+                pool: pool.ptr(),
+                pool_len,
+                page: layout,
+            };
+            let idx: Vec<i64> = (0..n)
+                .map(|i| (perm[(i / T) as usize] * T + i % T) as i64)
+                .collect();
+            let checked = check_model1(&idx, layout, pool_len).map_err(|x| x.to_string())?;
+            let ib = b.upload(&idx)?;
+            let flag = b.upload(&[u64::MAX])?;
+            let input = b.random(nu * 512, |r| {
+                bf16::from_f32(((r >> 40) as f32 / 16_777_216.0 - 0.5) * 4.0)
+            })?;
+            let v4 = |x: V4KernelError| match x {
+                V4KernelError::Cuda(c) => c,
+                other => CudaError::Invalid {
+                    device: dev,
+                    what: other.to_string(),
+                },
+            };
+            let us = b.time(|| unsafe {
+                v4k.model1_scatter(
+                    &s,
+                    dev,
+                    m1,
+                    input.ptr(),
+                    ib.ptr(),
+                    nu,
+                    Bounds::Checked(checked),
+                )
+                .map_err(v4)
+            })?;
+            rows.push(row(
+                "model1_scatter",
+                n,
+                n * (1024 + 8 + 584),
+                us,
+                d2d,
+                "d2d",
+            ));
+            let us = b.time(|| unsafe {
+                v4k.model1_scatter(
+                    &s,
+                    dev,
+                    m1,
+                    input.ptr(),
+                    ib.ptr(),
+                    nu,
+                    Bounds::Guard(Guard {
+                        flag: flag.ptr(),
+                        op: 0,
+                    }),
+                )
+                .map_err(v4)
+            })?;
+            rows.push(row(
+                "model1_scatter_guarded",
+                n,
+                n * (1024 + 16 + 584),
+                us,
+                d2d,
+                "d2d",
+            ));
+            drop(input);
+            if a.wants("model1_gather") {
+                let gidx: Vec<i32> = idx.iter().map(|&r| r as i32).collect();
+                let gchecked = check_model1(&gidx, layout, pool_len).map_err(|x| x.to_string())?;
+                let gib = b.upload(&gidx)?;
+                let out = b.zeroed(n * 2048)?;
+                let us = b.time(|| unsafe {
+                    v4k.model1_gather(
+                        &s,
+                        dev,
+                        m1,
+                        gib.ptr(),
+                        nu,
+                        out.ptr(),
+                        Bounds::Checked(gchecked),
+                    )
+                    .map_err(v4)
+                })?;
+                rows.push(row(
+                    "model1_gather",
+                    n,
+                    n * (4 + 584 + 2048),
+                    us,
+                    d2d,
+                    "d2d",
+                ));
+            }
+        }
 
         // Block copy: n / 64 tasks of one 64-token fp8_ds_mla page (41,984 B).
         if ["batched_copy_d2d", "offload_d2h", "onboard_h2d"]

@@ -19,6 +19,8 @@
 //!   with events.
 //! * [`CudaSyntheticWriter`]: the synthetic writer on a GPU (what `CudaDevice` runs when
 //!   no model is plugged in).
+//! * [`v4`]: DeepSeek-V4's cache kernels (MODEL1 quantize-and-scatter and gather, the
+//!   compressor-state scatter) and their host twins.
 //! * `nccl` (feature `nccl`): the NCCL transport of KV pages between engines.
 //!
 //! [`DeviceBackend`]: dsa_kv_device::DeviceBackend
@@ -41,6 +43,7 @@ mod metadata;
 pub mod nccl;
 mod storage;
 mod synthetic;
+pub mod v4;
 mod vmm;
 
 #[cfg(test)]
