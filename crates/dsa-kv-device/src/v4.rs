@@ -297,8 +297,8 @@ mod tests {
     }
 
     /// Pools have the plan's bytes per slot; copies move whole slots of every pool of
-    /// the compressed life cycle between the tiers; a copy past the pools is refused
-    /// before anything moves... per pair, in order.
+    /// the compressed life cycle between the tiers, pair by pair in order; a pair past
+    /// the pools is refused (the pairs before it have moved).
     #[test]
     fn pools_are_sized_by_the_plan_and_copies_move_whole_slots() {
         let mut p = pools();

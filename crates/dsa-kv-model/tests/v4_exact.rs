@@ -484,3 +484,45 @@ fn pd_transfer_moves_blocks_and_tail_and_decoding_stays_exact() {
         );
     }
 }
+
+/// Regression (review): a device built with fewer window slots than the manager hands
+/// out fails the step with a typed error naming the cause, not an out-of-bounds panic.
+#[test]
+fn a_device_with_fewer_slots_than_the_manager_fails_typed() {
+    use dsa_kv_core::core::scheduler::SubmitRequest;
+    use dsa_kv_core::core::{V4Limits, V4Scheduler};
+    use dsa_kv_device::v4::V4HostDevice;
+    use dsa_kv_model::v4::{V4ModelForward, V4Outputs};
+    use std::sync::{Arc, Mutex};
+    let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7)).unwrap());
+    let plan = V4Plan::new(&model.config().spec().unwrap()).unwrap();
+    let slots = V4Slots {
+        blocks: TierSlots {
+            gpu: vec![8],
+            host: vec![],
+        },
+        windows: vec![16, 200, 100],
+    };
+    let opts = V4Options {
+        blocks: ManagerOptions {
+            enable_partial_reuse: false,
+            ..ManagerOptions::default()
+        },
+        ..V4Options::default()
+    };
+    let m = V4CacheManager::new(plan.clone(), slots.clone(), opts).unwrap();
+    let mut s = V4Scheduler::new(m, V4Limits::default()).unwrap();
+    let small = V4Slots {
+        windows: vec![1, 200, 100],
+        ..slots
+    };
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let forward = Box::new(V4ModelForward::new(model, outputs));
+    let mut dev = V4HostDevice::new(0, &plan, &small, forward).unwrap();
+    let prompt = (0..200).map(TokenId).collect();
+    s.submit(SubmitRequest::new(RequestId(1), prompt, 2))
+        .unwrap();
+    let p = s.schedule().unwrap().unwrap();
+    let e = dev.execute(&p).unwrap_err().to_string();
+    assert!(e.contains("fewer slots than the manager"), "{e}");
+}

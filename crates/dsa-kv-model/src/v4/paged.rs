@@ -140,7 +140,7 @@ impl V4Paged<'_> {
             }
         }
         let (row, e) = (row as u64, u64::from(b.format.entries()));
-        Ok(match b.format {
+        let at = match b.format {
             V4PageFormat::Model1 { page, .. } => At {
                 lc,
                 pool: b.pool.index(),
@@ -156,7 +156,8 @@ impl V4Paged<'_> {
             V4PageFormat::IndexKeys { .. } => {
                 return Err(ModelError::Cache("indexer keys are not windowed".into()))
             }
-        })
+        };
+        self.inside(at, &b.format)
     }
 
     /// Compressed entry `w` of `buffer` (through the block table); with `write`, only
@@ -188,12 +189,35 @@ impl V4Paged<'_> {
                 ))
             }
         };
-        Ok(At {
+        let at = At {
             lc: b.life_cycle.index(),
             pool: b.pool.index(),
             data: data as usize,
             scales: scales as usize,
-        })
+        };
+        self.inside(at, &b.format)
+    }
+
+    /// `at` with its row's bytes checked to lie inside the device's pool: a table that
+    /// names a slot past the pools (a device built with fewer slots than the manager
+    /// hands out) is a typed error, not an out-of-bounds access.
+    fn inside(&self, at: At, format: &V4PageFormat) -> Result<At, ModelError> {
+        let (data, scales) = match *format {
+            V4PageFormat::Model1 { .. } => (MODEL1_DATA, MODEL1_SCALES),
+            V4PageFormat::IndexKeys { page, .. } => {
+                (page.data_bytes as usize, page.scale_bytes as usize)
+            }
+            V4PageFormat::State { row_bytes, .. } => (row_bytes as usize, 0),
+        };
+        let len = self.pools.pool(at.lc, Tier::Gpu, at.pool).len();
+        if at.data + data > len || at.scales + scales > len {
+            return Err(ModelError::Access(format!(
+                "request {}: a row at byte {} of pool {} of life cycle {} is past the \
+                 device's {len} bytes: the device has fewer slots than the manager hands out",
+                self.id, at.data, at.pool, at.lc
+            )));
+        }
+        Ok(at)
     }
 
     fn bytes(&self, at: &At, from: usize, n: usize) -> &[u8] {

@@ -213,10 +213,11 @@ pub struct V4SchedStats {
     pub accepted_drafts: u64,
     /// Preemptions (closed for recompute).
     pub preemptions: u64,
-    /// Tokens recomputed after preemptions (served neither from cache nor for the
-    /// first time).
+    /// Context tokens computed again after preemptions (positions the request had
+    /// computed before, not served from the cache).
     pub recomputed_tokens: u64,
-    /// Tokens served from the cache at admissions (of requests that then ran).
+    /// Tokens served from the cache at admissions that ran, re-admissions after a
+    /// preemption included (a request's first admission: [`V4Finished::reused_tokens`]).
     pub reused_tokens: u64,
     /// Requests finished.
     pub finished: u64,
@@ -266,8 +267,8 @@ impl V4Scheduler {
         if limits.max_num_sequences == 0 || limits.max_num_tokens == 0 {
             return bad("max_num_sequences and max_num_tokens must be at least 1");
         }
-        if limits.max_prefill_chunk == 0 {
-            return bad("max_prefill_chunk must be at least 1");
+        if limits.max_prefill_chunk == 0 || limits.livelock_steps == 0 {
+            return bad("max_prefill_chunk and livelock_steps must be at least 1");
         }
         if limits.draft_tokens >= limits.max_num_tokens {
             return bad(
@@ -330,6 +331,18 @@ impl V4Scheduler {
         }
         if r.max_new_tokens == 0 {
             return bad("max_new_tokens must be at least 1".into());
+        }
+        if let Some((i, t)) = r
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.get() > TokenId::MAX)
+        {
+            return bad(format!(
+                "prompt token {i} has id {}, above the largest token id {}",
+                t.get(),
+                TokenId::MAX
+            ));
         }
         let len = r.prompt.len() as u64 + u64::from(r.max_new_tokens);
         if len > u64::from(self.limits.max_seq_len) {
@@ -435,7 +448,6 @@ impl V4Scheduler {
             .get_mut(&id)
             .expect("invariant: running requests are known");
         r.running = false;
-        r.computed = r.computed.max(r.committed);
         // Everything committed is recomputed (from the deepest cached tail); a decoding
         // request keeps its sampled token and resumes decoding from it; a request in its
         // prompt still runs to the prompt's end.
@@ -698,6 +710,17 @@ impl V4Scheduler {
             if p.sample && o.next_token.is_none() {
                 return Err(bad(o.id, "the step samples, but no token was given".into()));
             }
+            let above = |t: &TokenId| t.get() > TokenId::MAX;
+            if let Some(t) = o.next_token.iter().chain(&o.drafts).find(|t| above(t)) {
+                return Err(bad(
+                    o.id,
+                    format!(
+                        "token {} is above the largest token id {}",
+                        t.get(),
+                        TokenId::MAX
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -735,6 +758,8 @@ impl V4Scheduler {
                 .get_mut(&p.id)
                 .expect("invariant: planned requests are known");
             r.committed = done;
+            // Positions this request computed (a recompute runs up to here again).
+            r.computed = r.computed.max(done);
             if p.work == V4Work::Decode {
                 r.tokens.extend_from_slice(&p.tokens[1..kept]);
                 r.emitted += o.accepted_drafts;

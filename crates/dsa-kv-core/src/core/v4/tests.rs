@@ -736,3 +736,71 @@ fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
     assert_eq!(create(&mut other, RequestId(12), &prompt).reused_tokens, 0);
     other.check_invariants();
 }
+
+/// Regression (review): fresh tail pages an import would get while a step in flight may
+/// still read their slots (released behind an uncompleted fence) are refused, as the
+/// block half refuses them: the import fits after that step completed.
+#[test]
+fn an_import_refuses_tail_pages_a_step_in_flight_may_read() {
+    let mut m = manager(16, [4, 60, 40], V4Options::default());
+    let a = RequestId(1);
+    create(&mut m, a, &toks(0..200));
+    assert!(m.resume(a).unwrap());
+    assert!(m.resize(a, 200, 0).unwrap());
+    let f = m.issue_fence(); // the step writing and reading A's rows: in flight
+    m.commit(a, &toks(0..200)).unwrap();
+    m.close(a).unwrap(); // A's 4 raw-window pages released behind f
+    assert!(m.blocks.completed_fence() < f);
+    let y = RequestId(2);
+    assert_eq!(
+        m.begin_import(y, ReuseScope::SHARED, &toks(1000..1256))
+            .unwrap(),
+        None,
+        "a transport would write tail pages that step {f:?} still reads"
+    );
+    m.check_invariants();
+    m.complete_fences(f).unwrap();
+    let inp = m
+        .begin_import(y, ReuseScope::SHARED, &toks(1000..1256))
+        .unwrap()
+        .expect("room once the step completed");
+    assert!(m.windows.wait_for(y).unwrap() <= m.blocks.completed_fence());
+    assert_eq!(inp.tails[0].1.len(), 2);
+    m.abort_import(y).unwrap();
+    m.check_invariants();
+}
+
+/// Regression (review): an import holding a kept tail links it again at commit if the
+/// window LRU evicted it in between (the import's ring held its pages).
+#[test]
+fn an_import_holding_a_tail_links_it_again_if_it_was_evicted() {
+    let mut rng = Rng(3);
+    let mut m = manager(16, [24, 400, 200], V4Options::default());
+    let s = ReuseScope::SHARED;
+    let p = toks(0..700);
+    create(&mut m, RequestId(1), &p);
+    run(&mut m, RequestId(1), &p, 0, 0, &mut rng);
+    m.close(RequestId(1)).unwrap();
+    let key = m.blocks.block_keys(s, &p[..512])[1];
+    assert!(m.windows().has_tail(&key));
+    let y = RequestId(2);
+    let inp = m.begin_import(y, s, &p[..512]).unwrap().unwrap();
+    assert!(inp.tails.is_empty(), "a kept tail is held, nothing moves");
+    let q = toks(5000..5600);
+    create(&mut m, RequestId(3), &q);
+    run(&mut m, RequestId(3), &q, 0, 0, &mut rng);
+    m.close(RequestId(3)).unwrap();
+    let r4 = RequestId(4);
+    create(&mut m, r4, &toks(9000..10216));
+    assert!(m.resume(r4).unwrap());
+    assert!(m.resize(r4, 1216, 0).unwrap());
+    m.close(r4).unwrap();
+    m.commit_import(y, &p[..512]).unwrap();
+    m.check_invariants();
+    let reused = create(&mut m, RequestId(5), &p).reused_tokens;
+    assert_eq!(reused, 512);
+    assert!(
+        m.windows().has_tail(&key),
+        "commit_import links the tail at the boundary"
+    );
+}

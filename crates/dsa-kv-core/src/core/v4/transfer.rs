@@ -54,8 +54,6 @@ pub(super) enum Transfer {
         scope: ReuseScope,
         boundary: u64,
         key: BlockKey,
-        /// Whether fresh tail pages were reserved (else an existing tail is held).
-        fresh_tail: bool,
     },
 }
 
@@ -96,7 +94,18 @@ impl V4CacheManager {
         if whole == 0 {
             return Ok(None);
         }
-        let (mut handle, blocks) = self.blocks.export_blocks(id, scope, &tokens[..whole])?;
+        // Only the blocks up to the deepest boundary with a tail are pinned.
+        let keys = self.blocks.block_keys(scope, &tokens[..whole]);
+        let Some(deepest) = (1..=keys.len())
+            .rev()
+            .find(|&j| self.windows.has_tail(&keys[j - 1]))
+        else {
+            return Ok(None);
+        };
+        let (mut handle, blocks) = self
+            .blocks
+            .export_blocks(id, scope, &tokens[..deepest * t])?;
+        // Fewer may be in place (a block still to be copied between tiers).
         let hit = (1..=blocks.len())
             .rev()
             .find(|&j| self.windows.has_tail(&blocks[j - 1].key))
@@ -169,7 +178,11 @@ impl V4CacheManager {
         let (completed, issued) = (self.blocks.completed_fence(), self.blocks.issued_fence());
         let opened = if fresh_tail {
             self.windows.open_at(id, boundary).and_then(|()| {
-                let ok = self.windows.ensure(id, boundary, completed, issued)?;
+                // Fresh pages must be writable at once: slots a step in flight may still
+                // read (released behind a fence not yet completed) are refused, as the
+                // block half refuses them; it fits after that step completed.
+                let ok = self.windows.ensure(id, boundary, completed, issued)?
+                    && self.windows.wait_for(id)? <= completed;
                 if !ok {
                     self.windows.close(id, issued)?;
                 }
@@ -204,7 +217,6 @@ impl V4CacheManager {
                 scope,
                 boundary,
                 key,
-                fresh_tail,
             },
         );
         self.sync_events();
@@ -225,7 +237,6 @@ impl V4CacheManager {
             scope,
             boundary,
             key,
-            fresh_tail,
         }) = self.transfers.remove(&id)
         else {
             return Err(Self::transfer_error(
@@ -237,8 +248,10 @@ impl V4CacheManager {
         let same = tokens.len() as u64 == boundary
             && self.blocks.block_keys(scope, tokens).last() == Some(&key);
         let t = self.block_tokens();
-        let tail = [(boundary, key)];
-        let links: &[(u64, BlockKey)] = if fresh_tail { &tail } else { &[] };
+        // Linked in either case: a tail kept here is only touched; one evicted while the
+        // import held its pages is linked again from them.
+        let links = [(boundary, key)];
+        let links: &[(u64, BlockKey)] = &links;
         // What the windows would refuse is refused before the blocks change.
         let checked = self
             .windows
@@ -261,7 +274,6 @@ impl V4CacheManager {
                     scope,
                     boundary,
                     key,
-                    fresh_tail,
                 },
             );
             return Err(e);

@@ -367,3 +367,78 @@ fn scopes_are_kept_apart() {
         "only the third request reuses"
     );
 }
+
+/// Regression (review): a prompt token past `TokenId::MAX` is refused at submit (it used
+/// to wedge every later `schedule` at admission).
+#[test]
+fn a_prompt_token_out_of_range_is_refused_at_submit() {
+    let mut s = V4Scheduler::new(manager(8, [16, 200, 100]), V4Limits::default()).unwrap();
+    let mut rng = Rng(1);
+    s.submit(SubmitRequest::new(
+        RequestId(1),
+        (0..10).map(TokenId).collect(),
+        20,
+    ))
+    .unwrap();
+    let plan = s.schedule().unwrap().unwrap();
+    s.commit(&outcomes(&plan, &mut rng)).unwrap();
+    let mut bad: Vec<TokenId> = (0..10).map(TokenId).collect();
+    bad[3] = TokenId(u32::MAX);
+    let r = s.submit(SubmitRequest::new(RequestId(2), bad, 4));
+    let mut errors = 0;
+    for _ in 0..20 {
+        match s.schedule() {
+            Ok(Some(p)) => {
+                s.commit(&outcomes(&p, &mut rng)).unwrap();
+            }
+            Ok(None) => break,
+            Err(_) => errors += 1,
+        }
+    }
+    assert!(r
+        .unwrap_err()
+        .to_string()
+        .contains("above the largest token id"));
+    assert_eq!(errors, 0, "the others are served");
+    assert_eq!(s.num_unfinished(), 0);
+}
+
+/// Regression (review): a sampled token past `TokenId::MAX` is a bad outcome, refused
+/// before anything is committed (it used to fail every later commit halfway).
+#[test]
+fn a_sampled_token_out_of_range_is_a_bad_outcome_and_commits_nothing() {
+    let mut s = V4Scheduler::new(manager(8, [16, 200, 100]), V4Limits::default()).unwrap();
+    let mut rng = Rng(1);
+    for id in [1, 2] {
+        s.submit(SubmitRequest::new(
+            RequestId(id),
+            (0..10).map(TokenId).collect(),
+            20,
+        ))
+        .unwrap();
+    }
+    let plan = s.schedule().unwrap().unwrap();
+    let mut outs = outcomes(&plan, &mut rng);
+    let i = outs.iter().position(|o| o.id == RequestId(2)).unwrap();
+    outs[i].next_token = Some(TokenId(u32::MAX));
+    assert!(matches!(
+        s.commit(&outs),
+        Err(V4SchedError::BadOutcome { .. })
+    ));
+    assert_eq!(s.pending(), Some(&plan), "nothing committed");
+    let mut good = outs.clone();
+    good[i].next_token = Some(TokenId(7));
+    s.commit(&good).unwrap();
+    let mut errs = 0;
+    for _ in 0..30 {
+        let Some(p) = s.schedule().unwrap() else {
+            break;
+        };
+        if s.commit(&outcomes(&p, &mut rng)).is_err() {
+            errs += 1;
+        }
+        s.check_invariants();
+    }
+    assert_eq!(errs, 0);
+    assert_eq!(s.num_unfinished(), 0, "both requests finished");
+}
