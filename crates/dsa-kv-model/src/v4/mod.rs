@@ -48,6 +48,8 @@
 //! every value is computed for one token of one request by loops in a fixed order,
 //! reading only that request's cache.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod forward;
 mod model;
 mod paged;
