@@ -65,7 +65,8 @@ pub trait V4Store {
 #[derive(Default)]
 pub struct V4Contiguous {
     windows: Vec<Vec<Option<Model1Row>>>,
-    states: std::collections::HashMap<(usize, StateKind), Vec<Option<Vec<f32>>>>,
+    /// Per [`StateKind`] (`Kv`, `Index`): per layer, rows in position order.
+    states: [Vec<Vec<Option<Vec<f32>>>>; 2],
     entries: Vec<Vec<Option<Model1Row>>>,
     index: Vec<Vec<Option<[u8; INDEX_ENTRY_BYTES]>>>,
 }
@@ -120,25 +121,16 @@ impl V4Store for V4Contiguous {
         pos: u32,
         row: &[f32],
     ) -> Result<(), ModelError> {
-        let list = self.states.entry((layer, kind)).or_default();
-        let at = pos as usize;
-        if list.len() <= at {
-            list.resize(at + 1, None);
-        }
-        list[at] = Some(row.to_vec());
+        put(&mut self.states[kind as usize], layer, pos, row.to_vec());
         Ok(())
     }
 
     fn state(&self, layer: usize, kind: StateKind, pos: u32) -> Result<Vec<f32>, ModelError> {
-        self.states
-            .get(&(layer, kind))
-            .and_then(|l| l.get(pos as usize))
-            .and_then(Clone::clone)
-            .ok_or_else(|| {
-                ModelError::Access(format!(
-                    "layer {layer}: {kind:?} state of position {pos} was never written"
-                ))
-            })
+        let what = match kind {
+            StateKind::Kv => "kv state of position",
+            StateKind::Index => "indexer state of position",
+        };
+        get(&self.states[kind as usize], layer, pos, what)
     }
 
     fn write_entry(&mut self, layer: usize, w: u32, row: &Model1Row) -> Result<(), ModelError> {
