@@ -9,33 +9,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use dsa_kv::core::scheduler::SubmitRequest;
-use dsa_kv::core::ManagerOptions;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::v4::{
-    V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan, V4Runtime, V4Scheduler, V4Slots,
+    ManagerOptions, TierSlots, V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan,
+    V4Runtime, V4Scheduler, V4Slots,
 };
-use dsa_kv_core::core::TierSlots;
 use dsa_kv_core::rng::SplitMix64;
-use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
-use dsa_kv_model::TokenOut;
-
-/// The model run alone: its outputs for every position of `prompt` and `max_new`
-/// greedy tokens (the last one's output is not needed).
-fn reference(model: &V4Model, prompt: &[u32], max_new: usize) -> (Vec<u32>, Vec<TokenOut>) {
-    let mut kv = V4Contiguous::new();
-    let mut outs = model.run(&mut kv, 0, prompt).unwrap();
-    let mut gen = Vec::new();
-    while gen.len() < max_new {
-        let t = outs.last().unwrap().greedy;
-        gen.push(t);
-        if gen.len() == max_new {
-            break;
-        }
-        let p = (prompt.len() + gen.len() - 1) as u32;
-        outs.extend(model.run(&mut kv, p, &[t]).unwrap());
-    }
-    (gen, outs)
-}
+use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
@@ -132,7 +112,8 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
     assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
     let mut positions = 0;
     for (id, (prompt, max_new)) in &prompts {
-        let (gen, outs) = reference(&model, prompt, *max_new);
+        let g = model.generate(prompt, *max_new as u32).unwrap();
+        let (gen, outs) = (g.tokens, g.outputs);
         assert_eq!(&outputs_of[id], &gen, "request {id}: tokens");
         for device in 0..2 {
             let got = &out.tokens[&(device, *id)];

@@ -16,17 +16,14 @@ use std::time::Instant;
 
 use dsa_kv::core::quota::{v4_capacity, V4Demand};
 use dsa_kv::core::scheduler::SubmitRequest;
-use dsa_kv::core::ManagerOptions;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::Retention;
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::v4::{
-    V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan, V4Preset, V4Runtime, V4Scheduler,
-    V4Slots,
+    ManagerOptions, TierSlots, V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan, V4Preset,
+    V4Runtime, V4Scheduler, V4Slots,
 };
-use dsa_kv_core::core::TierSlots;
-use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
-use dsa_kv_model::TokenOut;
+use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 use serde_json::json;
 
 use super::{Args, ServeError, MODEL_SEED};
@@ -41,27 +38,6 @@ struct Conversation {
 struct Sent {
     prompt: Vec<u32>,
     max_new: u32,
-}
-
-/// The model alone on a contiguous cache: its greedy tokens and every position's output.
-fn reference(
-    model: &V4Model,
-    prompt: &[u32],
-    max_new: u32,
-) -> Result<(Vec<u32>, Vec<TokenOut>), ServeError> {
-    let mut kv = V4Contiguous::new();
-    let mut outs = model.run(&mut kv, 0, prompt)?;
-    let mut gen = Vec::new();
-    loop {
-        let t = outs.last().map_or(0, |o| o.greedy);
-        gen.push(t);
-        if gen.len() as u32 == max_new {
-            break;
-        }
-        let p = (prompt.len() + gen.len() - 1) as u32;
-        outs.extend(model.run(&mut kv, p, &[t])?);
-    }
-    Ok((gen, outs))
 }
 
 pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, ServeError> {
@@ -214,7 +190,8 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         let Some(got) = finished.get(id) else {
             continue;
         };
-        let (gen, outs) = reference(&model, &s.prompt, s.max_new)?;
+        let g = model.generate(&s.prompt, s.max_new)?;
+        let (gen, outs) = (g.tokens, g.outputs);
         let mut ok = *got == gen;
         if !ok {
             differences.push(format!("request {id}: tokens differ"));

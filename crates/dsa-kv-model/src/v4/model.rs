@@ -6,9 +6,10 @@ use dsa_kv_core::ops::model1::{dequantize_model1_row, quantize_model1_row, MODEL
 use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
 use dsa_kv_core::rng::SplitMix64;
 
-use super::store::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
+use super::store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
 use crate::math::{add, dot8, exp, relu, rmsnorm8, rope, rope_cos_sin, to_bf16, Mat};
 use crate::model::{output_of, top_k};
+use crate::unpaged::Generation;
 use crate::{ModelError, TokenOut, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
 
 /// The V4 model's dimensions. The cache rows have V4's real sizes (a 512-wide latent,
@@ -569,6 +570,25 @@ impl V4Model {
             heads.extend(o);
         }
         Ok(layer.w_o.apply8(&heads))
+    }
+
+    /// Runs `prompt` then `max_new` greedy tokens alone on a fresh contiguous cache (the
+    /// reference every paged run is checked against): the generated tokens and every
+    /// position's output (the last generated token's own output is not computed).
+    pub fn generate(&self, prompt: &[u32], max_new: u32) -> Result<Generation, ModelError> {
+        let mut kv = V4Contiguous::new();
+        let mut outputs = self.run(&mut kv, 0, prompt)?;
+        let mut tokens = Vec::new();
+        while (tokens.len() as u32) < max_new {
+            let t = outputs.last().map_or(0, |o| o.greedy);
+            tokens.push(t);
+            if tokens.len() as u32 == max_new {
+                break;
+            }
+            let p = (prompt.len() + tokens.len() - 1) as u32;
+            outputs.extend(self.run(&mut kv, p, &[t])?);
+        }
+        Ok(Generation { outputs, tokens })
     }
 
     /// Writes the MTP layer's window rows of `tokens` at positions `first..` (a pure
