@@ -51,7 +51,6 @@ pub(super) enum Transfer {
     },
     Import {
         handle: SeqHandle,
-        scope: ReuseScope,
         boundary: u64,
         key: BlockKey,
     },
@@ -133,23 +132,34 @@ impl V4CacheManager {
 
     /// Releases an export's pins.
     pub fn close_export(&mut self, id: RequestId) -> Result<(), V4Error> {
-        match self.transfers.remove(&id) {
-            Some(Transfer::Export { mut handle }) => {
-                let issued = self.blocks.issued_fence();
-                self.windows.close(id, issued)?;
-                self.blocks.close(&mut handle)?;
-                self.sync_events();
-                Ok(())
-            }
+        self.end_transfer(id, true)
+    }
+
+    /// Closes transfer `id` (an export when `export`, else an import) with nothing
+    /// linked: its rings and its block sequence go, and with them its pins or its
+    /// reserved pages. The other kind is refused, and stays open.
+    fn end_transfer(&mut self, id: RequestId, export: bool) -> Result<(), V4Error> {
+        let mut handle = match self.transfers.remove(&id) {
+            Some(Transfer::Export { handle }) if export => handle,
+            Some(Transfer::Import { handle, .. }) if !export => handle,
             Some(other) => {
                 self.transfers.insert(id, other);
-                Err(Self::transfer_error(
+                return Err(Self::transfer_error(
                     id,
-                    "close_export on an import: use commit_import or abort_import",
-                ))
+                    if export {
+                        "close_export on an import: use commit_import or abort_import"
+                    } else {
+                        "abort_import on an export: use close_export"
+                    },
+                ));
             }
-            None => Err(KvError::UnknownRequest { id }.into()),
-        }
+            None => return Err(KvError::UnknownRequest { id }.into()),
+        };
+        let issued = self.blocks.issued_fence();
+        self.windows.close(id, issued)?;
+        self.blocks.close(&mut handle)?;
+        self.sync_events();
+        Ok(())
     }
 
     /// Reserves pages for importing the whole blocks of `tokens` (a multiple of 256
@@ -214,7 +224,6 @@ impl V4CacheManager {
             id,
             Transfer::Import {
                 handle: imp.handle,
-                scope,
                 boundary,
                 key,
             },
@@ -230,57 +239,30 @@ impl V4CacheManager {
 
     /// Links an import whose bytes have landed: its blocks enter the prefix tree, its
     /// tail is kept at the boundary, and the reservation closes. `tokens`: those given
-    /// to [`begin_import`](Self::begin_import).
+    /// to [`begin_import`](Self::begin_import) (the block manager refuses others, and the
+    /// import stays open).
     pub fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), V4Error> {
+        let t = self.block_tokens();
         let Some(Transfer::Import {
-            mut handle,
-            scope,
+            handle,
             boundary,
             key,
-        }) = self.transfers.remove(&id)
+        }) = self.transfers.get_mut(&id)
         else {
             return Err(Self::transfer_error(
                 id,
                 "commit_import without an import in flight",
             ));
         };
-        // The chained key of the last block names every token before it.
-        let same = tokens.len() as u64 == boundary
-            && self.blocks.block_keys(scope, tokens).last() == Some(&key);
-        let t = self.block_tokens();
         // Linked in either case: a tail kept here is only touched; one evicted while the
         // import held its pages is linked again from them.
-        let links = [(boundary, key)];
-        let links: &[(u64, BlockKey)] = &links;
+        let links = [(*boundary, *key)];
         // What the windows would refuse is refused before the blocks change.
-        let checked = self
-            .windows
-            .check_commit(id, boundary, links, t)
-            .map_err(V4Error::from)
-            .and_then(|()| {
-                if !same {
-                    return Err(Self::transfer_error(
-                        id,
-                        "commit_import got other tokens than begin_import",
-                    ));
-                }
-                Ok(())
-            });
-        if let Err(e) = checked {
-            self.transfers.insert(
-                id,
-                Transfer::Import {
-                    handle,
-                    scope,
-                    boundary,
-                    key,
-                },
-            );
-            return Err(e);
-        }
-        self.blocks.commit_import(&mut handle, tokens)?;
+        self.windows.check_commit(id, *boundary, &links, t)?;
+        self.blocks.commit_import(handle, tokens)?;
+        self.transfers.remove(&id);
         let issued = self.blocks.issued_fence();
-        self.windows.commit(id, boundary, links, t, issued)?;
+        self.windows.commit(id, links[0].0, &links, t, issued)?;
         self.windows.close(id, issued)?;
         self.sync_events();
         Ok(())
@@ -289,22 +271,6 @@ impl V4CacheManager {
     /// Gives an import's pages back with nothing linked (a failed or cancelled
     /// transfer).
     pub fn abort_import(&mut self, id: RequestId) -> Result<(), V4Error> {
-        match self.transfers.remove(&id) {
-            Some(Transfer::Import { mut handle, .. }) => {
-                let issued = self.blocks.issued_fence();
-                self.windows.close(id, issued)?;
-                self.blocks.close(&mut handle)?;
-                self.sync_events();
-                Ok(())
-            }
-            Some(other) => {
-                self.transfers.insert(id, other);
-                Err(Self::transfer_error(
-                    id,
-                    "abort_import on an export: use close_export",
-                ))
-            }
-            None => Err(KvError::UnknownRequest { id }.into()),
-        }
+        self.end_transfer(id, false)
     }
 }
