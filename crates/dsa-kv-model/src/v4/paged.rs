@@ -14,6 +14,8 @@
 //!   ([`V4Paged::from_manager`]), a window or state write also asks the window cache
 //!   that the request alone holds the page.
 
+use std::borrow::Cow;
+
 use dsa_kv_core::core::{V4CacheManager, V4Planned};
 use dsa_kv_core::ids::{LayerId, RequestId, SlotId, Tier};
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat};
@@ -30,14 +32,15 @@ pub struct V4Paged<'a> {
     m: Option<&'a V4CacheManager>,
     id: RequestId,
     committed: u64,
-    blocks: Vec<SlotId>,
+    /// Borrowed from a step plan, owned when taken from the manager.
+    blocks: Cow<'a, [SlotId]>,
     /// Per window life cycle: the first position held and the slots.
-    windows: Vec<(u64, Vec<SlotId>)>,
+    windows: Cow<'a, [(u64, Vec<SlotId>)]>,
 }
 
 impl<'a> V4Paged<'a> {
     /// `p`'s view: the tables of its step plan (positions from `p.first` written).
-    pub fn of_step(pools: &'a mut V4Pools, p: &V4Planned) -> Result<Self, ModelError> {
+    pub fn of_step(pools: &'a mut V4Pools, p: &'a V4Planned) -> Result<Self, ModelError> {
         if p.windows.len() != pools.window_life_cycles() {
             return Err(ModelError::Access(format!(
                 "request {}: {} window tables for {} window life cycles",
@@ -51,8 +54,8 @@ impl<'a> V4Paged<'a> {
             m: None,
             id: p.id,
             committed: p.first,
-            blocks: p.blocks.clone(),
-            windows: p.windows.clone(),
+            blocks: Cow::Borrowed(&p.blocks),
+            windows: Cow::Borrowed(&p.windows),
         })
     }
 
@@ -74,8 +77,8 @@ impl<'a> V4Paged<'a> {
             m: Some(m),
             id,
             committed,
-            blocks,
-            windows,
+            blocks: Cow::Owned(blocks),
+            windows: Cow::Owned(windows),
         })
     }
 }
