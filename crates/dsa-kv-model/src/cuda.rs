@@ -183,8 +183,18 @@ struct OverlayBuffers {
     smap: DeviceBuffer,
 }
 
+/// Compiles `kernels` (a file of `kernels/`, after `common.cuh`'s helpers) with the
+/// crate's exact-IEEE options and loads it on `gpu`.
+pub(crate) fn load_module(gpu: &Gpu, kernels: &str) -> Result<Arc<CudaModule>, CudaError> {
+    let ptx = dsa_kv_cuda::compile(format!("{}\n{kernels}\n", KERNEL_SOURCES[0].1))?;
+    let ordinal = gpu.ordinal();
+    gpu.context()
+        .load_module(ptx)
+        .map_err(|e| dsa_kv_cuda::driver_error(ordinal, "cuModuleLoadData", e))
+}
+
 /// Launch configuration: `threads` threads in blocks of 256.
-fn grid(threads: usize) -> LaunchConfig {
+pub(crate) fn grid(threads: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -341,18 +351,9 @@ impl CudaModelForward {
         (drafts, chains): (usize, usize),
     ) -> Result<Self, CudaError> {
         gpu.bind()?;
-        let src = format!(
-            "{}\n{}\n",
-            KERNEL_SOURCES[0].1,
-            include_str!("../../../kernels/model.cu")
-        );
-        let ptx = dsa_kv_cuda::compile(src)?;
+        let module = load_module(&gpu, include_str!("../../../kernels/model.cu"))?;
         let ordinal = gpu.ordinal();
         let drv = |what: &'static str| move |e| dsa_kv_cuda::driver_error(ordinal, what, e);
-        let module = gpu
-            .context()
-            .load_module(ptx)
-            .map_err(drv("cuModuleLoadData"))?;
         let f = |n: &'static str| module.load_function(n).map_err(drv(n));
         let funcs = Funcs {
             embed: f("m_embed")?,

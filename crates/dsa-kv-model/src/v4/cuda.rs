@@ -5,8 +5,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
-use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
+use cudarc::driver::{CudaFunction, CudaModule};
+use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu};
+
+use crate::cuda::{grid, load_module};
 
 /// The V4 model's kernels on one GPU.
 pub struct V4GpuMath {
@@ -14,14 +16,6 @@ pub struct V4GpuMath {
     matvec8: CudaFunction,
     rmsnorm8: CudaFunction,
     _module: Arc<CudaModule>,
-}
-
-fn grid(threads: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 fn as_i32(gpu: &Gpu, what: &str, v: usize) -> Result<i32, CudaError> {
@@ -35,18 +29,9 @@ impl V4GpuMath {
     /// Compiles and loads the kernels on `gpu`.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self, CudaError> {
         gpu.bind()?;
-        let src = format!(
-            "{}\n{}\n",
-            KERNEL_SOURCES[0].1,
-            include_str!("../../../../kernels/v4_model.cu")
-        );
-        let ptx = dsa_kv_cuda::compile(src)?;
+        let module = load_module(&gpu, include_str!("../../../../kernels/v4_model.cu"))?;
         let ordinal = gpu.ordinal();
         let drv = |what: &'static str| move |e| dsa_kv_cuda::driver_error(ordinal, what, e);
-        let module = gpu
-            .context()
-            .load_module(ptx)
-            .map_err(drv("cuModuleLoadData"))?;
         Ok(V4GpuMath {
             matvec8: module
                 .load_function("v4_matvec8")
