@@ -77,6 +77,20 @@ fn outcomes(plan: &V4StepPlan, rng: &mut Rng) -> Vec<V4Outcome> {
         .collect()
 }
 
+/// Outcomes that accept no draft, propose none, and sample token 1 where the step
+/// samples.
+fn no_drafts(plan: &V4StepPlan) -> Vec<V4Outcome> {
+    plan.requests
+        .iter()
+        .map(|p| V4Outcome {
+            id: p.id,
+            accepted_drafts: 0,
+            next_token: p.sample.then_some(TokenId(1)),
+            drafts: vec![],
+        })
+        .collect()
+}
+
 /// Every planned request's tokens and tables are what its positions need.
 fn check_plan(plan: &V4StepPlan, limits: V4Limits, known: &HashMap<RequestId, Vec<TokenId>>) {
     let total: usize = plan.requests.iter().map(|p| p.tokens.len()).sum();
@@ -304,16 +318,7 @@ fn a_request_the_cache_can_never_hold_fails_with_a_reason() {
             break;
         };
         failed.extend(p.failed.iter().map(|f| (f.id, f.reason.clone())));
-        let outs: Vec<V4Outcome> = p
-            .requests
-            .iter()
-            .map(|p| V4Outcome {
-                id: p.id,
-                accepted_drafts: 0,
-                next_token: p.sample.then_some(TokenId(1)),
-                drafts: vec![],
-            })
-            .collect();
+        let outs = no_drafts(&p);
         finished.extend(s.commit(&outs).unwrap().into_iter().map(|f| f.id));
         s.check_invariants();
     }
@@ -348,16 +353,7 @@ fn scopes_are_kept_apart() {
         r.scope = scope;
         s.submit(r).unwrap();
         while let Some(plan) = s.schedule().unwrap() {
-            let outs: Vec<V4Outcome> = plan
-                .requests
-                .iter()
-                .map(|p| V4Outcome {
-                    id: p.id,
-                    accepted_drafts: 0,
-                    next_token: p.sample.then_some(TokenId(1)),
-                    drafts: vec![],
-                })
-                .collect();
+            let outs = no_drafts(&plan);
             s.commit(&outs).unwrap();
         }
     }
