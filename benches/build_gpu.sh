@@ -25,13 +25,15 @@ for l in sys.stdin:
 verifier=$(artifact test verifier)
 forward_boundary=$(artifact test forward_boundary)
 exactness=$(artifact test exactness)
+v4_runtime=$(artifact test v4_runtime)
 runtime_bench=$(artifact bench runtime bench)
 mkdir -p .gpu
 cp "$lib_tests" .gpu/lib_tests
 cp "$verifier" .gpu/verifier_tests
 cp "$forward_boundary" .gpu/forward_boundary_tests
 cp "$exactness" .gpu/exactness_tests
+cp "$v4_runtime" .gpu/v4_runtime_tests
 cp "$runtime_bench" .gpu/runtime_bench
 cp "${CARGO_TARGET_DIR:-target}"/release/examples/{serve,gpu_bench,tp} .gpu/
-strip .gpu/lib_tests .gpu/verifier_tests .gpu/forward_boundary_tests .gpu/exactness_tests .gpu/runtime_bench .gpu/serve .gpu/gpu_bench .gpu/tp
+strip .gpu/lib_tests .gpu/verifier_tests .gpu/forward_boundary_tests .gpu/exactness_tests .gpu/v4_runtime_tests .gpu/runtime_bench .gpu/serve .gpu/gpu_bench .gpu/tp
 ls -la .gpu

@@ -13,6 +13,9 @@ echo "== verifier drills on the GPU" >> $L
 timeout 120 .gpu/verifier_tests --ignored --test-threads=1 > $OUT/gpu_verifier_tests.txt 2>&1; echo "verifier rc=$?" >> $L
 echo "== exactness on the GPU (reference model)" >> $L
 timeout 200 .gpu/exactness_tests --ignored --test-threads=1 --nocapture > $OUT/exactness_gpu.txt 2>&1; echo "exactness rc=$?" >> $L
+echo "== exactness on the GPU (DeepSeek-V4 model)" >> $L
+timeout 200 .gpu/v4_runtime_tests --ignored --test-threads=1 --nocapture > $OUT/v4_exactness_gpu.txt 2>&1; echo "v4 exactness rc=$?" >> $L
+timeout 200 .gpu/serve --model deepseek-v4-flash --backend cuda --json --out /tmp/sv4 > $OUT/serve_v4_cuda.json 2>>$L; echo "serve v4 rc=$?" >> $L
 echo "== serve: the model on CUDA, eager and graphs" >> $L
 timeout 150 .gpu/serve --backend cuda --json --out /tmp/sm > $OUT/serve_model_cuda.json 2>>$L; echo "serve model rc=$?" >> $L
 timeout 150 .gpu/serve --backend cuda --cuda-graphs --json --out /tmp/smg > $OUT/serve_model_cuda_graphs.json 2>>$L; echo "serve model graphs rc=$?" >> $L

@@ -166,7 +166,7 @@ pub mod v4 {
         V4Planned, V4SchedError, V4SchedStats, V4Scheduler, V4Slots, V4Stats, V4StepPlan, V4Work,
     };
     pub use dsa_kv_core::layout::{V4Buffer, V4LifeCycle, V4LifeCycleKind, V4PageFormat, V4Plan};
-    pub use dsa_kv_device::v4::{V4DeviceError, V4Forward, V4HostDevice, V4Pools};
+    pub use dsa_kv_device::v4::{V4Device, V4DeviceError, V4Forward, V4HostDevice, V4Pools};
 }
 
 /// What the kernels' step metadata holds, as a forward reads it through

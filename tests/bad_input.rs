@@ -22,7 +22,7 @@ use dsa_kv::metadata::{MetadataDims, MetadataLayout, RequestKind, StepMetadata, 
 use dsa_kv::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
 use dsa_kv::ops::{CopyPlan, GroupCopy};
 use dsa_kv::sync::QuotaLedger;
-use dsa_kv::v4::{V4Limits, V4Outcome, V4Pools, V4Runtime, V4Scheduler};
+use dsa_kv::v4::{V4HostDevice, V4Limits, V4Outcome, V4Pools, V4Runtime, V4Scheduler};
 
 type Row = (&'static str, Box<dyn FnOnce() -> String>, &'static str);
 
@@ -581,7 +581,7 @@ fn rows() -> Vec<Row> {
                     .build()
                     .unwrap();
                 let s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
-                err(rt.block_on(V4Runtime::start(s, vec![])).map(|_| ()))
+                err(rt.block_on(V4Runtime::start(s, Vec::<V4HostDevice>::new())).map(|_| ()))
             }),
             "a V4 runtime needs at least one device",
         ),

@@ -3,7 +3,9 @@
 //! same tokens) behind the V4 coordinator, with continuous batching, chunked prefill,
 //! MTP drafts, prefix hits at window tails, preemption by recompute and a host tier.
 //! Every request's output tokens, and every position's logits on both devices, equal
-//! the model run alone on a contiguous cache, bit for bit.
+//! the model run alone on a contiguous cache, bit for bit. With a GPU, one of the two
+//! devices is the model's CUDA device (pools in GPU memory, the forward in kernels), and
+//! at the end its every pool byte equals the host device's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,14 +13,14 @@ use std::sync::{Arc, Mutex};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::v4::{
-    ManagerOptions, TierSlots, V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan,
+    ManagerOptions, TierSlots, V4CacheManager, V4Device, V4HostDevice, V4Limits, V4Options, V4Plan,
     V4Runtime, V4Scheduler, V4Slots,
 };
 use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
+/// The workload's model, plan, slots and scheduler.
+fn setup() -> (Arc<V4Model>, V4Plan, V4Slots, V4Scheduler) {
     let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7)).unwrap());
     let plan = V4Plan::new(&model.config().spec().unwrap()).unwrap();
     let slots = V4Slots {
@@ -42,22 +44,26 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
     .unwrap();
     let limits = V4Limits {
         max_num_sequences: 3,
-        max_num_tokens: 384,
         max_prefill_chunk: 200,
+        max_num_tokens: 384,
         max_seq_len: 4096,
         draft_tokens: 3,
         livelock_steps: 8,
     };
     let sched = V4Scheduler::new(m, limits).unwrap();
-    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-    let devices = (0..2)
-        .map(|i| {
-            let f = V4ModelForward::new(model.clone(), outputs.clone());
-            V4HostDevice::new(i, &plan, &slots, Box::new(f)).unwrap()
-        })
-        .collect();
-    let rt = V4Runtime::start(sched, devices).await.unwrap();
+    (model, plan, slots, sched)
+}
 
+/// Runs the workload on `devices` (2) through the runtime and checks every request's
+/// tokens and every recorded position's output on both devices against the unpaged
+/// model; returns the positions checked.
+async fn workload(
+    model: &V4Model,
+    sched: V4Scheduler,
+    devices: Vec<Box<dyn V4Device>>,
+    outputs: &Mutex<V4Outputs>,
+) -> usize {
+    let rt = V4Runtime::start(sched, devices).await.unwrap();
     let mut rng = SplitMix64(3);
     let systems: Vec<Vec<u32>> = (0..2)
         .map(|_| (0..520).map(|_| rng.below(256) as u32).collect())
@@ -143,4 +149,207 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
     assert!(preempted > 0, "preemption by recompute: {stats:?}");
     assert!(copies > 0, "offload or onboarding");
     assert_eq!(stats.unfinished, 0);
+    positions
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
+    let (model, plan, slots, sched) = setup();
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let devices = (0..2)
+        .map(|i| {
+            let f = V4ModelForward::new(model.clone(), outputs.clone());
+            Box::new(V4HostDevice::new(i, &plan, &slots, Box::new(f)).unwrap()) as Box<dyn V4Device>
+        })
+        .collect();
+    workload(&model, sched, devices, &outputs).await;
+}
+
+/// A device the test keeps a handle on while the runtime drives it.
+#[cfg(feature = "cuda")]
+struct Shared<D>(Arc<Mutex<D>>);
+
+#[cfg(feature = "cuda")]
+impl<D: V4Device> V4Device for Shared<D> {
+    fn index(&self) -> usize {
+        self.0.lock().unwrap().index()
+    }
+
+    fn execute(
+        &mut self,
+        plan: &dsa_kv::v4::V4StepPlan,
+    ) -> Result<Vec<dsa_kv::v4::V4Outcome>, dsa_kv::v4::V4DeviceError> {
+        self.0.lock().unwrap().execute(plan)
+    }
+}
+
+/// The workload with device 1 the model's CUDA device: the coordinator checks every
+/// step that both devices return the same outcomes (tokens, drafts accepted,
+/// proposals), both record the unpaged model's outputs bit for bit, and at the end every
+/// byte of every pool (each life cycle's GPU tier, the compressed one's host tier) of
+/// the CUDA device equals the host device's.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_model() {
+    use dsa_kv::ids::Tier;
+    use dsa_kv_model::v4::cuda::V4CudaDevice;
+
+    let (model, plan, slots, sched) = setup();
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let f = V4ModelForward::new(model.clone(), outputs.clone());
+    let host = Arc::new(Mutex::new(
+        V4HostDevice::new(0, &plan, &slots, Box::new(f)).unwrap(),
+    ));
+    let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
+    let cuda = Arc::new(Mutex::new(
+        V4CudaDevice::new(
+            1,
+            gpu,
+            &plan,
+            &slots,
+            model.clone(),
+            outputs.clone(),
+            4096 + 64,
+        )
+        .unwrap(),
+    ));
+    let devices: Vec<Box<dyn V4Device>> = vec![
+        Box::new(Shared(host.clone())),
+        Box::new(Shared(cuda.clone())),
+    ];
+    let start = std::time::Instant::now();
+    let positions = workload(&model, sched, devices, &outputs).await;
+    let (host, cuda) = (host.lock().unwrap(), cuda.lock().unwrap());
+    let mut bytes = 0usize;
+    for (lc, l) in plan.life_cycles().iter().enumerate() {
+        for pool in 0..l.pools.len() {
+            for tier in [Tier::Gpu, Tier::Host] {
+                let want = host.pools().pool(lc, tier, pool);
+                let got = cuda.pools().download(lc, tier, pool).unwrap();
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "life cycle {lc}, pool {pool}, {tier:?}"
+                );
+                if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+                    panic!("life cycle {lc}, pool {pool}, {tier:?}: byte {i} differs");
+                }
+                bytes += got.len();
+            }
+        }
+    }
+    assert!(bytes > 0);
+    eprintln!(
+        "V4 CUDA device: {positions} positions exact on both devices, {bytes} pool bytes \
+         equal, {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+}
+
+/// The check above can fail: a CUDA device compiled from altered kernels, driven step by
+/// step beside a host device, gives other outcomes or outputs. Two mutations: the
+/// softmax's running maximum started at 0 instead of the sink (the same math, other
+/// rounding: the check sees bits), and the ratio-4 entry pooling only the second halves
+/// of its slots (the overlap dropped).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn v4_cuda_device_mutations_are_caught() {
+    use dsa_kv_model::v4::cuda::{V4CudaDevice, V4_MODEL_SOURCE};
+
+    let mutations = [
+        ("float m = sink[h];", "float m = 0.0f;"),
+        ("int h = shalf[(long)e * S + s];", "int h = coff - 1;"),
+    ];
+    for (from, to) in mutations {
+        assert_eq!(V4_MODEL_SOURCE.matches(from).count(), 1, "{from}");
+        let src = V4_MODEL_SOURCE.replace(from, to);
+        let (model, plan, slots, mut sched) = setup();
+        let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+        let f = V4ModelForward::new(model.clone(), outputs.clone());
+        let mut host = V4HostDevice::new(0, &plan, &slots, Box::new(f)).unwrap();
+        let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
+        let mut cuda = V4CudaDevice::with_source(
+            1,
+            gpu,
+            &plan,
+            &slots,
+            model.clone(),
+            outputs.clone(),
+            4096 + 64,
+            &src,
+        )
+        .unwrap();
+        let mut rng = SplitMix64(5);
+        for i in 0..3u64 {
+            let prompt = (0..300 + rng.below(200)).map(|_| TokenId(rng.below(256) as u32));
+            sched
+                .submit(SubmitRequest::new(RequestId(i), prompt.collect(), 40))
+                .unwrap();
+        }
+        let mut caught = None;
+        let mut steps = 0;
+        while let Some(plan) = sched.schedule().unwrap() {
+            steps += 1;
+            let a = host.execute(&plan).unwrap();
+            let b = V4Device::execute(&mut cuda, &plan);
+            let o = outputs.lock().unwrap();
+            let differs = o
+                .tokens
+                .iter()
+                .any(|((d, id), m)| *d == 0 && o.tokens.get(&(1, *id)).is_some_and(|g| g != m));
+            if b.as_ref() != Ok(&a) || differs {
+                caught = Some(steps);
+                break;
+            }
+            drop(o);
+            sched.commit(&a).unwrap();
+        }
+        let steps = caught.unwrap_or_else(|| panic!("mutation `{to}` not caught in {steps} steps"));
+        eprintln!("mutation `{to}`: caught at step {steps}");
+    }
+}
+
+/// A CUDA device built with fewer window slots than the manager hands out fails the step
+/// with the host device's typed error, and it fails closed: every index is checked on
+/// the host before its launch, so not one pool byte was written.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
+    use dsa_kv::ids::Tier;
+    use dsa_kv_model::v4::cuda::V4CudaDevice;
+
+    let (model, plan, slots, mut sched) = setup();
+    let small = V4Slots {
+        windows: vec![1, 300, 200],
+        ..slots
+    };
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let f = V4ModelForward::new(model.clone(), outputs.clone());
+    let mut host = V4HostDevice::new(0, &plan, &small, Box::new(f)).unwrap();
+    let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
+    let mut cuda =
+        V4CudaDevice::new(1, gpu, &plan, &small, model.clone(), outputs, 4096 + 64).unwrap();
+    let prompt = (0..200).map(TokenId).collect();
+    sched
+        .submit(SubmitRequest::new(RequestId(1), prompt, 2))
+        .unwrap();
+    let p = sched.schedule().unwrap().unwrap();
+    let want = host.execute(&p).unwrap_err().to_string();
+    let got = V4Device::execute(&mut cuda, &p).unwrap_err().to_string();
+    for e in [&want, &got] {
+        assert!(e.contains("fewer slots than the manager"), "{e}");
+    }
+    for (lc, l) in plan.life_cycles().iter().enumerate() {
+        for pool in 0..l.pools.len() {
+            let bytes = cuda.pools().download(lc, Tier::Gpu, pool).unwrap();
+            assert!(
+                bytes.iter().all(|&b| b == 0),
+                "life cycle {lc}, pool {pool} written"
+            );
+        }
+    }
+    eprintln!("host: {want}\nCUDA: {got}");
 }

@@ -125,8 +125,6 @@ pub(crate) fn check(mut a: Args) -> Args {
             (a.checkpoint.is_some(), "--checkpoint"),
             (a.config.is_some(), "--config"),
             (a.kv_dtype.is_some(), "--kv-dtype"),
-            (a.backend != Backend::Host, "--backend cuda"),
-            (a.gpus.is_some(), "--gpus"),
             (a.cuda_graphs, "--cuda-graphs"),
             (a.room_faults > 0, "--room-faults"),
             (a.metrics_addr.is_some(), "--metrics-addr"),
@@ -138,8 +136,8 @@ pub(crate) fn check(mut a: Args) -> Args {
         }
         if !clash.is_empty() {
             common::usage_error::<Args>(format!(
-                "--model {} runs the V4 reference model on the host backend through the V4 \
-                 runtime; it does not take {}",
+                "--model {} runs the V4 reference model through the V4 runtime (host or \
+                 CUDA devices); it does not take {}",
                 p.name(),
                 clash.join(", ")
             ));

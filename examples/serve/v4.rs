@@ -1,5 +1,7 @@
-//! `serve --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 main job on the host
-//! backend. The V4 reference model (`dsa_kv_model::v4`) with the preset's layer structure
+//! `serve --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 main job, on the
+//! host backend or (`--backend cuda`, `--gpus`) with each device actor the model's CUDA
+//! device (`dsa_kv_model::v4::cuda::V4CudaDevice`: pools in GPU memory, the forward in
+//! kernels, bit-exact with the host). The V4 reference model (`dsa_kv_model::v4`) with the preset's layer structure
 //! (its ratio list: window-only, ratio-4 and ratio-128 layers, and the MTP layer) and
 //! tiny widths elsewhere (hidden 64, 2 heads, top-64) runs through the V4 runtime
 //! (`dsa_kv::v4::V4Runtime`: the V4 scheduler and cache manager on the coordinator, one
@@ -20,13 +22,13 @@ use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::Retention;
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::v4::{
-    ManagerOptions, TierSlots, V4CacheManager, V4HostDevice, V4Limits, V4Options, V4Plan, V4Preset,
-    V4Runtime, V4Scheduler, V4Slots,
+    ManagerOptions, TierSlots, V4CacheManager, V4Device, V4HostDevice, V4Limits, V4Options, V4Plan,
+    V4Preset, V4Runtime, V4Scheduler, V4Slots,
 };
 use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 use serde_json::json;
 
-use super::{Args, ServeError, MODEL_SEED};
+use super::{Args, Backend, ServeError, MODEL_SEED};
 
 /// A conversation: its system prompt and everything said so far.
 struct Conversation {
@@ -96,10 +98,16 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     )?;
     let sched = V4Scheduler::new(m, limits)?;
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let max_positions = limits.max_seq_len + limits.draft_tokens + 1;
     let devices = (0..a.devices)
-        .map(|i| {
-            let f = V4ModelForward::new(model.clone(), outputs.clone());
-            V4HostDevice::new(i, &plan, &slots, Box::new(f))
+        .map(|i| -> Result<Box<dyn V4Device>, ServeError> {
+            match a.backend {
+                Backend::Host => {
+                    let f = V4ModelForward::new(model.clone(), outputs.clone());
+                    Ok(Box::new(V4HostDevice::new(i, &plan, &slots, Box::new(f))?))
+                }
+                Backend::Cuda => cuda_device(&a, i, &plan, &slots, &model, &outputs, max_positions),
+            }
         })
         .collect::<Result<Vec<_>, _>>()?;
     let rt = V4Runtime::start(sched, devices).await?;
@@ -226,6 +234,7 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
             "widths": "latent 512 (MODEL1 rows), indexer 128; hidden 64, 2 heads, top-64",
         },
         "devices": a.devices,
+        "backend": format!("{:?}", a.backend).to_lowercase(),
         "budget_bytes": budget,
         "gpu_blocks": blocks,
         "host_blocks": blocks,
@@ -316,4 +325,37 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         );
     }
     Ok(report)
+}
+
+/// Device `i` on its GPU (`--gpus`, default `0..devices`), or why this build has none.
+#[allow(clippy::too_many_arguments)]
+fn cuda_device(
+    a: &Args,
+    i: usize,
+    plan: &V4Plan,
+    slots: &V4Slots,
+    model: &Arc<V4Model>,
+    outputs: &Arc<Mutex<V4Outputs>>,
+    max_positions: u32,
+) -> Result<Box<dyn V4Device>, ServeError> {
+    #[cfg(feature = "cuda")]
+    {
+        let ordinal = a.gpus.as_ref().map_or(i, |g| g[i]);
+        let gpu = dsa_kv::cuda::Gpu::open(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        let d = dsa_kv_model::v4::cuda::V4CudaDevice::new(
+            i,
+            gpu,
+            plan,
+            slots,
+            model.clone(),
+            outputs.clone(),
+            max_positions,
+        )?;
+        Ok(Box::new(d))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, i, plan, slots, model, outputs, max_positions);
+        Err("this build has no CUDA backend: build with the `cuda` feature".into())
+    }
 }

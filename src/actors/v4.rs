@@ -1,7 +1,8 @@
 //! DeepSeek-V4 through actors: [`V4Runtime`], a cheap-to-clone async handle in front of
 //! a coordinator actor that owns the [`V4Scheduler`] (and through it the V4 cache
-//! manager), and one device actor per device (own OS thread) that owns a
-//! [`V4HostDevice`] (pools and the model's forward). A step is: the coordinator
+//! manager), and one device actor per device (own OS thread) that owns a [`V4Device`]
+//! (pools and the model's forward: a `V4HostDevice` on the host backend, the model's
+//! CUDA device on a GPU; the two can serve one runtime side by side). A step is: the coordinator
 //! schedules, sends the one plan to every device (tensor parallelism: every device runs
 //! the same decision), checks that every device returned the same outcomes (sampled
 //! tokens, drafts accepted, proposals), and commits them.
@@ -24,7 +25,7 @@ use dsa_kv_core::core::{
     V4Failed, V4Finished, V4Outcome, V4SchedError, V4SchedStats, V4Scheduler, V4Stats, V4StepPlan,
 };
 use dsa_kv_core::ids::RequestId;
-use dsa_kv_device::v4::{V4DeviceError, V4HostDevice};
+use dsa_kv_device::v4::{V4Device, V4DeviceError};
 
 /// What the V4 runtime refuses or fails with.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -119,22 +120,22 @@ pub struct V4RuntimeStats {
     pub unfinished: usize,
 }
 
-struct V4Device {
-    dev: V4HostDevice,
+struct V4DeviceActor {
+    dev: Box<dyn V4Device>,
 }
 
-impl Actor for V4Device {
-    type Args = V4HostDevice;
+impl Actor for V4DeviceActor {
+    type Args = Box<dyn V4Device>;
     type Error = Infallible;
 
     async fn on_start(dev: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
-        Ok(V4Device { dev })
+        Ok(V4DeviceActor { dev })
     }
 }
 
 struct RunStep(Arc<V4StepPlan>);
 
-impl Message<RunStep> for V4Device {
+impl Message<RunStep> for V4DeviceActor {
     type Reply = Result<Vec<V4Outcome>, V4DeviceError>;
 
     async fn handle(&mut self, msg: RunStep, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
@@ -150,12 +151,12 @@ impl Message<RunStep> for V4Device {
 
 struct V4Coordinator {
     sched: V4Scheduler,
-    devices: Vec<ActorRef<V4Device>>,
+    devices: Vec<ActorRef<V4DeviceActor>>,
 }
 
 struct CoordinatorArgs {
     sched: V4Scheduler,
-    devices: Vec<ActorRef<V4Device>>,
+    devices: Vec<ActorRef<V4DeviceActor>>,
 }
 
 impl Actor for V4Coordinator {
@@ -261,9 +262,9 @@ pub struct V4Runtime {
 impl V4Runtime {
     /// Starts the actors: the coordinator over `sched`, one device actor (own thread)
     /// per device. Needs a tokio runtime.
-    pub async fn start(
+    pub async fn start<D: V4Device>(
         sched: V4Scheduler,
-        devices: Vec<V4HostDevice>,
+        devices: Vec<D>,
     ) -> Result<V4Runtime, V4RuntimeError> {
         if devices.is_empty() {
             return Err(V4RuntimeError::NoDevices);
@@ -280,7 +281,10 @@ impl V4Runtime {
                 ))
             }
         }
-        let devices = devices.into_iter().map(V4Device::spawn_in_thread).collect();
+        let devices = devices
+            .into_iter()
+            .map(|d| V4DeviceActor::spawn_in_thread(Box::new(d) as Box<dyn V4Device>))
+            .collect();
         let coordinator = V4Coordinator::spawn(CoordinatorArgs { sched, devices });
         coordinator.wait_for_startup().await;
         Ok(V4Runtime { coordinator })

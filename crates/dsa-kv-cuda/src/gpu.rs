@@ -323,6 +323,40 @@ impl Gpu {
         })
     }
 
+    /// Copies `src` to device address `dst` (async on the compute stream; `src` may be
+    /// reused when this returns).
+    ///
+    /// # Safety
+    /// `dst .. dst + size_of_val(src)` must be writable device memory of this context.
+    pub unsafe fn upload_raw<T: Plain>(&self, dst: u64, src: &[T]) -> Result<(), CudaError> {
+        let bytes = std::mem::size_of_val(src);
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract; a copy from pageable memory returns once the
+        // source has been staged.
+        check(self.ordinal, "cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), bytes, self.compute.cu_stream())
+        })
+    }
+
+    /// Copies `bytes` bytes between device addresses of this context (async on the
+    /// compute stream).
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of this context and must not overlap.
+    pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        check(self.ordinal, "cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.compute.cu_stream())
+        })
+    }
+
     /// Copies `dst.len()` elements from device address `src` into `dst` and waits.
     ///
     /// # Safety

@@ -40,8 +40,11 @@ use half::bf16;
 use crate::kernels::Guard;
 use crate::{driver_error, CudaError, Gpu, KERNEL_SOURCES};
 
+mod pools;
 #[cfg(test)]
 mod tests;
+
+pub use pools::V4GpuPools;
 
 /// The kernel source (`kernels/v4.cu`), compiled after `common.cuh` and `guard.cu`.
 pub const V4_SOURCE: &str = include_str!("../../../kernels/v4.cu");

@@ -42,6 +42,26 @@ pub trait V4Forward: Send + 'static {
     ) -> Result<Vec<V4Outcome>, V4DeviceError>;
 }
 
+/// A V4 device as the runtime drives it: each step's copies, then its forward, on
+/// the device's own pools (host memory for [`V4HostDevice`], GPU memory for a CUDA one).
+pub trait V4Device: Send + 'static {
+    /// The device index.
+    fn index(&self) -> usize;
+
+    /// Runs a step: its copies, then the forward; one outcome per planned request.
+    fn execute(&mut self, plan: &V4StepPlan) -> Result<Vec<V4Outcome>, V4DeviceError>;
+}
+
+impl V4Device for Box<dyn V4Device> {
+    fn index(&self) -> usize {
+        (**self).index()
+    }
+
+    fn execute(&mut self, plan: &V4StepPlan) -> Result<Vec<V4Outcome>, V4DeviceError> {
+        (**self).execute(plan)
+    }
+}
+
 /// One device of the host backend for V4: pools and a forward.
 pub struct V4HostDevice {
     index: usize,
@@ -81,31 +101,36 @@ impl V4HostDevice {
     }
 }
 
-fn tier_index(t: Tier) -> usize {
-    match t {
-        Tier::Gpu => 0,
-        Tier::Host => 1,
+impl V4Device for V4HostDevice {
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn execute(&mut self, plan: &V4StepPlan) -> Result<Vec<V4Outcome>, V4DeviceError> {
+        V4HostDevice::execute(self, plan)
     }
 }
 
-/// The pools of every life cycle of a plan: the compressed one on the GPU and (with a
-/// host tier) on the host, the window ones on the GPU.
-pub struct V4Pools {
-    plan: V4Plan,
-    /// Per life cycle (plan order): per tier (GPU, host): per pool: its bytes.
-    bytes: Vec<[Vec<Vec<u8>>; 2]>,
-    /// Per life cycle: its index among the window life cycles (the manager's `lc`).
-    window_index: Vec<Option<usize>>,
+/// The slots of one life cycle's pools on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct V4PoolSlots {
+    /// Slots on the GPU tier.
+    pub gpu: u32,
+    /// Slots on the host tier (0 for a window life cycle).
+    pub host: u32,
+    /// Its index among the window life cycles (the manager's `lc`), if it is one.
+    pub window: Option<usize>,
 }
 
-impl V4Pools {
-    /// Zeroed pools for `plan` with `slots` (as the manager was built with).
-    pub fn new(plan: &V4Plan, slots: &V4Slots) -> Result<V4Pools, V4DeviceError> {
-        let mut bytes = Vec::new();
-        let mut window_index = Vec::new();
-        let mut windows = 0;
-        for lc in plan.life_cycles() {
-            let (gpu, host, index) = match lc.retention {
+/// Per life cycle of `plan` (plan order), the slots a device's pools hold for `slots`
+/// (as the manager was built with): the compressed life cycle on the GPU and the host
+/// tier, each window life cycle on the GPU. A missing count is a typed error.
+pub fn v4_pool_slots(plan: &V4Plan, slots: &V4Slots) -> Result<Vec<V4PoolSlots>, V4DeviceError> {
+    let mut windows = 0;
+    plan.life_cycles()
+        .iter()
+        .map(|lc| {
+            let (gpu, host, window) = match lc.retention {
                 Retention::Full => (
                     slots.blocks.gpu.first().copied(),
                     slots.blocks.host.first().copied().unwrap_or(0),
@@ -126,19 +151,50 @@ impl V4Pools {
                     lc.kind.name()
                 ))
             })?;
-            let tier = |n: u32| -> Vec<Vec<u8>> {
-                lc.pools
-                    .iter()
-                    .map(|p| vec![0u8; (u64::from(n) * p.slot_bytes()) as usize])
-                    .collect()
-            };
-            bytes.push([tier(gpu), tier(host)]);
-            window_index.push(index);
-        }
+            Ok(V4PoolSlots { gpu, host, window })
+        })
+        .collect()
+}
+
+fn tier_index(t: Tier) -> usize {
+    match t {
+        Tier::Gpu => 0,
+        Tier::Host => 1,
+    }
+}
+
+/// The pools of every life cycle of a plan: the compressed one on the GPU and (with a
+/// host tier) on the host, the window ones on the GPU.
+pub struct V4Pools {
+    plan: V4Plan,
+    /// Per life cycle (plan order): per tier (GPU, host): per pool: its bytes.
+    bytes: Vec<[Vec<Vec<u8>>; 2]>,
+    /// Per life cycle: its index among the window life cycles (the manager's `lc`).
+    window_index: Vec<Option<usize>>,
+}
+
+impl V4Pools {
+    /// Zeroed pools for `plan` with `slots` (as the manager was built with).
+    pub fn new(plan: &V4Plan, slots: &V4Slots) -> Result<V4Pools, V4DeviceError> {
+        let sizes = v4_pool_slots(plan, slots)?;
+        let bytes = plan
+            .life_cycles()
+            .iter()
+            .zip(&sizes)
+            .map(|(lc, s)| {
+                let tier = |n: u32| -> Vec<Vec<u8>> {
+                    lc.pools
+                        .iter()
+                        .map(|p| vec![0u8; (u64::from(n) * p.slot_bytes()) as usize])
+                        .collect()
+                };
+                [tier(s.gpu), tier(s.host)]
+            })
+            .collect();
         Ok(V4Pools {
             plan: plan.clone(),
             bytes,
-            window_index,
+            window_index: sizes.iter().map(|s| s.window).collect(),
         })
     }
 

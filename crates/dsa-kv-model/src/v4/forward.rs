@@ -24,6 +24,39 @@ pub struct V4Outputs {
     pub conflicts: Vec<String>,
 }
 
+impl V4Outputs {
+    /// Records the kept positions' outputs of request `id` on `device`; a position
+    /// recorded before with another output is a conflict.
+    pub(super) fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut]) {
+        let m = self.tokens.entry((device, id)).or_default();
+        for out in outs {
+            if let Some(prev) = m.insert(out.pos, *out) {
+                if prev != *out {
+                    self.conflicts.push(format!(
+                        "device {device}, request {id}, position {}: {prev:?} then {out:?}",
+                        out.pos
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// `(accepted drafts, tokens kept)` of a step's `tokens` given their outputs: a context
+/// chunk keeps every token; a decode step keeps its first token and each draft the
+/// target's greedy token before it agrees with, up to the first that does not.
+pub(super) fn verdict(work: V4Work, tokens: &[u32], outs: &[TokenOut]) -> (usize, usize) {
+    match work {
+        V4Work::Context => (0, tokens.len()),
+        V4Work::Decode => {
+            let accepted = (1..tokens.len())
+                .take_while(|&i| tokens[i] == outs[i - 1].greedy)
+                .count();
+            (accepted, accepted + 1)
+        }
+    }
+}
+
 /// The V4 model as a device's forward. See the module docs.
 pub struct V4ModelForward {
     model: Arc<V4Model>,
@@ -53,22 +86,12 @@ impl V4Forward for V4ModelForward {
             let first = u32::try_from(p.first)
                 .map_err(|_| err(ModelError::Access(format!("position {} past u32", p.first))))?;
             let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
-            let n = tokens.len();
             let mut kv = V4Paged::of_step(pools, p).map_err(err)?;
             let (outs, hidden) = self
                 .model
                 .run_hidden(&mut kv, first, &tokens)
                 .map_err(err)?;
-            let accepted = match p.work {
-                V4Work::Context => 0,
-                V4Work::Decode => (1..n)
-                    .take_while(|&i| tokens[i] == outs[i - 1].greedy)
-                    .count(),
-            };
-            let kept = match p.work {
-                V4Work::Context => n,
-                V4Work::Decode => accepted + 1,
-            };
+            let (accepted, kept) = verdict(p.work, &tokens, &outs);
             let mtp = self.model.config().mtp;
             if mtp {
                 self.model
@@ -84,21 +107,10 @@ impl V4Forward for V4ModelForward {
             } else {
                 Vec::new()
             };
-            {
-                let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-                let V4Outputs { tokens, conflicts } = &mut *o;
-                let m = tokens.entry((device, p.id)).or_default();
-                for out in &outs[..kept] {
-                    if let Some(prev) = m.insert(out.pos, *out) {
-                        if prev != *out {
-                            conflicts.push(format!(
-                                "device {device}, request {}, position {}: {prev:?} then {out:?}",
-                                p.id, out.pos
-                            ));
-                        }
-                    }
-                }
-            }
+            self.outputs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(device, p.id, &outs[..kept]);
             outcomes.push(V4Outcome {
                 id: p.id,
                 accepted_drafts: accepted as u32,

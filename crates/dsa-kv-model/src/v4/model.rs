@@ -102,15 +102,15 @@ pub struct V4Trace {
 
 /// A compressor: per token a `[kv | score]` state row of `coff · width` values each.
 #[derive(Clone)]
-struct Compressor {
-    ratio: u32,
-    width: usize,
+pub(super) struct Compressor {
+    pub(super) ratio: u32,
+    pub(super) width: usize,
     /// 2 when groups overlap (ratio 4), else 1.
-    coff: usize,
-    w_kv: Mat,
-    w_score: Mat,
+    pub(super) coff: usize,
+    pub(super) w_kv: Mat,
+    pub(super) w_score: Mat,
     /// `[ratio, coff · width]`: the score bias of a token's place in its group.
-    ape: Mat,
+    pub(super) ape: Mat,
 }
 
 impl Compressor {
@@ -182,24 +182,24 @@ impl Compressor {
 
 /// The indexer of a ratio-4 layer.
 #[derive(Clone)]
-struct Indexer {
-    comp: Compressor,
-    w_q: Vec<Mat>,
-    w_w: Mat,
+pub(super) struct Indexer {
+    pub(super) comp: Compressor,
+    pub(super) w_q: Vec<Mat>,
+    pub(super) w_w: Mat,
 }
 
 /// One layer's weights.
 #[derive(Clone)]
-struct V4Layer {
-    ratio: u32,
-    w_kv: Mat,
-    w_q: Vec<Mat>,
-    sink: Vec<f32>,
-    w_o: Mat,
-    w_1: Mat,
-    w_2: Mat,
-    comp: Option<Compressor>,
-    index: Option<Indexer>,
+pub(super) struct V4Layer {
+    pub(super) ratio: u32,
+    pub(super) w_kv: Mat,
+    pub(super) w_q: Vec<Mat>,
+    pub(super) sink: Vec<f32>,
+    pub(super) w_o: Mat,
+    pub(super) w_1: Mat,
+    pub(super) w_2: Mat,
+    pub(super) comp: Option<Compressor>,
+    pub(super) index: Option<Indexer>,
 }
 
 impl V4Layer {
@@ -237,12 +237,12 @@ impl V4Layer {
 
 /// The V4 model: weights from a seed.
 pub struct V4Model {
-    cfg: V4ModelConfig,
-    embed: Mat,
-    layers: Vec<V4Layer>,
+    pub(super) cfg: V4ModelConfig,
+    pub(super) embed: Mat,
+    pub(super) layers: Vec<V4Layer>,
     /// The MTP draft layer (window only; shares the embedding and the output head).
-    draft: V4Layer,
-    w_out: Mat,
+    pub(super) draft: V4Layer,
+    pub(super) w_out: Mat,
 }
 
 /// The bf16 MODEL1 row of `x` (448 NoPE, 64 RoPE values).
