@@ -259,3 +259,49 @@ extern "C" __global__ void guard_state(const i64* __restrict__ idx, int n, u64 m
     const i64 r = idx[t];
     if (r >= 0 && (u64)r >= max_rows) mark_failed(flag, op, t, 0u);
 }
+
+// The sparse decode's extra_indices from a top-k selection (host reference:
+// metadata::v4::extra_indices per token). Token t selected nsel[t] compressed entries
+// sel[t * ms + k] (entry numbers); its request's block table is row row_of[t] of `table`
+// (cols slots, -1 past its blocks). Entry w lies in block w / per_block, row w mod
+// per_block of that block's page: out[t * width + k] = ((slot * scale + offset) x
+// expansion) x per_block + w mod per_block, -1 from nsel[t] to width; len[t] = nsel[t].
+// One thread per (t, k). A token whose entry has no block (a column past the table or a
+// -1 slot) marks (op, t, 0) and one whose row passes int32 marks (op, t, 1) in the step's
+// fail flag (guard.cu), and writes -1 there; so does a token that selected more than
+// `width` entries (all its indices -1). nsel[t] <= ms is the caller's.
+extern "C" __global__ void v4_extra_indices(int* __restrict__ out, int* __restrict__ len,
+                                            const int* __restrict__ sel, const int* __restrict__ nsel, int ms,
+                                            const int* __restrict__ row_of, const int* __restrict__ table,
+                                            int cols, u32 scale, u32 offset, u32 expansion, u32 per_block,
+                                            int width, int n, u32 op, u64* flag) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    const int t = (int)(i / width), k = (int)(i % width);
+    const int ns = nsel[t];
+    if (k == 0) len[t] = ns;
+    if (ns > width) {
+        if (k == 0) mark_failed(flag, op, t, 0u);
+        out[i] = -1;
+        return;
+    }
+    if (k >= ns) {
+        out[i] = -1;
+        return;
+    }
+    const u32 w = (u32)sel[(long long)t * ms + k];
+    const u32 col = w / per_block;
+    const int slot = col < (u32)cols ? table[(long long)row_of[t] * cols + col] : -1;
+    if (slot < 0) {
+        mark_failed(flag, op, t, 0u);
+        out[i] = -1;
+        return;
+    }
+    const u64 row = ((u64)(u32)slot * scale + offset) * expansion * per_block + w % per_block;
+    if (row > 0x7fffffffull) {
+        mark_failed(flag, op, t, 1u);
+        out[i] = -1;
+        return;
+    }
+    out[i] = (int)row;
+}

@@ -152,25 +152,27 @@ extern "C" __global__ void v4_index_scores(float* scores, int max_ctx, const int
     scores[i] = __fmul_rn(s, scale);
 }
 
-// Attention of token t, head h, with a sink: rows are the window rows gw[(wb[t] + k) x 512]
-// for k < nw[t], then the entries ge[sel[t * ms + k] x 512] for k < nsel[t] (f32, decoded
-// by model1_gather); s_k = dot8(q, row_k) x scale, m = max(sink, s_k) by strict comparison
-// in row order, e_k = exp(s_k - m), sum = exp(sink - m) + e_0 + e_1 + ..., out[c] =
-// sum_k (e_k / sum) x row_k[c] in row order. One block per (t, h); `ebuf` holds max_rows
-// floats per (t, h).
+// Attention of token t, head h, with a sink, over the rows the sparse decode is handed:
+// the window rows gw[(wb[t] + k) x 512] for k < nw[t] (the query's window, gathered once
+// for the request), then the compressed entries ge[(t x es + k) x 512] for k < ne[t] (the
+// rows at the token's extra_indices, gathered per token; ne null: none). All rows f32 as
+// model1_gather decodes them. s_k = dot8(q, row_k) x scale, m = max(sink, s_k) by strict
+// comparison in row order, e_k = exp(s_k - m), sum = exp(sink - m) + e_0 + e_1 + ...,
+// out[c] = sum_k (e_k / sum) x row_k[c] in row order. One block per (t, h); `ebuf` holds
+// max_rows floats per (t, h).
 extern "C" __global__ void v4_attend(float* out, const float* q, int heads, const float* gw,
                                      const int* wb, const int* nw, const float* ge,
-                                     const int* sel, const int* nsel, int ms, float scale,
-                                     const float* sink, float* ebuf, int max_rows, int n) {
+                                     const int* ne, int es, float scale, const float* sink,
+                                     float* ebuf, int max_rows, int n) {
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
     if (t >= n) return;
-    int nwin = nw[t], nent = nsel ? nsel[t] : 0;
+    int nwin = nw[t], nent = ne ? ne[t] : 0;
     int nr = nwin + nent;
     float* e = ebuf + ((long)t * heads + h) * max_rows;
     const float* qh = q + ((long)t * heads + h) * 512;
     for (int k = threadIdx.x; k < nr; k += blockDim.x) {
         const float* r = k < nwin ? gw + (long)(wb[t] + k) * 512
-                                  : ge + (long)sel[(long)t * ms + (k - nwin)] * 512;
+                                  : ge + ((long)t * es + (k - nwin)) * 512;
         e[k] = __fmul_rn(v4_dot8(qh, r, 512), scale);
     }
     __syncthreads();
@@ -193,7 +195,7 @@ extern "C" __global__ void v4_attend(float* out, const float* q, int heads, cons
         float o = 0.0f;
         for (int k = 0; k < nr; k++) {
             const float* r = k < nwin ? gw + (long)(wb[t] + k) * 512
-                                      : ge + (long)sel[(long)t * ms + (k - nwin)] * 512;
+                                      : ge + ((long)t * es + (k - nwin)) * 512;
             o = __fadd_rn(o, __fmul_rn(__fdiv_rn(e[k], sum), r[c]));
         }
         out[((long)t * heads + h) * 512 + c] = o;

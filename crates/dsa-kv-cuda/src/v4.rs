@@ -8,6 +8,9 @@
 //! * [`V4Kernels::model1_gather`]: rows at int32 kernel row indices → f32 `[n, 512]`
 //!   ([`dequantize_model1_row`]); −1 gives zeros.
 //! * [`V4Kernels::state_scatter`]: fp32 state rows of `row_bytes` at `row × row_bytes`.
+//! * [`V4Kernels::extra_indices`]: the sparse decode's `extra_indices` /
+//!   `extra_topk_length` from each token's selected entries through its request's
+//!   block table ([`extra_indices_host`]: the `metadata::v4` reference per token).
 //! * Indexer keys of compressed entries: the same bytes as the V3.2 indexer K pages
 //!   (`IndexerPageLayout { 64, 128, 4 }`), so [`crate::Kernels::indexer_k_scatter`] and
 //!   `indexer_k_gather` write and read them unchanged, at the byte offsets
@@ -27,9 +30,11 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
+use dsa_kv_core::ids::SlotId;
 use dsa_kv_core::layout::{
-    IndexerPageLayout, Model1PageLayout, MODEL1_DATA_BYTES, MODEL1_SCALE_BYTES,
+    IndexerPageLayout, Model1PageLayout, PageIndexConverter, MODEL1_DATA_BYTES, MODEL1_SCALE_BYTES,
 };
+use dsa_kv_core::metadata::v4::{extra_indices, V4MetadataError};
 use dsa_kv_core::ops::model1::{
     dequantize_model1_row, quantize_model1_row, MODEL1_DATA, MODEL1_NOPE, MODEL1_ROPE,
     MODEL1_SCALES,
@@ -53,12 +58,13 @@ pub const V4_SOURCE: &str = include_str!("../../../kernels/v4.cu");
 pub const MODEL1_VALUES: usize = MODEL1_NOPE + MODEL1_ROPE;
 
 /// The kernels' entry points, as the PTX names them.
-pub const V4_ENTRY_POINTS: [&str; 5] = [
+pub const V4_ENTRY_POINTS: [&str; 6] = [
     "model1_scatter",
     "model1_gather",
     "state_scatter",
     "guard_model1",
     "guard_state",
+    "v4_extra_indices",
 ];
 
 const BLOCK: u32 = 256;
@@ -300,6 +306,59 @@ pub fn model1_gather_host(
     Ok(())
 }
 
+/// The selections of a batch for [`V4Kernels::extra_indices`] and its host twin: token
+/// `t` selected `nsel[t]` compressed entries `sel[t × ms ..]` (entry numbers); its
+/// request's block table is row `row_of[t]` of `table` (`cols` slots each, −1 past the
+/// request's blocks).
+#[derive(Clone, Copy, Debug)]
+pub struct Selections<'a> {
+    /// Entry numbers, `ms` per token.
+    pub sel: &'a [i32],
+    /// Entries selected per token.
+    pub nsel: &'a [i32],
+    /// Row stride of `sel`.
+    pub ms: usize,
+    /// Each token's block-table row.
+    pub row_of: &'a [i32],
+    /// The block tables, `cols` slots per row.
+    pub table: &'a [i32],
+    /// Columns of `table`.
+    pub cols: usize,
+}
+
+/// Host twin of [`V4Kernels::extra_indices`]: per token,
+/// [`extra_indices`] of its selected entries
+/// through its block-table row (the slots up to the first −1) for the compressed buffer
+/// with `conv` and `ratio`, padded with −1 to `width`: `[n × width]` rows and the
+/// lengths. The first token whose entries the tables do not hold fails with its index
+/// and the reference's error.
+pub fn extra_indices_host(
+    s: &Selections<'_>,
+    conv: PageIndexConverter,
+    ratio: u64,
+    width: usize,
+) -> Result<(Vec<i32>, Vec<i32>), (usize, V4MetadataError)> {
+    let (mut out, mut len) = (Vec::new(), Vec::new());
+    for (t, (&ns, &row)) in s.nsel.iter().zip(s.row_of).enumerate() {
+        let cols = s
+            .table
+            .get(row.max(0) as usize * s.cols..(row.max(0) as usize + 1) * s.cols)
+            .unwrap_or(&[]);
+        let blocks: Vec<SlotId> = cols
+            .iter()
+            .take_while(|&&b| b >= 0)
+            .map(|&b| SlotId(b as u32))
+            .collect();
+        let entries = s.sel[t * s.ms..t * s.ms + ns.max(0) as usize]
+            .iter()
+            .map(|&w| u64::from(w as u32));
+        let (rows, n) = extra_indices(&blocks, conv, ratio, entries, width).map_err(|e| (t, e))?;
+        out.extend(rows);
+        len.push(n as i32);
+    }
+    Ok((out, len))
+}
+
 /// Host twin of [`V4Kernels::state_scatter`]: row `t` of `rows` (`row_bytes` bytes each)
 /// copied to `idx[t] × row_bytes`; negative indices are skipped; every index is checked
 /// ([`check_state`]) before anything is written.
@@ -361,6 +420,7 @@ pub struct V4Kernels {
     state_scatter: CudaFunction,
     guard_model1: CudaFunction,
     guard_state: CudaFunction,
+    extra_indices: CudaFunction,
     ordinal: usize,
     _module: Arc<CudaModule>,
 }
@@ -467,6 +527,7 @@ impl V4Kernels {
             state_scatter: f("state_scatter")?,
             guard_model1: f("guard_model1")?,
             guard_state: f("guard_state")?,
+            extra_indices: f("v4_extra_indices")?,
             ordinal,
             _module: module,
         })
@@ -732,6 +793,61 @@ impl V4Kernels {
             crate::launch!(
                 stream, &self.state_scatter, cfg(threads), device, K;
                 &p, &rows, &idx, &n32, &rb, &vec, &max_rows, &fail,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// The sparse decode's `extra_indices` `[n × width]` (i32, −1 padding) and
+    /// `extra_topk_length` `[n]` from each token's selected entries (device arrays laid
+    /// out as [`Selections`] describes: `sel`, `nsel`, `row_of`, `table`) for the
+    /// compressed buffer with `conv` and `ratio`. Reference: [`extra_indices_host`], byte
+    /// for byte. A token whose entry has no block, or whose row passes int32, marks the
+    /// guard's fail flag (`which` 0 and 1) and gets −1 there, as the host twin refuses
+    /// it; a token that selected more than `width` entries marks `which` 0 and gets −1
+    /// throughout (the host twin's `TooMany`).
+    ///
+    /// # Safety
+    /// On this device: `sel` holds `n × ms` i32 (`nsel[t] ≤ ms`), `nsel` and `row_of` `n`, `table` the
+    /// rows `row_of` names × `cols`, `out` `n × width` i32, `len` `n`; `guard.flag` is the
+    /// step's flag.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn extra_indices(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        (sel, nsel, ms, row_of, table, cols): (u64, u64, usize, u64, u64, usize),
+        conv: PageIndexConverter,
+        ratio: u64,
+        width: usize,
+        n: usize,
+        (out, len): (u64, u64),
+        guard: Guard,
+    ) -> Result<(), V4KernelError> {
+        if ratio == 0 || !256u64.is_multiple_of(ratio) {
+            return Err(invalid(
+                device,
+                format!("compression ratio {ratio}: a divisor of 256"),
+            ));
+        }
+        let (ms32, cols32, w32, n32) = (
+            as_i32(device, "selection width", ms)?,
+            as_i32(device, "block-table columns", cols)?,
+            as_i32(device, "index width", width)?,
+            as_i32(device, "tokens", n)?,
+        );
+        if n == 0 || width == 0 {
+            return Ok(());
+        }
+        let per_block = (256 / ratio) as u32;
+        let (sc, off, ex) = (conv.scale, conv.layer_offset, conv.expansion);
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, &self.extra_indices, cfg(n as u64 * width as u64), device,
+                "v4_extra_indices";
+                &out, &len, &sel, &nsel, &ms32, &row_of, &table, &cols32, &sc, &off, &ex,
+                &per_block, &w32, &n32, &guard.op, &guard.flag,
             )
         }?;
         Ok(())

@@ -1238,3 +1238,185 @@ fn v4_entry_keys_go_through_the_indexer_kernels() {
     );
     assert!(read::<u8>(&g, &fresh, init.len()) == init);
 }
+
+/// Random selections over random block tables: `(sel, nsel, row_of, table)` for `n`
+/// tokens of `reqs` requests, `ms` entries at most per token, entries below what each
+/// request's table holds; with `past`, token `past` selects one entry past its table.
+fn selections(
+    rng: &mut SplitMix64,
+    per_block: u64,
+    n: usize,
+    ms: usize,
+    cols: usize,
+    past: Option<usize>,
+) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
+    let reqs = 3;
+    let mut table = vec![-1i32; reqs * cols];
+    let mut held = Vec::new();
+    for r in 0..reqs {
+        let b = 1 + rng.below(cols as u64) as usize;
+        for c in 0..b {
+            table[r * cols + c] = rng.below(5000) as i32;
+        }
+        held.push(b as u64 * per_block);
+    }
+    let (mut sel, mut nsel, mut row_of) = (vec![-7i32; n * ms], Vec::new(), Vec::new());
+    for t in 0..n {
+        let r = rng.below(reqs as u64) as usize;
+        let k = rng.below(ms as u64 + 1) as usize;
+        let mut picked: Vec<i32> = (0..k).map(|_| rng.below(held[r]) as i32).collect();
+        picked.sort_unstable();
+        if past == Some(t) && k > 0 {
+            picked[k - 1] = held[r] as i32 + rng.below(3) as i32;
+        }
+        sel[t * ms..t * ms + k].copy_from_slice(&picked);
+        nsel.push(k as i32);
+        row_of.push(r as i32);
+    }
+    (sel, nsel, row_of, table)
+}
+
+/// Runs `k.extra_indices` on the inputs; `(indices, lengths, fail flag)`.
+#[allow(clippy::too_many_arguments)]
+fn extra_case(
+    k: &V4Kernels,
+    g: &Gpu,
+    (sel, nsel, row_of, table): &(Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>),
+    ms: usize,
+    cols: usize,
+    conv: PageIndexConverter,
+    ratio: u64,
+    width: usize,
+) -> (Vec<i32>, Vec<i32>, u64) {
+    let n = nsel.len();
+    let (sb, nb, rb, tb) = (buf(g, sel), buf(g, nsel), buf(g, row_of), buf(g, table));
+    let out = buf(g, &vec![0x55i32; n * width]);
+    let len = buf(g, &vec![0x55i32; n]);
+    let flag = buf(g, &[u64::MAX]);
+    // SAFETY: the buffers hold what the kernel reads and writes.
+    unsafe {
+        k.extra_indices(
+            g.compute(),
+            0,
+            (sb.ptr(), nb.ptr(), ms, rb.ptr(), tb.ptr(), cols),
+            conv,
+            ratio,
+            width,
+            n,
+            (out.ptr(), len.ptr()),
+            Guard {
+                flag: flag.ptr(),
+                op: 3,
+            },
+        )
+    }
+    .unwrap();
+    g.synchronize().unwrap();
+    (
+        read(g, &out, n * width),
+        read(g, &len, n),
+        read::<u64>(g, &flag, 1)[0],
+    )
+}
+
+/// `v4_extra_indices` equals its host twin (the reference `extra_indices` per token) on
+/// random selections and tables, for both ratios, two converters and padded widths; a
+/// selection past its table sets the flag for the token the host twin names; a mutated
+/// kernel (rows within a block taken modulo 64 whatever the ratio) fails the comparison.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn v4_extra_indices_match_the_reference() {
+    let g = gpu();
+    let mut rng = SplitMix64(31);
+    let convs = [
+        UNIT,
+        PageIndexConverter {
+            scale: 3,
+            layer_offset: 2,
+            expansion: 1,
+        },
+    ];
+    let run = |k: &V4Kernels, rng: &mut SplitMix64| -> Result<usize, String> {
+        let mut cases = 0;
+        for ratio in [4u64, 128] {
+            for conv in convs {
+                for (n, ms, cols, extra) in [(40usize, 64usize, 6usize, 0usize), (7, 2, 30, 5)] {
+                    let per_block = 256 / ratio;
+                    let input = selections(rng, per_block, n, ms, cols, None);
+                    let s = Selections {
+                        sel: &input.0,
+                        nsel: &input.1,
+                        ms,
+                        row_of: &input.2,
+                        table: &input.3,
+                        cols,
+                    };
+                    let width = ms + extra;
+                    let (want, want_len) = extra_indices_host(&s, conv, ratio, width).unwrap();
+                    let (got, got_len, flag) =
+                        extra_case(k, &g, &input, ms, cols, conv, ratio, width);
+                    if flag != u64::MAX || got != want || got_len != want_len {
+                        return Err(format!(
+                            "ratio {ratio}, {conv:?}, n {n}, ms {ms}: flag {flag:#x}, \
+                             first difference at {:?}",
+                            got.iter().zip(&want).position(|(a, b)| a != b)
+                        ));
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        Ok(cases)
+    };
+    let k = V4Kernels::load(&g).unwrap();
+    let cases = run(&k, &mut rng).unwrap_or_else(|e| panic!("{e}"));
+    // A selection past the table: the host twin's token, `which` 0.
+    for past in [0usize, 17, 39] {
+        let input = selections(&mut rng, 64, 40, 64, 6, Some(past));
+        let s = Selections {
+            sel: &input.0,
+            nsel: &input.1,
+            ms: 64,
+            row_of: &input.2,
+            table: &input.3,
+            cols: 6,
+        };
+        let host = extra_indices_host(&s, UNIT, 4, 64);
+        let (_, _, flag) = extra_case(&k, &g, &input, 64, 6, UNIT, 4, 64);
+        match (host, GuardFailure::decode(flag)) {
+            (Err((t, V4MetadataError::NoBlock { .. })), Some(f)) => {
+                assert_eq!((f.op, f.token, f.which), (3, t, 0), "past {past}");
+            }
+            (Ok(_), None) => {} // the token selected nothing
+            (h, f) => panic!("past {past}: host {h:?}, device {f:?}"),
+        }
+    }
+    // More selected entries than the width: the host twin's `TooMany` token, `which` 0.
+    let input = selections(&mut rng, 64, 40, 64, 6, None);
+    let s = Selections {
+        sel: &input.0,
+        nsel: &input.1,
+        ms: 64,
+        row_of: &input.2,
+        table: &input.3,
+        cols: 6,
+    };
+    let (_, _, flag) = extra_case(&k, &g, &input, 64, 6, UNIT, 4, 10);
+    match (
+        extra_indices_host(&s, UNIT, 4, 10),
+        GuardFailure::decode(flag),
+    ) {
+        (Err((t, V4MetadataError::TooMany { .. })), Some(f)) => {
+            assert_eq!((f.op, f.token, f.which), (3, t, 0));
+        }
+        (h, f) => panic!("width 10: host {h:?}, device {f:?}"),
+    }
+    let src = v4_source();
+    let from = "* per_block + w % per_block;";
+    assert_eq!(src.matches(from).count(), 1);
+    let mutant = V4Kernels::from_source(&g, src.replace(from, "* per_block + w % 64u;")).unwrap();
+    match run(&mutant, &mut SplitMix64(31)) {
+        Ok(n) => panic!("the mutant passed all {n} cases"),
+        Err(e) => eprintln!("{cases} cases equal; the mutant is caught: {e}"),
+    }
+}

@@ -12,11 +12,14 @@
 //! A step, per planned request in plan order (one request at a time on the compute
 //! stream; nothing depends on the batch): the addressing is computed on the host from
 //! the request's tables (the `metadata::v4` references, the same calls as
-//! [`V4Paged`](super::V4Paged)), every index checked against its pool before a launch
-//! (a typed error, nothing written, as the host store refuses); then per layer the
+//! [`V4Paged`](super::V4Paged)), every index checked against its pool before its launch
+//! (a typed error, as the host store's, and that launch writes nothing); then per layer the
 //! window rows, the state rows, the entries their groups close and the indexer keys are
-//! written, the window rows and visible entries gathered back, the indexer's top-k
-//! taken, and attention with the sink, the output projection and the MLP run; the
+//! written, the window rows gathered back, the indexer's top-k taken and turned into
+//! the sparse decode's `extra_indices` on the device (`v4_extra_indices`, through the
+//! request's block table; every visible entry was checked on the host, and a guard
+//! flag read back with the logits checks again), the rows they name gathered per token,
+//! and attention with the sink, the output projection and the MLP run; the
 //! logits come back for sampling and the verdict on the drafts. Then the MTP layer's rows
 //! of the kept tokens are written and its proposals chained, each proposal's own row
 //! quantized into an overlay page and read back from it, as the host's overlay store
@@ -30,9 +33,10 @@ use dsa_kv_core::ids::{LayerId, TokenId};
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
 use dsa_kv_core::ops::model1::MODEL1_NOPE;
+use dsa_kv_cuda::kernels::{Guard, GuardFailure};
 use dsa_kv_cuda::v4::{
-    check_state, entry_key_maps, Bounds, Model1Pool, StatePool, V4GpuPools, V4KernelError,
-    V4Kernels,
+    check_model1, check_state, entry_key_maps, Bounds, Model1Pool, StatePool, V4GpuPools,
+    V4KernelError, V4Kernels,
 };
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, Plain};
 use dsa_kv_device::v4::{V4Device, V4DeviceError};
@@ -192,7 +196,7 @@ mod slot {
     pub(super) const GW: usize = 21;
     pub(super) const GWIDX: usize = 22;
     pub(super) const GE: usize = 23;
-    pub(super) const GEIDX: usize = 24;
+    pub(super) const BT: usize = 24;
     pub(super) const WB: usize = 25;
     pub(super) const NW: usize = 26;
     pub(super) const SEL: usize = 27;
@@ -224,7 +228,11 @@ mod slot {
     pub(super) const CGIDX: usize = 53;
     pub(super) const CWB: usize = 54;
     pub(super) const CNW: usize = 55;
-    pub(super) const COUNT: usize = 56;
+    pub(super) const ROWOF: usize = 56;
+    pub(super) const EXTRA: usize = 57;
+    pub(super) const ELEN: usize = 58;
+    pub(super) const FLAG: usize = 59;
+    pub(super) const COUNT: usize = 60;
 }
 
 /// Device scratch, one growable buffer per [`slot`]. Growing a buffer waits for the GPU
@@ -1110,7 +1118,7 @@ impl Step<'_> {
         x: u64,
         pos: u64,
         (gw, wb, nw): (u64, u64, u64),
-        (ge, sel, nsel, ms): (u64, u64, u64, usize),
+        (ge, ne, es): (u64, u64, usize),
         max_rows: usize,
     ) -> Result<(), Fail> {
         let c = self.w.model.config();
@@ -1141,21 +1149,21 @@ impl Step<'_> {
         }
         .map_err(s)?;
         let scale = 1.0 / (LATENT as f32).sqrt();
-        let (h32, ms32, mr32, n32, sink) = (
+        let (h32, es32, mr32, n32, sink) = (
             heads as i32,
-            ms as i32,
+            es as i32,
             max_rows as i32,
             n as i32,
             dl.sink.ptr(),
         );
-        // SAFETY: `o`, `q` n × heads × 512 floats; window rows wb[t] + k < gw's rows and
-        // selections below ge's rows (both built by `request` from the same counts);
-        // `ebuf` n × heads × max_rows floats with nw[t] + nsel[t] ≤ max_rows.
+        // SAFETY: `o`, `q` n × heads × 512 floats; window rows wb[t] + k below gw's rows
+        // (built by the caller from the same counts); `ge` n × es rows with ne[t] ≤ es;
+        // `ebuf` n × heads × max_rows floats with nw[t] + ne[t] ≤ max_rows.
         unsafe {
             dsa_kv_cuda::launch!(
                 g.compute(), &self.w.f.attend, blocks(n * heads, 128), g.ordinal(), "v4_attend";
-                &o, &q, &h32, &gw, &wb, &nw, &ge, &sel, &nsel, &ms32, &scale, &sink, &ebuf,
-                &mr32, &n32,
+                &o, &q, &h32, &gw, &wb, &nw, &ge, &ne, &es32, &scale, &sink, &ebuf, &mr32,
+                &n32,
             )
         }
         .map_err(s)?;
@@ -1196,13 +1204,15 @@ impl Step<'_> {
         let (wbp, nwp) = (self.put(slot::WB, &wb)?, self.put(slot::NW, &nw)?);
         let ratio = dl.comp.as_ref().map(|c| c.ratio);
         let entries = match ratio.and_then(|r| Some((r, end.checked_div(r)?))) {
-            None => (0, 0, 0, 1),
+            None => (0, 0, 0),
             Some((ratio, nvis_end)) => {
                 let ms = (nvis_end as usize).max(1);
+                // Every entry the queries can see has a block and lies inside the pool:
+                // the device's selections are among them (its guard checks again).
                 let be = t.buffer(l, Role::CompressedKey)?;
+                let pool = t.model1(&be)?;
                 let erows = t.entries(&be, 0..nvis_end)?;
-                let ge = self.a(slot::GE);
-                self.gather(t.model1(&be)?, &erows, slot::GEIDX, ge)?;
+                check_model1(&erows, pool.page, pool.pool_len).map_err(past_pool)?;
                 let nvis: Vec<i32> = (first..end).map(|q| ((q + 1) / ratio) as i32).collect();
                 let nvm1: Vec<i32> = nvis.iter().map(|v| v - 1).collect();
                 let np = self.put(slot::NVM1, &nvm1)?;
@@ -1222,11 +1232,59 @@ impl Step<'_> {
                     )
                 }
                 .map_err(s)?;
-                (ge, sel, nsel, ms)
+                // The sparse decode's extra_indices from the selection, on the device, and
+                // the rows they name.
+                let es = if dl.index.is_some() {
+                    ms.min(topk as usize)
+                } else {
+                    ms
+                };
+                let table: Vec<i32> = t.p.blocks.iter().map(|b| b.get() as i32).collect();
+                let tp = self.put(slot::BT, &table)?;
+                let rp = self.put(slot::ROWOF, &vec![0i32; n])?;
+                let (extra, elen, ge, flag) = (
+                    self.a(slot::EXTRA),
+                    self.a(slot::ELEN),
+                    self.a(slot::GE),
+                    self.a(slot::FLAG),
+                );
+                let op = 2 * l as u32;
+                let g = self.g();
+                // SAFETY: SEL n × ms, NSEL and ROWOF n, BT one row of its blocks, EXTRA
+                // n × es, ELEN n (sized by `size`); FLAG the request's flag.
+                unsafe {
+                    self.w.cache.extra_indices(
+                        g.compute(),
+                        g.ordinal(),
+                        (sel, nsel, ms, rp, tp, table.len()),
+                        be.converter,
+                        u64::from(ratio),
+                        es,
+                        n,
+                        (extra, elen),
+                        Guard { flag, op },
+                    )
+                }
+                .map_err(past)?;
+                // SAFETY: EXTRA holds the n × es indices, GE n × es rows; the guard
+                // refuses an index past the pool (none is: see `erows`).
+                unsafe {
+                    self.w.cache.model1_gather(
+                        g.compute(),
+                        g.ordinal(),
+                        pool,
+                        extra,
+                        n * es,
+                        ge,
+                        Bounds::<i32>::Guard(Guard { flag, op: op + 1 }),
+                    )
+                }
+                .map_err(past)?;
+                (ge, elen, es)
             }
         };
         let (xn, x, pos) = (self.a(slot::XN), self.a(slot::X), self.a(slot::POS));
-        let max_rows = win as usize + entries.3;
+        let max_rows = win as usize + entries.2.max(1);
         self.attend(dl, n, xn, x, pos, (gw, wbp, nwp), entries, max_rows)
     }
 
@@ -1321,6 +1379,20 @@ impl Step<'_> {
         let (h, heads, ih, win) = (c.hidden, c.heads, c.index_heads, c.window as usize);
         let ratios = c.ratios.iter().filter(|&&r| r > 0);
         let vis = ratios.map(|&r| end / r as usize).max().unwrap_or(0).max(1);
+        // The widest extra_indices of a layer: the top-k on an indexer layer, every
+        // visible entry on a dense one.
+        let es = (self.w.layers.iter())
+            .filter_map(|l| {
+                let v = end / l.comp.as_ref()?.ratio as usize;
+                Some(if l.index.is_some() {
+                    v.min(c.topk as usize)
+                } else {
+                    v
+                })
+            })
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let ne = n / 4 + 2;
         let gw = (end - (first as usize).saturating_sub(win - 1)).max(win + k);
         let f = 4;
@@ -1336,7 +1408,10 @@ impl Step<'_> {
             (slot::KV, ne * INDEX_DIM),
             (slot::KS, ne * 4),
             (slot::GW, gw * LATENT * f),
-            (slot::GE, vis * LATENT * f),
+            (slot::GE, n * es * LATENT * f),
+            (slot::EXTRA, n * es * 4),
+            (slot::ELEN, n * 4),
+            (slot::FLAG, 8),
             (slot::SEL, n * vis * 4),
             (slot::NSEL, n * 4),
             (slot::RANK, n * vis * 4),
@@ -1398,6 +1473,9 @@ impl Step<'_> {
             ));
         }
         self.size(first, n, k)?;
+        let flag = self.a(slot::FLAG);
+        // SAFETY: FLAG holds 8 bytes (sized above).
+        unsafe { self.g().memset_raw(flag, 8, 0xff) }.map_err(s)?;
         let pos: Vec<i32> = (first..first + n as u32).map(|q| q as i32).collect();
         let tok = self.put(slot::TOK, &tokens)?;
         let pp = self.put(slot::POS, &pos)?;
@@ -1410,6 +1488,24 @@ impl Step<'_> {
             self.attend_layer(&t, l, first, n)?;
         }
         let logits = self.logits(x, n)?;
+        let mut word = [0u64];
+        // SAFETY: FLAG holds the request's 8-byte flag (the logits' download waited for
+        // every op before it).
+        unsafe { self.g().download_raw(flag, &mut word) }.map_err(s)?;
+        if let Some(f) = GuardFailure::decode(word[0]) {
+            let (layer, what) = (f.op / 2, f.op % 2);
+            return Err(format!(
+                "layer {layer}: the device refused token {} ({}): a compressed entry the \
+                 selection names is not in the request's block table or its row is past \
+                 the pool",
+                first as usize + f.token,
+                if what == 0 {
+                    "extra_indices"
+                } else {
+                    "the entries' gather"
+                }
+            ));
+        }
         let outs: Vec<TokenOut> = logits
             .chunks_exact(cfg.vocab)
             .enumerate()
@@ -1499,16 +1595,7 @@ impl Step<'_> {
             let low = (pos + 1).saturating_sub(win);
             let wb = self.put(slot::CWB, &[(low - wlo) as i32])?;
             let nw = self.put(slot::CNW, &[(pos + 1 - low) as i32])?;
-            self.attend(
-                draft,
-                1,
-                cxn,
-                cx,
-                pp,
-                (gw, wb, nw),
-                (0, 0, 0, 1),
-                win as usize,
-            )?;
+            self.attend(draft, 1, cxn, cx, pp, (gw, wb, nw), (0, 0, 1), win as usize)?;
             let lg = self.logits(cx, 1)?;
             tok = output_of(&lg, pos).greedy;
             out.push(tok);
