@@ -17,6 +17,11 @@
 //! `first_k_dense_replace` are required, not defaulted: transformers' defaults differ by
 //! model type, and `save_pretrained` writes them all. Token ids past the vocabulary are
 //! refused. The GPU forward runs the built-in model only.
+//!
+//! DeepSeek-V4 (`deepseek_v4`, transformers ≥ 5.8): [`HfV4Config`] reads its
+//! `config.json` (the cache structure and every size its implementation reads) and
+//! `v4_weights.rs` its tensors under transformers' names; the forward is still to come
+//! (ARCHITECTURE.md, the V4 plan's item 7).
 
 mod config;
 mod error;
@@ -24,8 +29,11 @@ mod forward;
 mod tensors;
 #[cfg(test)]
 mod tests;
+mod v4_config;
+mod v4_weights;
 mod weights;
 
 pub use config::{Family, HfConfig, MlpKind, RopeConfig, Yarn};
 pub use error::CheckpointError;
+pub use v4_config::{HfV4Config, V4MlpKind, V4Scoring};
 pub(crate) use weights::HfModel;

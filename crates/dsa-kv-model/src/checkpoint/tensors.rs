@@ -1,7 +1,8 @@
 //! The checkpoint's tensors: `model.safetensors`, or the shards a
 //! `model.safetensors.index.json` names, read with the `safetensors` crate and widened
-//! to f32 (F32, BF16 and F16 tensors; quantized checkpoints are refused). Each tensor is
-//! taken once, with its shape checked; what no layer took is reported.
+//! to f32 (F32, BF16 and F16 tensors; quantized checkpoints are refused), integer
+//! tensors (I64, I32: DeepSeek-V4's token → expert tables) kept as integers. Each tensor
+//! is taken once, with its shape checked; what no layer took is reported.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
@@ -14,6 +15,7 @@ use super::CheckpointError;
 /// The tensors of a checkpoint, by name.
 pub(crate) struct Tensors {
     map: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    ints: HashMap<String, (Vec<usize>, Vec<i64>)>,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
@@ -46,11 +48,25 @@ impl Tensors {
             vec!["model.safetensors".to_string()]
         };
         let mut map = HashMap::new();
+        let mut ints = HashMap::new();
         for f in files {
             let path = dir.join(&f);
             let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
             let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
             for (name, view) in st.tensors() {
+                if let Some(v) = integers(view.dtype(), view.data()) {
+                    if map.contains_key(&name)
+                        || ints
+                            .insert(name.clone(), (view.shape().to_vec(), v))
+                            .is_some()
+                    {
+                        return Err(CheckpointError::Tensor {
+                            name,
+                            what: "stored twice".into(),
+                        });
+                    }
+                    continue;
+                }
                 let data =
                     widen(view.dtype(), view.data()).ok_or_else(|| CheckpointError::Tensor {
                         name: name.clone(),
@@ -60,9 +76,10 @@ impl Tensors {
                             view.dtype()
                         ),
                     })?;
-                if map
-                    .insert(name.clone(), (view.shape().to_vec(), data))
-                    .is_some()
+                if ints.contains_key(&name)
+                    || map
+                        .insert(name.clone(), (view.shape().to_vec(), data))
+                        .is_some()
                 {
                     return Err(CheckpointError::Tensor {
                         name,
@@ -71,7 +88,33 @@ impl Tensors {
                 }
             }
         }
-        Ok(Tensors { map })
+        Ok(Tensors { map, ints })
+    }
+
+    /// Takes integer tensor `name`, which must have `shape`.
+    pub(crate) fn take_ints(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<i64>, CheckpointError> {
+        let Some((got, data)) = self.ints.remove(name) else {
+            let what = if self.map.contains_key(name) {
+                "stored as floating point: an integer tensor was expected".to_string()
+            } else {
+                format!("missing (expected an integer tensor of shape {shape:?})")
+            };
+            return Err(CheckpointError::Tensor {
+                name: name.into(),
+                what,
+            });
+        };
+        if got != shape {
+            return Err(CheckpointError::Tensor {
+                name: name.into(),
+                what: format!("shape {got:?}, the configuration gives {shape:?}"),
+            });
+        }
+        Ok(data)
     }
 
     /// Takes tensor `name`, which must have `shape`.
@@ -112,10 +155,25 @@ impl Tensors {
 
     /// The names no one took, sorted.
     pub(crate) fn left(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.map.keys().cloned().collect();
+        let mut v: Vec<String> = self.map.keys().chain(self.ints.keys()).cloned().collect();
         v.sort();
         v
     }
+}
+
+/// Little-endian I64 / I32 bytes as i64; `None` for other dtypes.
+fn integers(dtype: Dtype, b: &[u8]) -> Option<Vec<i64>> {
+    Some(match dtype {
+        Dtype::I64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect(),
+        Dtype::I32 => b
+            .chunks_exact(4)
+            .map(|c| i64::from(i32::from_le_bytes(c.try_into().expect("4 bytes"))))
+            .collect(),
+        _ => return None,
+    })
 }
 
 /// Little-endian F32 / BF16 / F16 bytes as f32; `None` for other dtypes.

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::config::{yarn_mscale, HfConfig, MlpKind};
+use super::config::{yarn_mscale, HfConfig, MlpKind, RopeConfig};
 use super::tensors::Tensors;
 use super::CheckpointError;
 use crate::config::{INDEX_DIM, LATENT, ROPE};
@@ -94,13 +94,23 @@ pub(crate) struct Rope {
 
 impl Rope {
     pub(crate) fn new(cfg: &HfConfig) -> Rope {
+        Self::of(&cfg.rope, false)
+    }
+
+    /// `r`'s RoPE with YaRN's attention factor forced to 1 (DeepSeek-V4's: neither cos
+    /// nor sin is scaled).
+    pub(crate) fn unscaled(r: &RopeConfig) -> Rope {
+        Self::of(r, true)
+    }
+
+    fn of(r: &RopeConfig, unit_factor: bool) -> Rope {
         let d = ROPE as f64;
-        let theta = cfg.rope.theta;
+        let theta = r.theta;
         let mut inv_freq = [0f64; ROPE / 2];
         for (i, f) in inv_freq.iter_mut().enumerate() {
             *f = 1.0 / theta.powf((2 * i) as f64 / d);
         }
-        let Some(y) = &cfg.rope.yarn else {
+        let Some(y) = &r.yarn else {
             return Rope {
                 inv_freq,
                 factor: 1.0,
@@ -124,7 +134,9 @@ impl Rope {
             let interpolated = *f / y.factor;
             *f = interpolated * ramp + extrapolated * (1.0 - ramp);
         }
-        let factor = if y.mscale != 0.0 && y.mscale_all_dim != 0.0 {
+        let factor = if unit_factor {
+            1.0
+        } else if y.mscale != 0.0 && y.mscale_all_dim != 0.0 {
             yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
         } else {
             yarn_mscale(y.factor, 1.0)

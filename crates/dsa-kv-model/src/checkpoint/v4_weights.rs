@@ -1,0 +1,558 @@
+//! A `deepseek_v4` checkpoint's weights under the names transformers saves them with
+//! (`model.layers.{l}.self_attn.*`, `….mlp.*`, `….{attn,ffn}_hc.*`, `model.hc_head.*`),
+//! every shape checked against the configuration, every tensor taken once, leftovers
+//! refused (but the MTP layer's `mtp.*`, which transformers ignores too), and the two
+//! RoPE tables the configuration asks for. The forward that uses them is still to come
+//! (ARCHITECTURE.md, the V4 plan's item 7).
+
+// Until the forward reads these weights, only the tests below do.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use super::tensors::Tensors;
+use super::v4_config::{HfV4Config, V4MlpKind};
+use super::weights::{Mlp, Rope};
+use super::CheckpointError;
+use crate::config::{INDEX_DIM, LATENT};
+use crate::math::Mat;
+
+/// A manifold hyper-connection's weights (`fn`, `base`, `scale`).
+pub(crate) struct Hc {
+    /// `[outputs, hc_mult · hidden]`.
+    pub(crate) fn_: Mat,
+    pub(crate) base: Vec<f32>,
+    pub(crate) scale: Vec<f32>,
+}
+
+/// A compressor (the attention's at width 512, or the indexer's at 128).
+pub(crate) struct V4Comp {
+    /// `[coff · width, hidden]`.
+    pub(crate) kv: Mat,
+    /// `[coff · width, hidden]`.
+    pub(crate) gate: Mat,
+    /// `position_bias`: `[ratio, coff · width]`.
+    pub(crate) ape: Mat,
+    /// `kv_norm`: `[width]`.
+    pub(crate) norm: Vec<f32>,
+}
+
+/// The indexer of a ratio-4 layer.
+pub(crate) struct V4HfIndexer {
+    pub(crate) comp: V4Comp,
+    /// `[index_heads · 128, q_lora]`.
+    pub(crate) q_b: Mat,
+    /// `scorer.weights_proj`: `[index_heads, hidden]`.
+    pub(crate) weights: Mat,
+}
+
+/// A layer's attention.
+pub(crate) struct V4HfAttn {
+    /// `[q_lora, hidden]`.
+    pub(crate) q_a: Mat,
+    pub(crate) q_a_norm: Vec<f32>,
+    /// `[heads · 512, q_lora]`.
+    pub(crate) q_b: Mat,
+    /// `[512, hidden]`.
+    pub(crate) kv: Mat,
+    pub(crate) kv_norm: Vec<f32>,
+    /// `[o_groups · o_lora, heads · 512 / o_groups]`: group `g`'s rows
+    /// `g·o_lora .. (g+1)·o_lora`.
+    pub(crate) o_a: Mat,
+    /// `[hidden, o_groups · o_lora]`.
+    pub(crate) o_b: Mat,
+    pub(crate) sinks: Vec<f32>,
+    pub(crate) comp: Option<V4Comp>,
+    pub(crate) index: Option<V4HfIndexer>,
+}
+
+/// How a layer's router picks its experts.
+pub(crate) enum V4Route {
+    /// Top-k of the scores plus `e_score_correction_bias`.
+    Bias(Vec<f32>),
+    /// `tid2eid`: per token id, its `experts_per_token` experts.
+    Hash(Vec<u32>),
+}
+
+/// A layer's mixture of experts.
+pub(crate) struct V4Moe {
+    /// `gate.weight`: `[experts, hidden]`.
+    pub(crate) router: Mat,
+    pub(crate) route: V4Route,
+    /// `experts.gate_up_proj`: `[experts, 2 · intermediate, hidden]` (gate rows first).
+    pub(crate) gate_up: Vec<f32>,
+    /// `experts.down_proj`: `[experts, hidden, intermediate]`.
+    pub(crate) down: Vec<f32>,
+    pub(crate) shared: Mlp,
+}
+
+/// A decoder layer.
+pub(crate) struct V4HfLayer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
+    pub(crate) attn_hc: Hc,
+    pub(crate) ffn_hc: Hc,
+    pub(crate) attn: V4HfAttn,
+    pub(crate) moe: V4Moe,
+}
+
+/// A `deepseek_v4` model loaded from a checkpoint.
+pub(crate) struct HfV4Model {
+    pub(crate) cfg: HfV4Config,
+    pub(crate) embed: Mat,
+    /// `None`: tied to the embedding.
+    pub(crate) head: Option<Mat>,
+    pub(crate) norm: Vec<f32>,
+    /// `hc_head`: `fn [hc_mult, hc_mult · hidden]`, `base [hc_mult]`, `scale [1]`.
+    pub(crate) hc_head: Hc,
+    pub(crate) layers: Vec<V4HfLayer>,
+    /// Window-only layers' RoPE.
+    pub(crate) main_rope: Rope,
+    /// Compressed layers' RoPE (queries, latent, compressor, indexer).
+    pub(crate) compress_rope: Rope,
+}
+
+fn mat(t: &mut Tensors, name: &str, rows: usize, cols: usize) -> Result<Mat, CheckpointError> {
+    Ok(Mat {
+        rows,
+        cols,
+        w: t.take(name, &[rows, cols])?,
+    })
+}
+
+fn hc(
+    t: &mut Tensors,
+    p: &str,
+    names: [&str; 3],
+    outs: usize,
+    cols: usize,
+    scales: usize,
+) -> Result<Hc, CheckpointError> {
+    Ok(Hc {
+        fn_: mat(t, &format!("{p}{}", names[0]), outs, cols)?,
+        base: t.take(&format!("{p}{}", names[1]), &[outs])?,
+        scale: t.take(&format!("{p}{}", names[2]), &[scales])?,
+    })
+}
+
+fn comp(
+    t: &mut Tensors,
+    p: &str,
+    ratio: usize,
+    width: usize,
+    hidden: usize,
+) -> Result<V4Comp, CheckpointError> {
+    let coff = if ratio == 4 { 2 } else { 1 };
+    Ok(V4Comp {
+        kv: mat(t, &format!("{p}kv_proj.weight"), coff * width, hidden)?,
+        gate: mat(t, &format!("{p}gate_proj.weight"), coff * width, hidden)?,
+        ape: mat(t, &format!("{p}position_bias"), ratio, coff * width)?,
+        norm: t.take(&format!("{p}kv_norm.weight"), &[width])?,
+    })
+}
+
+fn mlp(t: &mut Tensors, p: &str, width: usize, hidden: usize) -> Result<Mlp, CheckpointError> {
+    Ok(Mlp {
+        gate: mat(t, &format!("{p}gate_proj.weight"), width, hidden)?,
+        up: mat(t, &format!("{p}up_proj.weight"), width, hidden)?,
+        down: mat(t, &format!("{p}down_proj.weight"), hidden, width)?,
+    })
+}
+
+/// Whether transformers ignores `name` on load (`(^|\.)mtp\.`: the MTP layer).
+fn is_mtp(name: &str) -> bool {
+    name.starts_with("mtp.") || name.contains(".mtp.")
+}
+
+impl HfV4Model {
+    /// Reads the checkpoint in `dir` (`config.json` and its safetensors).
+    pub(crate) fn load(dir: &Path) -> Result<HfV4Model, CheckpointError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io {
+            path: path.display().to_string(),
+            what: e.to_string(),
+        })?;
+        let cfg = HfV4Config::parse(&text)?;
+        let mut t = Tensors::load(dir)?;
+        let m = Self::from_tensors(cfg, &mut t)?;
+        let left: Vec<String> = t.left().into_iter().filter(|n| !is_mtp(n)).collect();
+        if !left.is_empty() {
+            return Err(CheckpointError::Tensor {
+                name: left[0].clone(),
+                what: format!(
+                    "{} tensor(s) that this configuration has no place for: {}",
+                    left.len(),
+                    left.iter().take(4).cloned().collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
+        Ok(m)
+    }
+
+    fn from_tensors(cfg: HfV4Config, t: &mut Tensors) -> Result<HfV4Model, CheckpointError> {
+        let (d, h, n) = (cfg.hidden, cfg.heads, cfg.hc_mult);
+        let hc_outs = (2 + n) * n;
+        let embed = mat(t, "model.embed_tokens.weight", cfg.vocab, d)?;
+        let mut layers = Vec::with_capacity(cfg.layers());
+        for (l, &ratio) in cfg.ratios.iter().enumerate() {
+            let p = format!("model.layers.{l}.");
+            let a = format!("{p}self_attn.");
+            let ratio = ratio as usize;
+            let c = format!("{a}compressor.");
+            let ix = format!("{c}indexer.");
+            let index = if ratio == 4 {
+                Some(V4HfIndexer {
+                    comp: comp(t, &ix, 4, INDEX_DIM, d)?,
+                    q_b: mat(
+                        t,
+                        &format!("{ix}q_b_proj.weight"),
+                        cfg.index_heads * INDEX_DIM,
+                        cfg.q_lora,
+                    )?,
+                    weights: mat(
+                        t,
+                        &format!("{ix}scorer.weights_proj.weight"),
+                        cfg.index_heads,
+                        d,
+                    )?,
+                })
+            } else {
+                None
+            };
+            let attn = V4HfAttn {
+                q_a: mat(t, &format!("{a}q_a_proj.weight"), cfg.q_lora, d)?,
+                q_a_norm: t.take(&format!("{a}q_a_norm.weight"), &[cfg.q_lora])?,
+                q_b: mat(t, &format!("{a}q_b_proj.weight"), h * LATENT, cfg.q_lora)?,
+                kv: mat(t, &format!("{a}kv_proj.weight"), LATENT, d)?,
+                kv_norm: t.take(&format!("{a}kv_norm.weight"), &[LATENT])?,
+                o_a: mat(
+                    t,
+                    &format!("{a}o_a_proj.weight"),
+                    cfg.o_groups * cfg.o_lora,
+                    h * LATENT / cfg.o_groups,
+                )?,
+                o_b: mat(
+                    t,
+                    &format!("{a}o_b_proj.weight"),
+                    d,
+                    cfg.o_groups * cfg.o_lora,
+                )?,
+                sinks: t.take(&format!("{a}sinks"), &[h])?,
+                comp: (ratio > 0)
+                    .then(|| comp(t, &c, ratio, LATENT, d))
+                    .transpose()?,
+                index,
+            };
+            let mp = format!("{p}mlp.");
+            let (e, k, i) = (cfg.experts, cfg.experts_per_token, cfg.moe_intermediate);
+            let route = match cfg.mlp[l] {
+                V4MlpKind::Moe => {
+                    V4Route::Bias(t.take(&format!("{mp}gate.e_score_correction_bias"), &[e])?)
+                }
+                V4MlpKind::HashMoe => {
+                    let name = format!("{mp}gate.tid2eid");
+                    let ids = t.take_ints(&name, &[cfg.vocab, k])?;
+                    let table = ids
+                        .iter()
+                        .map(|&x| u32::try_from(x).ok().filter(|&x| (x as usize) < e))
+                        .collect::<Option<Vec<u32>>>()
+                        .ok_or_else(|| CheckpointError::Tensor {
+                            name: name.clone(),
+                            what: format!("an expert id outside 0..{e}"),
+                        })?;
+                    V4Route::Hash(table)
+                }
+            };
+            let moe = V4Moe {
+                router: mat(t, &format!("{mp}gate.weight"), e, d)?,
+                route,
+                gate_up: t.take(&format!("{mp}experts.gate_up_proj"), &[e, 2 * i, d])?,
+                down: t.take(&format!("{mp}experts.down_proj"), &[e, d, i])?,
+                shared: mlp(t, &format!("{mp}shared_experts."), i, d)?,
+            };
+            layers.push(V4HfLayer {
+                input_norm: t.take(&format!("{p}input_layernorm.weight"), &[d])?,
+                post_norm: t.take(&format!("{p}post_attention_layernorm.weight"), &[d])?,
+                attn_hc: hc(
+                    t,
+                    &format!("{p}attn_hc."),
+                    ["fn", "base", "scale"],
+                    hc_outs,
+                    n * d,
+                    3,
+                )?,
+                ffn_hc: hc(
+                    t,
+                    &format!("{p}ffn_hc."),
+                    ["fn", "base", "scale"],
+                    hc_outs,
+                    n * d,
+                    3,
+                )?,
+                attn,
+                moe,
+            });
+        }
+        let norm = t.take("model.norm.weight", &[d])?;
+        let hc_head = hc(
+            t,
+            "model.hc_head.",
+            ["hc_fn", "hc_base", "hc_scale"],
+            n,
+            n * d,
+            1,
+        )?;
+        let head = if cfg.tie_embeddings {
+            if let Some(w) = t.take_opt("lm_head.weight", &[cfg.vocab, d])? {
+                if w != embed.w {
+                    return Err(CheckpointError::Tensor {
+                        name: "lm_head.weight".into(),
+                        what: "differs from the embedding, but tie_word_embeddings is true".into(),
+                    });
+                }
+            }
+            None
+        } else {
+            Some(mat(t, "lm_head.weight", cfg.vocab, d)?)
+        };
+        Ok(HfV4Model {
+            main_rope: Rope::unscaled(&cfg.main_rope),
+            compress_rope: Rope::unscaled(&cfg.compress_rope),
+            cfg,
+            embed,
+            head,
+            norm,
+            hc_head,
+            layers,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+
+    use super::*;
+    use dsa_kv_core::rng::SplitMix64;
+
+    /// Tensors by name: shape, little-endian bytes, dtype.
+    type Named = BTreeMap<String, (Vec<usize>, Vec<u8>, Dtype)>;
+    /// An edit of a checkpoint's tensors.
+    type Edit = Box<dyn Fn(&mut Named)>;
+
+    /// A tiny `deepseek_v4` configuration our cache can hold (head 512, RoPE 64,
+    /// indexer 128; window 128, top-64), layers `[0, 4, 128]`, the first hash-routed.
+    fn tiny_config() -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "deepseek_v4", "vocab_size": 32, "hidden_size": 16,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 512,
+            "q_lora_rank": 8, "o_groups": 2, "o_lora_rank": 6,
+            "compress_ratios": [0, 4, 128], "num_hash_layers": 1,
+            "index_n_heads": 2, "index_head_dim": 128, "index_topk": 64,
+            "sliding_window": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 5, "hc_mult": 2, "hc_sinkhorn_iters": 3
+        })
+    }
+
+    /// Every tensor the tiny configuration needs, by name: (shape, values), with
+    /// `tid2eid` as i64.
+    fn tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
+        let mut out = BTreeMap::new();
+        let mut f = |name: String, shape: Vec<usize>| {
+            let n: usize = shape.iter().product();
+            let bytes: Vec<u8> = (0..n)
+                .flat_map(|_| ((rng.below(2001) as f32 - 1000.0) / 1000.0).to_le_bytes())
+                .collect();
+            out.insert(name, (shape, bytes, Dtype::F32));
+        };
+        let (d, h, n, e, i) = (
+            cfg.hidden,
+            cfg.heads,
+            cfg.hc_mult,
+            cfg.experts,
+            cfg.moe_intermediate,
+        );
+        f("model.embed_tokens.weight".into(), vec![cfg.vocab, d]);
+        f("lm_head.weight".into(), vec![cfg.vocab, d]);
+        f("model.norm.weight".into(), vec![d]);
+        f("model.hc_head.hc_fn".into(), vec![n, n * d]);
+        f("model.hc_head.hc_base".into(), vec![n]);
+        f("model.hc_head.hc_scale".into(), vec![1]);
+        let mut ints = Vec::new();
+        for (l, &r) in cfg.ratios.iter().enumerate() {
+            let p = format!("model.layers.{l}.");
+            for k in ["input_layernorm", "post_attention_layernorm"] {
+                f(format!("{p}{k}.weight"), vec![d]);
+            }
+            for k in ["attn_hc", "ffn_hc"] {
+                f(format!("{p}{k}.fn"), vec![(2 + n) * n, n * d]);
+                f(format!("{p}{k}.base"), vec![(2 + n) * n]);
+                f(format!("{p}{k}.scale"), vec![3]);
+            }
+            let a = format!("{p}self_attn.");
+            f(format!("{a}q_a_proj.weight"), vec![cfg.q_lora, d]);
+            f(format!("{a}q_a_norm.weight"), vec![cfg.q_lora]);
+            f(format!("{a}q_b_proj.weight"), vec![h * 512, cfg.q_lora]);
+            f(format!("{a}kv_proj.weight"), vec![512, d]);
+            f(format!("{a}kv_norm.weight"), vec![512]);
+            f(
+                format!("{a}o_a_proj.weight"),
+                vec![cfg.o_groups * cfg.o_lora, h * 512 / cfg.o_groups],
+            );
+            f(
+                format!("{a}o_b_proj.weight"),
+                vec![d, cfg.o_groups * cfg.o_lora],
+            );
+            f(format!("{a}sinks"), vec![h]);
+            let mut comp = |p: String, r: usize, w: usize| {
+                let coff = if r == 4 { 2 } else { 1 };
+                f(format!("{p}kv_proj.weight"), vec![coff * w, d]);
+                f(format!("{p}gate_proj.weight"), vec![coff * w, d]);
+                f(format!("{p}position_bias"), vec![r, coff * w]);
+                f(format!("{p}kv_norm.weight"), vec![w]);
+            };
+            if r > 0 {
+                comp(format!("{a}compressor."), r as usize, 512);
+            }
+            if r == 4 {
+                let ix = format!("{a}compressor.indexer.");
+                comp(ix.clone(), 4, 128);
+                f(
+                    format!("{ix}q_b_proj.weight"),
+                    vec![cfg.index_heads * 128, cfg.q_lora],
+                );
+                f(
+                    format!("{ix}scorer.weights_proj.weight"),
+                    vec![cfg.index_heads, d],
+                );
+            }
+            let m = format!("{p}mlp.");
+            f(format!("{m}gate.weight"), vec![e, d]);
+            match cfg.mlp[l] {
+                V4MlpKind::Moe => f(format!("{m}gate.e_score_correction_bias"), vec![e]),
+                V4MlpKind::HashMoe => ints.push(format!("{m}gate.tid2eid")),
+            }
+            f(format!("{m}experts.gate_up_proj"), vec![e, 2 * i, d]);
+            f(format!("{m}experts.down_proj"), vec![e, d, i]);
+            for (k, s) in [
+                ("gate_proj", vec![i, d]),
+                ("up_proj", vec![i, d]),
+                ("down_proj", vec![d, i]),
+            ] {
+                f(format!("{m}shared_experts.{k}.weight"), s);
+            }
+        }
+        for name in ints {
+            let k = cfg.experts_per_token;
+            let bytes: Vec<u8> = (0..cfg.vocab * k)
+                .flat_map(|_| (rng.below(e as u64) as i64).to_le_bytes())
+                .collect();
+            out.insert(name, (vec![cfg.vocab, k], bytes, Dtype::I64));
+        }
+        out
+    }
+
+    fn write(dir: &Path, cfg: &serde_json::Value, t: &Named) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let views: Vec<(String, TensorView<'_>)> = t
+            .iter()
+            .map(|(k, (s, b, dt))| (k.clone(), TensorView::new(*dt, s.clone(), b).unwrap()))
+            .collect();
+        let bytes = safetensors::serialize(views, None).unwrap();
+        std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    }
+
+    fn dir(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("dsa-kv-v4-weights-{}-{name}", std::process::id()))
+    }
+
+    /// Every tensor lands where the configuration says, once; the MTP layer's are
+    /// skipped as transformers skips them.
+    #[test]
+    fn a_complete_checkpoint_loads() {
+        let json = tiny_config();
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        let mut t = tensors(&cfg, &mut SplitMix64(1));
+        t.insert(
+            "mtp.0.enorm.weight".into(),
+            (vec![2], vec![0; 8], Dtype::F32),
+        );
+        let d = dir("ok");
+        write(&d, &json, &t);
+        let m = HfV4Model::load(&d).unwrap();
+        assert_eq!(m.layers.len(), 3);
+        assert!(m.layers[0].attn.comp.is_none() && m.layers[0].attn.index.is_none());
+        assert!(m.layers[1].attn.index.is_some());
+        assert_eq!(m.layers[2].attn.comp.as_ref().unwrap().ape.rows, 128);
+        assert!(matches!(m.layers[0].moe.route, V4Route::Hash(ref v) if v.len() == 32 * 2));
+        assert!(matches!(m.layers[1].moe.route, V4Route::Bias(_)));
+        let (shape, bytes, _) = &t["model.layers.1.self_attn.sinks"];
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(shape, &vec![4]);
+        assert_eq!(m.layers[1].attn.sinks, want);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A missing tensor, a wrong shape, a leftover and an expert id past the experts
+    /// are refused, naming the tensor.
+    #[test]
+    fn an_incomplete_or_foreign_checkpoint_is_refused() {
+        let json = tiny_config();
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        let full = tensors(&cfg, &mut SplitMix64(2));
+        let edits: Vec<(&str, Edit)> = vec![
+            (
+                "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+                Box::new(|t| {
+                    t.remove(
+                        "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+                    );
+                }),
+            ),
+            (
+                "model.layers.2.self_attn.compressor.position_bias",
+                Box::new(|t| {
+                    let v = t
+                        .get_mut("model.layers.2.self_attn.compressor.position_bias")
+                        .unwrap();
+                    v.0 = vec![64, 1024];
+                }),
+            ),
+            (
+                "model.layers.0.self_attn.compressor.kv_proj.weight",
+                Box::new(|t| {
+                    t.insert(
+                        "model.layers.0.self_attn.compressor.kv_proj.weight".into(),
+                        (vec![1], vec![0; 4], Dtype::F32),
+                    );
+                }),
+            ),
+            (
+                "model.layers.0.mlp.gate.tid2eid",
+                Box::new(|t| {
+                    let v = t.get_mut("model.layers.0.mlp.gate.tid2eid").unwrap();
+                    v.1[..8].copy_from_slice(&9i64.to_le_bytes());
+                }),
+            ),
+        ];
+        for (i, (name, edit)) in edits.into_iter().enumerate() {
+            let mut t = full.clone();
+            edit(&mut t);
+            let d = dir(&format!("bad{i}"));
+            write(&d, &json, &t);
+            match HfV4Model::load(&d) {
+                Err(CheckpointError::Tensor { name: got, .. }) => assert_eq!(got, name),
+                Err(e) => panic!("{name}: {e}"),
+                Ok(_) => panic!("{name}: loaded"),
+            }
+            std::fs::remove_dir_all(&d).unwrap();
+        }
+    }
+}
