@@ -29,7 +29,7 @@ use crate::trace::{HeadTrace, IndexTrace, Trace, TracePoint};
 use crate::{CacheFormat, KvStore, ModelError, TokenOut};
 
 /// `w · x / sqrt(mean(x²) + eps)`.
-fn rmsnorm_w(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+pub(super) fn rmsnorm_w(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let ms = dot(x, x) / x.len() as f32;
     let r = 1.0 / (ms + eps).sqrt();
     x.iter().zip(w).map(|(v, w)| w * (v * r)).collect()
@@ -56,12 +56,12 @@ fn layernorm(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 /// `x / (1 + e^-x)`.
-fn silu(x: f32) -> f32 {
+pub(super) fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
 /// `1 / (1 + e^-x)`.
-fn sigmoid(x: f32) -> f32 {
+pub(super) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 

@@ -19,9 +19,11 @@
 //! refused. The GPU forward runs the built-in model only.
 //!
 //! DeepSeek-V4 (`deepseek_v4`, transformers ≥ 5.8): [`HfV4Config`] reads its
-//! `config.json` (the cache structure and every size its implementation reads) and
-//! `v4_weights.rs` its tensors under transformers' names; the forward is still to come
-//! (ARCHITECTURE.md, the V4 plan's item 7).
+//! `config.json` (the cache structure and every size its implementation reads),
+//! `v4_weights.rs` its tensors under transformers' names, `v4_forward.rs` its forward
+//! through a [`V4Store`](crate::v4::V4Store); [`V4Model::from_checkpoint`](crate::v4::V4Model::from_checkpoint)
+//! builds the model. Not yet checked against transformers' own outputs (ARCHITECTURE.md,
+//! the V4 plan's item 7).
 
 mod config;
 mod error;
@@ -30,10 +32,12 @@ mod tensors;
 #[cfg(test)]
 mod tests;
 mod v4_config;
+mod v4_forward;
 mod v4_weights;
 mod weights;
 
 pub use config::{Family, HfConfig, MlpKind, RopeConfig, Yarn};
 pub use error::CheckpointError;
 pub use v4_config::{HfV4Config, V4MlpKind, V4Scoring};
+pub(crate) use v4_weights::HfV4Model;
 pub(crate) use weights::HfModel;

@@ -2,11 +2,7 @@
 //! (`model.layers.{l}.self_attn.*`, `….mlp.*`, `….{attn,ffn}_hc.*`, `model.hc_head.*`),
 //! every shape checked against the configuration, every tensor taken once, leftovers
 //! refused (but the MTP layer's `mtp.*`, which transformers ignores too), and the two
-//! RoPE tables the configuration asks for. The forward that uses them is still to come
-//! (ARCHITECTURE.md, the V4 plan's item 7).
-
-// Until the forward reads these weights, only the tests below do.
-#![allow(dead_code)]
+//! RoPE tables the configuration asks for. `v4_forward.rs` runs them.
 
 use std::path::Path;
 
@@ -329,7 +325,7 @@ impl HfV4Model {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::collections::BTreeMap;
 
     use safetensors::tensor::TensorView;
@@ -339,13 +335,13 @@ mod tests {
     use dsa_kv_core::rng::SplitMix64;
 
     /// Tensors by name: shape, little-endian bytes, dtype.
-    type Named = BTreeMap<String, (Vec<usize>, Vec<u8>, Dtype)>;
+    pub(crate) type Named = BTreeMap<String, (Vec<usize>, Vec<u8>, Dtype)>;
     /// An edit of a checkpoint's tensors.
     type Edit = Box<dyn Fn(&mut Named)>;
 
     /// A tiny `deepseek_v4` configuration our cache can hold (head 512, RoPE 64,
     /// indexer 128; window 128, top-64), layers `[0, 4, 128]`, the first hash-routed.
-    fn tiny_config() -> serde_json::Value {
+    pub(crate) fn tiny_config() -> serde_json::Value {
         serde_json::json!({
             "model_type": "deepseek_v4", "vocab_size": 32, "hidden_size": 16,
             "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 512,
@@ -359,7 +355,7 @@ mod tests {
 
     /// Every tensor the tiny configuration needs, by name: (shape, values), with
     /// `tid2eid` as i64.
-    fn tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
+    pub(crate) fn tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
         let mut out = BTreeMap::new();
         let mut f = |name: String, shape: Vec<usize>| {
             let n: usize = shape.iter().product();
@@ -455,7 +451,7 @@ mod tests {
         out
     }
 
-    fn write(dir: &Path, cfg: &serde_json::Value, t: &Named) {
+    pub(crate) fn write(dir: &Path, cfg: &serde_json::Value, t: &Named) {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
         let views: Vec<(String, TensorView<'_>)> = t
@@ -466,7 +462,7 @@ mod tests {
         std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
     }
 
-    fn dir(name: &str) -> std::path::PathBuf {
+    pub(crate) fn dir(name: &str) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("dsa-kv-v4-weights-{}-{name}", std::process::id()))
     }
 

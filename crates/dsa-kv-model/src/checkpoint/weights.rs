@@ -169,6 +169,16 @@ impl Rope {
         }
     }
 
+    /// The inverse of [`interleaved`](Self::interleaved) at `pos`.
+    pub(crate) fn interleaved_inverse(&self, x: &mut [f32], pos: u32) {
+        for i in 0..ROPE / 2 {
+            let (c, s) = self.cos_sin(pos, i);
+            let (a, b) = (x[2 * i], x[2 * i + 1]);
+            x[2 * i] = a * c + b * s;
+            x[2 * i + 1] = b * c - a * s;
+        }
+    }
+
     /// Rotates the pairs `(i, i + 32)` of `x` (64 values) to `pos`.
     pub(crate) fn half_split(&self, x: &mut [f32], pos: u32) {
         let h = ROPE / 2;

@@ -591,6 +591,13 @@ impl V4CudaDevice {
                 i32::MAX as u32 / 2
             )));
         }
+        if model.is_checkpoint() {
+            return Err(V4DeviceError::Setup(
+                "the V4 GPU forward runs the built-in V4 model only: run a checkpoint's model \
+                 on the host backend"
+                    .into(),
+            ));
+        }
         gpu.bind().map_err(setup)?;
         let pools = V4GpuPools::new(gpu.clone(), plan, slots)?;
         let module = load_v4_module(&gpu, v4_model_source).map_err(setup)?;

@@ -57,6 +57,7 @@ mod store;
 
 pub use dsa_kv_device::v4::V4Pools;
 pub use forward::{V4ModelForward, V4Outputs};
+pub(crate) use model::{attend_sink, model1};
 pub use model::{V4Model, V4ModelConfig, V4Trace};
 pub use paged::V4Paged;
 pub use store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};

@@ -7,6 +7,7 @@ use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_to
 use dsa_kv_core::rng::SplitMix64;
 
 use super::store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
+use crate::checkpoint::HfV4Model;
 use crate::math::{add, dot8, exp, relu, rmsnorm8, rope, rope_cos_sin, to_bf16, Mat};
 use crate::model::{output_of, top_k};
 use crate::unpaged::Generation;
@@ -235,7 +236,8 @@ impl V4Layer {
     }
 }
 
-/// The V4 model: weights from a seed.
+/// The V4 model: weights from a seed, or a `deepseek_v4` checkpoint's
+/// ([`V4Model::from_checkpoint`]).
 pub struct V4Model {
     pub(super) cfg: V4ModelConfig,
     pub(super) embed: Mat,
@@ -243,10 +245,13 @@ pub struct V4Model {
     /// The MTP draft layer (window only; shares the embedding and the output head).
     pub(super) draft: V4Layer,
     pub(super) w_out: Mat,
+    /// A checkpoint's model: it runs instead of the built-in weights (whose fields are
+    /// then empty; it has no MTP layer).
+    pub(super) hf: Option<Box<HfV4Model>>,
 }
 
 /// The bf16 MODEL1 row of `x` (448 NoPE, 64 RoPE values).
-fn model1(x: &[f32]) -> Model1Row {
+pub(crate) fn model1(x: &[f32]) -> Model1Row {
     let mut row = Model1Row {
         data: [0; dsa_kv_core::ops::model1::MODEL1_DATA],
         scales: [0; dsa_kv_core::ops::model1::MODEL1_SCALES],
@@ -269,7 +274,7 @@ fn rope_inverse(x: &mut [f32], pos: u32) {
 /// One head over `rows` (keys and values alike) and a sink: `Σ_j p_j · row_j` with
 /// `p_j = e^(s_j − m) / (e^(sink − m) + Σ_i e^(s_i − m))`, `s_j = scale · q · row_j`
 /// ([`dot8`]).
-fn attend_sink(q: &[f32], rows: &[[f32; LATENT]], scale: f32, sink: f32) -> Vec<f32> {
+pub(crate) fn attend_sink(q: &[f32], rows: &[[f32; LATENT]], scale: f32, sink: f32) -> Vec<f32> {
     let scores: Vec<f32> = rows.iter().map(|r| dot8(q, r) * scale).collect();
     let m = scores.iter().fold(sink, |m, &s| if s > m { s } else { m });
     let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
@@ -318,7 +323,58 @@ impl V4Model {
             layers,
             draft,
             w_out,
+            hf: None,
         })
+    }
+
+    /// The model of the transformers `deepseek_v4` checkpoint in `dir` (`config.json`
+    /// and its safetensors; see [`crate::checkpoint`]). Its [`config`](Self::config)
+    /// reports the checkpoint's dimensions (`mlp` is the experts' width, `seed` 0); it
+    /// has no MTP layer (transformers builds none), so it serves without drafts.
+    pub fn from_checkpoint(dir: &std::path::Path) -> Result<V4Model, ModelError> {
+        let hf = HfV4Model::load(dir).map_err(|e| ModelError::Cache(e.to_string()))?;
+        let c = &hf.cfg;
+        let cfg = V4ModelConfig {
+            ratios: c.ratios.clone(),
+            mtp: false,
+            hidden: c.hidden,
+            vocab: c.vocab,
+            heads: c.heads,
+            index_heads: c.index_heads,
+            topk: c.index_topk,
+            window: c.window,
+            mlp: c.moe_intermediate,
+            seed: 0,
+        };
+        cfg.spec()?;
+        let empty = || Mat {
+            rows: 0,
+            cols: 0,
+            w: Vec::new(),
+        };
+        Ok(V4Model {
+            cfg,
+            embed: empty(),
+            layers: Vec::new(),
+            draft: V4Layer {
+                ratio: 0,
+                w_kv: empty(),
+                w_q: Vec::new(),
+                sink: Vec::new(),
+                w_o: empty(),
+                w_1: empty(),
+                w_2: empty(),
+                comp: None,
+                index: None,
+            },
+            w_out: empty(),
+            hf: Some(Box::new(hf)),
+        })
+    }
+
+    /// Whether the model is a checkpoint's ([`from_checkpoint`](Self::from_checkpoint)).
+    pub fn is_checkpoint(&self) -> bool {
+        self.hf.is_some()
     }
 
     /// The dimensions.
@@ -328,7 +384,7 @@ impl V4Model {
 
     /// The MTP layer's cache layer (after the target layers).
     pub fn mtp_layer(&self) -> usize {
-        self.layers.len()
+        self.cfg.ratios.len()
     }
 
     fn embedding(&self, t: u32) -> Vec<f32> {
@@ -400,6 +456,16 @@ impl V4Model {
                 "positions {first}.. of {} tokens pass u32",
                 tokens.len()
             )));
+        }
+        if let Some(hf) = &self.hf {
+            if !points.is_empty() {
+                return Err(ModelError::Unsupported(
+                    "attention traces are the built-in V4 model's: a checkpoint's model runs \
+                     untraced"
+                        .into(),
+                ));
+            }
+            return hf.run(kv, first, tokens);
         }
         let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| self.embedding(t)).collect();
         for (l, layer) in self.layers.iter().enumerate() {

@@ -1,0 +1,666 @@
+//! The forward of a `deepseek_v4` checkpoint's model through a [`V4Store`], in
+//! transformers' `DeepseekV4` math with our V4 cache in between. Per layer, in the
+//! built-in V4 model's order (every new token's rows first, then each token's
+//! attention, so paged and unpaged runs give the same bits):
+//!
+//! * the hyper-connection collapses the `hc_mult` residual streams (`pre`), then
+//!   `input_layernorm`;
+//! * the latent `kv_norm(kv_proj x)`, RoPE on its last 64 values, as a MODEL1 window
+//!   row; on compressed layers the state row `[kv_proj x | gate_proj x + position_bias]`
+//!   and, at a group's last token, the entry (per channel a softmax over the group's
+//!   slots read back from the state cache, the ratio-4 overlap as the built-in model's),
+//!   `kv_norm`, RoPE at the group's first position, a MODEL1 row; on ratio-4 layers the
+//!   indexer's own compressor at width 128, RoPE on its last 64, an FP8 key;
+//! * the query `q_b_norm(q_b_proj(q_a_norm(q_a_proj x)))` per head, RoPE on its last 64,
+//!   in BF16 as the sparse decode takes it; the indexer's queries `q_b_proj(q_res)` with
+//!   RoPE on their last 64, in FP8 as the kernel takes them, its scores
+//!   `Σ_h w_h · heads^−½ · relu(q_h · k) · 128^−½` and top-k (every visible entry when
+//!   they fit); attention over the window and the entries with the sink, the inverse
+//!   RoPE, the grouped output projection;
+//! * the hyper-connection expands the output (`post`) and mixes the streams (`comb`,
+//!   Sinkhorn-normalized); the same around the mixture of experts (`sqrtsoftplus`,
+//!   `softmax` or `sigmoid` scores, top-k by score plus correction bias or the token's
+//!   `tid2eid` row, normalized and scaled weights, clamped SwiGLU experts summed in
+//!   ascending expert order, a shared expert);
+//! * at the end `hc_head` collapses the streams, then the final norm and the head.
+//!
+//! Window-only layers rotate with the main RoPE (`rope_theta`), compressed layers with
+//! the compress RoPE (`compress_rope_theta`, YaRN without an attention factor).
+//! Where it departs from the published code on purpose: the cache holds MODEL1 rows
+//! (E4M3 with power-of-two scales, BF16 RoPE part) and FP8 indexer keys, the queries are
+//! BF16 (attention) and FP8 (indexer) as the kernels take them; the published forward
+//! keeps all of it in float.
+
+use dsa_kv_core::ops::model1::{dequantize_model1_row, MODEL1_NOPE};
+use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
+
+use super::forward::{rmsnorm_w, sigmoid, silu};
+use super::v4_config::V4Scoring;
+use super::v4_weights::{Hc, HfV4Model, V4Comp, V4HfLayer, V4Route};
+use super::weights::Rope;
+use crate::config::{INDEX_DIM, INDEX_VALUE_BYTES, LATENT};
+use crate::math::{dot, exp, relu, to_bf16, Mat};
+use crate::model::{output_of, top_k};
+use crate::v4::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
+use crate::{ModelError, TokenOut};
+
+/// `x / sqrt(mean(x²) + eps)`.
+fn rmsnorm_plain(x: &[f32], eps: f32) -> Vec<f32> {
+    let ms = dot(x, x) / x.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    x.iter().map(|v| v * r).collect()
+}
+
+/// `ln(1 + e^x)` as torch's `softplus` (the identity above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        (1.0 + exp(x)).ln()
+    }
+}
+
+/// Softmax of `x` in place (max subtracted, sum in order).
+fn softmax(x: &mut [f32]) {
+    let m = x
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = exp(*v - m);
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// The hyper-connection's weights for one token's streams `x` (`n × hidden`):
+/// `(pre, post, comb)` with `comb[j · n + k]` the weight of input stream `j` in output
+/// stream `k`.
+fn hc_weights(
+    hc: &Hc,
+    x: &[f32],
+    n: usize,
+    iters: usize,
+    eps: f32,
+    norm_eps: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mix = hc.fn_.apply(&rmsnorm_plain(x, norm_eps));
+    let (s0, s1, s2) = (hc.scale[0], hc.scale[1], hc.scale[2]);
+    let pre: Vec<f32> = (0..n)
+        .map(|i| sigmoid(mix[i] * s0 + hc.base[i]) + eps)
+        .collect();
+    let post: Vec<f32> = (0..n)
+        .map(|i| 2.0 * sigmoid(mix[n + i] * s1 + hc.base[n + i]))
+        .collect();
+    let mut comb: Vec<f32> = (0..n * n)
+        .map(|i| mix[2 * n + i] * s2 + hc.base[2 * n + i])
+        .collect();
+    for row in comb.chunks_exact_mut(n) {
+        softmax(row);
+        for v in row.iter_mut() {
+            *v += eps;
+        }
+    }
+    let cols = |c: &mut [f32]| {
+        for k in 0..n {
+            let mut s = 0f32;
+            for j in 0..n {
+                s += c[j * n + k];
+            }
+            for j in 0..n {
+                c[j * n + k] /= s + eps;
+            }
+        }
+    };
+    let rows = |c: &mut [f32]| {
+        for row in c.chunks_exact_mut(n) {
+            let mut s = 0f32;
+            for v in row.iter() {
+                s += v;
+            }
+            for v in row.iter_mut() {
+                *v /= s + eps;
+            }
+        }
+    };
+    cols(&mut comb);
+    for _ in 1..iters {
+        rows(&mut comb);
+        cols(&mut comb);
+    }
+    (pre, post, comb)
+}
+
+/// `Σ_i w_i · x_i` over the streams.
+fn collapse(x: &[f32], w: &[f32], hidden: usize) -> Vec<f32> {
+    let mut out = vec![0f32; hidden];
+    for (stream, &wi) in x.chunks_exact(hidden).zip(w) {
+        for (o, v) in out.iter_mut().zip(stream) {
+            *o += wi * v;
+        }
+    }
+    out
+}
+
+/// The streams after a block: `x'_k = post_k · y + Σ_j comb[j][k] · x_j`.
+fn expand(x: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize, hidden: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * hidden];
+    for k in 0..n {
+        let o = &mut out[k * hidden..(k + 1) * hidden];
+        for (c, v) in o.iter_mut().zip(y) {
+            *c = post[k] * v;
+        }
+        for j in 0..n {
+            let w = comb[j * n + k];
+            for (c, v) in o.iter_mut().zip(&x[j * hidden..(j + 1) * hidden]) {
+                *c += w * v;
+            }
+        }
+    }
+    out
+}
+
+/// The last 64 of `x` rotated by `rope` at `pos`.
+fn rope_tail(rope: &Rope, x: &mut [f32], pos: u32) {
+    let n = x.len();
+    rope.interleaved(&mut x[n - 64..], pos);
+}
+
+impl V4Comp {
+    /// The state row of the token with normed hidden state `x` at `p`: `[kv | gate +
+    /// position_bias[p mod ratio]]`.
+    fn state_row(&self, x: &[f32], p: u32) -> Vec<f32> {
+        let mut row = self.kv.apply(x);
+        let mut gate = self.gate.apply(x);
+        let r = (p as usize) % self.ape.rows;
+        for (g, b) in gate
+            .iter_mut()
+            .zip(&self.ape.w[r * self.ape.cols..(r + 1) * self.ape.cols])
+        {
+            *g += b;
+        }
+        row.extend(gate);
+        row
+    }
+
+    /// Entry `w` (ratio `r`, `width` wide), from the state rows in `kv`: per channel the
+    /// softmax of the slots' gates weighting their kv values (ratio 4: the first halves of
+    /// the previous group, then the second halves of this one), then `kv_norm`.
+    fn entry(
+        &self,
+        kv: &dyn V4Store,
+        layer: usize,
+        kind: StateKind,
+        w: u32,
+        width: usize,
+        eps: f32,
+    ) -> Result<Vec<f32>, ModelError> {
+        let r = self.ape.rows as u32;
+        let coff = if r == 4 { 2 } else { 1 };
+        let mut slots = Vec::with_capacity(2 * r as usize);
+        if coff == 2 && w > 0 {
+            for t in r * (w - 1)..r * w {
+                slots.push((kv.state(layer, kind, t)?, 0));
+            }
+        }
+        for t in r * w..r * (w + 1) {
+            slots.push((kv.state(layer, kind, t)?, coff - 1));
+        }
+        let gates = coff * width;
+        let mut out = vec![0f32; width];
+        let mut p = vec![0f32; slots.len()];
+        for (c, o) in out.iter_mut().enumerate() {
+            for (pi, (row, h)) in p.iter_mut().zip(&slots) {
+                *pi = row[gates + h * width + c];
+            }
+            softmax(&mut p);
+            let mut acc = 0f32;
+            for (pi, (row, h)) in p.iter().zip(&slots) {
+                acc += pi * row[h * width + c];
+            }
+            *o = acc;
+        }
+        Ok(rmsnorm_w(&out, &self.norm, eps))
+    }
+}
+
+impl HfV4Model {
+    fn rope(&self, l: usize) -> &Rope {
+        if self.cfg.ratios[l] == 0 {
+            &self.main_rope
+        } else {
+            &self.compress_rope
+        }
+    }
+
+    /// Runs one request's new `tokens` at positions `first..` (the caches hold what
+    /// positions `0..first` wrote): writes their rows and returns each token's output
+    /// and final hidden state.
+    pub(crate) fn run(
+        &self,
+        kv: &mut dyn V4Store,
+        first: u32,
+        tokens: &[u32],
+    ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
+        let c = &self.cfg;
+        let (h, n) = (c.hidden, c.hc_mult);
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(ModelError::Access(format!(
+                "token {t} is past the checkpoint's vocabulary of {}",
+                c.vocab
+            )));
+        }
+        let mut xs: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&t| {
+                let e = &self.embed.w[t as usize * h..(t as usize + 1) * h];
+                e.repeat(n)
+            })
+            .collect();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let hcw: Vec<_> = xs
+                .iter()
+                .map(|x| {
+                    hc_weights(
+                        &layer.attn_hc,
+                        x,
+                        n,
+                        c.hc_sinkhorn_iters,
+                        c.hc_eps,
+                        c.rms_norm_eps,
+                    )
+                })
+                .collect();
+            let normed: Vec<Vec<f32>> = xs
+                .iter()
+                .zip(&hcw)
+                .map(|(x, (pre, _, _))| {
+                    rmsnorm_w(&collapse(x, pre, h), &layer.input_norm, c.rms_norm_eps)
+                })
+                .collect();
+            for (i, xn) in normed.iter().enumerate() {
+                self.write(kv, l, layer, xn, first + i as u32)?;
+            }
+            for (i, xn) in normed.iter().enumerate() {
+                let y = self.attend(kv, l, layer, xn, first + i as u32)?;
+                let (_, post, comb) = &hcw[i];
+                xs[i] = expand(&xs[i], &y, post, comb, n, h);
+                let (pre, post, comb) = hc_weights(
+                    &layer.ffn_hc,
+                    &xs[i],
+                    n,
+                    c.hc_sinkhorn_iters,
+                    c.hc_eps,
+                    c.rms_norm_eps,
+                );
+                let xm = rmsnorm_w(&collapse(&xs[i], &pre, h), &layer.post_norm, c.rms_norm_eps);
+                let m = self.moe(layer, &xm, tokens[i]);
+                xs[i] = expand(&xs[i], &m, &post, &comb, n, h);
+            }
+        }
+        let mut outs = Vec::with_capacity(xs.len());
+        let mut hidden = Vec::with_capacity(xs.len());
+        for (i, x) in xs.iter().enumerate() {
+            let mix = self.hc_head.fn_.apply(&rmsnorm_plain(x, c.rms_norm_eps));
+            let pre: Vec<f32> = (0..n)
+                .map(|k| sigmoid(mix[k] * self.hc_head.scale[0] + self.hc_head.base[k]) + c.hc_eps)
+                .collect();
+            let y = rmsnorm_w(&collapse(x, &pre, h), &self.norm, c.rms_norm_eps);
+            let head = self.head.as_ref().unwrap_or(&self.embed);
+            outs.push(output_of(&head.apply(&y), first + i as u32));
+            hidden.push(y);
+        }
+        Ok((outs, hidden))
+    }
+
+    /// Everything the token at `p` writes in layer `l`.
+    fn write(
+        &self,
+        kv: &mut dyn V4Store,
+        l: usize,
+        layer: &V4HfLayer,
+        x: &[f32],
+        p: u32,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let a = &layer.attn;
+        let rope = self.rope(l);
+        let mut lat = rmsnorm_w(&a.kv.apply(x), &a.kv_norm, c.rms_norm_eps);
+        rope_tail(rope, &mut lat, p);
+        kv.write_window(l, p, &crate::v4::model1(&lat))?;
+        let Some(comp) = &a.comp else {
+            return Ok(());
+        };
+        kv.write_state(l, StateKind::Kv, p, &comp.state_row(x, p))?;
+        if let Some(ix) = &a.index {
+            kv.write_state(l, StateKind::Index, p, &ix.comp.state_row(x, p))?;
+        }
+        let r = c.ratios[l];
+        if !(p + 1).is_multiple_of(r) {
+            return Ok(());
+        }
+        let w = p / r;
+        let mut e = comp.entry(kv, l, StateKind::Kv, w, LATENT, c.rms_norm_eps)?;
+        rope_tail(rope, &mut e, r * w);
+        kv.write_entry(l, w, &crate::v4::model1(&e))?;
+        if let Some(ix) = &a.index {
+            let mut k = ix
+                .comp
+                .entry(kv, l, StateKind::Index, w, INDEX_DIM, c.rms_norm_eps)?;
+            rope_tail(rope, &mut k, r * w);
+            let mut key = [0u8; INDEX_ENTRY_BYTES];
+            let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
+            quantize_fp8_token(&to_bf16(&k), ScaleFormat::Ue8m0, values, scale);
+            kv.write_index_entry(l, w, &key)?;
+        }
+        Ok(())
+    }
+
+    /// The ratio-4 layer's selection for the query at `q`.
+    fn select(
+        &self,
+        kv: &dyn V4Store,
+        l: usize,
+        layer: &V4HfLayer,
+        x: &[f32],
+        q_res: &[f32],
+        q: u32,
+    ) -> Result<Vec<u32>, ModelError> {
+        let c = &self.cfg;
+        let visible = (q + 1) / 4;
+        if visible <= c.index_topk {
+            return Ok((0..visible).collect());
+        }
+        let Some(ix) = &layer.attn.index else {
+            return Ok((0..visible).collect());
+        };
+        let all = ix.q_b.apply(q_res);
+        let qs: Vec<Vec<f32>> = all
+            .chunks_exact(INDEX_DIM)
+            .map(|v| {
+                let mut v = v.to_vec();
+                rope_tail(&self.compress_rope, &mut v, q);
+                let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
+                quantize_fp8_token(&to_bf16(&v), ScaleFormat::Ue8m0, &mut b, &mut s);
+                let mut out = vec![0f32; INDEX_DIM];
+                dequantize_fp8_token(&b, &s, &mut out);
+                out
+            })
+            .collect();
+        let hs = (c.index_heads as f32).powf(-0.5);
+        let ks = (INDEX_DIM as f32).powf(-0.5);
+        let weights: Vec<f32> = ix.weights.apply(x).iter().map(|w| w * hs).collect();
+        let mut scored = Vec::with_capacity(visible as usize);
+        let mut k = [0f32; INDEX_DIM];
+        for w in 0..visible {
+            let key = kv.index_entry(l, w)?;
+            for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
+                *o = e4m3_to_f32(b);
+            }
+            let scale = f32::from_le_bytes(key[INDEX_VALUE_BYTES..].try_into().expect("4 bytes"));
+            let mut s = 0f32;
+            for (qh, wh) in qs.iter().zip(&weights) {
+                s += wh * (relu(dot(qh, &k)) * ks);
+            }
+            scored.push((s * scale, w));
+        }
+        Ok(top_k(scored, c.index_topk as usize))
+    }
+
+    /// The attention output of the token at `q` in layer `l`.
+    fn attend(
+        &self,
+        kv: &dyn V4Store,
+        l: usize,
+        layer: &V4HfLayer,
+        x: &[f32],
+        q: u32,
+    ) -> Result<Vec<f32>, ModelError> {
+        let c = &self.cfg;
+        let a = &layer.attn;
+        let rope = self.rope(l);
+        let decode = |r: Model1Row| dequantize_model1_row(&r.data, &r.scales);
+        let low = (q + 1).saturating_sub(c.window);
+        let mut rows = Vec::with_capacity((q + 1 - low) as usize);
+        for p in low..=q {
+            rows.push(decode(kv.window(l, p)?));
+        }
+        let q_res = rmsnorm_w(&a.q_a.apply(x), &a.q_a_norm, c.rms_norm_eps);
+        let entries: Vec<u32> = match c.ratios[l] {
+            0 => Vec::new(),
+            4 => self.select(kv, l, layer, x, &q_res, q)?,
+            r => (0..(q + 1) / r).collect(),
+        };
+        for &w in &entries {
+            rows.push(decode(kv.entry(l, w)?));
+        }
+        let scale = (LATENT as f32).powf(-0.5);
+        let all = a.q_b.apply(&q_res);
+        let mut heads = Vec::with_capacity(c.heads * LATENT);
+        for (qh, &sink) in all.chunks_exact(LATENT).zip(&a.sinks) {
+            let mut qh = rmsnorm_plain(qh, c.rms_norm_eps);
+            rope_tail(rope, &mut qh, q);
+            let qh: Vec<f32> = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
+            let mut o = crate::v4::attend_sink(&qh, &rows, scale, sink);
+            rope.interleaved_inverse(&mut o[MODEL1_NOPE..], q);
+            heads.extend(o);
+        }
+        // The grouped output projection: group g's heads through rows g·o_lora.. of o_a.
+        let per = heads.len() / c.o_groups;
+        let mut mid = Vec::with_capacity(c.o_groups * c.o_lora);
+        for (g, part) in heads.chunks_exact(per).enumerate() {
+            let rows = Mat {
+                rows: c.o_lora,
+                cols: per,
+                w: a.o_a.w[g * c.o_lora * per..(g + 1) * c.o_lora * per].to_vec(),
+            };
+            mid.extend(rows.apply(part));
+        }
+        Ok(a.o_b.apply(&mid))
+    }
+
+    /// The mixture of experts of the token `token` with normed input `x`.
+    fn moe(&self, layer: &V4HfLayer, x: &[f32], token: u32) -> Vec<f32> {
+        let c = &self.cfg;
+        let m = &layer.moe;
+        let (k, i, d) = (c.experts_per_token, c.moe_intermediate, c.hidden);
+        let logits = m.router.apply(x);
+        let scores: Vec<f32> = match c.scoring {
+            V4Scoring::SqrtSoftplus => logits.iter().map(|&v| softplus(v).sqrt()).collect(),
+            V4Scoring::Sigmoid => logits.iter().map(|&v| sigmoid(v)).collect(),
+            V4Scoring::Softmax => {
+                let mut s = logits.clone();
+                softmax(&mut s);
+                s
+            }
+        };
+        let mut picked: Vec<usize> = match &m.route {
+            V4Route::Bias(b) => {
+                let scored: Vec<(f32, u32)> = scores
+                    .iter()
+                    .zip(b)
+                    .enumerate()
+                    .map(|(j, (s, b))| (s + b, j as u32))
+                    .collect();
+                top_k(scored, k).into_iter().map(|j| j as usize).collect()
+            }
+            V4Route::Hash(t) => t[token as usize * k..(token as usize + 1) * k]
+                .iter()
+                .map(|&j| j as usize)
+                .collect(),
+        };
+        let mut total = 0f32;
+        for &j in &picked {
+            total += scores[j];
+        }
+        picked.sort_unstable();
+        let clamp = |g: f32, u: f32| {
+            let g = if g > c.swiglu_limit {
+                c.swiglu_limit
+            } else {
+                g
+            };
+            let u = u.clamp(-c.swiglu_limit, c.swiglu_limit);
+            silu(g) * u
+        };
+        let mut out = vec![0f32; d];
+        for &j in &picked {
+            let w = scores[j] / (total + 1e-20) * c.routed_scaling;
+            let gu = &m.gate_up[j * 2 * i * d..(j + 1) * 2 * i * d];
+            let mid: Vec<f32> = (0..i)
+                .map(|r| {
+                    clamp(
+                        dot(&gu[r * d..(r + 1) * d], x),
+                        dot(&gu[(i + r) * d..(i + r + 1) * d], x),
+                    )
+                })
+                .collect();
+            let down = &m.down[j * d * i..(j + 1) * d * i];
+            for (r, o) in out.iter_mut().enumerate() {
+                *o += dot(&down[r * i..(r + 1) * i], &mid) * w;
+            }
+        }
+        let s = &m.shared;
+        let g = s.gate.apply(x);
+        let u = s.up.apply(x);
+        let mid: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| clamp(g, u)).collect();
+        for (o, v) in out.iter_mut().zip(s.down.apply(&mid)) {
+            *o += v;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use dsa_kv_core::core::scheduler::SubmitRequest;
+    use dsa_kv_core::core::{
+        ManagerOptions, TierSlots, V4CacheManager, V4Limits, V4Options, V4Scheduler, V4Slots,
+    };
+    use dsa_kv_core::ids::{RequestId, TokenId};
+    use dsa_kv_core::layout::V4Plan;
+    use dsa_kv_core::rng::SplitMix64;
+    use dsa_kv_device::v4::V4HostDevice;
+
+    use super::super::v4_weights::tests::{dir, tensors, tiny_config, write};
+    use super::super::HfV4Config;
+    use crate::v4::{V4Contiguous, V4Model, V4ModelForward, V4Outputs};
+
+    /// A random tiny `deepseek_v4` checkpoint (layers `[0, 4, 128]`, the first
+    /// hash-routed) written to a fresh folder, and its model.
+    fn model(name: &str, seed: u64) -> (std::path::PathBuf, Arc<V4Model>) {
+        let json = tiny_config();
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        let d = dir(name);
+        write(&d, &json, &tensors(&cfg, &mut SplitMix64(seed)));
+        let m = V4Model::from_checkpoint(&d).unwrap();
+        (d, Arc::new(m))
+    }
+
+    /// Chunking changes no bit: one 700-token run equals the same tokens in chunks of
+    /// 1 to 310 that straddle the 4- and 128-token groups and the window; the outputs are
+    /// not degenerate (several greedy tokens).
+    #[test]
+    fn a_checkpoint_model_is_chunk_invariant() {
+        let (d, m) = model("chunks", 3);
+        let mut rng = SplitMix64(4);
+        let prompt: Vec<u32> = (0..700).map(|_| rng.below(32) as u32).collect();
+        let whole = m.run(&mut V4Contiguous::new(), 0, &prompt).unwrap();
+        let mut kv = V4Contiguous::new();
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for n in [1usize, 3, 130, 256, 310] {
+            outs.extend(m.run(&mut kv, at as u32, &prompt[at..at + n]).unwrap());
+            at += n;
+        }
+        assert_eq!(outs, whole);
+        let mut greedy: Vec<u32> = whole.iter().map(|o| o.greedy).collect();
+        greedy.sort_unstable();
+        greedy.dedup();
+        assert!(greedy.len() > 3, "degenerate outputs: {greedy:?}");
+        assert!(m.draft_write(&mut kv, 0, &[1]).is_err(), "no MTP layer");
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    /// Through the V4 scheduler, cache manager and a host device's pools (a shared
+    /// prefix reused at a tail, chunked prefill, decoding), every request's tokens and
+    /// every position's output equal the model run alone on a contiguous cache.
+    #[test]
+    fn a_checkpoint_model_runs_paged_as_unpaged() {
+        let (d, m) = model("paged", 5);
+        let plan = V4Plan::new(&m.config().spec().unwrap()).unwrap();
+        let slots = V4Slots {
+            blocks: TierSlots {
+                gpu: vec![10],
+                host: vec![],
+            },
+            windows: vec![16, 300, 200],
+        };
+        let opts = V4Options {
+            blocks: ManagerOptions {
+                enable_partial_reuse: false,
+                ..ManagerOptions::default()
+            },
+            ..V4Options::default()
+        };
+        let mgr = V4CacheManager::new(plan.clone(), slots.clone(), opts).unwrap();
+        let limits = V4Limits {
+            max_num_sequences: 2,
+            max_num_tokens: 256,
+            max_prefill_chunk: 150,
+            max_seq_len: 2048,
+            draft_tokens: 0,
+            livelock_steps: 8,
+        };
+        let mut s = V4Scheduler::new(mgr, limits).unwrap();
+        let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+        let forward = Box::new(V4ModelForward::new(m.clone(), outputs.clone()));
+        let mut dev = V4HostDevice::new(0, &plan, &slots, forward).unwrap();
+        let mut rng = SplitMix64(6);
+        let system: Vec<u32> = (0..520).map(|_| rng.below(32) as u32).collect();
+        let mut prompts = HashMap::new();
+        for i in 0..3u64 {
+            let mut p = system.clone();
+            p.extend((0..10 + rng.below(60)).map(|_| rng.below(32) as u32));
+            let toks = p.iter().map(|&t| TokenId(t)).collect();
+            s.submit(SubmitRequest::new(RequestId(i), toks, 12))
+                .unwrap();
+            prompts.insert(RequestId(i), p);
+        }
+        let mut got = HashMap::new();
+        let mut reused = 0;
+        while let Some(p) = s.schedule().unwrap() {
+            assert!(p.failed.is_empty(), "{:?}", p.failed);
+            let o = dev.execute(&p).unwrap();
+            for f in s.commit(&o).unwrap() {
+                reused += f.reused_tokens;
+                got.insert(f.id, f.output.iter().map(|t| t.0).collect::<Vec<u32>>());
+            }
+        }
+        let out = outputs.lock().unwrap();
+        assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
+        let mut positions = 0u64;
+        for (id, p) in &prompts {
+            let g = m.generate(p, 12).unwrap();
+            assert_eq!(got[id], g.tokens, "request {id}");
+            for (&pos, o) in &out.tokens[&(0, *id)] {
+                assert_eq!(*o, g.outputs[pos as usize], "request {id}, position {pos}");
+                positions += 1;
+            }
+        }
+        assert!(
+            reused >= 512,
+            "the shared prefix was reused ({reused} tokens)"
+        );
+        // Every position but the reused ones was computed (the last token's own output
+        // is not: generation stops there).
+        let all: u64 = prompts.values().map(|p| p.len() as u64 + 11).sum();
+        assert_eq!(positions + reused, all, "positions computed");
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
