@@ -31,6 +31,8 @@
 //! BF16 (attention) and FP8 (indexer) as the kernels take them; the published forward
 //! keeps all of it in float.
 
+use std::collections::HashMap;
+
 use dsa_kv_core::ops::model1::{dequantize_model1_row, MODEL1_NOPE};
 use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
 
@@ -226,7 +228,38 @@ impl V4Comp {
     }
 }
 
+/// The rows as the forward computed them, before the cache's rounding (kept only by a
+/// model built with [`V4Model::from_checkpoint_unrounded`](crate::v4::V4Model::from_checkpoint_unrounded)).
+#[derive(Default)]
+pub(crate) struct FloatRows {
+    /// `(layer, position)` → the window row.
+    window: HashMap<(usize, u32), Vec<f32>>,
+    /// `(layer, entry)` → the compressed entry.
+    entries: HashMap<(usize, u32), Vec<f32>>,
+    /// `(layer, entry)` → the indexer key.
+    keys: HashMap<(usize, u32), Vec<f32>>,
+    /// `(layer, position)` → the indexer's selection (ascending) and every visible
+    /// entry's score, where it selected.
+    pub(crate) selections: HashMap<(usize, u32), (Vec<u32>, Vec<f32>)>,
+    /// `(layer, position)` → a selection to use instead of the indexer's.
+    pub(crate) forced: HashMap<(usize, u32), Vec<u32>>,
+}
+
 impl HfV4Model {
+    /// Records into the unrounded rows, when kept.
+    fn keep<T>(&self, f: impl FnOnce(&mut FloatRows) -> T) {
+        if let Some(m) = &self.float {
+            f(&mut m.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+    }
+
+    /// Reads the unrounded rows, when kept.
+    fn kept<T>(&self, f: impl FnOnce(&FloatRows) -> Option<T>) -> Option<T> {
+        self.float
+            .as_ref()
+            .and_then(|m| f(&m.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
     fn rope(&self, l: usize) -> &Rope {
         if self.cfg.ratios[l] == 0 {
             &self.main_rope
@@ -330,6 +363,7 @@ impl HfV4Model {
         let mut lat = rmsnorm_w(&a.kv.apply(x), &a.kv_norm, c.rms_norm_eps);
         rope_tail(rope, &mut lat, p);
         kv.write_window(l, p, &crate::v4::model1(&lat))?;
+        self.keep(|f| f.window.insert((l, p), lat.clone()));
         let Some(comp) = &a.comp else {
             return Ok(());
         };
@@ -345,11 +379,13 @@ impl HfV4Model {
         let mut e = comp.entry(kv, l, StateKind::Kv, w, LATENT, c.rms_norm_eps)?;
         rope_tail(rope, &mut e, r * w);
         kv.write_entry(l, w, &crate::v4::model1(&e))?;
+        self.keep(|f| f.entries.insert((l, w), e.clone()));
         if let Some(ix) = &a.index {
             let mut k = ix
                 .comp
                 .entry(kv, l, StateKind::Index, w, INDEX_DIM, c.rms_norm_eps)?;
             rope_tail(rope, &mut k, r * w);
+            self.keep(|f| f.keys.insert((l, w), k.clone()));
             let mut key = [0u8; INDEX_ENTRY_BYTES];
             let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
             quantize_fp8_token(&to_bf16(&k), ScaleFormat::Ue8m0, values, scale);
@@ -376,12 +412,18 @@ impl HfV4Model {
         let Some(ix) = &layer.attn.index else {
             return Ok((0..visible).collect());
         };
+        if let Some(sel) = self.kept(|f| f.forced.get(&(l, q)).cloned()) {
+            return Ok(sel);
+        }
         let all = ix.q_b.apply(q_res);
         let qs: Vec<Vec<f32>> = all
             .chunks_exact(INDEX_DIM)
             .map(|v| {
                 let mut v = v.to_vec();
                 rope_tail(&self.compress_rope, &mut v, q);
+                if self.float.is_some() {
+                    return v;
+                }
                 let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
                 quantize_fp8_token(&to_bf16(&v), ScaleFormat::Ue8m0, &mut b, &mut s);
                 let mut out = vec![0f32; INDEX_DIM];
@@ -395,18 +437,29 @@ impl HfV4Model {
         let mut scored = Vec::with_capacity(visible as usize);
         let mut k = [0f32; INDEX_DIM];
         for w in 0..visible {
-            let key = kv.index_entry(l, w)?;
-            for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
-                *o = e4m3_to_f32(b);
-            }
-            let scale = f32::from_le_bytes(key[INDEX_VALUE_BYTES..].try_into().expect("4 bytes"));
+            let scale = match self.kept(|f| f.keys.get(&(l, w)).cloned()) {
+                Some(exact) => {
+                    k.copy_from_slice(&exact);
+                    1.0
+                }
+                None => {
+                    let key = kv.index_entry(l, w)?;
+                    for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
+                        *o = e4m3_to_f32(b);
+                    }
+                    f32::from_le_bytes(key[INDEX_VALUE_BYTES..].try_into().expect("4 bytes"))
+                }
+            };
             let mut s = 0f32;
             for (qh, wh) in qs.iter().zip(&weights) {
                 s += wh * (relu(dot(qh, &k)) * ks);
             }
             scored.push((s * scale, w));
         }
-        Ok(top_k(scored, c.index_topk as usize))
+        let scores: Vec<f32> = scored.iter().map(|&(s, _)| s).collect();
+        let sel = top_k(scored, c.index_topk as usize);
+        self.keep(|f| f.selections.insert((l, q), (sel.clone(), scores)));
+        Ok(sel)
     }
 
     /// The attention output of the token at `q` in layer `l`.
@@ -424,8 +477,15 @@ impl HfV4Model {
         let decode = |r: Model1Row| dequantize_model1_row(&r.data, &r.scales);
         let low = (q + 1).saturating_sub(c.window);
         let mut rows = Vec::with_capacity((q + 1 - low) as usize);
+        let exact = |m: &HashMap<(usize, u32), Vec<f32>>, key| -> Option<[f32; LATENT]> {
+            m.get(&key)
+                .map(|v| v.as_slice().try_into().expect("512 values"))
+        };
         for p in low..=q {
-            rows.push(decode(kv.window(l, p)?));
+            rows.push(match self.kept(|f| exact(&f.window, (l, p))) {
+                Some(r) => r,
+                None => decode(kv.window(l, p)?),
+            });
         }
         let q_res = rmsnorm_w(&a.q_a.apply(x), &a.q_a_norm, c.rms_norm_eps);
         let entries: Vec<u32> = match c.ratios[l] {
@@ -434,7 +494,10 @@ impl HfV4Model {
             r => (0..(q + 1) / r).collect(),
         };
         for &w in &entries {
-            rows.push(decode(kv.entry(l, w)?));
+            rows.push(match self.kept(|f| exact(&f.entries, (l, w))) {
+                Some(r) => r,
+                None => decode(kv.entry(l, w)?),
+            });
         }
         let scale = (LATENT as f32).powf(-0.5);
         let all = a.q_b.apply(&q_res);
@@ -442,7 +505,9 @@ impl HfV4Model {
         for (qh, &sink) in all.chunks_exact(LATENT).zip(&a.sinks) {
             let mut qh = rmsnorm_plain(qh, c.rms_norm_eps);
             rope_tail(rope, &mut qh, q);
-            let qh: Vec<f32> = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
+            if self.float.is_none() {
+                qh = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
+            }
             let mut o = crate::v4::attend_sink(&qh, &rows, scale, sink);
             rope.interleaved_inverse(&mut o[MODEL1_NOPE..], q);
             heads.extend(o);

@@ -106,6 +106,10 @@ pub(crate) struct HfV4Model {
     pub(crate) main_rope: Rope,
     /// Compressed layers' RoPE (queries, latent, compressor, indexer).
     pub(crate) compress_rope: Rope,
+    /// With `Some`, the forward keeps every row as computed and reads those instead of
+    /// the cache's rounded bytes, and leaves its queries unrounded: the oracle test's
+    /// way to separate the math from the cache's formats. Not a serving path.
+    pub(crate) float: Option<std::sync::Mutex<super::v4_forward::FloatRows>>,
 }
 
 fn mat(t: &mut Tensors, name: &str, rows: usize, cols: usize) -> Result<Mat, CheckpointError> {
@@ -116,42 +120,89 @@ fn mat(t: &mut Tensors, name: &str, rows: usize, cols: usize) -> Result<Mat, Che
     })
 }
 
+/// Which names the checkpoint stores its tensors under.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Names {
+    /// What transformers' `save_pretrained` writes (5.17): the published checkpoint's
+    /// names under `model.` (`model.layers.{l}.attn.wq_a.weight`, `…ffn.experts.{e}.w1`,
+    /// `…hc_attn_fn`, `head.weight`).
+    Saved,
+    /// transformers' module names (`model.layers.{l}.self_attn.q_a_proj.weight`,
+    /// `…mlp.experts.gate_up_proj`, `…attn_hc.fn`, `lm_head.weight`).
+    Modules,
+}
+
+impl Names {
+    fn detect(t: &Tensors) -> Names {
+        if t.has("model.layers.0.attn_norm.weight") {
+            Names::Saved
+        } else {
+            Names::Modules
+        }
+    }
+
+    /// `(saved, modules)` by scheme.
+    fn pick<'a>(self, saved: &'a str, modules: &'a str) -> &'a str {
+        match self {
+            Names::Saved => saved,
+            Names::Modules => modules,
+        }
+    }
+}
+
 fn hc(
     t: &mut Tensors,
-    p: &str,
-    names: [&str; 3],
+    names: [String; 3],
     outs: usize,
     cols: usize,
     scales: usize,
 ) -> Result<Hc, CheckpointError> {
+    let [f, b, s] = names;
     Ok(Hc {
-        fn_: mat(t, &format!("{p}{}", names[0]), outs, cols)?,
-        base: t.take(&format!("{p}{}", names[1]), &[outs])?,
-        scale: t.take(&format!("{p}{}", names[2]), &[scales])?,
+        fn_: mat(t, &f, outs, cols)?,
+        base: t.take(&b, &[outs])?,
+        scale: t.take(&s, &[scales])?,
     })
 }
 
+/// A compressor at `p` (ratio-4 ones carry two halves per row).
 fn comp(
     t: &mut Tensors,
+    nm: Names,
     p: &str,
     ratio: usize,
     width: usize,
     hidden: usize,
 ) -> Result<V4Comp, CheckpointError> {
     let coff = if ratio == 4 { 2 } else { 1 };
+    let n = |saved: &str, modules: &str| format!("{p}{}", nm.pick(saved, modules));
     Ok(V4Comp {
-        kv: mat(t, &format!("{p}kv_proj.weight"), coff * width, hidden)?,
-        gate: mat(t, &format!("{p}gate_proj.weight"), coff * width, hidden)?,
-        ape: mat(t, &format!("{p}position_bias"), ratio, coff * width)?,
-        norm: t.take(&format!("{p}kv_norm.weight"), &[width])?,
+        kv: mat(t, &n("wkv.weight", "kv_proj.weight"), coff * width, hidden)?,
+        gate: mat(
+            t,
+            &n("wgate.weight", "gate_proj.weight"),
+            coff * width,
+            hidden,
+        )?,
+        ape: mat(t, &n("ape", "position_bias"), ratio, coff * width)?,
+        norm: t.take(&n("norm.weight", "kv_norm.weight"), &[width])?,
     })
 }
 
-fn mlp(t: &mut Tensors, p: &str, width: usize, hidden: usize) -> Result<Mlp, CheckpointError> {
+/// A SwiGLU MLP at `p`: `w1` / `w3` / `w2` (saved) or `gate_proj` / `up_proj` /
+/// `down_proj` (modules).
+fn mlp(
+    t: &mut Tensors,
+    nm: Names,
+    p: &str,
+    width: usize,
+    hidden: usize,
+) -> Result<Mlp, CheckpointError> {
+    let n = |saved: &str, modules: &str| format!("{p}{}.weight", nm.pick(saved, modules));
     Ok(Mlp {
-        gate: mat(t, &format!("{p}gate_proj.weight"), width, hidden)?,
-        up: mat(t, &format!("{p}up_proj.weight"), width, hidden)?,
-        down: mat(t, &format!("{p}down_proj.weight"), hidden, width)?,
+        gate: mat(t, &n("w1", "gate_proj"), width, hidden)?,
+        up: mat(t, &n("w3", "up_proj"), width, hidden)?,
+        down: mat(t, &n("w2", "down_proj"), hidden, width)?,
     })
 }
 
@@ -186,28 +237,34 @@ impl HfV4Model {
     }
 
     fn from_tensors(cfg: HfV4Config, t: &mut Tensors) -> Result<HfV4Model, CheckpointError> {
+        let nm = Names::detect(t);
         let (d, h, n) = (cfg.hidden, cfg.heads, cfg.hc_mult);
         let hc_outs = (2 + n) * n;
         let embed = mat(t, "model.embed_tokens.weight", cfg.vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.layers());
         for (l, &ratio) in cfg.ratios.iter().enumerate() {
             let p = format!("model.layers.{l}.");
-            let a = format!("{p}self_attn.");
+            let a = format!("{p}{}", nm.pick("attn.", "self_attn."));
+            let an = |saved: &str, modules: &str| format!("{a}{}", nm.pick(saved, modules));
             let ratio = ratio as usize;
             let c = format!("{a}compressor.");
-            let ix = format!("{c}indexer.");
+            let ix = format!("{a}{}", nm.pick("indexer.", "compressor.indexer."));
             let index = if ratio == 4 {
+                let ixc = format!("{ix}{}", nm.pick("compressor.", ""));
                 Some(V4HfIndexer {
-                    comp: comp(t, &ix, 4, INDEX_DIM, d)?,
+                    comp: comp(t, nm, &ixc, 4, INDEX_DIM, d)?,
                     q_b: mat(
                         t,
-                        &format!("{ix}q_b_proj.weight"),
+                        &format!("{ix}{}", nm.pick("wq_b.weight", "q_b_proj.weight")),
                         cfg.index_heads * INDEX_DIM,
                         cfg.q_lora,
                     )?,
                     weights: mat(
                         t,
-                        &format!("{ix}scorer.weights_proj.weight"),
+                        &format!(
+                            "{ix}{}",
+                            nm.pick("weights_proj.weight", "scorer.weights_proj.weight")
+                        ),
                         cfg.index_heads,
                         d,
                     )?,
@@ -216,35 +273,44 @@ impl HfV4Model {
                 None
             };
             let attn = V4HfAttn {
-                q_a: mat(t, &format!("{a}q_a_proj.weight"), cfg.q_lora, d)?,
-                q_a_norm: t.take(&format!("{a}q_a_norm.weight"), &[cfg.q_lora])?,
-                q_b: mat(t, &format!("{a}q_b_proj.weight"), h * LATENT, cfg.q_lora)?,
-                kv: mat(t, &format!("{a}kv_proj.weight"), LATENT, d)?,
-                kv_norm: t.take(&format!("{a}kv_norm.weight"), &[LATENT])?,
+                q_a: mat(t, &an("wq_a.weight", "q_a_proj.weight"), cfg.q_lora, d)?,
+                q_a_norm: t.take(&an("q_norm.weight", "q_a_norm.weight"), &[cfg.q_lora])?,
+                q_b: mat(
+                    t,
+                    &an("wq_b.weight", "q_b_proj.weight"),
+                    h * LATENT,
+                    cfg.q_lora,
+                )?,
+                kv: mat(t, &an("wkv.weight", "kv_proj.weight"), LATENT, d)?,
+                kv_norm: t.take(&an("norm.weight", "kv_norm.weight"), &[LATENT])?,
                 o_a: mat(
                     t,
-                    &format!("{a}o_a_proj.weight"),
+                    &an("wo_a.weight", "o_a_proj.weight"),
                     cfg.o_groups * cfg.o_lora,
                     h * LATENT / cfg.o_groups,
                 )?,
                 o_b: mat(
                     t,
-                    &format!("{a}o_b_proj.weight"),
+                    &an("wo_b.weight", "o_b_proj.weight"),
                     d,
                     cfg.o_groups * cfg.o_lora,
                 )?,
-                sinks: t.take(&format!("{a}sinks"), &[h])?,
+                sinks: t.take(&an("attn_sink", "sinks"), &[h])?,
                 comp: (ratio > 0)
-                    .then(|| comp(t, &c, ratio, LATENT, d))
+                    .then(|| comp(t, nm, &c, ratio, LATENT, d))
                     .transpose()?,
                 index,
             };
-            let mp = format!("{p}mlp.");
+            let mp = format!("{p}{}", nm.pick("ffn.", "mlp."));
             let (e, k, i) = (cfg.experts, cfg.experts_per_token, cfg.moe_intermediate);
             let route = match cfg.mlp[l] {
-                V4MlpKind::Moe => {
-                    V4Route::Bias(t.take(&format!("{mp}gate.e_score_correction_bias"), &[e])?)
-                }
+                V4MlpKind::Moe => V4Route::Bias(t.take(
+                    &format!(
+                        "{mp}{}",
+                        nm.pick("gate.bias", "gate.e_score_correction_bias")
+                    ),
+                    &[e],
+                )?),
                 V4MlpKind::HashMoe => {
                     let name = format!("{mp}gate.tid2eid");
                     let ids = t.take_ints(&name, &[cfg.vocab, k])?;
@@ -259,32 +325,52 @@ impl HfV4Model {
                     V4Route::Hash(table)
                 }
             };
+            let (gate_up, down) = match nm {
+                Names::Modules => (
+                    t.take(&format!("{mp}experts.gate_up_proj"), &[e, 2 * i, d])?,
+                    t.take(&format!("{mp}experts.down_proj"), &[e, d, i])?,
+                ),
+                Names::Saved => {
+                    let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+                    for x in 0..e {
+                        let m = mlp(t, nm, &format!("{mp}experts.{x}."), i, d)?;
+                        gate_up.extend(m.gate.w);
+                        gate_up.extend(m.up.w);
+                        down.extend(m.down.w);
+                    }
+                    (gate_up, down)
+                }
+            };
             let moe = V4Moe {
                 router: mat(t, &format!("{mp}gate.weight"), e, d)?,
                 route,
-                gate_up: t.take(&format!("{mp}experts.gate_up_proj"), &[e, 2 * i, d])?,
-                down: t.take(&format!("{mp}experts.down_proj"), &[e, d, i])?,
-                shared: mlp(t, &format!("{mp}shared_experts."), i, d)?,
+                gate_up,
+                down,
+                shared: mlp(t, nm, &format!("{mp}shared_experts."), i, d)?,
+            };
+            let hcn = |saved: &str, modules: &str| {
+                ["fn", "base", "scale"].map(|k| match nm {
+                    Names::Saved => format!("{p}{saved}_{k}"),
+                    Names::Modules => format!("{p}{modules}.{k}"),
+                })
             };
             layers.push(V4HfLayer {
-                input_norm: t.take(&format!("{p}input_layernorm.weight"), &[d])?,
-                post_norm: t.take(&format!("{p}post_attention_layernorm.weight"), &[d])?,
-                attn_hc: hc(
-                    t,
-                    &format!("{p}attn_hc."),
-                    ["fn", "base", "scale"],
-                    hc_outs,
-                    n * d,
-                    3,
+                input_norm: t.take(
+                    &format!(
+                        "{p}{}",
+                        nm.pick("attn_norm.weight", "input_layernorm.weight")
+                    ),
+                    &[d],
                 )?,
-                ffn_hc: hc(
-                    t,
-                    &format!("{p}ffn_hc."),
-                    ["fn", "base", "scale"],
-                    hc_outs,
-                    n * d,
-                    3,
+                post_norm: t.take(
+                    &format!(
+                        "{p}{}",
+                        nm.pick("ffn_norm.weight", "post_attention_layernorm.weight")
+                    ),
+                    &[d],
                 )?,
+                attn_hc: hc(t, hcn("hc_attn", "attn_hc"), hc_outs, n * d, 3)?,
+                ffn_hc: hc(t, hcn("hc_ffn", "ffn_hc"), hc_outs, n * d, 3)?,
                 attn,
                 moe,
             });
@@ -292,28 +378,29 @@ impl HfV4Model {
         let norm = t.take("model.norm.weight", &[d])?;
         let hc_head = hc(
             t,
-            "model.hc_head.",
-            ["hc_fn", "hc_base", "hc_scale"],
+            ["hc_fn", "hc_base", "hc_scale"].map(|k| format!("model.hc_head.{k}")),
             n,
             n * d,
             1,
         )?;
+        let head_name = nm.pick("head.weight", "lm_head.weight");
         let head = if cfg.tie_embeddings {
-            if let Some(w) = t.take_opt("lm_head.weight", &[cfg.vocab, d])? {
+            if let Some(w) = t.take_opt(head_name, &[cfg.vocab, d])? {
                 if w != embed.w {
                     return Err(CheckpointError::Tensor {
-                        name: "lm_head.weight".into(),
+                        name: head_name.into(),
                         what: "differs from the embedding, but tie_word_embeddings is true".into(),
                     });
                 }
             }
             None
         } else {
-            Some(mat(t, "lm_head.weight", cfg.vocab, d)?)
+            Some(mat(t, head_name, cfg.vocab, d)?)
         };
         Ok(HfV4Model {
             main_rope: Rope::unscaled(&cfg.main_rope),
             compress_rope: Rope::unscaled(&cfg.compress_rope),
+            float: None,
             cfg,
             embed,
             head,

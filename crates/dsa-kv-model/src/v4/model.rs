@@ -372,6 +372,53 @@ impl V4Model {
         })
     }
 
+    /// [`from_checkpoint`](Self::from_checkpoint) with the cache's rounding switched off:
+    /// the forward keeps every window row, entry and indexer key as computed (in memory,
+    /// for every position: not a serving path) and reads those, and its queries stay
+    /// unrounded. The oracle test runs it to show that what separates our logits from
+    /// transformers' float forward is the cache's formats, not the math.
+    #[doc(hidden)]
+    pub fn from_checkpoint_unrounded(dir: &std::path::Path) -> Result<V4Model, ModelError> {
+        let mut m = Self::from_checkpoint(dir)?;
+        if let Some(hf) = &mut m.hf {
+            hf.float = Some(std::sync::Mutex::new(Default::default()));
+        }
+        Ok(m)
+    }
+
+    /// For a model from [`from_checkpoint_unrounded`](Self::from_checkpoint_unrounded):
+    /// the ratio-4 layer `layer`'s selection at `pos` (ascending) and the score of every
+    /// visible entry, from the last run that selected there (`None` where every visible
+    /// entry was taken, or for another model).
+    #[doc(hidden)]
+    pub fn unrounded_selection(&self, layer: usize, pos: u32) -> Option<(Vec<u32>, Vec<f32>)> {
+        let f = self.hf.as_ref()?.float.as_ref()?;
+        let f = f.lock().unwrap_or_else(|e| e.into_inner());
+        f.selections.get(&(layer, pos)).cloned()
+    }
+
+    /// For a model from [`from_checkpoint_unrounded`](Self::from_checkpoint_unrounded):
+    /// makes layer `layer` attend `entries` at `pos` instead of its indexer's selection
+    /// (the oracle test hands it transformers' own); `false` for another model.
+    #[doc(hidden)]
+    pub fn force_unrounded_selection(&self, layer: usize, pos: u32, entries: Vec<u32>) -> bool {
+        let Some(f) = self.hf.as_ref().and_then(|h| h.float.as_ref()) else {
+            return false;
+        };
+        let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+        f.forced.insert((layer, pos), entries);
+        true
+    }
+
+    /// The logits of a final hidden state as [`run_hidden`](Self::run_hidden) returns it
+    /// (the oracle tests compare them with a published implementation's).
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        match &self.hf {
+            Some(hf) => hf.head.as_ref().unwrap_or(&hf.embed).apply(hidden),
+            None => self.w_out.apply8(&rmsnorm8(hidden)),
+        }
+    }
+
     /// Whether the model is a checkpoint's ([`from_checkpoint`](Self::from_checkpoint)).
     pub fn is_checkpoint(&self) -> bool {
         self.hf.is_some()

@@ -1,0 +1,354 @@
+//! transformers' `DeepseekV4ForCausalLM` as the oracle of our V4 checkpoint model: the
+//! tiny checkpoint of `tests/fixtures/hf/deepseek_v4` (layers window-only, ratio 4 with
+//! its indexer, ratio 128; hyper-connections, hash-routed and top-k experts, the compress
+//! RoPE with YaRN; made by `make_v4_fixture.py` with transformers 5.17.0 / torch 2.11.0,
+//! `MANIFEST.json`) loaded by `V4Model::from_checkpoint` under the names transformers
+//! saves, and transformers' own float32 logits at every position of two prompts (90 and
+//! 400 tokens).
+//!
+//! Two of our runs are compared. Unrounded (`V4Model::from_checkpoint_unrounded`: the
+//! cache's rows read as computed, the queries unrounded) isolates the arithmetic; the
+//! real one reads the cache's MODEL1 rows (E4M3 NoPE values with power-of-two scales)
+//! and FP8 indexer keys, and BF16 / FP8 queries, as the kernels do.
+
+use std::path::{Path, PathBuf};
+
+use dsa_kv_model::v4::{V4Contiguous, V4Model};
+use half::bf16;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/deepseek_v4")
+}
+
+/// The prompts and transformers' argmax and top-two margin at every position.
+struct Prompt {
+    tokens: Vec<u32>,
+    argmax: Vec<u32>,
+    margins: Vec<f32>,
+}
+
+fn prompts() -> Vec<Prompt> {
+    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let nums = |p: &serde_json::Value, k: &str| -> Vec<f64> {
+        p[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| Prompt {
+            tokens: nums(p, "tokens").iter().map(|&x| x as u32).collect(),
+            argmax: nums(p, "argmax").iter().map(|&x| x as u32).collect(),
+            margins: nums(p, "margins").iter().map(|&x| x as f32).collect(),
+        })
+        .collect()
+}
+
+/// transformers' logits (`logits.npy`: float32 `[positions, vocab]`, prompts in order).
+fn hf_logits() -> (usize, Vec<f32>) {
+    let b = std::fs::read(fixture().join("logits.npy")).unwrap();
+    assert_eq!(&b[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
+    assert!(header.contains("'descr': '<f4'"), "{header}");
+    let shape = header.split("'shape': (").nth(1).unwrap();
+    let shape = &shape[..shape.find(')').unwrap()];
+    let vocab: usize = shape.split(',').nth(1).unwrap().trim().parse().unwrap();
+    let data = b[10 + hlen..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (vocab, data)
+}
+
+/// Per position of every prompt (prompts in order): our logits' largest absolute
+/// difference from transformers', transformers' largest absolute logit, and whether
+/// our argmax is transformers'.
+fn compare(m: &V4Model) -> Vec<Vec<(f32, f32, bool)>> {
+    let (vocab, hf) = hf_logits();
+    let mut row = 0;
+    prompts()
+        .iter()
+        .map(|p| {
+            let (_, hidden) = m
+                .run_hidden(&mut V4Contiguous::new(), 0, &p.tokens)
+                .unwrap();
+            let out = hidden
+                .iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    let ours = m.logits(h);
+                    let theirs = &hf[(row + i) * vocab..(row + i + 1) * vocab];
+                    let diff = ours
+                        .iter()
+                        .zip(theirs)
+                        .fold(0f32, |w, (a, b)| w.max((a - b).abs()));
+                    let scale = theirs.iter().fold(0f32, |w, v| w.max(v.abs()));
+                    (diff, scale, argmax(&ours) == p.argmax[i])
+                })
+                .collect();
+            row += p.tokens.len();
+            out
+        })
+        .collect()
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (k, &v) in l.iter().enumerate() {
+        if v > l[best] {
+            best = k;
+        }
+    }
+    best as u32
+}
+
+/// Whether the ratio-4 layer's indexer selects every visible entry at position `q`
+/// (at most `index_topk` = 64 of them): the dense regime.
+fn dense(q: usize) -> bool {
+    (q + 1) / 4 <= 64
+}
+
+/// f32 sums in another order than torch's, over at most a few thousand terms: relative
+/// differences of order n · 2⁻²⁴ ≈ 1e-4 at worst.
+const F32_ORDER: f32 = 1e-4;
+
+/// The unit roundoff of E4M3 (4 significant bits): the relative error of a MODEL1 row's
+/// NoPE element.
+const E4M3_U: f32 = 1.0 / 16.0;
+
+/// The tolerance of a logit read through the cache in the dense regime: each of the 3
+/// layers reads its rows twice (scores and values), each element off by at most
+/// `E4M3_U` relative, and the attention's share of a logit is at most the logit's scale.
+fn cache_tolerance(scale: f32) -> f32 {
+    2.0 * 3.0 * E4M3_U * scale
+}
+
+#[test]
+fn the_v4_checkpoint_loads_under_the_names_transformers_saves() {
+    let m = V4Model::from_checkpoint(&fixture()).unwrap();
+    let c = m.config();
+    assert_eq!(c.ratios, vec![0, 4, 128]);
+    assert_eq!(
+        (c.hidden, c.heads, c.index_heads, c.topk, c.window, c.vocab),
+        (32, 2, 2, 64, 128, 256)
+    );
+    assert!(m.is_checkpoint() && !c.mtp);
+}
+
+/// Where the indexer selects every visible entry, our arithmetic is transformers': the
+/// unrounded run's logits are within f32 summation order of its float32 ones at every
+/// position. Through the cache (MODEL1 rows, FP8 keys, BF16 queries) they move by the
+/// formats' rounding, within [`cache_tolerance`], and the greedy token is transformers'
+/// wherever its own margin exceeds twice that; the difference is the cache's (at least
+/// 100 times the unrounded run's).
+#[test]
+fn dense_regime_logits_match_transformers_and_the_difference_is_the_caches_rounding() {
+    let exact = compare(&V4Model::from_checkpoint_unrounded(&fixture()).unwrap());
+    let cached = compare(&V4Model::from_checkpoint(&fixture()).unwrap());
+    let ps = prompts();
+    let (mut worst_exact, mut worst_cached, mut checked) = (0f32, 0f32, 0);
+    for (pi, p) in ps.iter().enumerate() {
+        for q in (0..p.tokens.len()).filter(|&q| dense(q)) {
+            let (d, scale, _) = exact[pi][q];
+            assert!(
+                d <= F32_ORDER * scale,
+                "prompt {pi} position {q}: |Δlogit| {d} unrounded"
+            );
+            worst_exact = worst_exact.max(d / scale);
+            let (d, scale, same) = cached[pi][q];
+            let tol = cache_tolerance(scale);
+            assert!(
+                d <= tol,
+                "prompt {pi} position {q}: |Δlogit| {d} over {tol}"
+            );
+            if p.margins[q] > 2.0 * tol {
+                assert!(same, "prompt {pi} position {q}: greedy token");
+                checked += 1;
+            }
+            worst_cached = worst_cached.max(d / scale);
+        }
+    }
+    eprintln!(
+        "dense regime: max |Δlogit| / max |logit| {worst_exact:.2e} unrounded, \
+         {worst_cached:.2e} through the cache; {checked} greedy tokens past twice the tolerance"
+    );
+    assert!(
+        worst_cached >= 100.0 * worst_exact,
+        "{worst_cached} vs {worst_exact}"
+    );
+}
+
+/// transformers' indexer picks (`topk.npy`: int16 `[positions, 64]`, ascending, −1
+/// past the picks), one row per position of the prompts in order.
+fn hf_selections() -> Vec<Vec<u32>> {
+    let b = std::fs::read(fixture().join("topk.npy")).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
+    assert!(
+        header.contains("'descr': '<i2'") && header.contains(", 64)"),
+        "{header}"
+    );
+    b[10 + hlen..]
+        .chunks_exact(2 * 64)
+        .map(|row| {
+            row.chunks_exact(2)
+                .map(|c| i16::from_le_bytes([c[0], c[1]]))
+                .filter(|&v| v >= 0)
+                .map(|v| v as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// The ratio-4 layer.
+const C4: usize = 1;
+
+/// Past 64 visible entries the indexer selects. Our unrounded run's selection is
+/// transformers' except where scores tie exactly at the 64th place: every entry one
+/// side picks and the other does not scores exactly the 64th best score (with two
+/// indexer heads the ReLU zeroes both at about a quarter of the entries, and torch's
+/// top-k breaks ties in another order than ours, the earlier entry). Handed
+/// transformers' selections, the unrounded run's logits are within f32 order of its
+/// float32 ones at every one of these positions.
+#[test]
+fn sparse_regime_selections_differ_only_at_exact_ties_and_the_rest_is_exact() {
+    let ps = prompts();
+    let hf = hf_selections();
+    let m = V4Model::from_checkpoint_unrounded(&fixture()).unwrap();
+    let (mut n, mut differ, mut row) = (0, 0, 0);
+    for p in &ps {
+        m.run_hidden(&mut V4Contiguous::new(), 0, &p.tokens)
+            .unwrap();
+        for q in (0..p.tokens.len()).filter(|&q| !dense(q)) {
+            let (ours, scores) = m.unrounded_selection(C4, q as u32).expect("a selection");
+            let theirs = &hf[row + q];
+            assert_eq!(theirs.len(), 64, "position {q}");
+            n += 1;
+            if ours == *theirs {
+                continue;
+            }
+            differ += 1;
+            let mut sorted = scores.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let boundary = sorted[63];
+            for w in ours
+                .iter()
+                .filter(|w| !theirs.contains(w))
+                .chain(theirs.iter().filter(|w| !ours.contains(w)))
+            {
+                assert_eq!(
+                    scores[*w as usize].to_bits(),
+                    boundary.to_bits(),
+                    "position {q}: entry {w} is picked by one side only and is no tie at the boundary"
+                );
+            }
+        }
+        row += p.tokens.len();
+    }
+    assert!(n > 100);
+    // Handed transformers' selections, every sparse position is exact up to f32 order.
+    let forced = V4Model::from_checkpoint_unrounded(&fixture()).unwrap();
+    let mut row = 0;
+    for p in &ps {
+        for q in (0..p.tokens.len()).filter(|&q| !dense(q)) {
+            assert!(forced.force_unrounded_selection(C4, q as u32, hf[row + q].clone()));
+        }
+        row += p.tokens.len();
+    }
+    let exact = compare(&forced);
+    let mut worst = 0f32;
+    for (pi, rows) in exact.iter().enumerate() {
+        for (q, &(d, scale, same)) in rows.iter().enumerate().filter(|(q, _)| !dense(*q)) {
+            assert!(
+                d <= F32_ORDER * scale,
+                "prompt {pi} position {q}: |Δlogit| {d}"
+            );
+            assert!(same, "prompt {pi} position {q}: greedy token");
+            worst = worst.max(d / scale);
+        }
+    }
+    eprintln!(
+        "sparse regime: {n} positions, our selection transformers' at {}, the rest differing \
+         only at exact ties; with its selections max |Δlogit| / max |logit| {worst:.2e}",
+        n - differ
+    );
+}
+
+/// The comparison can fail: the same checkpoint with one hyper-connection scale of one
+/// layer moved by 5 % (a copy in a temporary folder) gives logits outside f32 order in
+/// the dense regime.
+#[test]
+fn a_changed_weight_is_caught() {
+    let dir = std::env::temp_dir().join(format!("dsa-kv-hf-v4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "logits.npy",
+        "reference.json",
+    ] {
+        std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let target = "model.layers.0.hc_attn_scale";
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let mut data = v.data().to_vec();
+            if name == target {
+                assert_eq!(v.dtype(), safetensors::Dtype::BF16);
+                for c in data.chunks_exact_mut(2) {
+                    let x = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() * 1.05;
+                    c.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+            (name, v.dtype(), v.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, t, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let m = V4Model::from_checkpoint_unrounded(&dir).unwrap();
+    let ps = prompts();
+    let mut worst = 0f32;
+    let (vocab, hf) = hf_logits();
+    let mut row = 0;
+    for p in &ps {
+        let (_, hidden) = m
+            .run_hidden(&mut V4Contiguous::new(), 0, &p.tokens)
+            .unwrap();
+        for (q, h) in hidden.iter().enumerate().filter(|(q, _)| dense(*q)) {
+            let theirs = &hf[(row + q) * vocab..(row + q + 1) * vocab];
+            let scale = theirs.iter().fold(0f32, |w, v| w.max(v.abs()));
+            let d = m
+                .logits(h)
+                .iter()
+                .zip(theirs)
+                .fold(0f32, |w, (a, b)| w.max((a - b).abs()));
+            worst = worst.max(d / scale);
+        }
+        row += p.tokens.len();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    eprintln!("a 5 % change of {target}: max |Δlogit| / max |logit| {worst:.2e}");
+    assert!(worst > 10.0 * F32_ORDER, "the change went unseen: {worst}");
+}
