@@ -269,7 +269,7 @@ extern "C" __global__ void guard_state(const i64* __restrict__ idx, int n, u64 m
 // One thread per (t, k). A token whose entry has no block (a column past the table or a
 // -1 slot) marks (op, t, 0) and one whose row passes int32 marks (op, t, 1) in the step's
 // fail flag (guard.cu), and writes -1 there; so does a token that selected more than
-// `width` entries (all its indices -1). nsel[t] <= ms is the caller's.
+// `width` entries (all its indices -1, its length 0). nsel[t] <= ms is the caller's.
 extern "C" __global__ void v4_extra_indices(int* __restrict__ out, int* __restrict__ len,
                                             const int* __restrict__ sel, const int* __restrict__ nsel, int ms,
                                             const int* __restrict__ row_of, const int* __restrict__ table,
@@ -279,7 +279,7 @@ extern "C" __global__ void v4_extra_indices(int* __restrict__ out, int* __restri
     if (i >= (long long)n * width) return;
     const int t = (int)(i / width), k = (int)(i % width);
     const int ns = nsel[t];
-    if (k == 0) len[t] = ns;
+    if (k == 0) len[t] = ns > width ? 0 : ns;
     if (ns > width) {
         if (k == 0) mark_failed(flag, op, t, 0u);
         out[i] = -1;

@@ -166,7 +166,8 @@ extern "C" __global__ void v4_attend(float* out, const float* q, int heads, cons
                                      float* ebuf, int max_rows, int n) {
     int t = blockIdx.x / heads, h = blockIdx.x % heads;
     if (t >= n) return;
-    int nwin = nw[t], nent = ne ? ne[t] : 0;
+    // A length past the token's rows (a guard failure upstream) reads no row past them.
+    int nwin = nw[t], nent = ne ? min(ne[t], es) : 0;
     int nr = nwin + nent;
     float* e = ebuf + ((long)t * heads + h) * max_rows;
     const float* qh = q + ((long)t * heads + h) * 512;

@@ -313,7 +313,8 @@ fn v4_cuda_device_mutations_are_caught() {
 
 /// A CUDA device built with fewer window slots than the manager hands out fails the step
 /// with the host device's typed error, and it fails closed: every index is checked on
-/// the host before its launch, so not one pool byte was written.
+/// the host before its launch, so the failing launch writes nothing; here it is the
+/// first layer's window rows, the step's first write, so not one pool byte was written.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA device"]

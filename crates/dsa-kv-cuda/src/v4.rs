@@ -330,8 +330,8 @@ pub struct Selections<'a> {
 /// [`extra_indices`] of its selected entries
 /// through its block-table row (the slots up to the first −1) for the compressed buffer
 /// with `conv` and `ratio`, padded with −1 to `width`: `[n × width]` rows and the
-/// lengths. The first token whose entries the tables do not hold fails with its index
-/// and the reference's error.
+/// lengths. The first token whose entries the tables do not hold (or whose selection is
+/// longer than `ms` or than `sel` holds) fails with its index and the reference's error.
 pub fn extra_indices_host(
     s: &Selections<'_>,
     conv: PageIndexConverter,
@@ -349,9 +349,17 @@ pub fn extra_indices_host(
             .take_while(|&&b| b >= 0)
             .map(|&b| SlotId(b as u32))
             .collect();
-        let entries = s.sel[t * s.ms..t * s.ms + ns.max(0) as usize]
-            .iter()
-            .map(|&w| u64::from(w as u32));
+        let ns = ns.max(0) as usize;
+        let Some(picked) = s.sel.get(t * s.ms..t * s.ms + ns).filter(|_| ns <= s.ms) else {
+            return Err((
+                t,
+                V4MetadataError::TooMany {
+                    got: ns,
+                    width: s.ms,
+                },
+            ));
+        };
+        let entries = picked.iter().map(|&w| u64::from(w as u32));
         let (rows, n) = extra_indices(&blocks, conv, ratio, entries, width).map_err(|e| (t, e))?;
         out.extend(rows);
         len.push(n as i32);
@@ -824,10 +832,10 @@ impl V4Kernels {
         (out, len): (u64, u64),
         guard: Guard,
     ) -> Result<(), V4KernelError> {
-        if ratio == 0 || !256u64.is_multiple_of(ratio) {
+        if !matches!(ratio, 4 | 128) {
             return Err(invalid(
                 device,
-                format!("compression ratio {ratio}: a divisor of 256"),
+                format!("compression ratio {ratio}: V4 compresses by 4 or 128"),
             ));
         }
         let (ms32, cols32, w32, n32) = (

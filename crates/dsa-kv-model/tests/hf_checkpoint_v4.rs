@@ -20,11 +20,10 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/deepseek_v4")
 }
 
-/// The prompts and transformers' argmax and top-two margin at every position.
+/// The prompts and transformers' argmax at every position.
 struct Prompt {
     tokens: Vec<u32>,
     argmax: Vec<u32>,
-    margins: Vec<f32>,
 }
 
 fn prompts() -> Vec<Prompt> {
@@ -44,7 +43,6 @@ fn prompts() -> Vec<Prompt> {
         .map(|p| Prompt {
             tokens: nums(p, "tokens").iter().map(|&x| x as u32).collect(),
             argmax: nums(p, "argmax").iter().map(|&x| x as u32).collect(),
-            margins: nums(p, "margins").iter().map(|&x| x as f32).collect(),
         })
         .collect()
 }
@@ -144,21 +142,22 @@ fn the_v4_checkpoint_loads_under_the_names_transformers_saves() {
 /// Where the indexer selects every visible entry, our arithmetic is transformers': the
 /// unrounded run's logits are within f32 summation order of its float32 ones at every
 /// position. Through the cache (MODEL1 rows, FP8 keys, BF16 queries) they move by the
-/// formats' rounding, within [`cache_tolerance`], and the greedy token is transformers'
-/// wherever its own margin exceeds twice that; the difference is the cache's (at least
-/// 100 times the unrounded run's).
+/// formats' rounding, within [`cache_tolerance`] (a loose bound), and the greedy token is
+/// still transformers' at ≥ 90 % of
+/// these positions (the unrounded run's at all of them); the difference is the cache's
+/// (at least 100 times the unrounded run's).
 #[test]
 fn dense_regime_logits_match_transformers_and_the_difference_is_the_caches_rounding() {
     let exact = compare(&V4Model::from_checkpoint_unrounded(&fixture()).unwrap());
     let cached = compare(&V4Model::from_checkpoint(&fixture()).unwrap());
     let ps = prompts();
-    let (mut worst_exact, mut worst_cached, mut checked) = (0f32, 0f32, 0);
+    let (mut worst_exact, mut worst_cached, mut n, mut same_cached) = (0f32, 0f32, 0, 0);
     for (pi, p) in ps.iter().enumerate() {
         for q in (0..p.tokens.len()).filter(|&q| dense(q)) {
-            let (d, scale, _) = exact[pi][q];
+            let (d, scale, same) = exact[pi][q];
             assert!(
-                d <= F32_ORDER * scale,
-                "prompt {pi} position {q}: |Δlogit| {d} unrounded"
+                d <= F32_ORDER * scale && same,
+                "prompt {pi} position {q}: |Δlogit| {d} unrounded (greedy token: {same})"
             );
             worst_exact = worst_exact.max(d / scale);
             let (d, scale, same) = cached[pi][q];
@@ -167,17 +166,17 @@ fn dense_regime_logits_match_transformers_and_the_difference_is_the_caches_round
                 d <= tol,
                 "prompt {pi} position {q}: |Δlogit| {d} over {tol}"
             );
-            if p.margins[q] > 2.0 * tol {
-                assert!(same, "prompt {pi} position {q}: greedy token");
-                checked += 1;
-            }
+            n += 1;
+            same_cached += usize::from(same);
             worst_cached = worst_cached.max(d / scale);
         }
     }
     eprintln!(
         "dense regime: max |Δlogit| / max |logit| {worst_exact:.2e} unrounded, \
-         {worst_cached:.2e} through the cache; {checked} greedy tokens past twice the tolerance"
+         {worst_cached:.2e} through the cache; greedy token transformers' through the cache \
+         at {same_cached} of {n} positions"
     );
+    assert!(same_cached as f64 >= 0.9 * n as f64, "{same_cached} of {n}");
     assert!(
         worst_cached >= 100.0 * worst_exact,
         "{worst_cached} vs {worst_exact}"

@@ -317,6 +317,7 @@ impl HfV4Config {
             ("n_routed_experts", r.n_routed_experts),
             ("num_experts_per_tok", r.num_experts_per_tok),
             ("hc_mult", r.hc_mult),
+            ("hc_sinkhorn_iters", r.hc_sinkhorn_iters.max(1)),
         ];
         for (key, v) in sizes {
             if v == 0 || v > MAX_SIZE {
@@ -463,7 +464,7 @@ impl HfV4Config {
 
 /// Per layer 0, 4 or 128: `layer_types` (with `compress_rates`), else the legacy
 /// `compress_ratios`, else transformers' default (two heavily compressed layers, then
-/// compressed sparse and heavily compressed alternating).
+/// heavily compressed and compressed sparse alternating: `[128, 128, 128, 4, 128, 4, …]`).
 fn ratios(r: &Raw, layers: usize) -> Result<Vec<u32>, CheckpointError> {
     let mut csa = 4;
     let mut hca = 128;
@@ -586,7 +587,22 @@ fn ropes(r: &Raw) -> Result<(RopeConfig, RopeConfig), CheckpointError> {
                     )
                 })?;
             let nz = |key: &str, d: f64| num(compress, key).filter(|&x| x != 0.0).unwrap_or(d);
-            if !(factor.is_finite() && factor > 0.0 && original_max > 0.0) {
+            let (beta_fast, beta_slow) = (nz("beta_fast", 32.0), nz("beta_slow", 1.0));
+            if !(beta_fast.is_finite()
+                && beta_fast > 0.0
+                && beta_slow.is_finite()
+                && beta_slow > 0.0)
+            {
+                return Err(bad(
+                    "rope_parameters.beta_fast / beta_slow",
+                    format!("{beta_fast} / {beta_slow}: positive numbers"),
+                ));
+            }
+            if !(factor.is_finite()
+                && factor > 0.0
+                && original_max.is_finite()
+                && original_max > 0.0)
+            {
                 return Err(bad(
                     "rope_parameters.factor",
                     format!("{factor} over {original_max} positions"),
@@ -595,8 +611,8 @@ fn ropes(r: &Raw) -> Result<(RopeConfig, RopeConfig), CheckpointError> {
             Some(Yarn {
                 factor,
                 original_max,
-                beta_fast: nz("beta_fast", 32.0),
-                beta_slow: nz("beta_slow", 1.0),
+                beta_fast,
+                beta_slow,
                 mscale: 0.0,
                 mscale_all_dim: 0.0,
                 truncate: compress

@@ -279,6 +279,15 @@ impl HfV4Model {
     ) -> Result<(Vec<TokenOut>, Vec<Vec<f32>>), ModelError> {
         let c = &self.cfg;
         let (h, n) = (c.hidden, c.hc_mult);
+        if first == 0 {
+            // A new sequence: the unrounded rows of another one must not be read.
+            self.keep(|f| {
+                f.window.clear();
+                f.entries.clear();
+                f.keys.clear();
+                f.selections.clear();
+            });
+        }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(ModelError::Access(format!(
                 "token {t} is past the checkpoint's vocabulary of {}",

@@ -104,7 +104,7 @@ impl V4GpuMath {
         xs: &[f32],
     ) -> Result<Vec<f32>, CudaError> {
         let g = &self.gpu;
-        if cols == 0 || w.len() != rows * cols || !xs.len().is_multiple_of(cols) {
+        if cols == 0 || Some(w.len()) != rows.checked_mul(cols) || !xs.len().is_multiple_of(cols) {
             return Err(CudaError::Invalid {
                 device: g.ordinal(),
                 what: format!(
@@ -1164,7 +1164,8 @@ impl Step<'_> {
             dl.sink.ptr(),
         );
         // SAFETY: `o`, `q` n × heads × 512 floats; window rows wb[t] + k below gw's rows
-        // (built by the caller from the same counts); `ge` n × es rows with ne[t] ≤ es;
+        // (built by the caller from the same counts); `ge` n × es rows, of which the
+        // kernel reads at most es per token whatever ne[t] says;
         // `ebuf` n × heads × max_rows floats with nw[t] + ne[t] ≤ max_rows.
         unsafe {
             dsa_kv_cuda::launch!(
@@ -1501,16 +1502,15 @@ impl Step<'_> {
         unsafe { self.g().download_raw(flag, &mut word) }.map_err(s)?;
         if let Some(f) = GuardFailure::decode(word[0]) {
             let (layer, what) = (f.op / 2, f.op % 2);
+            let at = if what == 0 {
+                format!("extra_indices of position {}", first as usize + f.token)
+            } else {
+                format!("row {} of the entries' gather", f.token)
+            };
             return Err(format!(
-                "layer {layer}: the device refused token {} ({}): a compressed entry the \
-                 selection names is not in the request's block table or its row is past \
-                 the pool",
-                first as usize + f.token,
-                if what == 0 {
-                    "extra_indices"
-                } else {
-                    "the entries' gather"
-                }
+                "layer {layer}: the device refused {at}: a compressed entry the selection \
+                 names is not in the request's block table, its row is past the pool, or \
+                 the selection is wider than the index lists"
             ));
         }
         let outs: Vec<TokenOut> = logits

@@ -86,6 +86,11 @@ impl V4Forward for V4ModelForward {
             let first = u32::try_from(p.first)
                 .map_err(|_| err(ModelError::Access(format!("position {} past u32", p.first))))?;
             let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
+            if tokens.is_empty() {
+                return Err(err(ModelError::Access(
+                    "a planned request with no tokens".into(),
+                )));
+            }
             let mut kv = V4Paged::of_step(pools, p).map_err(err)?;
             let (outs, hidden) = self
                 .model
