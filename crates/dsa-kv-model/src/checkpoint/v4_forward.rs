@@ -34,16 +34,15 @@
 use std::collections::HashMap;
 
 use dsa_kv_core::ops::model1::{dequantize_model1_row, MODEL1_NOPE};
-use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
 
 use super::forward::{rmsnorm_w, sigmoid, silu};
 use super::v4_config::V4Scoring;
 use super::v4_weights::{Hc, HfV4Model, V4Comp, V4HfLayer, V4Route};
 use super::weights::Rope;
-use crate::config::{INDEX_DIM, INDEX_VALUE_BYTES, LATENT};
+use crate::config::{INDEX_DIM, LATENT};
 use crate::math::{dot, exp, relu, to_bf16, Mat};
 use crate::model::{output_of, top_k};
-use crate::v4::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
+use crate::v4::{decode_index_key, encode_index_key, fp8_query, Model1Row, StateKind, V4Store};
 use crate::{ModelError, TokenOut};
 
 /// `x / sqrt(mean(x²) + eps)`.
@@ -395,10 +394,7 @@ impl HfV4Model {
                 .entry(kv, l, StateKind::Index, w, INDEX_DIM, c.rms_norm_eps)?;
             rope_tail(rope, &mut k, r * w);
             self.keep(|f| f.keys.insert((l, w), k.clone()));
-            let mut key = [0u8; INDEX_ENTRY_BYTES];
-            let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
-            quantize_fp8_token(&to_bf16(&k), ScaleFormat::Ue8m0, values, scale);
-            kv.write_index_entry(l, w, &key)?;
+            kv.write_index_entry(l, w, &encode_index_key(&k))?;
         }
         Ok(())
     }
@@ -433,31 +429,21 @@ impl HfV4Model {
                 if self.float.is_some() {
                     return v;
                 }
-                let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
-                quantize_fp8_token(&to_bf16(&v), ScaleFormat::Ue8m0, &mut b, &mut s);
-                let mut out = vec![0f32; INDEX_DIM];
-                dequantize_fp8_token(&b, &s, &mut out);
-                out
+                fp8_query(&v)
             })
             .collect();
         let hs = (c.index_heads as f32).powf(-0.5);
         let ks = (INDEX_DIM as f32).powf(-0.5);
         let weights: Vec<f32> = ix.weights.apply(x).iter().map(|w| w * hs).collect();
         let mut scored = Vec::with_capacity(visible as usize);
-        let mut k = [0f32; INDEX_DIM];
         for w in 0..visible {
-            let scale = match self.kept(|f| f.keys.get(&(l, w)).cloned()) {
+            let (k, scale) = match self.kept(|f| f.keys.get(&(l, w)).cloned()) {
                 Some(exact) => {
+                    let mut k = [0f32; INDEX_DIM];
                     k.copy_from_slice(&exact);
-                    1.0
+                    (k, 1.0)
                 }
-                None => {
-                    let key = kv.index_entry(l, w)?;
-                    for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
-                        *o = e4m3_to_f32(b);
-                    }
-                    f32::from_le_bytes(key[INDEX_VALUE_BYTES..].try_into().expect("4 bytes"))
-                }
+                None => decode_index_key(&kv.index_entry(l, w)?),
             };
             let mut s = 0f32;
             for (qh, wh) in qs.iter().zip(&weights) {

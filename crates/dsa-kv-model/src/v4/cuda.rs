@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
 use dsa_kv_core::core::{V4Outcome, V4Planned, V4Slots, V4StepPlan};
-use dsa_kv_core::ids::{LayerId, TokenId};
+use dsa_kv_core::ids::LayerId;
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
 use dsa_kv_core::ops::model1::MODEL1_NOPE;
@@ -41,7 +41,7 @@ use dsa_kv_cuda::v4::{
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, Plain};
 use dsa_kv_device::v4::{V4Device, V4DeviceError};
 
-use super::forward::{verdict, V4Outputs};
+use super::forward::{outcome, verdict, V4Outputs};
 use super::model::{Compressor, V4Layer, V4Model};
 use crate::cuda::{grid, load_module};
 use crate::math::{rope_cos_sin, Mat};
@@ -688,16 +688,14 @@ impl V4Device for V4CudaDevice {
             let (outs, accepted, kept, drafts) = step
                 .request(&self.pools, p)
                 .map_err(|e| err(format!("request {}: {e}", p.id)))?;
-            self.outputs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(device, p.id, &outs[..kept]);
-            outcomes.push(V4Outcome {
-                id: p.id,
-                accepted_drafts: accepted as u32,
-                next_token: p.sample.then_some(TokenId(outs[kept - 1].greedy)),
-                drafts: drafts.into_iter().map(TokenId).collect(),
-            });
+            outcomes.push(outcome(
+                &self.outputs,
+                device,
+                p,
+                &outs,
+                (accepted, kept),
+                drafts,
+            ));
         }
         Ok(outcomes)
     }

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use dsa_kv_core::core::{V4Outcome, V4StepPlan, V4Work};
+use dsa_kv_core::core::{V4Outcome, V4Planned, V4StepPlan, V4Work};
 use dsa_kv_core::ids::{RequestId, TokenId};
 use dsa_kv_device::v4::{V4DeviceError, V4Forward, V4Pools};
 
@@ -54,6 +54,28 @@ pub(super) fn verdict(work: V4Work, tokens: &[u32], outs: &[TokenOut]) -> (usize
                 .count();
             (accepted, accepted + 1)
         }
+    }
+}
+
+/// Records planned request `p`'s kept outputs on `device` and returns its outcome:
+/// `(accepted, kept)` from [`verdict`], the next step's proposals `drafts`.
+pub(super) fn outcome(
+    outputs: &Mutex<V4Outputs>,
+    device: usize,
+    p: &V4Planned,
+    outs: &[TokenOut],
+    (accepted, kept): (usize, usize),
+    drafts: Vec<u32>,
+) -> V4Outcome {
+    outputs
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .record(device, p.id, &outs[..kept]);
+    V4Outcome {
+        id: p.id,
+        accepted_drafts: accepted as u32,
+        next_token: p.sample.then_some(TokenId(outs[kept - 1].greedy)),
+        drafts: drafts.into_iter().map(TokenId).collect(),
     }
 }
 
@@ -112,16 +134,14 @@ impl V4Forward for V4ModelForward {
             } else {
                 Vec::new()
             };
-            self.outputs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(device, p.id, &outs[..kept]);
-            outcomes.push(V4Outcome {
-                id: p.id,
-                accepted_drafts: accepted as u32,
-                next_token: p.sample.then_some(TokenId(next)),
-                drafts: drafts.into_iter().map(TokenId).collect(),
-            });
+            outcomes.push(outcome(
+                &self.outputs,
+                device,
+                p,
+                &outs,
+                (accepted, kept),
+                drafts,
+            ));
         }
         Ok(outcomes)
     }

@@ -60,6 +60,7 @@ pub use forward::{V4ModelForward, V4Outputs};
 pub(crate) use model::{attend_sink, model1};
 pub use model::{V4Model, V4ModelConfig, V4Trace};
 pub use paged::V4Paged;
+pub(crate) use store::{decode_index_key, encode_index_key, fp8_query};
 pub use store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
 
 #[cfg(test)]

@@ -3,15 +3,17 @@
 
 use dsa_kv_core::config::{IndexerDtype, V4Spec};
 use dsa_kv_core::ops::model1::{dequantize_model1_row, quantize_model1_row, MODEL1_NOPE};
-use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
 use dsa_kv_core::rng::SplitMix64;
 
-use super::store::{Model1Row, StateKind, V4Contiguous, V4Store, INDEX_ENTRY_BYTES};
+use super::store::{
+    decode_index_key, encode_index_key, fp8_query, Model1Row, StateKind, V4Contiguous, V4Store,
+    INDEX_ENTRY_BYTES,
+};
 use crate::checkpoint::HfV4Model;
 use crate::math::{add, dot8, exp, relu, rmsnorm8, rope, rope_cos_sin, to_bf16, Mat};
 use crate::model::{output_of, top_k};
 use crate::unpaged::Generation;
-use crate::{ModelError, TokenOut, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
+use crate::{ModelError, TokenOut, INDEX_DIM, LATENT, ROPE};
 
 /// The V4 model's dimensions. The cache rows have V4's real sizes (a 512-wide latent,
 /// 128-wide indexer keys, the 128-token window); everything else is small.
@@ -578,10 +580,7 @@ impl V4Model {
         if let Some(ix) = &layer.index {
             let mut k = rmsnorm8(&ix.comp.entry(kv, l, StateKind::Index, w)?);
             rope(&mut k[..ROPE], layer.ratio * w);
-            let mut key = [0u8; INDEX_ENTRY_BYTES];
-            let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
-            quantize_fp8_token(&to_bf16(&k), ScaleFormat::Ue8m0, values, scale);
-            kv.write_index_entry(l, w, &key)?;
+            kv.write_index_entry(l, w, &encode_index_key(&k))?;
         }
         Ok(())
     }
@@ -606,27 +605,13 @@ impl V4Model {
             .map(|w| {
                 let mut v = w.apply8(xn);
                 rope(&mut v[..ROPE], q);
-                let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
-                quantize_fp8_token(&to_bf16(&v), ScaleFormat::Ue8m0, &mut b, &mut s);
-                let mut out = vec![0f32; INDEX_DIM];
-                dequantize_fp8_token(&b, &s, &mut out);
-                out
+                fp8_query(&v)
             })
             .collect();
         let weights = ix.w_w.apply8(xn);
         let mut scored = Vec::with_capacity(visible as usize);
-        let mut k = [0f32; INDEX_DIM];
         for w in 0..visible {
-            let key = kv.index_entry(l, w)?;
-            for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
-                *o = e4m3_to_f32(b);
-            }
-            let scale = f32::from_le_bytes([
-                key[INDEX_VALUE_BYTES],
-                key[INDEX_VALUE_BYTES + 1],
-                key[INDEX_VALUE_BYTES + 2],
-                key[INDEX_VALUE_BYTES + 3],
-            ]);
+            let (k, scale) = decode_index_key(&kv.index_entry(l, w)?);
             let mut s = 0f32;
             for (qh, wh) in qs.iter().zip(&weights) {
                 s += wh * relu(dot8(qh, &k));

@@ -4,10 +4,42 @@
 
 use dsa_kv_core::ops::model1::{MODEL1_DATA, MODEL1_SCALES};
 
-use crate::{ModelError, INDEX_VALUE_BYTES};
+use dsa_kv_core::ops::quant::{dequantize_fp8_token, e4m3_to_f32, quantize_fp8_token, ScaleFormat};
+
+use crate::math::to_bf16;
+use crate::{ModelError, INDEX_DIM, INDEX_VALUE_BYTES};
 
 /// Bytes of an indexer key of a compressed entry: 128 FP8 values and a 4-byte scale word.
 pub const INDEX_ENTRY_BYTES: usize = INDEX_VALUE_BYTES + 4;
+
+/// The indexer key of `k` (128 values) as the cache stores it: FP8 of its BF16 values
+/// with a UE8M0 scale word.
+pub(crate) fn encode_index_key(k: &[f32]) -> [u8; INDEX_ENTRY_BYTES] {
+    let mut key = [0u8; INDEX_ENTRY_BYTES];
+    let (values, scale) = key.split_at_mut(INDEX_VALUE_BYTES);
+    quantize_fp8_token(&to_bf16(k), ScaleFormat::Ue8m0, values, scale);
+    key
+}
+
+/// A stored indexer key's E4M3 values (unscaled) and its scale.
+pub(crate) fn decode_index_key(key: &[u8; INDEX_ENTRY_BYTES]) -> ([f32; INDEX_DIM], f32) {
+    let mut k = [0f32; INDEX_DIM];
+    for (o, &b) in k.iter_mut().zip(&key[..INDEX_VALUE_BYTES]) {
+        *o = e4m3_to_f32(b);
+    }
+    let s = &key[INDEX_VALUE_BYTES..];
+    (k, f32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+}
+
+/// An indexer query as the kernel takes it: FP8 of its BF16 values with a UE8M0 scale,
+/// dequantized.
+pub(crate) fn fp8_query(v: &[f32]) -> Vec<f32> {
+    let (mut b, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
+    quantize_fp8_token(&to_bf16(v), ScaleFormat::Ue8m0, &mut b, &mut s);
+    let mut out = vec![0f32; INDEX_DIM];
+    dequantize_fp8_token(&b, &s, &mut out);
+    out
+}
 
 /// One MODEL1 row: its data bytes (448 e4m3, 64 bf16) and its scale bytes (7 UE8M0 and
 /// a zero pad), which a page stores apart.
