@@ -230,6 +230,10 @@ pub(super) struct Sequence {
     /// An open import's last block key (its tokens, chained): `commit_import` must be
     /// given the same tokens.
     pub import_key: Option<BlockKey>,
+    /// The first block whose physical slot may have changed since the last
+    /// [`KvCacheManager::sync_block_table`] (every block after it too): lowered by every
+    /// change of `pages` and by a resume (pages may have moved while suspended).
+    pub table_mark: usize,
 }
 
 impl Sequence {
@@ -691,6 +695,7 @@ impl KvCacheManager {
             pinned: false,
             importing: false,
             import_key: None,
+            table_mark: 0,
         };
         if !lookup.is_empty() {
             let m = self.tree.match_prefix(
@@ -824,6 +829,50 @@ impl KvCacheManager {
             };
         }
         Ok(blocks)
+    }
+
+    /// Brings `row`, a copy of the sequence's block table for life cycle `lc` that the
+    /// caller keeps between calls, up to date: rewrites only the blocks from the first
+    /// one that may have changed since the last call for this sequence (appended,
+    /// truncated, rebased onto a cached page, moved while suspended) and truncates `row`
+    /// to the block count. Returns the first block written (`row.len()` when nothing
+    /// changed), so a consumer of `row` can update its own copy from there.
+    ///
+    /// The change mark is per sequence, not per reader: one caller (the scheduler) reads
+    /// each sequence this way and always with the same `row`. The first call after a
+    /// (re)activation rewrites the whole row. Work is proportional to the blocks
+    /// rewritten, not to the table.
+    pub fn sync_block_table(
+        &mut self,
+        h: &SeqHandle,
+        lc: LifeCycleId,
+        row: &mut Vec<i32>,
+    ) -> Result<usize, KvError> {
+        let idx = self.seq_index(h)?;
+        let s = self.seq(idx);
+        if s.status != SeqStatus::Active {
+            return Err(KvError::NotActive {
+                id: s.id,
+                status: s.status,
+                op: "reading its block table",
+            });
+        }
+        if lc.index() >= self.n_lc {
+            return Err(KvError::InvalidOption {
+                field: "life cycle",
+                value: lc.index().to_string(),
+                why: "the plan has fewer life cycles",
+            });
+        }
+        let blocks = s.pages.len() / self.n_lc;
+        let from = s.table_mark.min(blocks).min(row.len());
+        row.truncate(from);
+        row.extend(
+            (from..blocks)
+                .map(|b| self.pages[s.pages[b * self.n_lc + lc.index()]].slot.get() as i32),
+        );
+        self.seq_mut(idx).table_mark = blocks;
+        Ok(from)
     }
 
     /// The GPU slots of the blocks of life cycle `lc` of an active sequence.

@@ -115,15 +115,14 @@ impl KvCacheManager {
                 ready = ready.max(p.fence);
             }
             self.finish_plan();
+            // Appended blocks need no change mark: the kept row is shorter.
             let s = self.seq_mut(idx);
             s.pages.extend(fresh.iter().map(|f| f.0));
             s.ready_after = s.ready_after.max(ready);
         } else if (new_blocks as usize) < old_blocks {
-            let tail: Vec<PageId> = self
-                .seq_mut(idx)
-                .pages
-                .drain(new_blocks as usize * n..)
-                .collect();
+            let s = self.seq_mut(idx);
+            s.table_mark = s.table_mark.min(new_blocks as usize);
+            let tail: Vec<PageId> = s.pages.drain(new_blocks as usize * n..).collect();
             for pid in tail.into_iter().rev() {
                 debug_assert!(
                     self.pages[pid].node.is_none(),
@@ -255,7 +254,9 @@ impl KvCacheManager {
                         // ours is off the GPU too (a suspended sequence, offloaded):
                         // donating it would gain nothing.
                         self.add_ref(theirs, locked);
-                        self.seq_mut(idx).pages[b * n + lc] = theirs;
+                        let s = self.seq_mut(idx);
+                        s.pages[b * n + lc] = theirs;
+                        s.table_mark = s.table_mark.min(b);
                         self.unref(ours, locked);
                     } else {
                         // Donate: our GPU page becomes the block's page; the old one is
@@ -439,6 +440,8 @@ impl KvCacheManager {
         let s = self.seq_mut(idx);
         s.pending_copy = None;
         s.status = SeqStatus::Active;
+        // Pages may have moved (onboarded, copied) while the sequence was suspended.
+        s.table_mark = 0;
         s.ready_after = s.ready_after.max(ready);
         self.debug_check();
         Ok(true)

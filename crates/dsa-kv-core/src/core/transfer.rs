@@ -214,6 +214,7 @@ impl KvCacheManager {
                 s.pages[(skipped as usize + k) * n + lc] = p;
             }
         }
+        s.table_mark = s.table_mark.min(skipped as usize);
         let keys = self.block_keys(scope, tokens);
         self.seq_mut(idx).import_key = keys.last().copied();
         let first = skipped as usize * self.n_lc;
