@@ -108,7 +108,7 @@ mod enabled {
                 Some(m) if plan.requests.iter().any(|r| r.id == m.request) => {
                     let mut p = (*plan).clone();
                     for r in p.requests.iter_mut().filter(|r| r.id == m.request) {
-                        m.apply(&mut r.block_slots);
+                        m.apply(r.block_slots.make_mut());
                     }
                     Arc::new(p)
                 }

@@ -875,6 +875,15 @@ impl KvCacheManager {
         Ok(from)
     }
 
+    /// The sequence's change mark and block count: blocks from the mark on may have
+    /// changed since the last [`sync_block_table`](Self::sync_block_table) (nothing
+    /// changed when the mark is at or past the count and the kept row has that many
+    /// blocks).
+    pub fn block_table_mark(&self, h: &SeqHandle) -> Result<(usize, usize), KvError> {
+        let s = self.seq(self.seq_index(h)?);
+        Ok((s.table_mark, s.pages.len() / self.n_lc))
+    }
+
     /// The GPU slots of the blocks of life cycle `lc` of an active sequence.
     pub fn block_slots(&self, h: &SeqHandle, lc: LifeCycleId) -> Result<Vec<SlotId>, KvError> {
         let mut row = vec![0i32; self.seq(self.seq_index(h)?).pages.len() / self.n_lc];

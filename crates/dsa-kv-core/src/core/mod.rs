@@ -3,6 +3,7 @@
 //! eviction across tiers, quota. Every byte that must move leaves as a
 //! [`CopyPlan`](crate::ops::CopyPlan).
 
+mod block_row;
 mod cached_blocks;
 mod error;
 mod events;
@@ -30,6 +31,7 @@ mod transfer;
 mod v4;
 mod window;
 
+pub use block_row::{BlockRow, RowStamp};
 pub use cached_blocks::CachedPage;
 pub use error::{KvError, SeqStatus};
 pub use events::KvEvent;

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::block_row::{BlockRow, KeptRow};
 use super::error::{KvError, SeqStatus};
 use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
 use super::reset::ResetReport;
@@ -99,10 +100,12 @@ pub struct PlannedRequest {
     pub tokens: Vec<TokenId>,
     /// Draft tokens among `tokens` (the last ones).
     pub num_drafts: u32,
-    /// GPU slot of every target block.
-    pub block_slots: Vec<i32>,
-    /// GPU slot of every draft-manager block.
-    pub draft_block_slots: Option<Vec<i32>>,
+    /// GPU slot of every target block: the scheduler's kept row, shared (its
+    /// [`RowStamp`](super::RowStamp) says which columns changed since the row the
+    /// previous plan carried for this request).
+    pub block_slots: BlockRow,
+    /// GPU slot of every draft-manager block (a kept row as well).
+    pub draft_block_slots: Option<BlockRow>,
     /// Token ids of positions `[0, num_cached)` when the cached KV must be verified this
     /// step (after reuse or a preemption that may have moved it).
     pub verify_tokens: Option<Vec<TokenId>>,
@@ -311,6 +314,8 @@ struct Pending {
     kind: RequestKind,
     tokens: Vec<TokenId>,
     num_drafts: u32,
+    /// Index of the request in the plan (its outcome is looked up there).
+    at: u32,
 }
 
 /// A request's sequences in the target and (mirrored) draft manager.
@@ -347,6 +352,10 @@ struct Req {
     dead: bool,
     /// Paused by the framework: not scheduled until resumed.
     paused: bool,
+    /// The block-table rows the plans carry (target, draft manager), kept across steps
+    /// and updated by the blocks that changed.
+    row: KeptRow,
+    draft_row: KeptRow,
 }
 
 impl Req {
@@ -405,9 +414,24 @@ pub struct Scheduler {
 #[derive(Debug, Default)]
 struct Spare {
     tokens: Vec<Vec<TokenId>>,
-    slots: Vec<Vec<i32>>,
     requests: Option<Vec<PlannedRequest>>,
     cap: usize,
+    /// `schedule`'s visiting order.
+    order: Vec<usize>,
+    /// `commit`'s lookups.
+    outcomes: OutcomeBufs,
+}
+
+/// `commit`'s lookups, kept between steps.
+#[derive(Debug, Default)]
+struct OutcomeBufs {
+    /// Index in the outcomes of each plan entry's outcome (`u32::MAX`: none).
+    outcome_of: Vec<u32>,
+    /// Index in `reqs` of each plan entry.
+    by_at: Vec<usize>,
+    /// `(id, index in reqs)` of the plan's requests by id, built on the first outcome
+    /// out of plan order.
+    by_id: Vec<(RequestId, usize)>,
 }
 
 impl Spare {
@@ -415,21 +439,10 @@ impl Spare {
         self.tokens.pop().unwrap_or_default()
     }
 
-    fn slots(&mut self) -> Vec<i32> {
-        self.slots.pop().unwrap_or_default()
-    }
-
     fn keep_tokens(&mut self, mut v: Vec<TokenId>) {
         if self.tokens.len() < self.cap {
             v.clear();
             self.tokens.push(v);
-        }
-    }
-
-    fn keep_slots(&mut self, mut v: Vec<i32>) {
-        if self.slots.len() < self.cap {
-            v.clear();
-            self.slots.push(v);
         }
     }
 }
@@ -468,11 +481,9 @@ impl Scheduler {
     pub fn recycle(&mut self, plan: StepPlan) {
         let mut requests = plan.requests;
         for r in requests.drain(..) {
+            // The rows are shared with the requests' kept rows: dropping the plan's
+            // references frees nothing and lets the next step write them in place.
             self.spare.keep_tokens(r.tokens);
-            self.spare.keep_slots(r.block_slots);
-            if let Some(d) = r.draft_block_slots {
-                self.spare.keep_slots(d);
-            }
             if let Some(v) = r.verify_tokens {
                 self.spare.keep_tokens(v);
             }
@@ -480,14 +491,29 @@ impl Scheduler {
         self.spare.requests = Some(requests);
     }
 
-    /// Spare token and slot buffers kept, and the cap on each (tests).
+    /// The target and draft block tables of request `id`, read whole (tests).
     #[cfg(test)]
-    pub(crate) fn spare_counts(&self) -> (usize, usize, usize) {
+    pub(crate) fn tables_of(&self, id: RequestId) -> (Vec<i32>, Option<Vec<i32>>) {
+        let r = self
+            .reqs
+            .iter()
+            .find(|r| r.id == id)
+            .expect("a live request");
+        let s = r.seqs();
+        let draft = match (&self.draft, &s.draft) {
+            (Some(d), Some(h)) => Some(Self::table(d, h).expect("an active sequence")),
+            _ => None,
+        };
         (
-            self.spare.tokens.len(),
-            self.spare.slots.len(),
-            self.spare.cap,
+            Self::table(&self.target, &s.target).expect("an active sequence"),
+            draft,
         )
+    }
+
+    /// Spare token buffers kept, and the cap (tests).
+    #[cfg(test)]
+    pub(crate) fn spare_counts(&self) -> (usize, usize) {
+        (self.spare.tokens.len(), self.spare.cap)
     }
 
     /// The target manager.
@@ -615,6 +641,8 @@ impl Scheduler {
             pending: None,
             dead: false,
             paused: false,
+            row: KeptRow::default(),
+            draft_row: KeptRow::default(),
         });
         self.stats.submitted += 1;
         Ok(probe)
@@ -868,13 +896,15 @@ impl Scheduler {
         // order within each.
         let decoding = |r: &Req| matches!(r.phase, Phase::Decode { .. });
         let runnable = |r: &Req| !r.paused;
-        let mut order: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| runnable(&self.reqs[i]) && decoding(&self.reqs[i]))
-            .collect();
+        let mut order = std::mem::take(&mut self.spare.order);
+        order.clear();
+        order.extend(
+            (0..self.reqs.len()).filter(|&i| runnable(&self.reqs[i]) && decoding(&self.reqs[i])),
+        );
         order.extend(
             (0..self.reqs.len()).filter(|&i| runnable(&self.reqs[i]) && !decoding(&self.reqs[i])),
         );
-        for i in order {
+        for &i in &order {
             if seqs == self.limits.max_num_sequences || budget == 0 {
                 break;
             }
@@ -994,14 +1024,18 @@ impl Scheduler {
             let prefix = self.reqs[i].prefix_hash(cached);
             let mut tokens = self.spare.tokens();
             tokens.extend_from_slice(&new);
-            let row = self.spare.slots();
-            let draft_row = self.draft.as_ref().map(|_| self.spare.slots());
-            let r = &self.reqs[i];
-            let block_slots = Self::table_into(&self.target, &r.seqs().target, row)?;
-            let draft_block_slots = match (&self.draft, &r.seqs().draft, draft_row) {
-                (Some(d), Some(h), Some(row)) => Some(Self::table_into(d, h, row)?),
+            // The kept rows, updated by the blocks that changed (not rewritten).
+            let r = &mut self.reqs[i];
+            let open = r
+                .seq
+                .as_ref()
+                .expect("invariant: a scheduled request has open sequences");
+            let block_slots = r.row.publish(&mut self.target, &open.target)?;
+            let draft_block_slots = match (&mut self.draft, &open.draft) {
+                (Some(d), Some(h)) => Some(r.draft_row.publish(d, h)?),
                 _ => None,
             };
+            let r = &self.reqs[i];
             let verify_tokens =
                 (r.verify && cached > 0).then(|| r.tokens[..cached as usize].to_vec());
             let produces_token = match kind {
@@ -1027,6 +1061,7 @@ impl Scheduler {
                 kind,
                 tokens: new,
                 num_drafts,
+                at: 0, // set below, once the plan is in its final order
             });
             budget -= n;
             seqs += 1;
@@ -1035,6 +1070,22 @@ impl Scheduler {
         // be: victims are never scheduled in the same step.
         plan.requests
             .sort_by_key(|p| p.kind == RequestKind::Generation);
+        // Where each planned request sits in the plan, for `commit`: visiting order,
+        // context requests first (the sort above is stable).
+        let mut at = 0u32;
+        for ctx in [true, false] {
+            for &i in &order {
+                let r = &mut self.reqs[i];
+                if let Some(p) = &mut r.pending {
+                    if (p.kind == RequestKind::Context) == ctx {
+                        p.at = at;
+                        at += 1;
+                    }
+                }
+            }
+        }
+        debug_assert_eq!(at as usize, plan.requests.len());
+        self.spare.order = order;
         plan.copies = self.target.take_copy_plans();
         plan.target_fence = self.target.issue_fence();
         if let Some(d) = &mut self.draft {
@@ -1085,71 +1136,44 @@ impl Scheduler {
         if !self.step_pending {
             return Err(SchedError::NothingToCommit);
         }
-        let mut by_id: HashMap<RequestId, &RequestOutcome> = HashMap::with_capacity(outcomes.len());
-        // Validate everything before changing anything.
-        for o in outcomes {
-            if by_id.insert(o.id, o).is_some() {
-                return Err(SchedError::BadOutcome {
-                    id: o.id,
-                    what: "two outcomes for one request".into(),
-                });
-            }
-            if let Some(t) = o.next_token.filter(|t| t.get() > TokenId::MAX) {
-                return Err(SchedError::BadOutcome {
-                    id: o.id,
-                    what: format!(
-                        "next_token {} is above the largest token id {}",
-                        t.get(),
-                        TokenId::MAX
-                    ),
-                });
-            }
-            match self
-                .reqs
-                .iter()
-                .find(|r| r.id == o.id)
-                .and_then(|r| r.pending.as_ref())
-            {
-                None => {
-                    return Err(SchedError::NotInStep {
-                        id: o.id,
-                        step: self.step,
-                    })
-                }
-                Some(p) if o.accepted_drafts > p.num_drafts => {
+        // Each outcome's request: where the plan put it (outcomes usually come in plan
+        // order), else found by id. Validate everything before changing anything.
+        let mut bufs = std::mem::take(&mut self.spare.outcomes);
+        let checked = self.match_outcomes(outcomes, &mut bufs);
+        let outcome_of = &bufs.outcome_of;
+        let checked = checked.and_then(|()| {
+            for r in &self.reqs {
+                let Some(p) = &r.pending else { continue };
+                let needs_token = match (p.kind, r.phase) {
+                    (RequestKind::Generation, _) => true,
+                    (RequestKind::Context, Phase::Prefill { done }) => {
+                        r.resume_decode.is_none() && done + p.tokens.len() as u32 == r.prefill_len
+                    }
+                    _ => false,
+                };
+                let o = outcome_of[p.at as usize];
+                if needs_token && (o == u32::MAX || outcomes[o as usize].next_token.is_none()) {
                     return Err(SchedError::BadOutcome {
-                        id: o.id,
-                        what: format!(
-                            "{} drafts accepted of {} proposed",
-                            o.accepted_drafts, p.num_drafts
-                        ),
-                    })
+                        id: r.id,
+                        what: "the step produced a token: give next_token".into(),
+                    });
                 }
-                Some(_) => {}
             }
-        }
-        for r in &self.reqs {
-            let Some(p) = &r.pending else { continue };
-            let needs_token = match (p.kind, r.phase) {
-                (RequestKind::Generation, _) => true,
-                (RequestKind::Context, Phase::Prefill { done }) => {
-                    r.resume_decode.is_none() && done + p.tokens.len() as u32 == r.prefill_len
-                }
-                _ => false,
-            };
-            if needs_token && by_id.get(&r.id).and_then(|o| o.next_token).is_none() {
-                return Err(SchedError::BadOutcome {
-                    id: r.id,
-                    what: "the step produced a token: give next_token".into(),
-                });
-            }
+            Ok(())
+        });
+        if let Err(e) = checked {
+            self.spare.outcomes = bufs;
+            return Err(e);
         }
         let mut finished = Vec::new();
         for i in 0..self.reqs.len() {
             let Some(p) = self.reqs[i].pending.take() else {
                 continue;
             };
-            let o = by_id.get(&self.reqs[i].id);
+            let o = match outcome_of[p.at as usize] {
+                u32::MAX => None,
+                k => Some(&outcomes[k as usize]),
+            };
             match p.kind {
                 RequestKind::Context => {
                     self.both(i, |m, h| m.commit(h, &p.tokens))?;
@@ -1213,8 +1237,93 @@ impl Scheduler {
                 }
             }
         }
+        self.spare.outcomes = bufs;
         self.step_pending = false;
         Ok(finished)
+    }
+
+    /// Fills `outcome_of[at]` with the index in `outcomes` of the outcome of the plan's
+    /// request `at` (`u32::MAX` for none) and checks each outcome on its own: a request
+    /// of this step, once, a token id in range, no more drafts accepted than proposed.
+    /// Linear in the outcomes when they come in plan order; otherwise the requests of
+    /// the step are sorted by id once.
+    fn match_outcomes(
+        &self,
+        outcomes: &[RequestOutcome],
+        bufs: &mut OutcomeBufs,
+    ) -> Result<(), SchedError> {
+        let OutcomeBufs {
+            outcome_of,
+            by_at,
+            by_id,
+        } = bufs;
+        by_at.clear();
+        by_id.clear();
+        for (i, r) in self.reqs.iter().enumerate() {
+            if let Some(p) = &r.pending {
+                let at = p.at as usize;
+                if by_at.len() <= at {
+                    by_at.resize(at + 1, usize::MAX);
+                }
+                by_at[at] = i;
+            }
+        }
+        outcome_of.clear();
+        outcome_of.resize(by_at.len(), u32::MAX);
+        for (k, o) in outcomes.iter().enumerate() {
+            if let Some(t) = o.next_token.filter(|t| t.get() > TokenId::MAX) {
+                return Err(SchedError::BadOutcome {
+                    id: o.id,
+                    what: format!(
+                        "next_token {} is above the largest token id {}",
+                        t.get(),
+                        TokenId::MAX
+                    ),
+                });
+            }
+            // The plan's request `k` when the outcomes follow the plan's order; else
+            // the requests of the step sorted by id, once.
+            let i = match by_at.get(k).copied().filter(|&i| self.reqs[i].id == o.id) {
+                Some(i) => i,
+                None => {
+                    if by_id.is_empty() {
+                        by_id.extend(by_at.iter().map(|&i| (self.reqs[i].id, i)));
+                        by_id.sort_unstable_by_key(|e| e.0);
+                    }
+                    match by_id.binary_search_by_key(&o.id, |e| e.0) {
+                        Ok(j) => by_id[j].1,
+                        Err(_) => {
+                            return Err(SchedError::NotInStep {
+                                id: o.id,
+                                step: self.step,
+                            })
+                        }
+                    }
+                }
+            };
+            let p = self.reqs[i]
+                .pending
+                .as_ref()
+                .expect("invariant: only requests of the step are matched");
+            if o.accepted_drafts > p.num_drafts {
+                return Err(SchedError::BadOutcome {
+                    id: o.id,
+                    what: format!(
+                        "{} drafts accepted of {} proposed",
+                        o.accepted_drafts, p.num_drafts
+                    ),
+                });
+            }
+            let slot = &mut outcome_of[p.at as usize];
+            if *slot != u32::MAX {
+                return Err(SchedError::BadOutcome {
+                    id: o.id,
+                    what: "two outcomes for one request".into(),
+                });
+            }
+            *slot = k as u32;
+        }
+        Ok(())
     }
 
     /// Closes finished requests (their committed blocks stay cached for reuse).
