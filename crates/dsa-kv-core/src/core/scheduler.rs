@@ -1086,6 +1086,11 @@ impl Scheduler {
         }
         debug_assert_eq!(at as usize, plan.requests.len());
         self.spare.order = order;
+        // Requests that failed this step (their sequences are closed) leave now: they
+        // are in `plan.failed`, never planned again.
+        if !plan.failed.is_empty() {
+            self.reqs.retain(|r| !r.dead);
+        }
         plan.copies = self.target.take_copy_plans();
         plan.target_fence = self.target.issue_fence();
         if let Some(d) = &mut self.draft {

@@ -822,3 +822,45 @@ fn plan_rows_are_the_tables_and_their_stamps_replay_them() {
         );
     }
 }
+
+/// A request longer than the whole GPU pool fails with a typed reason in the plan, once;
+/// the next steps go on without it (it is not planned again, nothing panics) and the
+/// others finish.
+#[test]
+fn a_request_longer_than_the_pool_fails_once_and_leaves() {
+    // 5 GPU blocks of 4 tokens: 20 tokens at most; request 1 needs 30.
+    let mut s = Scheduler::new(manager(5, 0), None, limits(0));
+    s.submit(req(1, (0..30).collect(), 2)).unwrap();
+    s.submit(req(2, (100..106).collect(), 3)).unwrap();
+    let mut failed = Vec::new();
+    for step in 0..40 {
+        let plan = s.schedule(&HashMap::new()).unwrap();
+        failed.extend(plan.failed.iter().map(|f| f.0));
+        if plan.requests.is_empty() {
+            if s.num_active() == 0 {
+                break;
+            }
+            continue;
+        }
+        assert!(plan
+            .requests
+            .iter()
+            .all(|p| p.id != RequestId(1) || step < 10));
+        s.complete(plan.target_fence, plan.draft_fence).unwrap();
+        let outcomes: Vec<RequestOutcome> = plan
+            .requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: 0,
+                next_token: Some(TokenId(1)),
+            })
+            .collect();
+        let done = s.commit(&outcomes).unwrap();
+        let ids: Vec<RequestId> = done.iter().map(|f| f.id).collect();
+        s.finalize(&ids).unwrap();
+    }
+    assert_eq!(failed, vec![RequestId(1)]);
+    assert_eq!(s.num_active(), 0, "request 2 finished");
+    assert_eq!(s.status(RequestId(1)), None, "the failed request is gone");
+}
