@@ -57,6 +57,7 @@ fn metadata(c: &mut Criterion) {
         .map(|(r, &(kind, num_cached, num_new))| StepRequest {
             kind,
             block_slots: r,
+            row: dsa_kv::core::RowStamp::UNKNOWN,
             num_cached,
             num_new,
             helix_inactive: false,

@@ -325,6 +325,7 @@ fn rows() -> Vec<Row> {
                 let r = StepRequest {
                     kind: RequestKind::Generation,
                     block_slots: &slots,
+                    row: dsa_kv::core::RowStamp::UNKNOWN,
                     num_cached: 3,
                     num_new: 1,
                     helix_inactive: false,
@@ -341,6 +342,7 @@ fn rows() -> Vec<Row> {
                 let r = [StepRequest {
                     kind: RequestKind::Generation,
                     block_slots: &slots,
+                    row: dsa_kv::core::RowStamp::UNKNOWN,
                     num_cached: 3,
                     num_new: 1,
                     helix_inactive: false,
@@ -361,6 +363,7 @@ fn rows() -> Vec<Row> {
                 let r = [StepRequest {
                     kind: RequestKind::Generation,
                     block_slots: &slots,
+                    row: dsa_kv::core::RowStamp::UNKNOWN,
                     num_cached: 3,
                     num_new: 1,
                     helix_inactive: false,

@@ -165,6 +165,7 @@ fn reqs(v: &[(Vec<i32>, u32)]) -> Vec<StepRequest<'_>> {
         .map(|(slots, cached)| StepRequest {
             kind: RequestKind::Generation,
             block_slots: slots,
+            row: dsa_kv::core::RowStamp::UNKNOWN,
             num_cached: *cached,
             num_new: 1,
             helix_inactive: false,

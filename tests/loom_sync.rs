@@ -265,6 +265,7 @@ fn target_and_draft_bindings() -> (Bindings, Bindings) {
     let req = [StepRequest {
         kind: RequestKind::Context,
         block_slots: &slots,
+        row: dsa_kv::core::RowStamp::UNKNOWN,
         num_cached: 60,
         num_new: 10,
         helix_inactive: false,

@@ -180,6 +180,7 @@ impl Harness {
             .map(|i| StepRequest {
                 kind: kinds[i],
                 block_slots: &tables[i],
+                row: dsa_kv::core::RowStamp::UNKNOWN,
                 num_cached: cached[i],
                 num_new: new[i],
                 helix_inactive: false,
@@ -540,6 +541,7 @@ fn draft_replay_reads_the_draft_managers_pages() {
     let t_req = [StepRequest {
         kind: RequestKind::Generation,
         block_slots: &t_row,
+        row: dsa_kv::core::RowStamp::UNKNOWN,
         num_cached: 100,
         num_new: 4,
         helix_inactive: false,
@@ -549,6 +551,7 @@ fn draft_replay_reads_the_draft_managers_pages() {
     let target_table = target.meta.indexer_page_table().to_vec();
     let d_req = [StepRequest {
         block_slots: &d_row,
+        row: dsa_kv::core::RowStamp::UNKNOWN,
         ..t_req[0]
     }];
     {

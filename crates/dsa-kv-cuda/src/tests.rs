@@ -707,6 +707,7 @@ fn slot_mapping_recompute_matches_host() {
                     RequestKind::Generation
                 },
                 block_slots: s,
+                row: dsa_kv_core::core::RowStamp::UNKNOWN,
                 num_cached: cached,
                 num_new: new,
                 helix_inactive: false,

@@ -22,6 +22,7 @@ use serde::Serialize;
 use super::buffers::{Bindings, BufferId, BufferRole, Data, MetaBuffer};
 use super::MetadataError;
 use crate::core::scheduler::RequestKind;
+use crate::core::RowStamp;
 use crate::layout::{IndexerPageLayout, LayoutError, PoolPlan, Role, RowLayout};
 
 /// The per-manager constants the metadata needs (target and draft managers differ).
@@ -87,6 +88,11 @@ pub struct StepRequest<'a> {
     pub kind: RequestKind,
     /// Physical slot of every block the request holds (the manager's block table row).
     pub block_slots: &'a [i32],
+    /// What changed in `block_slots` since the row the previous step carried for this
+    /// request ([`BlockRow::stamp`](crate::core::BlockRow::stamp));
+    /// [`RowStamp::UNKNOWN`] rewrites the row whole. With a true stamp, a request that
+    /// stays at its batch index costs the page tables only its changed columns.
+    pub row: RowStamp,
     /// KV tokens before this step.
     pub num_cached: u32,
     /// Tokens this step adds (query tokens).
@@ -146,6 +152,12 @@ pub struct StepMetadata {
     /// Columns written in each page-table row of the target (0) and draft (1) set since
     /// it was last padded whole: a rewrite re-pads only those, not the whole row.
     pub(super) row_cols: [Vec<usize>; 2],
+    /// Per set and row: the block-table columns the last fill made valid (−1 after),
+    /// and the version of the row it wrote ([`RowStamp`]; 0: unknown).
+    pub(super) row_valid: [Vec<usize>; 2],
+    pub(super) row_version: [Vec<u64>; 2],
+    /// Page-table cells the last fill wrote (both tables; padding included).
+    pub(super) table_writes: usize,
     pub(super) counts: StepCounts,
     /// Bumped by every prepare and restore of a draft replay.
     pub(super) epoch: u64,
@@ -206,6 +218,15 @@ impl StepMetadata {
                 vec![0; dims.max_num_sequences],
                 vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
             ],
+            row_valid: [
+                vec![0; dims.max_num_sequences],
+                vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
+            ],
+            row_version: [
+                vec![0; dims.max_num_sequences],
+                vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
+            ],
+            table_writes: 0,
             counts: StepCounts::default(),
             epoch: 0,
             replay: None,
@@ -408,27 +429,49 @@ impl StepMetadata {
         let (mut bt, bt_dirty) = self.take_i32(set.block_table);
         let which = usize::from(set.indexer_page_table != self.target.indexer_page_table);
         let mut row_cols = std::mem::take(&mut self.row_cols[which]);
+        let mut row_valid = std::mem::take(&mut self.row_valid[which]);
+        let mut row_version = std::mem::take(&mut self.row_version[which]);
+        let mut writes = 0usize;
         for (r, req) in reqs.iter().enumerate() {
             let row = r * b..(r + 1) * b;
             let valid = (req.num_cached + req.added()).div_ceil(t) as usize;
             let (ixr, btr) = (&mut ix[row.clone()], &mut bt[row]);
             let len = req.block_slots.len();
-            for (col, &slot) in req.block_slots.iter().enumerate() {
-                ixr[col] = slot.max(0).saturating_mul(scale);
+            let (old_len, old_valid) = (row_cols[r], row_valid[r]);
+            // Columns before `from` hold this row already (the same request's row, or
+            // the row it was derived from, was written here by the last fill).
+            let from = req.row.rewrite_from(row_version[r], len).min(old_len);
+            for (dst, &slot) in ixr[from..len].iter_mut().zip(&req.block_slots[from..]) {
+                *dst = slot.max(0).saturating_mul(scale);
             }
-            // Past `len` the row holds padding except what an earlier step wrote there.
-            let stale = row_cols[r].max(len);
+            // Past `len` the row holds padding except what the last fill wrote there.
+            let stale = old_len.max(len);
             ixr[len..stale].fill(0);
-            btr[..valid].copy_from_slice(&req.block_slots[..valid]);
-            btr[valid..stale].fill(-1);
+            // Block table: slots below `valid`, −1 from there (already −1 past the last
+            // fill's `old_valid`).
+            let bt_from = from.min(old_valid).min(valid);
+            btr[bt_from..valid].copy_from_slice(&req.block_slots[bt_from..valid]);
+            if old_valid > valid {
+                btr[valid..old_valid].fill(-1);
+            }
+            writes +=
+                (len - from) + (stale - len) + (valid - bt_from) + old_valid.saturating_sub(valid);
             row_cols[r] = len;
+            row_valid[r] = valid;
+            row_version[r] = req.row.version;
         }
         // Rows past this batch are re-padded whole below.
         let old_rows = ix_dirty.max(bt_dirty).div_ceil(b.max(1));
-        for c in row_cols.iter_mut().take(old_rows).skip(reqs.len()) {
-            *c = 0;
+        for r in reqs.len()..old_rows.min(row_cols.len()) {
+            writes += 2 * b;
+            row_cols[r] = 0;
+            row_valid[r] = 0;
+            row_version[r] = 0;
         }
         self.row_cols[which] = row_cols;
+        self.row_valid[which] = row_valid;
+        self.row_version[which] = row_version;
+        self.table_writes = writes;
         self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
         self.put_i32(set.block_table, bt, bt_dirty, rows, -1);
         let (mut lens, lens_dirty) = self.take_i32(set.kv_lens);
@@ -580,6 +623,14 @@ impl StepMetadata {
     /// Counts of the prepared step.
     pub fn counts(&self) -> StepCounts {
         self.counts
+    }
+
+    /// Page-table cells (indexer page table and block table, padding included) the last
+    /// [`prepare`](Self::prepare) or [`prepare_draft`](Self::prepare_draft) wrote: with
+    /// true [`RowStamp`]s and requests that keep their batch index, the columns that
+    /// changed, not the batch's context.
+    pub fn last_table_writes(&self) -> usize {
+        self.table_writes
     }
 
     /// Current bindings (which buffer plays which role; full-KV alias state).

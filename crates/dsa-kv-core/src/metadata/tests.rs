@@ -31,6 +31,7 @@ fn req(kind: RequestKind, slots: &[i32], cached: u32, new: u32) -> StepRequest<'
     StepRequest {
         kind,
         block_slots: slots,
+        row: crate::core::RowStamp::UNKNOWN,
         num_cached: cached,
         num_new: new,
         helix_inactive: false,
@@ -558,5 +559,252 @@ fn a_sequence_of_steps_leaves_what_a_fresh_prepare_gives() {
                 m.buffer_role(id)
             );
         }
+    }
+}
+
+// ---- page tables updated by the changed columns -----------------------------------
+
+mod incremental {
+    use std::collections::HashMap;
+
+    use super::super::mirror::MetaRef;
+    use super::super::*;
+    use crate::core::scheduler::{
+        RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
+    };
+    use crate::core::{KvCacheManager, ManagerOptions, RowStamp, TierSlots};
+    use crate::ids::{LayerId, RequestId, TokenId};
+    use crate::layout::{
+        BufferSpec, IndexerPageLayout, LayerSpec, LifeCycleKey, PoolPlan, Role, RowLayout,
+    };
+
+    fn scheduler(t: u32, gpu: u32, host: u32, limits: SchedulerLimits) -> Scheduler {
+        let plan = PoolPlan::v2(
+            t,
+            vec![LayerSpec {
+                layer: LayerId(0),
+                life_cycle: LifeCycleKey(0),
+                buffers: vec![BufferSpec::new(
+                    Role::Key,
+                    RowLayout::Interleaved { row_bytes: 2 },
+                )],
+            }],
+        )
+        .unwrap();
+        let opts = ManagerOptions {
+            max_util_for_resume: 1.0,
+            ..Default::default()
+        };
+        let host = if host > 0 { vec![host] } else { vec![] };
+        let m = KvCacheManager::new(
+            plan,
+            TierSlots {
+                gpu: vec![gpu],
+                host,
+            },
+            opts,
+        )
+        .unwrap();
+        Scheduler::new(m, None, limits)
+    }
+
+    fn layout(t: u32) -> MetadataLayout {
+        MetadataLayout {
+            tokens_per_block: t,
+            indexer_page_scale: 1,
+            indexer: Some(IndexerPageLayout {
+                tokens_per_block: t,
+                data_bytes: 128,
+                scale_bytes: 4,
+            }),
+        }
+    }
+
+    fn step_requests(plan: &StepPlan, stamped: bool) -> Vec<StepRequest<'_>> {
+        plan.requests
+            .iter()
+            .map(|r| StepRequest {
+                kind: r.kind,
+                block_slots: &r.block_slots,
+                row: if stamped {
+                    r.block_slots.stamp()
+                } else {
+                    RowStamp::UNKNOWN
+                },
+                num_cached: r.num_cached,
+                num_new: r.tokens.len() as u32,
+                helix_inactive: false,
+            })
+            .collect()
+    }
+
+    fn bytes(m: &StepMetadata) -> Vec<(MetaRef, Vec<u8>)> {
+        m.mirror_refs()
+            .into_iter()
+            .map(|r| (r, m.mirror_bytes(r).to_vec()))
+            .collect()
+    }
+
+    /// Outcomes with `next() % (drafts + 1)` drafts accepted.
+    fn outcomes(plan: &StepPlan, next: &mut impl FnMut() -> u32) -> Vec<RequestOutcome> {
+        plan.requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: next() % (p.num_drafts + 1),
+                next_token: Some(TokenId(next() % 5)),
+            })
+            .collect()
+    }
+
+    /// Metadata filled from the plans' stamps equals, byte for byte in every buffer,
+    /// metadata that rewrites every row each step (unknown stamps): through prefill
+    /// chunks, decode steps with random draft acceptance, requests finishing and
+    /// arriving (batch indices shift), preemption by suspension and by recompute.
+    #[test]
+    fn stamped_fills_equal_full_rewrites() {
+        for host in [16, 0] {
+            let limits = SchedulerLimits {
+                max_num_sequences: 8,
+                max_num_tokens: 16,
+                max_prefill_chunk: 6,
+                max_seq_len: 64,
+                draft_tokens: 2,
+                livelock_steps: 50,
+                max_context_kv_tokens: 256,
+                transfer_lease: std::time::Duration::from_secs(30),
+            };
+            let mut s = scheduler(4, 12, host, limits);
+            let dims = MetadataDims {
+                max_num_sequences: 8,
+                max_blocks_per_seq: 20,
+                max_num_tokens: 16,
+                max_context_kv_tokens: 256,
+            };
+            let mut inc = StepMetadata::new(layout(4), dims, None, true).unwrap();
+            let mut full = StepMetadata::new(layout(4), dims, None, true).unwrap();
+            let mut rng = 3u64;
+            let mut next = || {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (rng >> 33) as u32
+            };
+            let mut id = 0u64;
+            let (mut steps, mut wrote, mut rewrote) = (0, 0usize, 0usize);
+            while steps < 300 {
+                steps += 1;
+                if s.num_active() + s.num_waiting() < 7 && next() % 3 == 0 {
+                    id += 1;
+                    let prompt = (0..3 + next() % 12).map(|t| TokenId(t * 3 + id as u32));
+                    s.submit(SubmitRequest::new(
+                        RequestId(id),
+                        prompt.collect(),
+                        6 + next() % 12,
+                    ))
+                    .unwrap();
+                }
+                let drafts: HashMap<RequestId, Vec<TokenId>> = (1..=id)
+                    .map(|i| (RequestId(i), vec![TokenId(next() % 5), TokenId(next() % 5)]))
+                    .collect();
+                let plan = s.schedule(&drafts).unwrap();
+                s.complete(plan.target_fence, plan.draft_fence).unwrap();
+                if plan.requests.is_empty() {
+                    continue;
+                }
+                inc.prepare(&layout(4), &step_requests(&plan, true))
+                    .unwrap();
+                full.prepare(&layout(4), &step_requests(&plan, false))
+                    .unwrap();
+                assert!(bytes(&inc) == bytes(&full), "host {host}, step {steps}");
+                wrote += inc.last_table_writes();
+                rewrote += full.last_table_writes();
+                let done = s.commit(&outcomes(&plan, &mut next)).unwrap();
+                let ids: Vec<RequestId> = done.iter().map(|f| f.id).collect();
+                s.finalize(&ids).unwrap();
+                s.recycle(plan);
+            }
+            assert!(
+                s.stats().preemptions > 0,
+                "host {host}: the pressure preempted"
+            );
+            assert!(
+                s.stats().finished > 5,
+                "host {host}: requests came and went"
+            );
+            assert!(wrote < rewrote, "host {host}: {wrote} vs {rewrote} cells");
+        }
+    }
+
+    /// A steady decode batch (3 drafts, random acceptance) writes the same number of
+    /// page-table cells per step whether its requests hold 2K or 64K tokens: the
+    /// columns that changed (a new block every few steps, the draft blocks taken and
+    /// dropped), not the context.
+    #[test]
+    fn page_table_work_does_not_grow_with_the_context() {
+        const SEQS: u64 = 16;
+        let mut per_step = Vec::new();
+        for context in [2_048u32, 65_536] {
+            let limits = SchedulerLimits {
+                max_num_sequences: SEQS as u32,
+                max_num_tokens: 1 << 20,
+                max_prefill_chunk: 1 << 20,
+                max_seq_len: 1 << 20,
+                draft_tokens: 3,
+                livelock_steps: 50,
+                max_context_kv_tokens: 1 << 24,
+                transfer_lease: std::time::Duration::from_secs(30),
+            };
+            let blocks = context / 64 + 8;
+            let mut s = scheduler(64, SEQS as u32 * blocks, 0, limits);
+            for i in 0..SEQS {
+                let prompt = (0..context).map(|t| TokenId(t % 50_000 + i as u32 * 7));
+                s.submit(SubmitRequest::new(RequestId(i), prompt.collect(), 10_000))
+                    .unwrap();
+            }
+            let dims = MetadataDims {
+                max_num_sequences: SEQS as usize,
+                max_blocks_per_seq: blocks as usize,
+                max_num_tokens: 1 << 20,
+                max_context_kv_tokens: 1 << 24,
+            };
+            let mut m = StepMetadata::new(layout(64), dims, None, false).unwrap();
+            let mut rng = 5u64;
+            let mut next = || {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (rng >> 33) as u32
+            };
+            let drafts: HashMap<RequestId, Vec<TokenId>> = (0..SEQS)
+                .map(|i| (RequestId(i), vec![TokenId(1), TokenId(2), TokenId(3)]))
+                .collect();
+            let mut writes = Vec::new();
+            for step in 0..80 {
+                let plan = s.schedule(&drafts).unwrap();
+                s.complete(plan.target_fence, plan.draft_fence).unwrap();
+                m.prepare(&layout(64), &step_requests(&plan, true)).unwrap();
+                // After the prefill step and the first decode step (which writes every
+                // row once: the batch changed kind).
+                if step >= 2 {
+                    writes.push(m.last_table_writes());
+                }
+                s.commit(&outcomes(&plan, &mut next)).unwrap();
+                s.recycle(plan);
+            }
+            let total: usize = writes.iter().sum();
+            let max = *writes.iter().max().unwrap();
+            per_step.push((context, total, max));
+            // Far below one row per request per step.
+            assert!(
+                max < (SEQS * u64::from(context / 64)) as usize / 4,
+                "{per_step:?}"
+            );
+        }
+        let (short, long) = (per_step[0], per_step[1]);
+        assert!(
+            long.1 <= short.1 * 2 && long.2 <= short.2 * 2,
+            "work grew with the context: {per_step:?}"
+        );
     }
 }
