@@ -1068,8 +1068,15 @@ impl Scheduler {
         }
         // A request preempted after it was planned (as a victim of a later one) cannot
         // be: victims are never scheduled in the same step.
-        plan.requests
-            .sort_by_key(|p| p.kind == RequestKind::Generation);
+        // (A stable sort allocates scratch space: skip it for a batch already in order,
+        // such as one that only decodes.)
+        if !plan
+            .requests
+            .is_sorted_by_key(|p| p.kind == RequestKind::Generation)
+        {
+            plan.requests
+                .sort_by_key(|p| p.kind == RequestKind::Generation);
+        }
         // Where each planned request sits in the plan, for `commit`: visiting order,
         // context requests first (the sort above is stable).
         let mut at = 0u32;

@@ -61,7 +61,7 @@ impl StepMetadata {
                 return Err(MetadataError::DraftBatchMismatch { index: i });
             }
         }
-        let counts = self.validate_for(draft_layout, &dims, reqs)?;
+        let counts = self.validate_for(1, draft_layout, &dims, reqs)?;
         let snap = DraftSnapshot {
             bindings: self.bound,
             dims: self.bound_dims,
@@ -75,7 +75,8 @@ impl StepMetadata {
         self.bound_dims = dims;
         self.bound = set.with_alias(true);
         self.counts = counts;
-        self.blocks_given[1] = reqs.iter().map(|r| r.block_slots.len() as u32).collect();
+        self.blocks_given[1].clear();
+        self.blocks_given[1].extend(reqs.iter().map(|r| r.block_slots.len() as u32));
         self.fill_set(&set, dims, reqs, counts);
         Ok(snap)
     }

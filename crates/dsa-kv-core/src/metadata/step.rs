@@ -156,6 +156,10 @@ pub struct StepMetadata {
     /// and the version of the row it wrote ([`RowStamp`]; 0: unknown).
     pub(super) row_valid: [Vec<usize>; 2],
     pub(super) row_version: [Vec<u64>; 2],
+    /// Per set and row: leading columns of the held row known to be non-negative.
+    pub(super) row_ok: [Vec<usize>; 2],
+    /// The validation's leading non-negative columns of each request (for the fill).
+    pub(super) ok_scratch: Vec<usize>,
     /// Page-table cells the last fill wrote (both tables; padding included).
     pub(super) table_writes: usize,
     pub(super) counts: StepCounts,
@@ -226,6 +230,11 @@ impl StepMetadata {
                 vec![0; dims.max_num_sequences],
                 vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
             ],
+            row_ok: [
+                vec![0; dims.max_num_sequences],
+                vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
+            ],
+            ok_scratch: Vec::new(),
             table_writes: 0,
             counts: StepCounts::default(),
             epoch: 0,
@@ -256,7 +265,8 @@ impl StepMetadata {
 
     /// Validates a batch against `dims` and `layout`; returns the step counts.
     pub(super) fn validate_for(
-        &self,
+        &mut self,
+        which: usize,
         layout: &MetadataLayout,
         dims: &MetadataDims,
         reqs: &[StepRequest],
@@ -274,6 +284,7 @@ impl StepMetadata {
         };
         let mut context_kv = 0usize;
         let mut any_cached_context = false;
+        self.ok_scratch.clear();
         for (i, r) in reqs.iter().enumerate() {
             if r.kind == RequestKind::Context {
                 if i > c.num_context_requests {
@@ -293,12 +304,26 @@ impl StepMetadata {
             }
             let kv = u64::from(r.num_cached) + u64::from(r.added());
             let needed = kv.div_ceil(t) as usize;
-            if needed > r.block_slots.len() || r.block_slots[..needed].iter().any(|&s| s < 0) {
+            // Leading non-negative slots: known for the columns this row kept since the
+            // last fill (its stamp says which), counted from there on.
+            let len = r.block_slots.len();
+            let kept = match (self.row_version[which].get(i), self.row_cols[which].get(i)) {
+                (Some(&v), Some(&cols)) => r.row.rewrite_from(v, len).min(cols),
+                _ => 0,
+            };
+            let known = self.row_ok[which].get(i).map_or(0, |&ok| ok.min(kept));
+            let ok = known
+                + r.block_slots[known..]
+                    .iter()
+                    .position(|&s| s < 0)
+                    .unwrap_or(len - known);
+            self.ok_scratch.push(ok);
+            if needed > ok {
                 return Err(MetadataError::BlocksShort {
                     request: i,
                     kv_len: kv,
                     needed,
-                    given: r.block_slots.iter().take_while(|&&s| s >= 0).count(),
+                    given: ok,
                 });
             }
             c.num_tokens += r.added() as usize;
@@ -331,13 +356,19 @@ impl StepMetadata {
         if self.replay.is_some() {
             return Err(MetadataError::ReplayActive);
         }
-        let counts = self.validate_for(layout, &self.bound_dims, reqs)?;
+        let dims = self.bound_dims;
+        let counts = self.validate_for(0, layout, &dims, reqs)?;
         self.layout = *layout;
         self.counts = counts;
-        self.kinds = reqs.iter().map(|r| r.kind).collect();
-        self.num_new = reqs.iter().map(|r| r.num_new).collect();
-        self.helix_inactive = reqs.iter().map(|r| r.helix_inactive).collect();
-        self.blocks_given[0] = reqs.iter().map(|r| r.block_slots.len() as u32).collect();
+        self.kinds.clear();
+        self.kinds.extend(reqs.iter().map(|r| r.kind));
+        self.num_new.clear();
+        self.num_new.extend(reqs.iter().map(|r| r.num_new));
+        self.helix_inactive.clear();
+        self.helix_inactive
+            .extend(reqs.iter().map(|r| r.helix_inactive));
+        self.blocks_given[0].clear();
+        self.blocks_given[0].extend(reqs.iter().map(|r| r.block_slots.len() as u32));
         // Shared per-token buffers.
         let mut tok = 0;
         let mut kv_start = 0i32;
@@ -431,6 +462,7 @@ impl StepMetadata {
         let mut row_cols = std::mem::take(&mut self.row_cols[which]);
         let mut row_valid = std::mem::take(&mut self.row_valid[which]);
         let mut row_version = std::mem::take(&mut self.row_version[which]);
+        let mut row_ok = std::mem::take(&mut self.row_ok[which]);
         let mut writes = 0usize;
         for (r, req) in reqs.iter().enumerate() {
             let row = r * b..(r + 1) * b;
@@ -459,6 +491,7 @@ impl StepMetadata {
             row_cols[r] = len;
             row_valid[r] = valid;
             row_version[r] = req.row.version;
+            row_ok[r] = self.ok_scratch.get(r).copied().unwrap_or(0);
         }
         // Rows past this batch are re-padded whole below.
         let old_rows = ix_dirty.max(bt_dirty).div_ceil(b.max(1));
@@ -467,10 +500,12 @@ impl StepMetadata {
             row_cols[r] = 0;
             row_valid[r] = 0;
             row_version[r] = 0;
+            row_ok[r] = 0;
         }
         self.row_cols[which] = row_cols;
         self.row_valid[which] = row_valid;
         self.row_version[which] = row_version;
+        self.row_ok[which] = row_ok;
         self.table_writes = writes;
         self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
         self.put_i32(set.block_table, bt, bt_dirty, rows, -1);
