@@ -1,0 +1,144 @@
+//! Our whole 256-request MTP decode step through the actors, timed per step, as one JSON
+//! line: the variant `actors_one_device_engine_task_commit_and_step` of
+//! `benches/runtime.rs` (same requests, drafts, outcomes, config and no-op device:
+//! `benches/common/step256.rs`), on its own so that `benches/vllm_step/run.py` can run it
+//! interleaved with vLLM's per-step allocation loop (`benches/vllm_step/vllm_alloc.py`).
+//!
+//! One step = one `KvCacheHandle::commit_and_step` call made by the engine loop, a task of
+//! a 2-worker tokio runtime: commit of the step in flight (1 draft accepted + 1 sampled
+//! token per request), scheduling of the next (256 requests × (1 + 3 drafts), pages
+//! for them and the MTP lookahead, the plan with its block tables), the plan to the
+//! device actor and its acknowledgement back, the report to the caller. Inputs (the
+//! drafts map, the outcomes) are built before the clock starts.
+//!
+//! Each round starts a fresh runtime, settles 256 decoding requests (untimed) and times
+//! `--steps` steps, rebuilding the state (untimed) every 100 steps as the bench does.
+//!
+//! ```text
+//! cargo run --release --example step_bench -- --steps 100 --rounds 5
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
+use dsa_kv::device::DeviceBackend;
+use serde_json::json;
+
+#[path = "../benches/common/step256.rs"]
+mod step256;
+use step256::{config, drafts, outcomes, settle, NullDevice, REBUILD, SEQS};
+
+#[derive(Parser)]
+#[command(about = "Per-step time of the 256-request MTP step through the actors, as JSON")]
+struct Args {
+    /// Timed steps per round.
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Rounds, each from a fresh runtime.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Worker threads of the tokio runtime (the bench uses 2).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+}
+
+/// A runtime on the no-op device with the 256 requests decoding.
+async fn start() -> KvCacheHandle {
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .backend(Arc::new(|i, _| {
+            Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
+        }))
+        .start()
+        .await
+        .unwrap();
+    settle(kv).await
+}
+
+/// `steps` timed `commit_and_step` calls: each step's wall time (ns) and timing.
+async fn round(steps: u64) -> (Vec<u64>, Vec<StepTiming>) {
+    let d = drafts();
+    let (mut walls, mut timings) = (vec![], vec![]);
+    let mut kv = start().await;
+    let mut rep = kv.step(d.clone()).await.unwrap();
+    for i in 0..steps {
+        if i > 0 && i % REBUILD == 0 {
+            kv.shutdown().await;
+            kv = start().await;
+            rep = kv.step(d.clone()).await.unwrap();
+        }
+        let drafts = d.clone();
+        let outs = outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts)));
+        let t = Instant::now();
+        let r = kv.commit_and_step(outs, drafts).await.unwrap();
+        walls.push(t.elapsed().as_nanos() as u64);
+        rep = r.step.unwrap();
+        assert_eq!(rep.scheduled.len(), SEQS as usize);
+        timings.push(rep.timing);
+    }
+    kv.shutdown().await;
+    (walls, timings)
+}
+
+fn median(v: &[u64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0) as f64
+}
+
+fn mean(v: &[u64]) -> f64 {
+    v.iter().sum::<u64>() as f64 / v.len().max(1) as f64
+}
+
+fn main() {
+    let args = Args::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.workers)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut rounds = vec![];
+    let mut all = vec![];
+    for _ in 0..args.rounds {
+        let steps = args.steps;
+        // The engine loop is a task of the runtime, as in the bench's variant.
+        let (walls, timings) = rt.block_on(async move {
+            tokio::spawn(async move { round(steps).await })
+                .await
+                .unwrap()
+        });
+        let field =
+            |f: fn(&StepTiming) -> u64| median(&timings.iter().map(f).collect::<Vec<_>>()) / 1e3;
+        rounds.push(json!({
+            "median_us": median(&walls) / 1e3,
+            "mean_us": mean(&walls) / 1e3,
+            "step_ns": walls,
+            "timing_medians_us": {
+                "to_coordinator": field(|t| t.to_coordinator_ns),
+                "commit": field(|t| t.commit_ns),
+                "schedule": field(|t| t.schedule_ns),
+                "enqueue": field(|t| t.enqueue_ns),
+                "to_device": field(|t| t.to_device_ns),
+                "device": field(|t| t.device_ns),
+                "from_device": field(|t| t.from_device_ns),
+                "overlapped": field(|t| t.overlapped_ns),
+                "finish": field(|t| t.finish_ns),
+                "to_caller": field(|t| t.to_caller_ns),
+            },
+        }));
+        all.extend(walls);
+    }
+    let out = json!({
+        "side": "dsa-kv",
+        "what": "KvCacheHandle::commit_and_step from an engine-loop task, no-op device",
+        "requests": SEQS,
+        "drafts": 3,
+        "steps": args.steps,
+        "rounds": rounds,
+        "median_us": median(&all) / 1e3,
+        "mean_us": mean(&all) / 1e3,
+    });
+    println!("{out}");
+}
