@@ -13,18 +13,20 @@
 //!
 //! Each round starts a fresh runtime, settles 256 decoding requests (untimed) and times
 //! `--steps` steps, rebuilding the state (untimed) every 100 steps as the bench does.
+//! With `--serve` it stays up and runs the rounds once per line read on stdin.
 //!
 //! ```text
 //! cargo run --release --example step_bench -- --steps 100 --rounds 5
 //! ```
 
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
 use dsa_kv::device::DeviceBackend;
-use serde_json::json;
+use serde_json::{json, Value};
 
 #[path = "../benches/common/step256.rs"]
 mod step256;
@@ -42,6 +44,10 @@ struct Args {
     /// Worker threads of the tokio runtime (the bench uses 2).
     #[arg(long, default_value_t = 2)]
     workers: usize,
+    /// Stay up: run `--rounds` rounds (one JSON line) for every line read on stdin, until
+    /// it closes (how `run.py` interleaves the two sides without a process start a round).
+    #[arg(long)]
+    serve: bool,
 }
 
 /// A runtime on the no-op device with the 256 requests decoding.
@@ -92,6 +98,55 @@ fn mean(v: &[u64]) -> f64 {
     v.iter().sum::<u64>() as f64 / v.len().max(1) as f64
 }
 
+/// One round's JSON: its steps' wall times and the medians of their timings.
+fn round_json(walls: &[u64], timings: &[StepTiming]) -> Value {
+    let field =
+        |f: fn(&StepTiming) -> u64| median(&timings.iter().map(f).collect::<Vec<_>>()) / 1e3;
+    json!({
+        "median_us": median(walls) / 1e3,
+        "mean_us": mean(walls) / 1e3,
+        "step_ns": walls,
+        "timing_medians_us": {
+            "to_coordinator": field(|t| t.to_coordinator_ns),
+            "commit": field(|t| t.commit_ns),
+            "schedule": field(|t| t.schedule_ns),
+            "enqueue": field(|t| t.enqueue_ns),
+            "to_device": field(|t| t.to_device_ns),
+            "device": field(|t| t.device_ns),
+            "from_device": field(|t| t.from_device_ns),
+            "overlapped": field(|t| t.overlapped_ns),
+            "finish": field(|t| t.finish_ns),
+            "to_caller": field(|t| t.to_caller_ns),
+        },
+    })
+}
+
+/// `rounds` rounds of `steps` steps, as one JSON line.
+fn run(rt: &tokio::runtime::Runtime, steps: u64, rounds: usize) -> Value {
+    let mut out = vec![];
+    let mut all = vec![];
+    for _ in 0..rounds {
+        // The engine loop is a task of the runtime, as in the bench's variant.
+        let (walls, timings) = rt.block_on(async move {
+            tokio::spawn(async move { round(steps).await })
+                .await
+                .unwrap()
+        });
+        out.push(round_json(&walls, &timings));
+        all.extend(walls);
+    }
+    json!({
+        "side": "dsa-kv",
+        "what": "KvCacheHandle::commit_and_step from an engine-loop task, no-op device",
+        "requests": SEQS,
+        "drafts": 3,
+        "steps": steps,
+        "rounds": out,
+        "median_us": median(&all) / 1e3,
+        "mean_us": mean(&all) / 1e3,
+    })
+}
+
 fn main() {
     let args = Args::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -99,46 +154,17 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let mut rounds = vec![];
-    let mut all = vec![];
-    for _ in 0..args.rounds {
-        let steps = args.steps;
-        // The engine loop is a task of the runtime, as in the bench's variant.
-        let (walls, timings) = rt.block_on(async move {
-            tokio::spawn(async move { round(steps).await })
-                .await
-                .unwrap()
-        });
-        let field =
-            |f: fn(&StepTiming) -> u64| median(&timings.iter().map(f).collect::<Vec<_>>()) / 1e3;
-        rounds.push(json!({
-            "median_us": median(&walls) / 1e3,
-            "mean_us": mean(&walls) / 1e3,
-            "step_ns": walls,
-            "timing_medians_us": {
-                "to_coordinator": field(|t| t.to_coordinator_ns),
-                "commit": field(|t| t.commit_ns),
-                "schedule": field(|t| t.schedule_ns),
-                "enqueue": field(|t| t.enqueue_ns),
-                "to_device": field(|t| t.to_device_ns),
-                "device": field(|t| t.device_ns),
-                "from_device": field(|t| t.from_device_ns),
-                "overlapped": field(|t| t.overlapped_ns),
-                "finish": field(|t| t.finish_ns),
-                "to_caller": field(|t| t.to_caller_ns),
-            },
-        }));
-        all.extend(walls);
+    if !args.serve {
+        println!("{}", run(&rt, args.steps, args.rounds));
+        return;
     }
-    let out = json!({
-        "side": "dsa-kv",
-        "what": "KvCacheHandle::commit_and_step from an engine-loop task, no-op device",
-        "requests": SEQS,
-        "drafts": 3,
-        "steps": args.steps,
-        "rounds": rounds,
-        "median_us": median(&all) / 1e3,
-        "mean_us": mean(&all) / 1e3,
-    });
-    println!("{out}");
+    // `{"ready": true}`, then one line in, `--rounds` rounds out (one JSON line), until
+    // stdin closes.
+    println!("{}", json!({ "ready": true }));
+    for line in std::io::stdin().lines() {
+        line.unwrap();
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", run(&rt, args.steps, args.rounds)).unwrap();
+        out.flush().unwrap();
+    }
 }

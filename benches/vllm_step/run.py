@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Our whole step through the actors vs vLLM's per-step allocation loop, interleaved.
 
-For R rounds, runs `vllm_alloc.py` (vLLM's `KVCacheManager`, from vLLM's own install)
-and `examples/step_bench.rs` (our engine loop's `commit_and_step`) for K timed steps
-each, one after the other (the order alternates by round, so a drift of the host hits
-both sides alike), each from a fresh process and a fresh state. Prints and saves each
-round's medians and the ratio vLLM step / our step. Standard library only.
+Starts `vllm_alloc.py` (vLLM's `KVCacheManager`, from vLLM's own install) and
+`examples/step_bench.rs` (our engine loop's `commit_and_step`) once each, in `--serve`
+mode, then for R rounds asks each for K timed steps from a fresh state, one side right
+after the other (the order alternates by round), so that a change in the host's load
+hits both sides of a round alike. Prints and saves each round's medians and the ratio
+vLLM step / our step. Standard library only.
 
     python3 benches/vllm_step/run.py --rounds 10 --steps 100 \
         --vllm-python /work/vllm-venv/bin/python \
@@ -42,11 +43,32 @@ def sh(cmd: str) -> str:
         return f"({e})"
 
 
-def run_json(cmd: list[str]) -> dict:
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if p.returncode != 0:
-        sys.exit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+class Side:
+    """One side's process in `--serve` mode: a line in, one round's JSON line out."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.p = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        if not self._read().get("ready"):
+            sys.exit(f"{shlex.join(cmd)}: no ready line")
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            sys.exit(f"{shlex.join(self.cmd)} exited ({self.p.wait()})")
+        return json.loads(line)
+
+    def round(self) -> dict:
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        if self.p.wait() != 0:
+            sys.exit(f"{shlex.join(self.cmd)} failed ({self.p.returncode})")
 
 
 def environment(vllm_python: str) -> dict:
@@ -82,9 +104,11 @@ def main() -> None:
             ["cargo", "build", "--release", "--example", "step_bench"],
             cwd=ROOT, check=True, env={**os.environ, "CARGO_INCREMENTAL": "0"},
         )
-    ours_cmd = [str(OURS), "--steps", str(args.steps), "--rounds", "1"]
-    vllm_cmd = [args.vllm_python, str(VLLM_SCRIPT), "--steps", str(args.steps), "--rounds", "1"]
+    ours_cmd = [str(OURS), "--steps", str(args.steps), "--rounds", "1", "--serve"]
+    vllm_cmd = [args.vllm_python, str(VLLM_SCRIPT), "--steps", str(args.steps), "--rounds", "1",
+                "--serve"]
     env = environment(args.vllm_python)
+    sides = {"vllm": Side(vllm_cmd), "ours": Side(ours_cmd)}
 
     rounds = []
     lines = []
@@ -102,7 +126,7 @@ def main() -> None:
         got, load = {}, {}
         for side in order:
             load[side] = os.getloadavg()[0]
-            got[side] = run_json(vllm_cmd if side == "vllm" else ours_cmd)
+            got[side] = sides[side].round()
         v, o = got["vllm"], got["ours"]
         rnd = {
             "round": i,
@@ -123,6 +147,8 @@ def main() -> None:
             f"{rnd['ratio_of_medians']:>6.1f}x {v['mean_us']:>13.1f} {o['mean_us']:>13.1f} "
             f"{load['vllm']:>5.2f} {load['ours']:>5.2f}")
 
+    for side in sides.values():
+        side.close()
     med = statistics.median
     all_v = [x for r in rounds for x in r["vllm_step_ns"]]
     all_o = [x for r in rounds for x in r["ours_step_ns"]]

@@ -61,6 +61,10 @@ Sequences grow by 2 tokens per step; the state is rebuilt (untimed) every 100 st
 as our bench does, so every timed step sees 1,000-3,200-token sequences.
 
     /work/vllm-venv/bin/python benches/vllm_step/vllm_alloc.py --steps 100 --rounds 1
+
+With --serve it stays up and runs the rounds once per line read on stdin (after
+printing {"ready": true} once vLLM is imported), so that run.py interleaves the two
+sides without paying vLLM's import (~15 s) every round.
 """
 
 from __future__ import annotations
@@ -239,15 +243,11 @@ def run_round(v: Vllm, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=100, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds, each from a fresh state")
-    args = ap.parse_args()
-    v = Vllm()
-    rounds = [run_round(v, args.steps) for _ in range(args.rounds)]
-    every = [w for r in rounds for w in r["step_ns"]]
-    out = {
+def report(v: Vllm, steps: int, rounds: int) -> dict:
+    """`rounds` rounds of `steps` steps, as one JSON object."""
+    done = [run_round(v, steps) for _ in range(rounds)]
+    every = [w for r in done for w in r["step_ns"]]
+    return {
         "side": "vllm",
         "what": "KVCacheManager per-step allocation loop (see the script's docstring)",
         "vllm": v.version,
@@ -256,14 +256,32 @@ def main() -> None:
         "requests": SEQS,
         "drafts": DRAFTS,
         "num_lookahead_tokens": DRAFTS,
-        "steps": args.steps,
+        "steps": steps,
         "gc_enabled": gc.isenabled(),
         "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
-        "rounds": rounds,
+        "rounds": done,
         "median_us": statistics.median_low(every) / 1e3,
         "mean_us": statistics.fmean(every) / 1e3,
     }
-    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds, each from a fresh state")
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="stay up: run --rounds rounds (one JSON line) per line read on stdin",
+    )
+    args = ap.parse_args()
+    v = Vllm()
+    if not args.serve:
+        print(json.dumps(report(v, args.steps, args.rounds)))
+        return
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(report(v, args.steps, args.rounds)), flush=True)
 
 
 if __name__ == "__main__":
