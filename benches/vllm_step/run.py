@@ -43,6 +43,22 @@ def sh(cmd: str) -> str:
         return f"({e})"
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def proc_jiffies(pid: int) -> int:
+    """utime + stime of process `pid` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 class Side:
     """One side's process in `--serve` mode: a line in, one round's JSON line out."""
 
@@ -61,9 +77,18 @@ class Side:
         return json.loads(line)
 
     def round(self) -> dict:
+        """One round, with `other_cpus`: the CPUs that every other process of the host
+        kept busy meanwhile (0 on a quiet host; this machine is shared)."""
+        b0, t0 = cpu_jiffies()
+        p0 = proc_jiffies(self.p.pid)
         self.p.stdin.write("go\n")
         self.p.stdin.flush()
-        return self._read()
+        out = self._read()
+        b1, t1 = cpu_jiffies()
+        p1 = proc_jiffies(self.p.pid)
+        ncpu = os.cpu_count() or 1
+        out["other_cpus"] = ((b1 - b0) - (p1 - p0)) / max(1, (t1 - t0) / ncpu)
+        return out
 
     def close(self) -> None:
         self.p.stdin.close()
@@ -96,6 +121,8 @@ def main() -> None:
                     help="the Python of the venv that has vllm==0.33.0")
     ap.add_argument("--no-build", action="store_true",
                     help="use target/release/examples/step_bench as it is")
+    ap.add_argument("--quiet", type=float, default=0.2,
+                    help="a round is quiet when other processes kept fewer CPUs busy")
     ap.add_argument("--out", type=Path, help="folder for results.json and summary.txt")
     args = ap.parse_args()
 
@@ -120,12 +147,11 @@ def main() -> None:
     say(f"{args.rounds} rounds x {args.steps} steps per side, interleaved; "
         f"{env['nproc']} CPUs ({env['cpu_model']})")
     say(f"{'round':>5} {'first':>6} {'vLLM median µs':>15} {'ours median µs':>15} "
-        f"{'ratio':>7} {'vLLM mean µs':>13} {'ours mean µs':>13} {'load (1-min avg before vLLM, ours)'}")
+        f"{'ratio':>7} {'vLLM mean µs':>13} {'ours mean µs':>13} {'other CPUs busy (vLLM, ours)'}")
     for i in range(args.rounds):
         order = ("vllm", "ours") if i % 2 == 0 else ("ours", "vllm")
-        got, load = {}, {}
+        got = {}
         for side in order:
-            load[side] = os.getloadavg()[0]
             got[side] = sides[side].round()
         v, o = got["vllm"], got["ours"]
         rnd = {
@@ -138,14 +164,14 @@ def main() -> None:
             "ours_mean_us": o["mean_us"],
             "ours_timing_medians_us": o["rounds"][0]["timing_medians_us"],
             "ratio_of_medians": v["median_us"] / o["median_us"],
-            "loadavg_1min_before": load,
+            "other_cpus": {"vllm": v["other_cpus"], "ours": o["other_cpus"]},
             "vllm_step_ns": v["rounds"][0]["step_ns"],
             "ours_step_ns": o["rounds"][0]["step_ns"],
         }
         rounds.append(rnd)
         say(f"{i:>5} {order[0]:>6} {v['median_us']:>15.1f} {o['median_us']:>15.1f} "
             f"{rnd['ratio_of_medians']:>6.1f}x {v['mean_us']:>13.1f} {o['mean_us']:>13.1f} "
-            f"{load['vllm']:>5.2f} {load['ours']:>5.2f}")
+            f"{v['other_cpus']:>5.2f} {o['other_cpus']:>5.2f}")
 
     for side in sides.values():
         side.close()
@@ -169,6 +195,13 @@ def main() -> None:
     summary["ratio_of_pooled_means"] = (
         summary["pooled_mean_vllm_us"] / summary["pooled_mean_ours_us"]
     )
+    quiet = [r for r in rounds if max(r["other_cpus"].values()) < args.quiet]
+    if quiet:
+        summary["quiet_threshold_other_cpus"] = args.quiet
+        summary["quiet_rounds"] = len(quiet)
+        summary["quiet_median_of_round_medians_vllm_us"] = med(r["vllm_median_us"] for r in quiet)
+        summary["quiet_median_of_round_medians_ours_us"] = med(r["ours_median_us"] for r in quiet)
+        summary["quiet_median_of_round_ratios"] = med(r["ratio_of_medians"] for r in quiet)
     parts = {
         k: med(r["vllm_part_medians_us"][k] for r in rounds)
         for k in rounds[0]["vllm_part_medians_us"]
@@ -186,6 +219,13 @@ def main() -> None:
         f"{summary['pooled_median_ours_us']:.1f} µs = {summary['ratio_of_pooled_medians']:.1f}x; "
         f"means {summary['pooled_mean_vllm_us']:.1f} / {summary['pooled_mean_ours_us']:.1f} µs "
         f"= {summary['ratio_of_pooled_means']:.1f}x")
+    if quiet:
+        say(f"{len(quiet)} quiet rounds (other processes below {args.quiet} CPU on both sides): "
+            f"vLLM {summary['quiet_median_of_round_medians_vllm_us']:.1f} µs, ours "
+            f"{summary['quiet_median_of_round_medians_ours_us']:.1f} µs, ratio median "
+            f"{summary['quiet_median_of_round_ratios']:.1f}x")
+    else:
+        say(f"no quiet round (other processes below {args.quiet} CPU on both sides)")
     say("vLLM step parts (medians of round medians, µs): "
         + ", ".join(f"{k} {x:.1f}" for k, x in parts.items()))
     say("our step's intervals (medians of round medians, µs): "
