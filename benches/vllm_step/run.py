@@ -245,7 +245,10 @@ def main() -> None:
         }
         (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
-        print(f"saved {args.out / 'results.json'} and {args.out / 'summary.txt'}")
+        env_lines = [f"{k}: {v}" for k, v in env.items() if not isinstance(v, list)]
+        env_lines += ["pip freeze | grep -E 'vllm|torch':"] + env["pip_freeze_vllm_torch"]
+        (args.out / "env.txt").write_text("\n".join(env_lines) + "\n")
+        print(f"saved results.json, summary.txt and env.txt in {args.out}")
 
 
 if __name__ == "__main__":
