@@ -1,5 +1,5 @@
-//! Our whole 256-request MTP decode step through the actors, timed per step, as one JSON
-//! line: the variant `actors_one_device_engine_task_commit_and_step` of
+//! Our whole 256-request MTP decode step through the actors, timed per step, as JSON
+//! lines: the variant `actors_one_device_engine_task_commit_and_step` of
 //! `benches/runtime.rs` (same requests, drafts, outcomes, config and no-op device:
 //! `benches/common/step256.rs`), on its own so that `benches/vllm_step/run.py` can run it
 //! interleaved with vLLM's per-step allocation loop (`benches/vllm_step/vllm_alloc.py`).
@@ -12,21 +12,26 @@
 //! drafts map, the outcomes) are built before the clock starts.
 //!
 //! Each round starts a fresh runtime, settles 256 decoding requests (untimed) and times
-//! `--steps` steps, rebuilding the state (untimed) every 100 steps as the bench does.
-//! With `--serve` it stays up and runs the rounds once per line read on stdin.
+//! `--steps` steps, rebuilding the state (untimed) every 100 steps as the bench does:
 //!
 //! ```text
 //! cargo run --release --example step_bench -- --steps 100 --rounds 5
 //! ```
+//!
+//! With `--serve` it stays up, prints `{"ready":true}` and answers each line of stdin with
+//! one JSON line: `build` starts a fresh state (untimed), `steps N` times N more steps on
+//! it (`run.py` alternates small chunks of steps with vLLM's side this way).
 
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
+use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepReport, StepTiming};
 use dsa_kv::device::DeviceBackend;
+use dsa_kv::ids::{RequestId, TokenId};
 use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
 
 #[path = "../benches/common/step256.rs"]
 mod step256;
@@ -50,42 +55,108 @@ struct Args {
     serve: bool,
 }
 
-/// A runtime on the no-op device with the 256 requests decoding.
-async fn start() -> KvCacheHandle {
-    let kv = KvCacheBuilder::new()
-        .config(config())
-        .backend(Arc::new(|i, _| {
-            Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
-        }))
-        .start()
-        .await
-        .unwrap();
-    settle(kv).await
+/// A runtime on the no-op device with the 256 requests decoding, and the step in flight.
+struct Engine {
+    kv: KvCacheHandle,
+    rep: StepReport,
+    drafts: std::collections::HashMap<RequestId, Vec<TokenId>>,
 }
 
-/// `steps` timed `commit_and_step` calls: each step's wall time (ns) and timing.
-async fn round(steps: u64) -> (Vec<u64>, Vec<StepTiming>) {
-    let d = drafts();
-    let (mut walls, mut timings) = (vec![], vec![]);
-    let mut kv = start().await;
-    let mut rep = kv.step(d.clone()).await.unwrap();
-    for i in 0..steps {
-        if i > 0 && i % REBUILD == 0 {
-            kv.shutdown().await;
-            kv = start().await;
-            rep = kv.step(d.clone()).await.unwrap();
-        }
-        let drafts = d.clone();
-        let outs = outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts)));
-        let t = Instant::now();
-        let r = kv.commit_and_step(outs, drafts).await.unwrap();
-        walls.push(t.elapsed().as_nanos() as u64);
-        rep = r.step.unwrap();
-        assert_eq!(rep.scheduled.len(), SEQS as usize);
-        timings.push(rep.timing);
+impl Engine {
+    async fn start() -> Self {
+        let kv = KvCacheBuilder::new()
+            .config(config())
+            .backend(Arc::new(|i, _| {
+                Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
+            }))
+            .start()
+            .await
+            .unwrap();
+        let kv = settle(kv).await;
+        let drafts = drafts();
+        let rep = kv.step(drafts.clone()).await.unwrap();
+        Self { kv, rep, drafts }
     }
-    kv.shutdown().await;
+
+    /// `n` timed `commit_and_step` calls: each step's wall time (ns) and timing.
+    async fn steps(&mut self, n: u64, walls: &mut Vec<u64>, timings: &mut Vec<StepTiming>) {
+        for _ in 0..n {
+            let drafts = self.drafts.clone();
+            let outs = outcomes(self.rep.scheduled.iter().map(|r| (r.id, r.num_drafts)));
+            let t = Instant::now();
+            let r = self.kv.commit_and_step(outs, drafts).await.unwrap();
+            walls.push(t.elapsed().as_nanos() as u64);
+            self.rep = r.step.unwrap();
+            assert_eq!(self.rep.scheduled.len(), SEQS as usize);
+            timings.push(self.rep.timing);
+        }
+    }
+}
+
+/// `steps` timed steps from a fresh state, rebuilt (untimed) every `REBUILD` steps.
+async fn round(steps: u64) -> (Vec<u64>, Vec<StepTiming>) {
+    let (mut walls, mut timings) = (vec![], vec![]);
+    let mut e = Engine::start().await;
+    let mut done = 0;
+    while done < steps {
+        if done > 0 && done % REBUILD == 0 {
+            e.kv.shutdown().await;
+            e = Engine::start().await;
+        }
+        let n = (steps - done).min(REBUILD - done % REBUILD);
+        e.steps(n, &mut walls, &mut timings).await;
+        done += n;
+    }
+    e.kv.shutdown().await;
     (walls, timings)
+}
+
+/// `--serve`'s requests: `None` for `build`, `Some(n)` for `steps n`.
+type Request = (Option<u64>, oneshot::Sender<Value>);
+
+/// The engine loop of `--serve`: one task of the runtime owns the state across requests.
+async fn serve(mut rx: mpsc::Receiver<Request>) {
+    let mut engine: Option<Engine> = None;
+    while let Some((cmd, reply)) = rx.recv().await {
+        let out = match cmd {
+            None => {
+                if let Some(e) = engine.take() {
+                    e.kv.shutdown().await;
+                }
+                engine = Some(Engine::start().await);
+                json!({ "built": true })
+            }
+            Some(n) => {
+                let e = engine.as_mut().expect("`build` before `steps`");
+                let (mut walls, mut timings) = (vec![], vec![]);
+                e.steps(n, &mut walls, &mut timings).await;
+                json!({
+                    "step_ns": walls,
+                    "timing_ns": timings.iter().map(timing_ns).collect::<Vec<_>>(),
+                })
+            }
+        };
+        let _ = reply.send(out);
+    }
+    if let Some(e) = engine {
+        e.kv.shutdown().await;
+    }
+}
+
+/// A step's intervals, by name (ns).
+fn timing_ns(t: &StepTiming) -> Value {
+    json!({
+        "to_coordinator": t.to_coordinator_ns,
+        "commit": t.commit_ns,
+        "schedule": t.schedule_ns,
+        "enqueue": t.enqueue_ns,
+        "to_device": t.to_device_ns,
+        "device": t.device_ns,
+        "from_device": t.from_device_ns,
+        "overlapped": t.overlapped_ns,
+        "finish": t.finish_ns,
+        "to_caller": t.to_caller_ns,
+    })
 }
 
 fn median(v: &[u64]) -> f64 {
@@ -158,13 +229,26 @@ fn main() {
         println!("{}", run(&rt, args.steps, args.rounds));
         return;
     }
-    // `{"ready": true}`, then one line in, `--rounds` rounds out (one JSON line), until
-    // stdin closes.
-    println!("{}", json!({ "ready": true }));
+    let (tx, rx) = mpsc::channel::<Request>(1);
+    let engine_loop = rt.spawn(serve(rx));
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", json!({ "ready": true })).unwrap();
+    out.flush().unwrap();
     for line in std::io::stdin().lines() {
-        line.unwrap();
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", run(&rt, args.steps, args.rounds)).unwrap();
+        let line = line.unwrap();
+        let cmd = match line.split_whitespace().collect::<Vec<_>>()[..] {
+            ["build"] => None,
+            ["steps", n] => Some(n.parse().expect("steps N")),
+            _ => panic!("unknown request {line:?}: `build` or `steps N`"),
+        };
+        let (reply, answer) = oneshot::channel();
+        let value = rt.block_on(async {
+            tx.send((cmd, reply)).await.unwrap();
+            answer.await.unwrap()
+        });
+        writeln!(out, "{value}").unwrap();
         out.flush().unwrap();
     }
+    drop(tx);
+    rt.block_on(engine_loop).unwrap();
 }

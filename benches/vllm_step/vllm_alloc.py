@@ -62,9 +62,10 @@ as our bench does, so every timed step sees 1,000-3,200-token sequences.
 
     /work/vllm-venv/bin/python benches/vllm_step/vllm_alloc.py --steps 100 --rounds 1
 
-With --serve it stays up and runs the rounds once per line read on stdin (after
-printing {"ready": true} once vLLM is imported), so that run.py interleaves the two
-sides without paying vLLM's import (~15 s) every round.
+With --serve it stays up, prints {"ready": true} once vLLM is imported, and answers each
+line of stdin with one JSON line: `build` builds a fresh state (untimed), `steps N`
+times N more steps on it. run.py alternates small chunks of steps with our side this
+way, without paying vLLM's import (~15 s) more than once.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def main() -> None:
     ap.add_argument(
         "--serve",
         action="store_true",
-        help="stay up: run --rounds rounds (one JSON line) per line read on stdin",
+        help="stay up and answer `build` / `steps N` lines on stdin (see above)",
     )
     args = ap.parse_args()
     v = Vllm()
@@ -280,8 +281,26 @@ def main() -> None:
         print(json.dumps(report(v, args.steps, args.rounds)))
         return
     print(json.dumps({"ready": True}), flush=True)
-    for _ in sys.stdin:
-        print(json.dumps(report(v, args.steps, args.rounds)), flush=True)
+    mgr = reqs = None
+    for line in sys.stdin:
+        match line.split():
+            case ["build"]:
+                del mgr, reqs
+                mgr, reqs = build(v)
+                out = {"built": True}
+            case ["steps", n]:
+                assert reqs is not None, "`build` before `steps`"
+                parts = [step(mgr, reqs) for _ in range(int(n))]
+                out = {
+                    "step_ns": [sum(p) for p in parts],
+                    "part_ns": {
+                        k: [p[i] for p in parts]
+                        for i, k in enumerate(("allocate", "block_ids", "update"))
+                    },
+                }
+            case _:
+                sys.exit(f"unknown request {line!r}: `build` or `steps N`")
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
