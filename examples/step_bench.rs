@@ -24,7 +24,7 @@
 
 use std::io::Write;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepReport, StepTiming};
@@ -49,6 +49,10 @@ struct Args {
     /// Worker threads of the tokio runtime (the bench uses 2).
     #[arg(long, default_value_t = 2)]
     workers: usize,
+    /// `KvCacheBuilder::idle_spin` in µs (0, the default: off; the bench's `_spin`
+    /// variants use 500).
+    #[arg(long, default_value_t = 0)]
+    idle_spin_us: u64,
     /// Stay up: run `--rounds` rounds (one JSON line) for every line read on stdin, until
     /// it closes (how `run.py` interleaves the two sides without a process start a round).
     #[arg(long)]
@@ -63,8 +67,9 @@ struct Engine {
 }
 
 impl Engine {
-    async fn start() -> Self {
+    async fn start(spin: Duration) -> Self {
         let kv = KvCacheBuilder::new()
+            .idle_spin(spin)
             .config(config())
             .backend(Arc::new(|i, _| {
                 Ok(Box::new(NullDevice(i)) as Box<dyn DeviceBackend>)
@@ -94,14 +99,14 @@ impl Engine {
 }
 
 /// `steps` timed steps from a fresh state, rebuilt (untimed) every `REBUILD` steps.
-async fn round(steps: u64) -> (Vec<u64>, Vec<StepTiming>) {
+async fn round(steps: u64, spin: Duration) -> (Vec<u64>, Vec<StepTiming>) {
     let (mut walls, mut timings) = (vec![], vec![]);
-    let mut e = Engine::start().await;
+    let mut e = Engine::start(spin).await;
     let mut done = 0;
     while done < steps {
         if done > 0 && done % REBUILD == 0 {
             e.kv.shutdown().await;
-            e = Engine::start().await;
+            e = Engine::start(spin).await;
         }
         let n = (steps - done).min(REBUILD - done % REBUILD);
         e.steps(n, &mut walls, &mut timings).await;
@@ -115,7 +120,7 @@ async fn round(steps: u64) -> (Vec<u64>, Vec<StepTiming>) {
 type Request = (Option<u64>, oneshot::Sender<Value>);
 
 /// The engine loop of `--serve`: one task of the runtime owns the state across requests.
-async fn serve(mut rx: mpsc::Receiver<Request>) {
+async fn serve(mut rx: mpsc::Receiver<Request>, spin: Duration) {
     let mut engine: Option<Engine> = None;
     while let Some((cmd, reply)) = rx.recv().await {
         let out = match cmd {
@@ -123,7 +128,7 @@ async fn serve(mut rx: mpsc::Receiver<Request>) {
                 if let Some(e) = engine.take() {
                     e.kv.shutdown().await;
                 }
-                engine = Some(Engine::start().await);
+                engine = Some(Engine::start(spin).await);
                 json!({ "built": true })
             }
             Some(n) => {
@@ -193,13 +198,13 @@ fn round_json(walls: &[u64], timings: &[StepTiming]) -> Value {
 }
 
 /// `rounds` rounds of `steps` steps, as one JSON line.
-fn run(rt: &tokio::runtime::Runtime, steps: u64, rounds: usize) -> Value {
+fn run(rt: &tokio::runtime::Runtime, steps: u64, rounds: usize, spin: Duration) -> Value {
     let mut out = vec![];
     let mut all = vec![];
     for _ in 0..rounds {
         // The engine loop is a task of the runtime, as in the bench's variant.
         let (walls, timings) = rt.block_on(async move {
-            tokio::spawn(async move { round(steps).await })
+            tokio::spawn(async move { round(steps, spin).await })
                 .await
                 .unwrap()
         });
@@ -209,6 +214,7 @@ fn run(rt: &tokio::runtime::Runtime, steps: u64, rounds: usize) -> Value {
     json!({
         "side": "dsa-kv",
         "what": "KvCacheHandle::commit_and_step from an engine-loop task, no-op device",
+        "idle_spin_us": spin.as_micros() as u64,
         "requests": SEQS,
         "drafts": 3,
         "steps": steps,
@@ -225,12 +231,13 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let spin = Duration::from_micros(args.idle_spin_us);
     if !args.serve {
-        println!("{}", run(&rt, args.steps, args.rounds));
+        println!("{}", run(&rt, args.steps, args.rounds, spin));
         return;
     }
     let (tx, rx) = mpsc::channel::<Request>(1);
-    let engine_loop = rt.spawn(serve(rx));
+    let engine_loop = rt.spawn(serve(rx, spin));
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", json!({ "ready": true })).unwrap();
     out.flush().unwrap();

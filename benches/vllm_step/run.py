@@ -106,7 +106,9 @@ def environment(vllm_python: str) -> dict:
         "cpu_model": cpu,
         "kernel": platform.release(),
         "git_commit": sh(f"git -C {shlex.quote(str(ROOT))} rev-parse HEAD"),
-        "git_dirty": bool(sh(f"git -C {shlex.quote(str(ROOT))} status --porcelain")),
+        "git_dirty": bool(
+            sh(f"git -C {shlex.quote(str(ROOT))} status --porcelain --untracked-files=no")
+        ),
         "rustc": sh("rustc --version"),
         "vllm_python": sh(f"{shlex.quote(vllm_python)} --version"),
         "pip_freeze_vllm_torch": sh(
@@ -176,6 +178,8 @@ def main() -> None:
                     help="steps a side runs before the other side runs as many")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                     help="the Python of the venv that has vllm==0.33.0")
+    ap.add_argument("--ours-idle-spin-us", type=int, default=0,
+                    help="our runtime's idle_spin (µs; default 0: off, as an engine starts)")
     ap.add_argument("--no-build", action="store_true",
                     help="use target/release/examples/step_bench as it is")
     ap.add_argument("--quiet", type=float, default=0.2,
@@ -188,7 +192,7 @@ def main() -> None:
             ["cargo", "build", "--release", "--example", "step_bench"],
             cwd=ROOT, check=True, env={**os.environ, "CARGO_INCREMENTAL": "0"},
         )
-    ours_cmd = [str(OURS), "--serve"]
+    ours_cmd = [str(OURS), "--serve", "--idle-spin-us", str(args.ours_idle_spin_us)]
     vllm_cmd = [args.vllm_python, str(VLLM_SCRIPT), "--serve"]
     env = environment(args.vllm_python)
     sides = {"vllm": Side(vllm_cmd), "ours": Side(ours_cmd)}
