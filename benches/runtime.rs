@@ -12,104 +12,18 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
-use dsa_kv::config::{DsaModel, EngineConfig, LayerSet};
-use dsa_kv::core::scheduler::{
-    RequestKind, RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
-};
-use dsa_kv::core::{KvCacheManager, ManagerOptions, ReuseScope, TierSlots};
-use dsa_kv::device::{
-    Batch, DeviceBackend, DeviceError, DeviceStepReport, Forward, ForwardError, ForwardSetup,
-    Mismatch, VerifySpec,
-};
+use dsa_kv::config::{DsaModel, LayerSet};
+use dsa_kv::core::scheduler::{Scheduler, SchedulerLimits};
+use dsa_kv::core::{KvCacheManager, ManagerOptions, TierSlots};
+use dsa_kv::device::{Batch, DeviceBackend, Forward, ForwardError, ForwardSetup};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::{LayoutKind, PoolPlan};
-use dsa_kv::metadata::{DraftSnapshot, MetadataError};
 
-/// A device that does nothing but acknowledge.
-struct NullDevice(usize);
-
-impl DeviceBackend for NullDevice {
-    fn index(&self) -> usize {
-        self.0
-    }
-    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
-        Ok(DeviceStepReport {
-            device: self.0,
-            target_fence: plan.target_fence,
-            draft_fence: plan.draft_fence,
-            tokens_written: 0,
-            slot_copies: 0,
-            tokens_verified: 0,
-            mismatches: Vec::new(),
-            metadata_digest: 0,
-            elapsed_us: 0,
-        })
-    }
-    fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        Err(DeviceError::Metadata {
-            device: self.0,
-            source: MetadataError::NoDraftBuffers,
-        })
-    }
-    fn draft_forward(&mut self, _: &StepPlan) -> Result<u64, DeviceError> {
-        Ok(0)
-    }
-    fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
-        Ok(())
-    }
-    fn verify(&mut self, _: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        Ok((0, Vec::new()))
-    }
-
-    fn cache_digest(&mut self) -> Result<String, DeviceError> {
-        Ok(String::new()) // holds no bytes
-    }
-}
-
-const SEQS: u64 = 256;
-
-fn requests() -> Vec<SubmitRequest> {
-    (0..SEQS)
-        .map(|i| SubmitRequest {
-            id: RequestId(i),
-            scope: ReuseScope::SHARED,
-            prompt: (0..1000 + (i as u32 * 7) % 2000)
-                .map(|t| TokenId(t + i as u32 * 3000))
-                .collect(),
-            max_new_tokens: 900_000,
-            priority: 35,
-        })
-        .collect()
-}
-
-fn drafts() -> HashMap<RequestId, Vec<TokenId>> {
-    (0..SEQS)
-        .map(|i| (RequestId(i), vec![TokenId(1), TokenId(2), TokenId(3)]))
-        .collect()
-}
-
-/// Outcomes of a step: `accepted` drafts each, and a sampled token.
-fn outcomes<'a>(reqs: impl Iterator<Item = (RequestId, u32)> + 'a) -> Vec<RequestOutcome> {
-    reqs.map(|(id, drafts)| RequestOutcome {
-        id,
-        accepted_drafts: drafts.min(1),
-        next_token: Some(TokenId(9)),
-    })
-    .collect()
-}
-
-fn config() -> EngineConfig {
-    let mut c = EngineConfig::default();
-    c.kv_cache.max_tokens = Some(12_000_000);
-    c.scheduler.max_num_sequences = 256;
-    c.scheduler.max_num_tokens = 8192;
-    c.scheduler.max_prefill_chunk = 8192;
-    c.scheduler.max_seq_len = 1_000_000;
-    c.spec_decode.mode = dsa_kv::config::SpecMode::Mtp;
-    c.spec_decode.draft_tokens = 3;
-    c.spec_decode.separate_draft_cache = false;
-    c
-}
+// The requests, drafts, outcomes, engine config and no-op device, shared with
+// `examples/step_bench.rs` (the side-by-side run against vLLM, benches/vllm_step/).
+#[path = "common/step256.rs"]
+mod step256;
+use step256::{config, drafts, outcomes, requests, settle, NullDevice, REBUILD, SEQS};
 
 fn bare() -> Scheduler {
     let plan = PoolPlan::for_model(
@@ -205,29 +119,8 @@ async fn runtime(dev: Dev) -> KvCacheHandle {
             }))
         }
     };
-    let kv = b.start().await.unwrap();
-    for r in requests() {
-        kv.submit(r).await.unwrap();
-    }
-    loop {
-        let rep = kv.step(drafts()).await.unwrap();
-        kv.commit(outcomes(rep.scheduled.iter().map(|r| (r.id, r.num_drafts))))
-            .await
-            .unwrap();
-        if rep.scheduled.len() == SEQS as usize
-            && rep
-                .scheduled
-                .iter()
-                .all(|r| r.kind == RequestKind::Generation)
-        {
-            return kv;
-        }
-    }
+    settle(b.start().await.unwrap()).await
 }
-
-/// Sequences grow by 2 tokens per step; the state is rebuilt (untimed) every
-/// `REBUILD` steps so that every measured step sees 1,000–3,200-token sequences.
-const REBUILD: u64 = 100;
 
 /// `iters` steps through the handle, timed as the bare scheduler is: inputs (the drafts
 /// map, which `step` takes by value) are prepared before the clock starts, and the
