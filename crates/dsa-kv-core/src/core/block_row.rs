@@ -28,7 +28,8 @@ pub struct RowStamp {
     /// This row's contents; unique in the process. 0: unknown (a row built or changed
     /// outside the scheduler): consumers rewrite it whole.
     pub version: u64,
-    /// The version of the row the previous plan carried for this request (0: none).
+    /// The version of a row an earlier plan carried for this request, from which this
+    /// one differs only from `from` on (0: none).
     pub base: u64,
     /// Columns before `from` equal `base`'s; from `from` on they may differ, and the
     /// row may be longer or shorter.
@@ -144,7 +145,9 @@ pub(crate) struct KeptRow {
 impl KeptRow {
     /// Brings the row up to date with the sequence's block table and returns it for a
     /// plan. Work: the columns that changed since the last call (and, when the other
-    /// buffer is behind, those that changed in the step before), not the row.
+    /// buffer is behind, those that changed in the step before), not the row; except
+    /// when plans still share both buffers (a caller holding reports of several steps),
+    /// where the row is copied whole into a new buffer.
     pub(crate) fn publish(
         &mut self,
         m: &mut KvCacheManager,

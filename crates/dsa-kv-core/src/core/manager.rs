@@ -231,8 +231,9 @@ pub(super) struct Sequence {
     /// given the same tokens.
     pub import_key: Option<BlockKey>,
     /// The first block whose physical slot may have changed since the last
-    /// [`KvCacheManager::sync_block_table`] (every block after it too): lowered by every
-    /// change of `pages` and by a resume (pages may have moved while suspended).
+    /// [`KvCacheManager::sync_block_table`] (every block after it too): lowered by a
+    /// truncation, a rebase and an import's reordering, reset to 0 by a resume (pages
+    /// may have moved while suspended); appends need no mark (the kept row is shorter).
     pub table_mark: usize,
 }
 
@@ -838,8 +839,9 @@ impl KvCacheManager {
     /// to the block count. Returns the first block written (`row.len()` when nothing
     /// changed), so a consumer of `row` can update its own copy from there.
     ///
-    /// The change mark is per sequence, not per reader: one caller (the scheduler) reads
-    /// each sequence this way and always with the same `row`. The first call after a
+    /// The change mark is per sequence, not per reader or life cycle: one caller (the
+    /// scheduler) reads each sequence this way, always for the same `lc` and with the
+    /// same `row`; a second reader or life cycle would see changes as already read. The first call after a
     /// (re)activation rewrites the whole row. Work is proportional to the blocks
     /// rewritten, not to the table.
     pub fn sync_block_table(
@@ -879,8 +881,16 @@ impl KvCacheManager {
     /// changed since the last [`sync_block_table`](Self::sync_block_table) (nothing
     /// changed when the mark is at or past the count and the kept row has that many
     /// blocks).
+    /// Refused for a sequence that is not active (its pages may move).
     pub fn block_table_mark(&self, h: &SeqHandle) -> Result<(usize, usize), KvError> {
         let s = self.seq(self.seq_index(h)?);
+        if s.status != SeqStatus::Active {
+            return Err(KvError::NotActive {
+                id: s.id,
+                status: s.status,
+                op: "reading its block table",
+            });
+        }
         Ok((s.table_mark, s.pages.len() / self.n_lc))
     }
 

@@ -409,7 +409,8 @@ pub struct Scheduler {
 }
 
 /// Emptied buffers kept for the next plans: a step of 256 decoding requests otherwise
-/// allocates and frees ~1,000 small vectors (tokens, block tables), which costs more
+/// allocates and frees ~1,000 small vectors (tokens, and block tables before they were
+/// kept per request), which costs more
 /// than a tenth of the step. At most [`Spare::cap`] of each kind are kept.
 #[derive(Debug, Default)]
 struct Spare {
@@ -482,7 +483,8 @@ impl Scheduler {
         let mut requests = plan.requests;
         for r in requests.drain(..) {
             // The rows are shared with the requests' kept rows: dropping the plan's
-            // references frees nothing and lets the next step write them in place.
+            // references lets the next step write them in place (a finished request's
+            // rows go with the plan).
             self.spare.keep_tokens(r.tokens);
             if let Some(v) = r.verify_tokens {
                 self.spare.keep_tokens(v);
@@ -1295,11 +1297,21 @@ impl Scheduler {
             }
             // The plan's request `k` when the outcomes follow the plan's order; else
             // the requests of the step sorted by id, once.
-            let i = match by_at.get(k).copied().filter(|&i| self.reqs[i].id == o.id) {
+            // (A plan entry whose request left since, `finalize`d, is `usize::MAX`.)
+            let i = match by_at
+                .get(k)
+                .copied()
+                .filter(|&i| i != usize::MAX && self.reqs[i].id == o.id)
+            {
                 Some(i) => i,
                 None => {
                     if by_id.is_empty() {
-                        by_id.extend(by_at.iter().map(|&i| (self.reqs[i].id, i)));
+                        by_id.extend(
+                            by_at
+                                .iter()
+                                .filter(|&&i| i != usize::MAX)
+                                .map(|&i| (self.reqs[i].id, i)),
+                        );
                         by_id.sort_unstable_by_key(|e| e.0);
                     }
                     match by_id.binary_search_by_key(&o.id, |e| e.0) {

@@ -864,3 +864,42 @@ fn a_request_longer_than_the_pool_fails_once_and_leaves() {
     assert_eq!(s.num_active(), 0, "request 2 finished");
     assert_eq!(s.status(RequestId(1)), None, "the failed request is gone");
 }
+
+/// A request finalized while its step is in flight leaves the plan with a hole: the
+/// commit of the others' outcomes (in plan order, and out of it) goes through, and an
+/// outcome for the finalized one is a typed error, not a panic.
+#[test]
+fn a_request_finalized_mid_step_leaves_a_hole_the_commit_skips() {
+    for reversed in [false, true] {
+        let mut s = Scheduler::new(manager(32, 0), None, limits(0));
+        for i in 1..=3u64 {
+            s.submit(req(i, (0..5).map(|t| t + 10 * i as u32).collect(), 6))
+                .unwrap();
+        }
+        let plan = s.schedule(&HashMap::new()).unwrap();
+        assert_eq!(plan.requests.len(), 3);
+        s.complete(plan.target_fence, plan.draft_fence).unwrap();
+        let gone = plan.requests[1].id;
+        s.finalize(&[gone]).unwrap();
+        let mut outcomes: Vec<RequestOutcome> = plan
+            .requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: 0,
+                next_token: Some(TokenId(1)),
+            })
+            .collect();
+        if reversed {
+            outcomes.reverse();
+        }
+        assert!(matches!(
+            s.commit(&outcomes),
+            Err(SchedError::NotInStep { id, .. }) if id == gone
+        ));
+        outcomes.retain(|o| o.id != gone);
+        s.commit(&outcomes).unwrap();
+        assert_eq!(s.status(gone), None);
+        assert_eq!(s.num_active(), 2);
+    }
+}

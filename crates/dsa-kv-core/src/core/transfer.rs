@@ -214,6 +214,8 @@ impl KvCacheManager {
                 s.pages[(skipped as usize + k) * n + lc] = p;
             }
         }
+        // (The import opened the sequence in this call, so its mark is 0 already; kept
+        // so that reordering stays marked if that ever changes.)
         s.table_mark = s.table_mark.min(skipped as usize);
         let keys = self.block_keys(scope, tokens);
         self.seq_mut(idx).import_key = keys.last().copied();

@@ -91,7 +91,10 @@ pub struct StepRequest<'a> {
     /// What changed in `block_slots` since the row the previous step carried for this
     /// request ([`BlockRow::stamp`](crate::core::BlockRow::stamp));
     /// [`RowStamp::UNKNOWN`] rewrites the row whole. With a true stamp, a request that
-    /// stays at its batch index costs the page tables only its changed columns.
+    /// stays at its batch index costs the page tables only its changed columns. The
+    /// stamp is a promise: columns it says are unchanged are neither rewritten nor
+    /// validated again (the scheduler's stamps are true; a row changed by hand must be
+    /// stamped unknown, as [`BlockRow::make_mut`](crate::core::BlockRow::make_mut) does).
     pub row: RowStamp,
     /// KV tokens before this step.
     pub num_cached: u32,
@@ -158,6 +161,9 @@ pub struct StepMetadata {
     pub(super) row_version: [Vec<u64>; 2],
     /// Per set and row: leading columns of the held row known to be non-negative.
     pub(super) row_ok: [Vec<usize>; 2],
+    /// Per set: the indexer page scale its rows were filled with (a change rewrites
+    /// every row).
+    pub(super) filled_scale: [u32; 2],
     /// The validation's leading non-negative columns of each request (for the fill).
     pub(super) ok_scratch: Vec<usize>,
     /// Page-table cells the last fill wrote (both tables; padding included).
@@ -235,6 +241,7 @@ impl StepMetadata {
                 vec![0; draft_dims.map_or(0, |d| d.max_num_sequences)],
             ],
             ok_scratch: Vec::new(),
+            filled_scale: [layout.indexer_page_scale; 2],
             table_writes: 0,
             counts: StepCounts::default(),
             epoch: 0,
@@ -463,6 +470,11 @@ impl StepMetadata {
         let mut row_valid = std::mem::take(&mut self.row_valid[which]);
         let mut row_version = std::mem::take(&mut self.row_version[which]);
         let mut row_ok = std::mem::take(&mut self.row_ok[which]);
+        if self.filled_scale[which] != self.layout.indexer_page_scale {
+            // Kept indexer columns hold `slot × old scale`: nothing is kept.
+            row_version.fill(0);
+            self.filled_scale[which] = self.layout.indexer_page_scale;
+        }
         let mut writes = 0usize;
         for (r, req) in reqs.iter().enumerate() {
             let row = r * b..(r + 1) * b;

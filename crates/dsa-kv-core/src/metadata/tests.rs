@@ -808,3 +808,25 @@ mod incremental {
         );
     }
 }
+
+/// A stamped row kept at its batch index is rewritten whole when the indexer page
+/// scale changes (its kept cells hold `slot × old scale`).
+#[test]
+fn a_new_indexer_page_scale_rewrites_kept_rows() {
+    let mut m = StepMetadata::new(layout(3), dims(4), None, false).unwrap();
+    let stamp = crate::core::RowStamp {
+        version: 77,
+        base: 0,
+        from: 0,
+    };
+    let mut r = req(Generation, &[5, 2], 100, 1);
+    r.row = stamp;
+    m.prepare(&layout(3), &[r]).unwrap();
+    assert_eq!(&m.indexer_page_table()[..2], &[15, 6]);
+    // The same version again: nothing to write with the same scale...
+    m.prepare(&layout(3), &[r]).unwrap();
+    assert_eq!(m.last_table_writes(), 0);
+    // ...but a new scale rewrites the row.
+    m.prepare(&layout(2), &[r]).unwrap();
+    assert_eq!(&m.indexer_page_table()[..2], &[10, 4]);
+}
