@@ -806,14 +806,8 @@ impl KvCacheManager {
         out: &mut [i32],
     ) -> Result<usize, KvError> {
         let idx = self.seq_index(h)?;
+        self.require_active(idx, "reading its block table")?;
         let s = self.seq(idx);
-        if s.status != SeqStatus::Active {
-            return Err(KvError::NotActive {
-                id: s.id,
-                status: s.status,
-                op: "reading its block table",
-            });
-        }
         let blocks = s.pages.len() / self.n_lc;
         if out.len() < blocks {
             return Err(KvError::InvalidOption {
@@ -851,14 +845,8 @@ impl KvCacheManager {
         row: &mut Vec<i32>,
     ) -> Result<usize, KvError> {
         let idx = self.seq_index(h)?;
+        self.require_active(idx, "reading its block table")?;
         let s = self.seq(idx);
-        if s.status != SeqStatus::Active {
-            return Err(KvError::NotActive {
-                id: s.id,
-                status: s.status,
-                op: "reading its block table",
-            });
-        }
         if lc.index() >= self.n_lc {
             return Err(KvError::InvalidOption {
                 field: "life cycle",
@@ -883,14 +871,9 @@ impl KvCacheManager {
     /// blocks).
     /// Refused for a sequence that is not active (its pages may move).
     pub fn block_table_mark(&self, h: &SeqHandle) -> Result<(usize, usize), KvError> {
-        let s = self.seq(self.seq_index(h)?);
-        if s.status != SeqStatus::Active {
-            return Err(KvError::NotActive {
-                id: s.id,
-                status: s.status,
-                op: "reading its block table",
-            });
-        }
+        let idx = self.seq_index(h)?;
+        self.require_active(idx, "reading its block table")?;
+        let s = self.seq(idx);
         Ok((s.table_mark, s.pages.len() / self.n_lc))
     }
 

@@ -34,7 +34,7 @@ impl KvCacheManager {
         Ok(())
     }
 
-    fn require_active(&self, idx: usize, op: &'static str) -> Result<(), KvError> {
+    pub(super) fn require_active(&self, idx: usize, op: &'static str) -> Result<(), KvError> {
         let s = self.seq(idx);
         if s.status != SeqStatus::Active {
             return Err(KvError::NotActive {
