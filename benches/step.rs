@@ -241,16 +241,12 @@ fn main() {
                         .requests
                         .iter()
                         .map(|r| StepRequest {
-                            kind: r.kind,
-                            block_slots: &r.block_slots,
                             row: if keep {
                                 r.block_slots.stamp()
                             } else {
                                 RowStamp::UNKNOWN
                             },
-                            num_cached: r.num_cached,
-                            num_new: r.tokens.len() as u32,
-                            helix_inactive: false,
+                            ..StepRequest::planned(r, false)
                         })
                         .collect();
                     let t = Instant::now();

@@ -14,7 +14,7 @@ use super::kv_source::{KvPosition, KvSource};
 use crate::transfer::{CacheKind, MemRegion, PoolRegion};
 use dsa_kv_core::config::{DsaModel, IndexerDtype, KvDtype};
 use dsa_kv_core::core::scheduler::StepPlan;
-use dsa_kv_core::core::{PrefixHash, ReuseScope, RowStamp};
+use dsa_kv_core::core::{PrefixHash, ReuseScope};
 use dsa_kv_core::ids::{Fence, LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{PoolPlan, Role};
 use dsa_kv_core::metadata::{
@@ -515,23 +515,7 @@ impl StepCore {
     pub(crate) fn step_requests<'a>(plan: &'a StepPlan, draft: bool) -> Vec<StepRequest<'a>> {
         plan.requests
             .iter()
-            .map(|r| {
-                let (block_slots, row) = if draft {
-                    r.draft_block_slots
-                        .as_ref()
-                        .map_or((&[][..], RowStamp::UNKNOWN), |d| (&d[..], d.stamp()))
-                } else {
-                    (&r.block_slots[..], r.block_slots.stamp())
-                };
-                StepRequest {
-                    kind: r.kind,
-                    block_slots,
-                    row,
-                    num_cached: r.num_cached,
-                    num_new: r.tokens.len() as u32,
-                    helix_inactive: false,
-                }
-            })
+            .map(|r| StepRequest::planned(r, draft))
             .collect()
     }
 

@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use super::buffers::{Bindings, BufferId, BufferRole, Data, MetaBuffer};
 use super::MetadataError;
-use crate::core::scheduler::RequestKind;
+use crate::core::scheduler::{PlannedRequest, RequestKind};
 use crate::core::RowStamp;
 use crate::layout::{IndexerPageLayout, LayoutError, PoolPlan, Role, RowLayout};
 
@@ -105,7 +105,27 @@ pub struct StepRequest<'a> {
     pub helix_inactive: bool,
 }
 
-impl StepRequest<'_> {
+impl<'a> StepRequest<'a> {
+    /// A planned request as this step's request: its target row (`draft`: its
+    /// draft-manager row, empty when it has none) with that row's stamp.
+    pub fn planned(r: &'a PlannedRequest, draft: bool) -> Self {
+        let (block_slots, row) = if draft {
+            r.draft_block_slots
+                .as_ref()
+                .map_or((&[][..], RowStamp::UNKNOWN), |d| (&d[..], d.stamp()))
+        } else {
+            (&r.block_slots[..], r.block_slots.stamp())
+        };
+        StepRequest {
+            kind: r.kind,
+            block_slots,
+            row,
+            num_cached: r.num_cached,
+            num_new: r.tokens.len() as u32,
+            helix_inactive: false,
+        }
+    }
+
     /// Tokens this step adds on this rank.
     pub fn added(&self) -> u32 {
         if self.helix_inactive {

@@ -624,16 +624,12 @@ mod incremental {
         plan.requests
             .iter()
             .map(|r| StepRequest {
-                kind: r.kind,
-                block_slots: &r.block_slots,
                 row: if stamped {
                     r.block_slots.stamp()
                 } else {
                     RowStamp::UNKNOWN
                 },
-                num_cached: r.num_cached,
-                num_new: r.tokens.len() as u32,
-                helix_inactive: false,
+                ..StepRequest::planned(r, false)
             })
             .collect()
     }
