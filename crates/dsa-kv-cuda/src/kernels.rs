@@ -3,7 +3,8 @@
 //!
 //! Launch geometry is chosen for bandwidth: a warp per token for the row kernels (16-byte
 //! vector moves, 8 tokens per 256-thread block), `width / 16` lanes per token for the
-//! indexer kernels, and a `(chunks, tasks)` grid of 64 KiB chunks for the batched copy,
+//! indexer kernels, 16 lanes per token and 4 tokens per warp for the FP8 indexer
+//! quantizer, and a `(chunks, tasks)` grid of 64 KiB chunks for the batched copy,
 //! so a handful of large copies still fills every SM.
 //!
 //! The wrappers take raw device addresses (pools are VMM mappings, not `CudaSlice`s), so
@@ -166,6 +167,9 @@ fn cfg(threads: u64) -> LaunchConfig {
     }
 }
 
+/// Tokens one warp of `quantize_indexer_fp8` quantizes (`2 * FP8_PAIRS` in quant.cu).
+const QUANT_FP8_TOKENS_PER_WARP: u64 = 4;
+
 /// Vectors each thread of the indexer kernels moves (`VEC_PER_THREAD` in indexer.cu).
 const INDEXER_VEC_PER_THREAD: u64 = 2;
 
@@ -240,13 +244,13 @@ impl Kernels {
             return Ok(());
         }
         let n32 = as_i32(device, "tokens", n)?;
-        let c = cfg(n as u64 * 32);
         let what = "quantize_indexer";
         // SAFETY (both branches): the caller's contract (above) covers every address.
         if fp4 {
-            let f = &self.quantize_indexer_fp4;
+            let (f, c) = (&self.quantize_indexer_fp4, cfg(n as u64 * 32));
             unsafe { crate::launch!(stream, f, c, device, what; &keys, &values, &scales, &n32) }
         } else {
+            let c = cfg((n as u64).div_ceil(QUANT_FP8_TOKENS_PER_WARP) * 32);
             let (f, ue) = (&self.quantize_indexer_fp8, i32::from(ue8m0));
             unsafe {
                 crate::launch!(stream, f, c, device, what; &keys, &values, &scales, &n32, &ue)

@@ -190,6 +190,173 @@ fn quantize_indexer_matches_host() {
     }
 }
 
+/// FP8 indexer keys for the quantizer's edge cases, token by token: normal values at a
+/// per-token magnitude (2^-40 .. 2^40: E4M3 subnormal codes, saturation-free), all zeros,
+/// a few arbitrary bit patterns (NaN, ±inf, subnormals, huge), all NaN, BF16 subnormals
+/// only (amax below the 1e-4 floor), and an amax of exactly 448 · 2^e or one BF16 step
+/// above it (where the UE8M0 scale rounds up), at a random position.
+fn fp8_keys(rng: &mut Rng, n: usize) -> Vec<bf16> {
+    let mut keys = Vec::with_capacity(n * 128);
+    for _ in 0..n {
+        let kind = rng.below(8);
+        // Kinds 5 and 6 plant their amax below; the other values stay under half of it.
+        let top = 448.0 * 2f32.powi(rng.below(40) as i32 - 30);
+        let mag = if kind >= 5 {
+            top
+        } else {
+            2f32.powi(rng.below(81) as i32 - 40)
+        };
+        let start = keys.len();
+        for _ in 0..128 {
+            let u = (rng.next() >> 40) as f32 / 16_777_216.0 - 0.5;
+            keys.push(match kind {
+                1 => bf16::ZERO,
+                2 if rng.below(8) == 0 => bf16::from_bits(rng.next() as u16),
+                3 => bf16::from_bits(0x7fc0 | (rng.next() as u16 & 0x8000)),
+                4 => bf16::from_bits((rng.next() as u16) & 0x807f),
+                _ => bf16::from_f32(u * mag),
+            });
+        }
+        if kind >= 5 {
+            let bits = bf16::from_f32(top).to_bits() + u16::from(kind == 6);
+            let sign = if rng.below(2) == 0 { 0 } else { 0x8000 };
+            keys[start + rng.below(128) as usize] = bf16::from_bits(bits | sign);
+        }
+    }
+    keys
+}
+
+/// Runs `k`'s FP8 quantizer over [`fp8_keys`] at sizes with every remainder modulo the
+/// tokens of a warp (and a block), into outputs filled with a sentinel and 256 bytes
+/// longer, and compares every byte (the sentinel past the end included) with
+/// `quantize_fp8_token`. `Err` names the first difference.
+fn fp8_quantize_cases(k: &Kernels, g: &Gpu) -> Result<usize, String> {
+    let mut rng = Rng(SplitMix64(11));
+    let mut cases = 0;
+    for &n in &[
+        1usize, 2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 65, 66, 67, 1000, 4099,
+    ] {
+        let keys = fp8_keys(&mut rng, n);
+        let kb = buf(g, &keys);
+        for fmt in [ScaleFormat::Ue8m0, ScaleFormat::F32] {
+            let mut want = (vec![0xA5u8; n * 128 + 256], vec![0xA5u8; n * 4 + 256]);
+            for t in 0..n {
+                quantize_fp8_token(
+                    &keys[t * 128..(t + 1) * 128],
+                    fmt,
+                    &mut want.0[t * 128..(t + 1) * 128],
+                    &mut want.1[t * 4..t * 4 + 4],
+                );
+            }
+            let (vb, sb) = (
+                buf(g, &vec![0xA5u8; want.0.len()]),
+                buf(g, &vec![0xA5u8; want.1.len()]),
+            );
+            let ue8m0 = fmt == ScaleFormat::Ue8m0;
+            // SAFETY: the buffers hold n keys, n values and n scale words (and more).
+            unsafe {
+                k.quantize_indexer(
+                    g.compute(),
+                    0,
+                    kb.ptr(),
+                    vb.ptr(),
+                    sb.ptr(),
+                    n,
+                    false,
+                    ue8m0,
+                )
+            }
+            .map_err(|e| e.to_string())?;
+            let got: (Vec<u8>, Vec<u8>) = (read(g, &vb, want.0.len()), read(g, &sb, want.1.len()));
+            for (what, got, want, width) in [
+                ("value", &got.0, &want.0, 128),
+                ("scale", &got.1, &want.1, 4),
+            ] {
+                if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                    return Err(format!(
+                        "n={n} {fmt:?}: {what} byte {i} (token {}) is {:#04x}, want {:#04x}",
+                        i / width,
+                        got[i],
+                        want[i]
+                    ));
+                }
+            }
+            cases += 1;
+        }
+    }
+    Ok(cases)
+}
+
+/// The crate's kernels compiled from `KERNEL_SOURCES` with `from` replaced by `to` in
+/// `file` (exactly one occurrence).
+fn mutated_kernels(g: &Gpu, file: &str, from: &str, to: &str) -> Kernels {
+    let src: String = KERNEL_SOURCES
+        .iter()
+        .map(|(name, text)| {
+            let text = if *name == file {
+                assert_eq!(text.matches(from).count(), 1, "{file}: {from}");
+                text.replace(from, to)
+            } else {
+                text.to_string()
+            };
+            format!("// ---- {name}\n{text}\n")
+        })
+        .collect();
+    g.bind().unwrap();
+    let module = g.context().load_module(compile(src).unwrap()).unwrap();
+    Kernels::load(|name| {
+        module
+            .load_function(name)
+            .map_err(|e| driver_error(0, name, e))
+    })
+    .unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn quantize_indexer_fp8_edge_cases_match_host() {
+    let g = gpu();
+    let cases = fp8_quantize_cases(g.kernels(), &g).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{cases} FP8 quantizer cases byte-identical");
+}
+
+/// Mutations of the FP8 quantizer (rounding, the amax reduction's width, the last token
+/// of a batch, one half-warp's scale word) fail `fp8_quantize_cases`: it can see them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn quantize_indexer_fp8_mutants_fail_the_comparison() {
+    let g = gpu();
+    let mutants = [
+        (
+            "value rounding: to nearest even -> toward zero",
+            "y[i] = UE8M0 ? div_pow2(x, inv) : x / scale;",
+            "y[i] = __uint_as_float(__float_as_uint(UE8M0 ? div_pow2(x, inv) : x / scale) & 0xfff00000u);",
+        ),
+        (
+            "amax over 8 lanes instead of the token's 16",
+            "for (int o = 8; o > 0; o >>= 1) m =",
+            "for (int o = 4; o > 0; o >>= 1) m =",
+        ),
+        (
+            "the batch's last token not written",
+            "if (t < (u64)n) {",
+            "if (t + 1 < (u64)n) {",
+        ),
+        (
+            "only the first half-warp's tokens get a scale word",
+            "if (part == 0) *reinterpret_cast<float*>",
+            "if (lane == 0) *reinterpret_cast<float*>",
+        ),
+    ];
+    for (what, from, to) in mutants {
+        let k = mutated_kernels(&g, "quant.cu", from, to);
+        match fp8_quantize_cases(&k, &g) {
+            Ok(n) => panic!("mutant '{what}' passed all {n} cases"),
+            Err(e) => eprintln!("mutant '{what}' caught: {e}"),
+        }
+    }
+}
+
 /// Mappings for `n` tokens over `pages` indexer pages: random distinct positions, some
 /// −1, the first and last position of pages included.
 fn indexer_maps(rng: &mut Rng, n: usize, pages: u64, width: u32) -> (Vec<i64>, Vec<i64>) {
