@@ -16,11 +16,20 @@
 //! * `metadata_full`: the same plan with unknown stamps (every row rewritten, what
 //!   every step did before the stamps).
 //!
+//! With `--cuda` (feature `cuda`, a GPU), two more variants time the host work of the
+//! CUDA backend's step metadata, what its device actor does before each forward:
+//!
+//! * `metadata_stamped_cuda`: `prepare` with the stamps + `DeviceMetadata::upload`
+//!   (staging, the copies and the page-table cell pairs enqueued; the GPU is synchronized
+//!   after the clock stops, so the queue does not build up);
+//! * `metadata_full_cuda`: the same with unknown stamps (every row rewritten, and the
+//!   change log giving up: the tables' used parts are copied, as every step did before).
+//!
 //! Prints one JSON object per variant and context (median and mean ns per step over
 //! all rounds, and the median against `core_decode_step`). Run:
 //! `cargo bench --bench step -- [--rounds N] [--steps N] [--contexts 3000,131072]
-//! [--only core_decode_step,metadata_full]` (the scheduler always runs: it makes the
-//! plans).
+//! [--only core_decode_step,metadata_full] [--cuda]` (the scheduler always runs: it
+//! makes the plans).
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -175,6 +184,54 @@ fn arg(name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_string())
 }
 
+/// The CUDA backend's device metadata of one `StepMetadata` (`--cuda`).
+#[cfg(feature = "cuda")]
+struct Cuda {
+    gpu: std::sync::Arc<dsa_kv::cuda::Gpu>,
+    dev: [dsa_kv::cuda::DeviceMetadata; 2],
+    bytes: [Vec<u64>; 2],
+}
+
+#[cfg(feature = "cuda")]
+impl Cuda {
+    fn open(metas: [&StepMetadata; 2]) -> Result<Cuda, String> {
+        let gpu = dsa_kv::cuda::Gpu::open(0).map_err(|e| format!("--cuda: {e}"))?;
+        let dev = [
+            dsa_kv::cuda::DeviceMetadata::new(&gpu, metas[0]).map_err(|e| e.to_string())?,
+            dsa_kv::cuda::DeviceMetadata::new(&gpu, metas[1]).map_err(|e| e.to_string())?,
+        ];
+        Ok(Cuda {
+            gpu,
+            dev,
+            bytes: [Vec::new(), Vec::new()],
+        })
+    }
+
+    /// Uploads metadata `i`; returns the host time of the upload.
+    fn upload(&mut self, i: usize, meta: &mut StepMetadata) -> std::time::Duration {
+        let t = Instant::now();
+        self.dev[i].upload(&self.gpu, meta).expect("upload");
+        let took = t.elapsed();
+        self.gpu.synchronize().expect("synchronize");
+        self.bytes[i].push(self.dev[i].last_bytes() as u64);
+        took
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+struct Cuda;
+
+#[cfg(not(feature = "cuda"))]
+impl Cuda {
+    fn open(_: [&StepMetadata; 2]) -> Result<Cuda, String> {
+        Err("--cuda needs the feature `cuda`".into())
+    }
+
+    fn upload(&mut self, _: usize, _: &mut StepMetadata) -> std::time::Duration {
+        unreachable!("never opened")
+    }
+}
+
 fn main() {
     let rounds: usize = arg("--rounds", "20").parse().expect("--rounds N");
     let steps: usize = arg("--steps", "50").parse().expect("--steps N");
@@ -199,6 +256,17 @@ fn main() {
         };
         let mut stamped = StepMetadata::new(layout, dims, None, false).expect("metadata");
         let mut full = StepMetadata::new(layout, dims, None, false).expect("metadata");
+        let mut cuda = if std::env::args().any(|a| a == "--cuda") {
+            match Cuda::open([&stamped, &full]) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    eprintln!("{e}");
+                    std::process::exit(2);
+                }
+            }
+        } else {
+            None
+        };
         let drafts: HashMap<RequestId, Vec<TokenId>> = (0..SEQS)
             .map(|i| (RequestId(i), vec![TokenId(1), TokenId(2), TokenId(3)]))
             .collect();
@@ -211,6 +279,8 @@ fn main() {
             "schedule_commit",
             "metadata_stamped",
             "metadata_full",
+            "metadata_stamped_cuda",
+            "metadata_full_cuda",
         ];
         let mut ns: Vec<Vec<u64>> = vec![Vec::new(); names.len()];
         let mut writes: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
@@ -251,8 +321,13 @@ fn main() {
                         .collect();
                     let t = Instant::now();
                     meta.prepare(&layout, &reqs).expect("prepare");
-                    ns[v].push(t.elapsed().as_nanos() as u64);
+                    let prepared = t.elapsed();
+                    ns[v].push(prepared.as_nanos() as u64);
                     writes[v - 2].push(meta.last_table_writes() as u64);
+                    if let Some(c) = cuda.as_mut() {
+                        let up = c.upload(v - 2, meta);
+                        ns[v + 2].push((prepared + up).as_nanos() as u64);
+                    }
                 }
                 s.recycle(p);
             }
@@ -262,7 +337,19 @@ fn main() {
         for (v, name) in names.iter().enumerate() {
             let mean = ns[v].iter().sum::<u64>() as f64 / ns[v].len().max(1) as f64;
             let med = median(&mut ns[v]);
+            if ns[v].is_empty() && v >= 4 {
+                continue;
+            }
             let extra = match v {
+                #[cfg(feature = "cuda")]
+                4 | 5 => match cuda.as_mut() {
+                    Some(c) => format!(
+                        ",\"upload_bytes_median\":{},\"upload_bytes_first_step\":{}",
+                        median(&mut c.bytes[v - 4].clone()),
+                        c.bytes[v - 4].first().copied().unwrap_or(0)
+                    ),
+                    None => String::new(),
+                },
                 2 | 3 => format!(
                     ",\"table_cells_median\":{},\"table_cells_first_step\":{}",
                     median(&mut writes[v - 2].clone()),

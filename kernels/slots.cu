@@ -24,3 +24,17 @@ extern "C" __global__ void recompute_slot_mappings(const int* __restrict__ index
     }
     mla[t] = (i64)(page / (page_scale > 0 ? page_scale : 1)) * tpb + pos;
 }
+
+// Page-table cells changed since the last upload (host reference: the change log of the
+// step metadata, dsa_kv_core::metadata::mirror): pair i = (cell, value); bit 31 of the
+// cell picks the table (0: `a`, 1: `b`), the rest is the i32 element index in it. Pairs
+// naming one cell twice carry the same value (the host's value at upload time).
+extern "C" __global__ void apply_table_cells(int* __restrict__ a, int* __restrict__ b,
+                                             const int2* __restrict__ pairs, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int2 p = pairs[i];
+    unsigned c = (unsigned)p.x;
+    int* t = (c >> 31) ? b : a;
+    t[c & 0x7fffffffu] = p.y;
+}

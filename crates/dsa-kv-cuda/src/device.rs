@@ -225,8 +225,10 @@ impl CudaDevice {
                 None => return Err(DeviceError::NoDraftCache { device: dev }),
             },
         };
+        self.meta_dev
+            .upload(&self.gpu, &mut self.core.meta)
+            .map_err(cuda)?;
         let meta = &self.core.meta;
-        self.meta_dev.upload(&self.gpu, meta).map_err(cuda)?;
         let meta_dev = &self.meta_dev;
         let mut batch = Batch::on_cuda(
             plan.step,

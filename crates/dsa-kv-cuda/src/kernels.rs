@@ -71,6 +71,7 @@ pub struct Kernels {
     topk_to_global: CudaFunction,
     dense_topk: CudaFunction,
     recompute_slot_mappings: CudaFunction,
+    apply_table_cells: CudaFunction,
     batched_copy: CudaFunction,
     selfcheck_e4m3: CudaFunction,
 }
@@ -216,6 +217,7 @@ impl Kernels {
             topk_to_global: load("topk_to_global")?,
             dense_topk: load("dense_topk")?,
             recompute_slot_mappings: load("recompute_slot_mappings")?,
+            apply_table_cells: load("apply_table_cells")?,
             batched_copy: load("batched_copy")?,
             selfcheck_e4m3: load("selfcheck_e4m3")?,
         })
@@ -542,6 +544,36 @@ impl Kernels {
                 &tables.indexer_table, &mb, &tables.num_cached, &tables.req_idx,
                 &tables.token_start, &n32, &tpb, &scale, &page_bytes, &data, &sc, &has,
                 &out_value, &out_scale, &out_mla,
+            )
+        }
+    }
+
+    /// Writes `n` page-table cells given as `(cell, value)` i32 pairs at `pairs`: bit 31
+    /// of the cell picks table `b` over `a`, the rest is the element index. Reference:
+    /// what [`dsa_kv_core::metadata::StepMetadata::mirror_changes`] names, copied from
+    /// the host buffers.
+    ///
+    /// # Safety
+    /// `pairs` holds `n` pairs; every index is inside its table.
+    pub unsafe fn apply_table_cells(
+        &self,
+        stream: &CudaStream,
+        device: usize,
+        a: u64,
+        b: u64,
+        pairs: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = as_i32(device, "page-table cells", n)?;
+        let f = &self.apply_table_cells;
+        // SAFETY: the caller's contract (above) covers every address.
+        unsafe {
+            crate::launch!(
+                stream, f, cfg(n as u64), device, "apply_table_cells";
+                &a, &b, &pairs, &n32,
             )
         }
     }

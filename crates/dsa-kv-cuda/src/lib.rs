@@ -61,6 +61,7 @@ pub use gpu::{
     KERNEL_SOURCES,
 };
 pub use kernels::Kernels;
+pub use metadata::DeviceMetadata;
 pub use storage::{CudaStorage, GpuPoolAlloc};
 pub use synthetic::CudaSyntheticWriter;
 pub use vmm::VmmPool;

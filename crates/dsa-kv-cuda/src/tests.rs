@@ -121,6 +121,7 @@ fn kernels_compile_with_nvrtc_when_available() {
                 "topk_to_global",
                 "dense_topk",
                 "recompute_slot_mappings",
+                "apply_table_cells",
                 "batched_copy",
                 "selfcheck_e4m3",
             ] {
@@ -1222,4 +1223,141 @@ fn peer_gpus_read_each_others_pools() {
         b.download_raw(pb.base(), &mut back).unwrap();
         assert!(back == pattern);
     }
+}
+
+/// The persistent device page tables follow the host's step metadata through the
+/// logged cells: random batches whose rows grow, change a column, keep their version or
+/// are replaced, requests leaving (batch indices shift) and arriving, a draft replay
+/// on the draft set now and then. After every upload the bound set's buffers and the
+/// shared ones read back equal to the host's, byte for byte; both the cell pairs and
+/// the extent copies are taken.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_metadata_follows_the_logged_cells() {
+    use dsa_kv_core::core::RowStamp;
+    use dsa_kv_core::metadata::mirror::MetaRef;
+    let g = gpu();
+    let mut rng = Rng(SplitMix64(27));
+    let layout = MetadataLayout {
+        tokens_per_block: 4,
+        indexer_page_scale: 2,
+        indexer: Some(IndexerPageLayout {
+            tokens_per_block: 4,
+            data_bytes: 128,
+            scale_bytes: 4,
+        }),
+    };
+    let dims = MetadataDims {
+        max_num_sequences: 16,
+        max_blocks_per_seq: 40,
+        max_num_tokens: 256,
+        max_context_kv_tokens: 2048,
+    };
+    let mut m = StepMetadata::new(layout, dims, Some(dims), true).unwrap();
+    let mut dm = DeviceMetadata::new(&g, &m).unwrap();
+    // Each request: its row, the row's stamp, its cached length.
+    let mut live: Vec<(Vec<i32>, RowStamp, u32)> = Vec::new();
+    let mut version = 1u64;
+    let (mut pair_steps, mut extent_steps) = (0, 0);
+    for step in 0..400 {
+        if live.len() > 1 && rng.below(6) == 0 {
+            live.remove(rng.below(live.len() as u64) as usize);
+        }
+        while live.len() < 16 && rng.below(3) == 0 {
+            version += 1;
+            let cached = rng.below(100) as u32;
+            let row = (0..(cached + 4).div_ceil(4) + 1)
+                .map(|_| rng.below(5000) as i32)
+                .collect();
+            let stamp = RowStamp {
+                version,
+                base: 0,
+                from: 0,
+            };
+            live.push((row, stamp, cached));
+        }
+        for (row, stamp, cached) in &mut live {
+            *cached = (*cached + 1).min(39 * 4 - 8);
+            let need = (*cached as usize + 4).div_ceil(4) + 1;
+            let before = *stamp;
+            match rng.below(4) {
+                0 if row.len() < need => row.push(rng.below(5000) as i32),
+                1 => {
+                    let c = rng.below(row.len() as u64) as usize;
+                    row[c] = rng.below(5000) as i32;
+                    version += 1;
+                    *stamp = RowStamp {
+                        version,
+                        base: before.version,
+                        from: c as u32,
+                    };
+                    continue;
+                }
+                _ => {}
+            }
+            row.resize(need.max(row.len()).min(40), 7);
+            if row.len() != before.from as usize || rng.below(2) == 0 {
+                version += 1;
+                *stamp = RowStamp {
+                    version,
+                    base: before.version,
+                    from: before.from.min(row.len() as u32),
+                };
+            }
+        }
+        if live.is_empty() {
+            continue;
+        }
+        let reqs: Vec<StepRequest> = live
+            .iter()
+            .map(|(row, stamp, cached)| StepRequest {
+                kind: RequestKind::Generation,
+                block_slots: row,
+                row: *stamp,
+                num_cached: *cached,
+                num_new: 4,
+                helix_inactive: false,
+            })
+            .collect();
+        let draft = step % 7 == 3;
+        m.prepare(&layout, &reqs).unwrap();
+        let mut check = |m: &mut StepMetadata, dm: &mut DeviceMetadata, what: &str| {
+            dm.upload(&g, m).unwrap();
+            pair_steps += usize::from(dm.last_cells() > 0);
+            extent_steps += dm.last_table_copies();
+            g.synchronize().unwrap();
+            let b = m.bindings();
+            let bound = [
+                b.indexer_page_table,
+                b.block_table,
+                b.slot_mapping_value,
+                b.slot_mapping_scale,
+                b.mla_slot_mapping,
+                b.kv_lens,
+                b.num_cached,
+            ];
+            let refs = bound.into_iter().map(MetaRef::Set).chain([
+                MetaRef::ReqIdx,
+                MetaRef::Ks,
+                MetaRef::Ke,
+            ]);
+            for r in refs {
+                let host = m.mirror_bytes(r);
+                let mut back = vec![0u8; host.len()];
+                unsafe { g.download_raw(dm.addr(r), &mut back).unwrap() };
+                assert!(back == host, "step {step} ({what}): {r:?} differs");
+            }
+        };
+        check(&mut m, &mut dm, "target");
+        if draft {
+            let snap = m.prepare_draft(&layout, &reqs).unwrap();
+            check(&mut m, &mut dm, "draft");
+            m.restore(&snap).unwrap();
+            check(&mut m, &mut dm, "restored");
+        }
+    }
+    assert!(
+        pair_steps > 100 && extent_steps > 0,
+        "{pair_steps} uploads by pairs, {extent_steps} by extent"
+    );
 }

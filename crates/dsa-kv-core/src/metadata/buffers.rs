@@ -87,6 +87,71 @@ pub(super) struct MetaBuffer {
     /// Entries past this index hold the padding value (so a rewrite only re-pads what
     /// the previous step used).
     pub dirty: usize,
+    /// The cells written since a mirror last took them (page tables only).
+    pub log: ChangeLog,
+}
+
+/// Element ranges of a buffer written since a mirror last took them
+/// ([`StepMetadata::mirror_changes`](super::StepMetadata::mirror_changes)). Bounded:
+/// past [`ChangeLog::MAX_RANGES`] ranges, or more cells than a quarter of the buffer
+/// (where copying the used part costs about as much), it keeps nothing and says
+/// "copy the extent" until the mirror takes it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct ChangeLog {
+    /// Whether writes are logged at all (page tables).
+    tracked: bool,
+    /// Written ranges `[start, end)` in write order (adjacent ones merged; they may
+    /// overlap).
+    ranges: Vec<(u32, u32)>,
+    cells: usize,
+    overflow: bool,
+}
+
+impl ChangeLog {
+    /// Ranges one log keeps before it gives up.
+    pub(super) const MAX_RANGES: usize = 8192;
+
+    fn tracked() -> Self {
+        ChangeLog {
+            tracked: true,
+            ..ChangeLog::default()
+        }
+    }
+
+    /// Logs a write of elements `[start, end)` of a buffer of `len` elements.
+    pub(super) fn record(&mut self, start: usize, end: usize, len: usize) {
+        if !self.tracked || self.overflow || start >= end {
+            return;
+        }
+        self.cells += end - start;
+        if self.cells > len / 4 || end > u32::MAX as usize {
+            self.overflow = true;
+            self.ranges.clear();
+            return;
+        }
+        let (s, e) = (start as u32, end as u32);
+        if let Some(last) = self.ranges.last_mut().filter(|l| l.1 == s) {
+            last.1 = e;
+        } else if self.ranges.len() == Self::MAX_RANGES {
+            self.overflow = true;
+            self.ranges.clear();
+        } else {
+            self.ranges.push((s, e));
+        }
+    }
+
+    /// The logged ranges, or `None` when the mirror must copy the extent (untracked, or
+    /// the log overflowed).
+    pub(super) fn ranges(&self) -> Option<&[(u32, u32)]> {
+        (self.tracked && !self.overflow).then_some(&self.ranges[..])
+    }
+
+    /// Forgets what was logged (a mirror took it).
+    pub(super) fn clear(&mut self) {
+        self.ranges.clear();
+        self.cells = 0;
+        self.overflow = false;
+    }
 }
 
 impl MetaBuffer {
@@ -95,6 +160,12 @@ impl MetaBuffer {
             role,
             data: Data::I32(vec![fill; len]),
             dirty: 0,
+            // Page tables are rewritten by the columns that changed: worth logging.
+            log: if matches!(role, BufferRole::IndexerPageTable | BufferRole::BlockTable) {
+                ChangeLog::tracked()
+            } else {
+                ChangeLog::default()
+            },
         }
     }
 
@@ -103,6 +174,7 @@ impl MetaBuffer {
             role,
             data: Data::I64(vec![fill; len]),
             dirty: 0,
+            log: ChangeLog::default(),
         }
     }
 

@@ -495,6 +495,10 @@ impl StepMetadata {
             row_version.fill(0);
             self.filled_scale[which] = self.layout.indexer_page_scale;
         }
+        // What this fill writes is logged for a mirror (device copies).
+        let mut ix_log = std::mem::take(&mut self.buffers[set.indexer_page_table.0 as usize].log);
+        let mut bt_log = std::mem::take(&mut self.buffers[set.block_table.0 as usize].log);
+        let (ix_len, bt_len) = (ix.len(), bt.len());
         let mut writes = 0usize;
         for (r, req) in reqs.iter().enumerate() {
             let row = r * b..(r + 1) * b;
@@ -520,6 +524,8 @@ impl StepMetadata {
             }
             writes +=
                 (len - from) + (stale - len) + (valid - bt_from) + old_valid.saturating_sub(valid);
+            ix_log.record(r * b + from, r * b + stale, ix_len);
+            bt_log.record(r * b + bt_from, r * b + valid.max(old_valid), bt_len);
             row_cols[r] = len;
             row_valid[r] = valid;
             row_version[r] = req.row.version;
@@ -539,6 +545,11 @@ impl StepMetadata {
         self.row_version[which] = row_version;
         self.row_ok[which] = row_ok;
         self.table_writes = writes;
+        // `put_i32` re-pads what the last fill used past this batch's rows.
+        ix_log.record(rows, ix_dirty, ix_len);
+        bt_log.record(rows, bt_dirty, bt_len);
+        self.buffers[set.indexer_page_table.0 as usize].log = ix_log;
+        self.buffers[set.block_table.0 as usize].log = bt_log;
         self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
         self.put_i32(set.block_table, bt, bt_dirty, rows, -1);
         let (mut lens, lens_dirty) = self.take_i32(set.kv_lens);

@@ -567,7 +567,7 @@ fn a_sequence_of_steps_leaves_what_a_fresh_prepare_gives() {
 mod incremental {
     use std::collections::HashMap;
 
-    use super::super::mirror::MetaRef;
+    use super::super::mirror::{MetaRef, MirrorChanges};
     use super::super::*;
     use crate::core::scheduler::{
         RequestOutcome, Scheduler, SchedulerLimits, StepPlan, SubmitRequest,
@@ -641,6 +641,50 @@ mod incremental {
             .collect()
     }
 
+    /// A mirror of the metadata kept as a device keeps it: a copy of every buffer
+    /// brought up to date only by what [`StepMetadata::mirror_changes`] names (the
+    /// logged ranges, or the extent), counting the page-table cells it copied.
+    struct Mirror {
+        bufs: Vec<(MetaRef, Vec<u8>, usize)>,
+        table_cells: usize,
+    }
+
+    impl Mirror {
+        fn new(m: &StepMetadata) -> Mirror {
+            let bufs = m.mirror_refs().into_iter();
+            Mirror {
+                bufs: bufs.map(|r| (r, m.mirror_bytes(r).to_vec(), 0)).collect(),
+                table_cells: 0,
+            }
+        }
+
+        fn sync(&mut self, m: &mut StepMetadata) {
+            for (r, copy, extent) in &mut self.bufs {
+                let eb = m.mirror_elem_bytes(*r);
+                let host = m.mirror_bytes(*r);
+                match m.mirror_changes(*r) {
+                    MirrorChanges::Ranges(ranges) => {
+                        for &(s, e) in ranges {
+                            let b = s as usize * eb..e as usize * eb;
+                            copy[b.clone()].copy_from_slice(&host[b]);
+                            self.table_cells += (e - s) as usize;
+                        }
+                    }
+                    MirrorChanges::Extent => {
+                        let n = (*extent).max(m.mirror_extent(*r)) * eb;
+                        copy[..n].copy_from_slice(&host[..n]);
+                    }
+                }
+                *extent = m.mirror_extent(*r);
+                m.mirror_take_changes(*r);
+            }
+        }
+
+        fn bytes(&self) -> Vec<(MetaRef, Vec<u8>)> {
+            self.bufs.iter().map(|(r, b, _)| (*r, b.clone())).collect()
+        }
+    }
+
     /// Outcomes with `next() % (drafts + 1)` drafts accepted.
     fn outcomes(plan: &StepPlan, next: &mut impl FnMut() -> u32) -> Vec<RequestOutcome> {
         plan.requests
@@ -679,6 +723,7 @@ mod incremental {
             };
             let mut inc = StepMetadata::new(layout(4), dims, None, true).unwrap();
             let mut full = StepMetadata::new(layout(4), dims, None, true).unwrap();
+            let (mut inc_mirror, mut full_mirror) = (Mirror::new(&inc), Mirror::new(&full));
             let mut rng = 3u64;
             let mut next = || {
                 rng = rng
@@ -713,6 +758,20 @@ mod incremental {
                 full.prepare(&layout(4), &step_requests(&plan, false))
                     .unwrap();
                 assert!(bytes(&inc) == bytes(&full), "host {host}, step {steps}");
+                // Mirrors kept by the logged changes are the buffers, every few steps
+                // (changes pile up between syncs) and at the end.
+                if next() % 3 == 0 || steps == 300 {
+                    inc_mirror.sync(&mut inc);
+                    full_mirror.sync(&mut full);
+                    assert!(
+                        inc_mirror.bytes() == bytes(&inc),
+                        "host {host}, step {steps}"
+                    );
+                    assert!(
+                        full_mirror.bytes() == bytes(&full),
+                        "host {host}, step {steps}"
+                    );
+                }
                 wrote += inc.last_table_writes();
                 rewrote += full.last_table_writes();
                 let done = s.commit(&outcomes(&plan, &mut next)).unwrap();
@@ -729,6 +788,11 @@ mod incremental {
                 "host {host}: requests came and went"
             );
             assert!(wrote < rewrote, "host {host}: {wrote} vs {rewrote} cells");
+            assert!(
+                inc_mirror.table_cells <= wrote && inc_mirror.table_cells > 0,
+                "host {host}: the mirror copied {} logged cells of {wrote} written",
+                inc_mirror.table_cells
+            );
         }
     }
 
@@ -765,6 +829,7 @@ mod incremental {
                 max_context_kv_tokens: 1 << 24,
             };
             let mut m = StepMetadata::new(layout(64), dims, None, false).unwrap();
+            let mut mirror = Mirror::new(&m);
             let mut rng = 5u64;
             let mut next = || {
                 rng = rng
@@ -782,12 +847,17 @@ mod incremental {
                 m.prepare(&layout(64), &step_requests(&plan, true)).unwrap();
                 // After the prefill step and the first decode step (which writes every
                 // row once: the batch changed kind).
+                let before = mirror.table_cells;
+                mirror.sync(&mut m);
                 if step >= 2 {
                     writes.push(m.last_table_writes());
+                    // The mirror copies what the fill wrote, not the batch's rows.
+                    assert_eq!(mirror.table_cells - before, m.last_table_writes());
                 }
                 s.commit(&outcomes(&plan, &mut next)).unwrap();
                 s.recycle(plan);
             }
+            assert!(mirror.bytes() == bytes(&m), "context {context}");
             let total: usize = writes.iter().sum();
             let max = *writes.iter().max().unwrap();
             per_step.push((context, total, max));
@@ -825,4 +895,30 @@ fn a_new_indexer_page_scale_rewrites_kept_rows() {
     // ...but a new scale rewrites the row.
     m.prepare(&layout(2), &[r]).unwrap();
     assert_eq!(&m.indexer_page_table()[..2], &[10, 4]);
+}
+
+/// A change log is bounded: past a quarter of its buffer's cells, or past its range
+/// limit, it keeps nothing and says "copy the extent" until a mirror takes it.
+#[test]
+fn a_change_log_gives_up_instead_of_growing() {
+    use super::buffers::ChangeLog;
+    let mut m = super::buffers::MetaBuffer::i32(BufferRole::BlockTable, 1 << 20, -1);
+    let log = &mut m.log;
+    log.record(10, 12, 1 << 20);
+    log.record(12, 15, 1 << 20);
+    log.record(3, 4, 1 << 20);
+    assert_eq!(log.ranges(), Some(&[(10, 15), (3, 4)][..]));
+    for i in 0..ChangeLog::MAX_RANGES {
+        log.record(2 * i + 100, 2 * i + 101, 1 << 20);
+    }
+    assert_eq!(log.ranges(), None, "past the range limit");
+    log.clear();
+    assert_eq!(log.ranges(), Some(&[][..]));
+    log.record(0, (1 << 18) + 1, 1 << 20);
+    assert_eq!(log.ranges(), None, "more than a quarter of the cells");
+    log.clear();
+    // Buffers other than the page tables are not logged: always the extent.
+    let mut lens = super::buffers::MetaBuffer::i32(BufferRole::KvLens, 8, 0);
+    lens.log.record(0, 1, 8);
+    assert_eq!(lens.log.ranges(), None);
 }
