@@ -25,16 +25,36 @@ extern "C" __global__ void recompute_slot_mappings(const int* __restrict__ index
     mla[t] = (i64)(page / (page_scale > 0 ? page_scale : 1)) * tpb + pos;
 }
 
-// Page-table cells changed since the last upload (host reference: the change log of the
-// step metadata, dsa_kv_core::metadata::mirror): pair i = (cell, value); bit 31 of the
-// cell picks the table (0: `a`, 1: `b`), the rest is the i32 element index in it. Pairs
-// naming one cell twice carry the same value (the host's value at upload time).
-extern "C" __global__ void apply_table_cells(int* __restrict__ a, int* __restrict__ b,
-                                             const int2* __restrict__ pairs, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int2 p = pairs[i];
-    unsigned c = (unsigned)p.x;
-    int* t = (c >> 31) ? b : a;
-    t[c & 0x7fffffffu] = p.y;
+// The step metadata's upload, applied on the device from one host-to-device copy of the
+// pinned staging (host reference: the host buffers themselves; crates/dsa-kv-cuda/src/
+// metadata.rs lays the area out): `nseg` segments at the area's start, each
+// {destination address, source offset in the area, 4-byte words}, copied to their
+// buffers by grid row y < nseg; the last grid row writes `npairs` page-table cells
+// (cell, value) at `pairs_off`: bit 31 of the cell picks the table (0: `a`, 1: `b`), the
+// rest is the i32 element index in it (pairs naming one cell twice carry one value).
+struct MetaSeg {
+    unsigned long long dst;
+    unsigned int src;
+    unsigned int words;
+};
+
+extern "C" __global__ void apply_metadata_upload(const unsigned char* __restrict__ area, int nseg,
+                                                 int pairs_off, int npairs, int* __restrict__ a,
+                                                 int* __restrict__ b) {
+    unsigned stride = gridDim.x * blockDim.x;
+    unsigned i0 = blockIdx.x * blockDim.x + threadIdx.x;
+    if ((int)blockIdx.y < nseg) {
+        const MetaSeg* sg = reinterpret_cast<const MetaSeg*>(area) + blockIdx.y;
+        unsigned* d = reinterpret_cast<unsigned*>(sg->dst);
+        const unsigned* s = reinterpret_cast<const unsigned*>(area + sg->src);
+        for (unsigned i = i0; i < sg->words; i += stride) d[i] = s[i];
+        return;
+    }
+    const int2* p = reinterpret_cast<const int2*>(area + pairs_off);
+    for (unsigned i = i0; i < (unsigned)npairs; i += stride) {
+        int2 q = p[i];
+        unsigned c = (unsigned)q.x;
+        int* t = (c >> 31) ? b : a;
+        t[c & 0x7fffffffu] = q.y;
+    }
 }

@@ -71,7 +71,7 @@ pub struct Kernels {
     topk_to_global: CudaFunction,
     dense_topk: CudaFunction,
     recompute_slot_mappings: CudaFunction,
-    apply_table_cells: CudaFunction,
+    apply_metadata_upload: CudaFunction,
     batched_copy: CudaFunction,
     selfcheck_e4m3: CudaFunction,
 }
@@ -217,7 +217,7 @@ impl Kernels {
             topk_to_global: load("topk_to_global")?,
             dense_topk: load("dense_topk")?,
             recompute_slot_mappings: load("recompute_slot_mappings")?,
-            apply_table_cells: load("apply_table_cells")?,
+            apply_metadata_upload: load("apply_metadata_upload")?,
             batched_copy: load("batched_copy")?,
             selfcheck_e4m3: load("selfcheck_e4m3")?,
         })
@@ -548,32 +548,47 @@ impl Kernels {
         }
     }
 
-    /// Writes `n` page-table cells given as `(cell, value)` i32 pairs at `pairs`: bit 31
-    /// of the cell picks table `b` over `a`, the rest is the element index. Reference:
-    /// what [`dsa_kv_core::metadata::StepMetadata::mirror_changes`] names, copied from
-    /// the host buffers.
+    /// Applies one step-metadata upload from `area` (device memory holding what the
+    /// host staged): `segments` copies laid out at the area's start (16 bytes each:
+    /// destination address, source offset in the area, 4-byte words), then `pairs`
+    /// page-table cells `(cell, value)` at `pairs_off` (bit 31 of the cell picks table
+    /// `b` over `a`). `widest` is the most words (or pairs) of any one of them. Reference:
+    /// the host buffers (`DeviceMetadata::upload` makes the device's equal to them).
     ///
     /// # Safety
-    /// `pairs` holds `n` pairs; every index is inside its table.
-    pub unsafe fn apply_table_cells(
+    /// `area` holds the segments, their sources and the pairs; every destination holds
+    /// its words; every pair's index is inside its table.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn apply_metadata_upload(
         &self,
         stream: &CudaStream,
         device: usize,
-        a: u64,
-        b: u64,
-        pairs: u64,
-        n: usize,
+        area: u64,
+        segments: usize,
+        pairs_off: usize,
+        pairs: usize,
+        widest: usize,
+        tables: (u64, u64),
     ) -> Result<(), CudaError> {
-        if n == 0 {
+        let rows = segments + usize::from(pairs > 0);
+        if rows == 0 {
             return Ok(());
         }
-        let n32 = as_i32(device, "page-table cells", n)?;
-        let f = &self.apply_table_cells;
+        let nseg = as_i32(device, "metadata segments", segments)?;
+        let off = as_i32(device, "metadata pair offset", pairs_off)?;
+        let n = as_i32(device, "page-table cells", pairs)?;
+        let blocks = (widest as u64).div_ceil(u64::from(BLOCK)).clamp(1, 128) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, rows as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.apply_metadata_upload;
         // SAFETY: the caller's contract (above) covers every address.
         unsafe {
             crate::launch!(
-                stream, f, cfg(n as u64), device, "apply_table_cells";
-                &a, &b, &pairs, &n32,
+                stream, f, cfg, device, "apply_metadata_upload";
+                &area, &nseg, &off, &n, &tables.0, &tables.1,
             )
         }
     }

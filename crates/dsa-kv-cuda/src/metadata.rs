@@ -1,18 +1,23 @@
 //! The step metadata on the device: one device buffer per metadata buffer (target set,
 //! draft set, shared per-token buffers), allocated once at the configured maxima so the
 //! addresses never change (CUDA graphs capture them). Each step the bound set is brought
-//! up to date from pinned staging on the compute stream, stream-ordered after the
-//! previous step's kernels (which read the same buffers) and before this step's forward;
-//! the staging is double-buffered, so the host fills one half while the other may still
+//! up to date on the compute stream, stream-ordered after the previous step's kernels
+//! (which read the same buffers) and before this step's forward, by **one** host-to-device
+//! copy of pinned staging into a device area and **one** kernel
+//! (`apply_metadata_upload`) that copies each buffer's part from the area into place.
+//! The staging is double-buffered, so the host fills one half while the other may still
 //! be in flight.
 //!
 //! The two page tables are **persistent**: only the cells the host wrote since the last
-//! upload travel, as `(cell, value)` pairs that one `apply_table_cells` kernel writes
-//! (the host's change log, [`StepMetadata::mirror_changes`]). A step whose rows kept
-//! their stamps moves a few dozen cells, not the batch's `rows × columns`. When the log
-//! gave up (more than a quarter of a table written) the used part is copied as before.
-//! Every other buffer holds per-token or per-request values and is copied up to its
-//! extent.
+//! upload travel, as `(cell, value)` pairs (the host's change log,
+//! [`StepMetadata::mirror_changes`]). A step whose rows kept their stamps moves a few
+//! dozen cells, not the batch's `rows × columns`. When the log gave up (more than a
+//! quarter of a table written) the used part is copied as before. Every other buffer
+//! holds per-token or per-request values and is copied up to its extent.
+//!
+//! Staging (and device area) layout: `MAX_SEGMENTS` segment records of 16 bytes
+//! (destination address, source offset, 4-byte words), then each segment's bytes at
+//! 16-byte aligned offsets, then the pairs.
 
 use std::collections::HashMap;
 
@@ -27,27 +32,30 @@ pub struct DeviceMetadata {
     /// Device buffer of each metadata buffer, and how many leading elements of it may
     /// differ from padding (what the last upload covered).
     bufs: HashMap<MetaRef, (DeviceBuffer, usize)>,
-    /// Each half: byte copies from offset 0, `(cell, value)` pairs from `pairs_at`.
     staging: [PinnedHost; 2],
-    pairs_at: usize,
+    /// Where each upload lands on the device (the staging's layout).
+    area: DeviceBuffer,
     /// Pairs one upload can carry (a quarter of the two largest tables: a change log
     /// gives up past a quarter of its table).
     pairs_cap: usize,
-    /// Where the pairs are copied for the kernel.
-    pairs_dev: DeviceBuffer,
     /// Recorded after the uploads from each staging half.
     staged: [Option<CudaEvent>; 2],
     next: usize,
-    /// Bytes and page-table cells moved by the last call (reports, tests, benches).
+    /// Bytes and page-table cells moved by the last call, and the tables it copied by
+    /// their used part (reports, tests, benches).
     last_bytes: usize,
     last_cells: usize,
     last_table_copies: usize,
 }
 
-/// Staging offsets are aligned to this.
-const ALIGN: usize = 256;
+/// Segment data offsets are aligned to this.
+const ALIGN: usize = 16;
 
-/// Bytes of one `(cell, value)` pair.
+/// Segment records at the start of an upload (an upload names at most 12 buffers).
+const MAX_SEGMENTS: usize = 16;
+
+/// Bytes of one segment record and of one `(cell, value)` pair.
+const SEGMENT: usize = 16;
 const PAIR: usize = 8;
 
 /// Bit of a pair's cell that names the block table (else the indexer page table).
@@ -82,21 +90,20 @@ impl DeviceMetadata {
             .iter()
             .map(|&r| meta.mirror_bytes(r).len().next_multiple_of(ALIGN))
             .sum();
-        let stage = (largest_set[0].max(largest_set[1]) + shared).min(total);
+        let data = (largest_set[0].max(largest_set[1]) + shared).min(total);
         let pairs_cap = (tables[0].max(tables[1]) / 4 + 1).min(1 << 20);
-        let bytes = stage + pairs_cap * PAIR;
+        let bytes = MAX_SEGMENTS * SEGMENT + data + pairs_cap * PAIR;
         let staging = [
             PinnedHost::zeroed(gpu, bytes, "metadata staging")?,
             PinnedHost::zeroed(gpu, bytes, "metadata staging")?,
         ];
-        let pairs_dev = DeviceBuffer::zeroed(gpu, pairs_cap * PAIR, "page-table cells")?;
+        let area = DeviceBuffer::zeroed(gpu, bytes, "metadata upload area")?;
         gpu.synchronize()?;
         Ok(DeviceMetadata {
             bufs,
             staging,
-            pairs_at: stage,
+            area,
             pairs_cap,
-            pairs_dev,
             staged: [None, None],
             next: 0,
             last_bytes: 0,
@@ -110,13 +117,14 @@ impl DeviceMetadata {
         self.bufs.get(&r).map_or(0, |(b, _)| b.ptr())
     }
 
-    /// Bytes the last [`upload`](Self::upload) copied (pairs included).
+    /// Bytes the last [`upload`](Self::upload) copied to the device (segment records
+    /// and pairs included).
     pub fn last_bytes(&self) -> usize {
         self.last_bytes
     }
 
     /// Page-table cells the last [`upload`](Self::upload) sent as pairs (0 when the
-    /// tables were copied by their extent or nothing changed).
+    /// tables were copied by their used part or nothing changed).
     pub fn last_cells(&self) -> usize {
         self.last_cells
     }
@@ -130,15 +138,15 @@ impl DeviceMetadata {
     /// Enqueues on the compute stream what makes the device buffers of the bound set and
     /// the shared buffers equal to `meta`'s: the page tables' logged cells (or their
     /// used part when the log gave up), and for every other buffer the elements that
-    /// differ from padding now or did at the last upload. Takes the tables' change logs
-    /// (this must be the metadata's only mirror).
+    /// differ from padding now or did at the last upload; one copy and one kernel.
+    /// Takes the tables' change logs (this must be the metadata's only mirror).
     pub fn upload(&mut self, gpu: &Gpu, meta: &mut StepMetadata) -> Result<(), CudaError> {
         let dev = gpu.ordinal();
         let k = self.next;
         self.next ^= 1;
         if let Some(ev) = self.staged[k].take() {
-            // The copies out of this half (two uploads ago) must be done before it is
-            // overwritten; normally they long are.
+            // The copy out of this half (two uploads ago) must be done before it is
+            // overwritten; normally it long is.
             ev.synchronize()
                 .map_err(|e| driver_error(dev, "cuEventSynchronize", e))?;
         }
@@ -168,36 +176,30 @@ impl DeviceMetadata {
             ids.into_iter()
                 .map(MetaRef::Set)
                 .chain([MetaRef::ReqIdx, MetaRef::Ks, MetaRef::Ke]);
-        gpu.bind()?;
-        let stream = gpu.compute().cu_stream();
-        let (pairs_at, pairs_cap) = (self.pairs_at, self.pairs_cap);
-        let (head, pairs) = self.staging[k].as_mut_slice().split_at_mut(pairs_at);
-        let (mut off, mut cells, mut copies) = (0usize, 0usize, 0usize);
+        // Which tables travel as pairs: those whose log names cells that fit.
+        let mut by_pairs = [false; 2];
+        let mut cells = 0usize;
+        for (which, &t) in tables.iter().enumerate() {
+            if let MirrorChanges::Ranges(ranges) = meta.mirror_changes(t) {
+                let n: usize = ranges.iter().map(|&(s, e)| (e - s) as usize).sum();
+                if cells + n <= self.pairs_cap {
+                    by_pairs[which] = true;
+                    cells += n;
+                }
+            }
+        }
+        let stage = self.staging[k].as_mut_slice();
+        let (records, data) = stage.split_at_mut(MAX_SEGMENTS * SEGMENT);
+        let (mut off, mut segments, mut copies, mut widest) = (0usize, 0usize, 0usize, cells);
         for r in all {
             let Some((buf, dev_extent)) = self.bufs.get_mut(&r) else {
                 continue;
             };
             let host_extent = meta.mirror_extent(r);
             let table = tables.iter().position(|&t| t == r);
-            if let (Some(which), MirrorChanges::Ranges(ranges)) = (table, meta.mirror_changes(r)) {
-                let n: usize = ranges.iter().map(|&(s, e)| (e - s) as usize).sum();
-                if cells + n <= pairs_cap {
-                    let host = meta.mirror_bytes(r);
-                    let tag = if which == 1 { SECOND_TABLE } else { 0 };
-                    let mut out = pairs[cells * PAIR..(cells + n) * PAIR].chunks_exact_mut(PAIR);
-                    for &(s, e) in ranges {
-                        for c in s..e {
-                            let p = out.next().expect("sized above");
-                            let v = &host[c as usize * 4..c as usize * 4 + 4];
-                            p[..4].copy_from_slice(&(c | tag).to_ne_bytes());
-                            p[4..].copy_from_slice(v);
-                        }
-                    }
-                    cells += n;
-                    *dev_extent = host_extent;
-                    meta.mirror_take_changes(r);
-                    continue;
-                }
+            if table.is_some_and(|w| by_pairs[w]) {
+                *dev_extent = host_extent;
+                continue;
             }
             let eb = meta.mirror_elem_bytes(r);
             let bytes = host_extent.max(*dev_extent) * eb;
@@ -210,45 +212,82 @@ impl DeviceMetadata {
             if bytes == 0 {
                 continue;
             }
-            let src = &meta.mirror_bytes(r)[..bytes];
-            let dst = head
+            let room = data.len();
+            let dst = data
                 .get_mut(off..off + bytes)
                 .ok_or_else(|| CudaError::Invalid {
                     device: dev,
-                    what: format!("metadata staging of {} B is too small", off + bytes),
+                    what: format!(
+                        "metadata staging of {room} B is too small for {} B",
+                        off + bytes
+                    ),
                 })?;
-            dst.copy_from_slice(src);
-            let from = dst.as_ptr();
-            // SAFETY: `buf` holds the whole buffer (≥ `bytes`); the source is pinned
-            // staging that is not written again before the event recorded below.
-            check(dev, "cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(buf.ptr(), from.cast(), bytes, stream)
-            })?;
+            dst.copy_from_slice(&meta.mirror_bytes(r)[..bytes]);
+            let rec = &mut records[segments * SEGMENT..(segments + 1) * SEGMENT];
+            let src = (MAX_SEGMENTS * SEGMENT + off) as u32;
+            rec[..8].copy_from_slice(&buf.ptr().to_ne_bytes());
+            rec[8..12].copy_from_slice(&src.to_ne_bytes());
+            rec[12..].copy_from_slice(&((bytes / 4) as u32).to_ne_bytes());
+            segments += 1;
+            widest = widest.max(bytes / 4);
             off = (off + bytes).next_multiple_of(ALIGN);
         }
-        if cells > 0 {
-            let from = pairs.as_ptr();
-            // SAFETY: `pairs_dev` holds `pairs_cap ≥ cells` pairs; the source is pinned
+        // The pairs follow the data.
+        let pairs_off = MAX_SEGMENTS * SEGMENT + off;
+        let mut out = data
+            .get_mut(off..off + cells * PAIR)
+            .ok_or_else(|| CudaError::Invalid {
+                device: dev,
+                what: format!("metadata staging too small for {cells} page-table cells"),
+            })?
+            .chunks_exact_mut(PAIR);
+        for (which, &t) in tables.iter().enumerate() {
+            if !by_pairs[which] {
+                continue;
+            }
+            let MirrorChanges::Ranges(ranges) = meta.mirror_changes(t) else {
+                unreachable!("chosen above from its ranges")
+            };
+            let host = meta.mirror_bytes(t);
+            let tag = if which == 1 { SECOND_TABLE } else { 0 };
+            for &(s, e) in ranges {
+                for c in s..e {
+                    let p = out.next().expect("invariant: sized by the same ranges");
+                    p[..4].copy_from_slice(&(c | tag).to_ne_bytes());
+                    p[4..].copy_from_slice(&host[c as usize * 4..c as usize * 4 + 4]);
+                }
+            }
+            meta.mirror_take_changes(t);
+        }
+        let used = pairs_off + cells * PAIR;
+        if segments + cells > 0 {
+            gpu.bind()?;
+            let stream = gpu.compute().cu_stream();
+            let from = self.staging[k].as_mut_slice().as_ptr();
+            // SAFETY: the area holds the whole staging (≥ `used`); the source is pinned
             // staging not written again before the event recorded below.
             check(dev, "cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(self.pairs_dev.ptr(), from.cast(), cells * PAIR, stream)
+                sys::cuMemcpyHtoDAsync_v2(self.area.ptr(), from.cast(), used, stream)
             })?;
-            let (a, b) = (self.addr(tables[0]), self.addr(tables[1]));
-            // SAFETY: every cell was logged inside its table (the host buffers have the
-            // device buffers' lengths), and the pairs were copied just before on this
-            // stream.
+            let t = (self.addr(tables[0]), self.addr(tables[1]));
+            // SAFETY: every record names a buffer of ours with at least its words, its
+            // source lies in the area; every cell was logged inside its table (the host
+            // buffers have the device buffers' lengths); the copy above precedes the
+            // kernel on this stream.
             unsafe {
-                gpu.kernels().apply_table_cells(
+                gpu.kernels().apply_metadata_upload(
                     gpu.compute(),
                     dev,
-                    a,
-                    b,
-                    self.pairs_dev.ptr(),
+                    self.area.ptr(),
+                    segments,
+                    pairs_off,
                     cells,
+                    widest,
+                    t,
                 )?
             };
         }
-        self.last_bytes = off + cells * PAIR;
+        self.last_bytes = if segments + cells > 0 { used } else { 0 };
         self.last_cells = cells;
         self.last_table_copies = copies;
         self.staged[k] = Some(

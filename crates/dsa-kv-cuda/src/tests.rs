@@ -121,7 +121,7 @@ fn kernels_compile_with_nvrtc_when_available() {
                 "topk_to_global",
                 "dense_topk",
                 "recompute_slot_mappings",
-                "apply_table_cells",
+                "apply_metadata_upload",
                 "batched_copy",
                 "selfcheck_e4m3",
             ] {
@@ -1278,30 +1278,28 @@ fn device_metadata_follows_the_logged_cells() {
         }
         for (row, stamp, cached) in &mut live {
             *cached = (*cached + 1).min(39 * 4 - 8);
-            let need = (*cached as usize + 4).div_ceil(4) + 1;
+            // Blocks for the cached tokens and the step's 4, and one more now and then.
+            let need = (*cached as usize + 4).div_ceil(4) + usize::from(rng.below(4) == 0);
             let before = *stamp;
-            match rng.below(4) {
-                0 if row.len() < need => row.push(rng.below(5000) as i32),
-                1 => {
+            let old_len = row.len();
+            if row.len() < need {
+                row.resize(need.min(40), rng.below(5000) as i32);
+            }
+            let changed = match rng.below(4) {
+                0 => {
                     let c = rng.below(row.len() as u64) as usize;
                     row[c] = rng.below(5000) as i32;
-                    version += 1;
-                    *stamp = RowStamp {
-                        version,
-                        base: before.version,
-                        from: c as u32,
-                    };
-                    continue;
+                    Some(c.min(old_len))
                 }
-                _ => {}
-            }
-            row.resize(need.max(row.len()).min(40), 7);
-            if row.len() != before.from as usize || rng.below(2) == 0 {
+                _ if row.len() != old_len => Some(old_len),
+                _ => None,
+            };
+            if let Some(from) = changed {
                 version += 1;
                 *stamp = RowStamp {
                     version,
                     base: before.version,
-                    from: before.from.min(row.len() as u32),
+                    from: from as u32,
                 };
             }
         }
