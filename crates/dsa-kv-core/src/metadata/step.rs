@@ -589,23 +589,42 @@ impl StepMetadata {
         let row = &self.i32s(set.indexer_page_table)
             [r * dims.max_blocks_per_seq..(r + 1) * dims.max_blocks_per_seq];
         let (vals, scales, mut mla) = out;
-        for (i, g) in gs.enumerate() {
-            let page = row[(g / t) as usize];
-            let pos = g % t;
+        if gs.is_empty() {
+            return;
+        }
+        // Block and position advance token by token (no division per token); the
+        // page's offsets are computed once per block.
+        let (mut block, mut pos) = ((gs.start / t) as usize, gs.start % t);
+        let mut page_of = |block: usize| {
+            let page = row[block];
             let (v, s) = match self.layout.indexer {
                 Some(ix) => (
-                    ix.value_offset(page as u64, pos) as i64,
-                    ix.scale_offset(page as u64, pos) as i64,
+                    ix.value_offset(page as u64, 0) as i64,
+                    ix.scale_offset(page as u64, 0) as i64,
                 ),
                 None => (-1, -1),
             };
-            vals[i] = v;
-            scales[i] = s;
-            if let Some(m) = mla.as_deref_mut() {
-                // Physical slots come from the indexer page table (`slot × scale`,
-                // scale ≥ 1), so a recompute needs nothing but the bound set.
-                m[i] = i64::from(page / scale) * i64::from(t) + i64::from(pos);
+            // Physical slots come from the indexer page table (`slot × scale`, scale
+            // ≥ 1), so a recompute needs nothing but the bound set.
+            (v, s, i64::from(page / scale) * i64::from(t))
+        };
+        let (has, vs, ss) = match self.layout.indexer {
+            Some(ix) => (true, i64::from(ix.data_bytes), i64::from(ix.scale_bytes)),
+            None => (false, 0, 0),
+        };
+        let mut base = page_of(block);
+        for i in 0..gs.len() {
+            if pos == t {
+                (block, pos) = (block + 1, 0);
+                base = page_of(block);
             }
+            let p = i64::from(pos);
+            vals[i] = if has { base.0 + p * vs } else { -1 };
+            scales[i] = if has { base.1 + p * ss } else { -1 };
+            if let Some(m) = mla.as_deref_mut() {
+                m[i] = base.2 + p;
+            }
+            pos += 1;
         }
     }
 
