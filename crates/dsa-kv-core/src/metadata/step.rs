@@ -595,7 +595,7 @@ impl StepMetadata {
         // Block and position advance token by token (no division per token); the
         // page's offsets are computed once per block.
         let (mut block, mut pos) = ((gs.start / t) as usize, gs.start % t);
-        let mut page_of = |block: usize| {
+        let page_of = |block: usize| {
             let page = row[block];
             let (v, s) = match self.layout.indexer {
                 Some(ix) => (
