@@ -26,6 +26,10 @@
 //! to_caller) and `cpu_us` sums the intervals that are work rather than wake-ups
 //! (commit + schedule + enqueue + device + overlapped + finish). Outcomes and the drafts
 //! map are built before the clock starts; arrivals (`submit`) run after it stops.
+//! `steady_step_us` and `churn_step_us` split the steps: a churn step admitted a request
+//! (its first chunk: the prefix lookup over its whole prompt) or finished one (its blocks
+//! released to the prefix cache), work that grows with the context by nature; the steady
+//! steps are the decodes and later prefill chunks alone.
 //!
 //! **What the device does per step** (its handler is `device` in `timing_us`): the copy
 //! plans (offload GPU → host, onboard host → GPU, copy-on-resume; on CUDA batched-copy
@@ -120,14 +124,14 @@ struct Args {
     /// Context lengths of the context sweep (tokens, each at least 4096)
     /// [default: 4096,16384,32768,65536,131072; --quick: 4096,16384]
     #[arg(long, value_name = "N,N,..", value_parser = list_u32)]
-    contexts: Option<Vec<u32>>,
+    contexts: Option<::std::vec::Vec<u32>>,
     /// Batch of the context sweep [default: 256; --quick: 16]
     #[arg(long, value_name = "N")]
     fixed_batch: Option<u32>,
     /// Concurrent requests of the batch sweep (each 1..=1024)
     /// [default: 64,256,512,1024; --quick: 16,64]
     #[arg(long, value_name = "N,N,..", value_parser = list_u32)]
-    batches: Option<Vec<u32>>,
+    batches: Option<::std::vec::Vec<u32>>,
     /// Context of the batch sweep [default: 32768; --quick: 4096]
     #[arg(long, value_name = "N")]
     fixed_context: Option<u32>,
@@ -142,9 +146,10 @@ struct Args {
     #[arg(long, value_name = "PCT", default_value_t = 90,
           value_parser = clap::value_parser!(u32).range(0..=100))]
     fill: u32,
-    /// Percentage of arrivals that open a new shared prefix (prefilled whole; the prefix
-    /// it replaces goes stale)
-    #[arg(long, value_name = "PCT", default_value_t = 1,
+    /// Percentage of arrivals that open a new shared prefix, prefilled whole (the prefix
+    /// it replaces goes stale; half of them revive a stale one, onboarding what was
+    /// offloaded)
+    #[arg(long, value_name = "PCT", default_value_t = 2,
           value_parser = clap::value_parser!(u64).range(0..=100))]
     new_prefix_pct: u64,
     /// A small, fast run (seconds on the host backend)
@@ -249,9 +254,11 @@ fn plan(a: Args) -> Plan {
     } else {
         vec![4096, 16384, 32768, 65536, 131072]
     });
-    let batches = a
-        .batches
-        .unwrap_or(if q { vec![16, 64] } else { vec![64, 256, 512, 1024] });
+    let batches = a.batches.unwrap_or(if q {
+        vec![16, 64]
+    } else {
+        vec![64, 256, 512, 1024]
+    });
     let fixed_batch = a.fixed_batch.unwrap_or(if q { 16 } else { 256 });
     let fixed_context = a.fixed_context.unwrap_or(if q { 4096 } else { 32768 });
     for &c in contexts.iter().chain([&fixed_context]) {
@@ -438,8 +445,17 @@ mod kernel_writer {
                     // pool, and the kernel skips offsets past `cache_len`; the mappings
                     // are the runtime's metadata for this batch (n entries each).
                     unsafe {
-                        k.quantize_indexer(stream, dev, self.keys.ptr(), values, scales, n, fp4, true)
-                            .map_err(framework)?;
+                        k.quantize_indexer(
+                            stream,
+                            dev,
+                            self.keys.ptr(),
+                            values,
+                            scales,
+                            n,
+                            fp4,
+                            true,
+                        )
+                        .map_err(framework)?;
                         k.indexer_k_scatter(
                             stream,
                             dev,
@@ -473,8 +489,17 @@ mod kernel_writer {
                     // this layer's rows in the pool (rows past the pool are skipped); the
                     // mapping is the batch's (n entries).
                     unsafe {
-                        k.mla_scatter(stream, dev, dev_rows(&m.rows), enc, self.rows.ptr(), mla, n, None)
-                            .map_err(framework)?
+                        k.mla_scatter(
+                            stream,
+                            dev,
+                            dev_rows(&m.rows),
+                            enc,
+                            self.rows.ptr(),
+                            mla,
+                            n,
+                            None,
+                        )
+                        .map_err(framework)?
                     };
                 }
             }
@@ -520,6 +545,8 @@ struct Live {
 struct Window {
     walls: Vec<u64>,
     timings: Vec<StepTiming>,
+    /// Per step: whether it admitted a request (its first chunk) or finished one.
+    churn: Vec<bool>,
     scheduled: u64,
     decodes: u64,
     tokens: u64,
@@ -543,6 +570,9 @@ struct Engine {
     drafts: HashMap<RequestId, Vec<TokenId>>,
     live: HashMap<RequestId, Live>,
     groups: Vec<Group>,
+    /// Prefixes replaced by new ones (their blocks go stale, offloaded under pressure);
+    /// half of the new prefixes revive one of them (a hit on the host tier: onboard).
+    retired: Vec<Vec<TokenId>>,
     next_id: u64,
     rng: SplitMix64,
     /// Requests to keep in flight.
@@ -560,7 +590,13 @@ fn random_tokens(rng: &mut SplitMix64, n: u64) -> impl Iterator<Item = TokenId> 
 
 impl Engine {
     fn new_group(&mut self, at: Option<usize>) -> usize {
-        let tokens = random_tokens(&mut self.rng, u64::from(self.prefix_len)).collect();
+        let revive = at.is_some() && !self.retired.is_empty() && self.rng.chance(50);
+        let tokens = if revive {
+            let i = self.rng.below(self.retired.len() as u64) as usize;
+            self.retired.swap_remove(i)
+        } else {
+            random_tokens(&mut self.rng, u64::from(self.prefix_len)).collect()
+        };
         let g = Group {
             tokens,
             ready: false,
@@ -568,7 +604,8 @@ impl Engine {
         };
         match at {
             Some(i) => {
-                self.groups[i] = g;
+                let old = std::mem::replace(&mut self.groups[i], g);
+                self.retired.push(old.tokens);
                 i
             }
             None => {
@@ -653,13 +690,21 @@ impl Engine {
             })
             .collect();
         let drafts = Drafts::from(self.drafts.clone());
+        // A step that scheduled nothing left nothing to commit: a plain `step` then.
+        let idle = self.rep.scheduled.is_empty();
         let t = Instant::now();
-        let r = self.kv.commit_and_step(outcomes, drafts).await?;
+        let (finished, next) = if idle {
+            (Vec::new(), self.kv.step(drafts).await)
+        } else {
+            let r = self.kv.commit_and_step(outcomes, drafts).await?;
+            (r.commit.finished, r.step)
+        };
         w.walls.push(t.elapsed().as_nanos() as u64);
-        self.rep = r.step?;
+        self.rep = next?;
         let rep = &self.rep;
         w.timings.push(rep.timing);
-        let mut gone: Vec<RequestId> = r.commit.finished.iter().map(|f| f.finished.id).collect();
+        let mut gone: Vec<RequestId> = finished.iter().map(|f| f.finished.id).collect();
+        let mut churn = !gone.is_empty();
         w.finished += gone.len() as u64;
         w.failed += rep.failed.len() as u64;
         gone.extend(rep.failed.iter().map(|f| f.0));
@@ -681,6 +726,7 @@ impl Engine {
             if let Some(l) = self.live.get_mut(&p.id) {
                 if !l.seen {
                     l.seen = true;
+                    churn = true;
                     if p.num_cached > 0 {
                         w.hits += 1;
                         w.hit_tokens += u64::from(p.num_cached);
@@ -693,6 +739,7 @@ impl Engine {
                 }
             }
         }
+        w.churn.push(churn);
         for id in gone {
             if let Some(l) = self.live.remove(&id) {
                 if let Some(g) = self.groups.get_mut(l.group) {
@@ -780,8 +827,11 @@ async fn point(
     e.batch = batch as usize;
     // A quarter of the pool for the shared prefixes, 1 to 32 of them, at most one per
     // request.
-    let groups = ((pool_tokens / 4) / u64::from(context)).clamp(1, 32).min(u64::from(batch)) as usize;
+    let groups = ((pool_tokens / 4) / u64::from(context))
+        .clamp(1, 32)
+        .min(u64::from(batch)) as usize;
     e.groups.clear();
+    e.retired.clear();
     for _ in 0..groups {
         e.new_group(None);
     }
@@ -846,6 +896,15 @@ async fn point(
         .iter()
         .map(|t| t.commit_ns + t.schedule_ns)
         .collect();
+    let split = |churn: bool| -> Vec<u64> {
+        w.walls
+            .iter()
+            .zip(&w.churn)
+            .filter(|x| *x.1 == churn)
+            .map(|x| *x.0)
+            .collect()
+    };
+    let (steady, churning) = (split(false), split(true));
     let out = json!({
         "sweep": match sweep { Sweep::Context => "context", Sweep::Batch => "batch" },
         "context": context,
@@ -858,6 +917,9 @@ async fn point(
         "warmup_steps": p.warmup,
         "settle_steps": settle + steps,
         "step_us": stat_us(&w.walls),
+        "steady_steps": steady.len(),
+        "steady_step_us": stat_us(&steady),
+        "churn_step_us": stat_us(&churning),
         "cpu_us": stat_us(&cpu),
         "commit_schedule_us": stat_us(&coord),
         "timing_us": timing,
@@ -952,6 +1014,7 @@ async fn run(p: Plan) -> Result<Vec<Value>, BenchError> {
         drafts: HashMap::new(),
         live: HashMap::new(),
         groups: Vec::new(),
+        retired: Vec::new(),
         next_id: 0,
         rng: SplitMix64(p.seed),
         batch: 0,
@@ -982,6 +1045,11 @@ async fn run(p: Plan) -> Result<Vec<Value>, BenchError> {
         );
         println!("{v}");
         out.push(v);
+        // After every point, so a run stopped early (a timeout) still has its plot.
+        if let Some(path) = &p.svg {
+            std::fs::write(path, svg(&out))
+                .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
     }
     e.kv.shutdown().await;
     Ok(out)
@@ -991,11 +1059,22 @@ async fn run(p: Plan) -> Result<Vec<Value>, BenchError> {
 fn svg(points: &[Value]) -> String {
     const W: f64 = 920.0;
     const H: f64 = 380.0;
-    let series: [(&str, &str, fn(&Value) -> f64); 4] = [
-        ("commit_and_step (median)", "#1f77b4", |v| v["step_us"]["median"].as_f64().unwrap_or(0.0)),
-        ("CPU work (median)", "#d62728", |v| v["cpu_us"]["median"].as_f64().unwrap_or(0.0)),
-        ("commit + schedule", "#2ca02c", |v| v["commit_schedule_us"]["median"].as_f64().unwrap_or(0.0)),
-        ("device handler", "#ff7f0e", |v| v["timing_us"]["device"]["median"].as_f64().unwrap_or(0.0)),
+    let series: [(&str, &str, fn(&Value) -> f64); 5] = [
+        ("commit_and_step (median)", "#1f77b4", |v| {
+            v["step_us"]["median"].as_f64().unwrap_or(0.0)
+        }),
+        ("CPU work (median)", "#d62728", |v| {
+            v["cpu_us"]["median"].as_f64().unwrap_or(0.0)
+        }),
+        ("commit + schedule", "#2ca02c", |v| {
+            v["commit_schedule_us"]["median"].as_f64().unwrap_or(0.0)
+        }),
+        ("device handler", "#ff7f0e", |v| {
+            v["timing_us"]["device"]["median"].as_f64().unwrap_or(0.0)
+        }),
+        ("steps without churn", "#9467bd", |v| {
+            v["steady_step_us"]["median"].as_f64().unwrap_or(0.0)
+        }),
     ];
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
@@ -1009,21 +1088,35 @@ fn svg(points: &[Value]) -> String {
     {
         let pts: Vec<&Value> = points.iter().filter(|v| v["sweep"] == sweep).collect();
         let (x0, y0, pw, ph) = (60.0 + k as f64 * 450.0, 40.0, 380.0, 260.0);
-        s += &format!("<text x=\"{}\" y=\"24\" font-size=\"13\">{title}</text>\n", x0);
+        s += &format!(
+            "<text x=\"{}\" y=\"24\" font-size=\"13\">{title}</text>\n",
+            x0
+        );
         s += &format!(
             "<rect x=\"{x0}\" y=\"{y0}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"
         );
         if pts.is_empty() {
             continue;
         }
-        let xs: Vec<f64> = pts.iter().map(|v| v[xkey].as_f64().unwrap_or(1.0).log2()).collect();
-        let (xmin, xmax) = xs.iter().fold((f64::MAX, f64::MIN), |a, &x| (a.0.min(x), a.1.max(x)));
+        let xs: Vec<f64> = pts
+            .iter()
+            .map(|v| v[xkey].as_f64().unwrap_or(1.0).log2())
+            .collect();
+        let (xmin, xmax) = xs
+            .iter()
+            .fold((f64::MAX, f64::MIN), |a, &x| (a.0.min(x), a.1.max(x)));
         let ymax = pts
             .iter()
             .flat_map(|v| series.iter().map(move |s| s.2(v)))
             .fold(1.0f64, f64::max)
             * 1.1;
-        let sx = |x: f64| x0 + if xmax > xmin { (x - xmin) / (xmax - xmin) * pw } else { pw / 2.0 };
+        let sx = |x: f64| {
+            x0 + if xmax > xmin {
+                (x - xmin) / (xmax - xmin) * pw
+            } else {
+                pw / 2.0
+            }
+        };
         let sy = |y: f64| y0 + ph - y / ymax * ph;
         for i in 0..=4 {
             let y = ymax * i as f64 / 4.0;
@@ -1057,7 +1150,7 @@ fn svg(points: &[Value]) -> String {
         }
     }
     for (i, (name, color, _)) in series.iter().enumerate() {
-        let x = 60.0 + i as f64 * 210.0;
+        let x = 60.0 + i as f64 * 170.0;
         s += &format!(
             "<rect x=\"{x}\" y=\"{0}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{1}\" y=\"{2}\">{name}</text>\n",
             H - 40.0,
@@ -1083,7 +1176,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let svg_path = p.svg.clone();
     // The engine loop is a task of the runtime, as an engine's would be.
     let result = rt.block_on(async move {
         match tokio::spawn(run(p)).await {
@@ -1092,15 +1184,7 @@ fn main() -> ExitCode {
         }
     });
     match result {
-        Ok(points) => {
-            if let Some(path) = svg_path {
-                if let Err(e) = std::fs::write(&path, svg(&points)) {
-                    eprintln!("scale_bench: error: writing {}: {e}", path.display());
-                    return ExitCode::FAILURE;
-                }
-            }
-            ExitCode::SUCCESS
-        }
+        Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("scale_bench: error: {e}");
             ExitCode::FAILURE
