@@ -189,9 +189,12 @@ fn list_u32(s: &str) -> Result<Vec<u32>, String> {
 }
 
 /// Tokens of a request's unique suffix (uniform), of its generation (uniform), and the
-/// prefill chunk.
+/// prefill chunk. A step's prefill chunks may read at most `max_context_kv_tokens` of
+/// context (`max(max_num_tokens, 2 × max_seq_len)`: about two chunks of 128K-context
+/// arrivals per step), so arrivals come slowly enough (B / 256 a step) for their
+/// 1–2 chunks each to keep up at 128K.
 const SUFFIX: (u64, u64) = (64, 1024);
-const GENERATE: (u64, u64) = (128, 512);
+const GENERATE: (u64, u64) = (256, 768);
 const QUICK_SUFFIX: (u64, u64) = (64, 256);
 const QUICK_GENERATE: (u64, u64) = (32, 96);
 const PREFILL_CHUNK: u32 = 512;
@@ -858,7 +861,8 @@ async fn point(
         progress("prefixes", steps, e, &mut last);
     }
     // The batch arrives and settles: most of it decoding, then the warm-up.
-    let settle_cap = 20_000;
+    // A point whose prefills cannot keep up is timed anyway after this many steps.
+    let settle_cap = 1_000;
     let mut settle = 0;
     loop {
         e.step(&mut scratch).await?;
@@ -870,7 +874,7 @@ async fn point(
             .iter()
             .filter(|r| r.kind == RequestKind::Generation)
             .count();
-        if decoding * 10 >= e.batch * 9 || settle >= settle_cap {
+        if decoding * 100 >= e.batch * 85 || settle >= settle_cap {
             break;
         }
     }
@@ -1189,5 +1193,62 @@ fn main() -> ExitCode {
             eprintln!("scale_bench: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_pick_the_nearest_rank() {
+        let v: Vec<u64> = (1..=100).rev().collect();
+        assert_eq!(percentile(&v, 0.5), 51.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+        assert_eq!(stat_us(&[1000, 3000])["mean"], 2.0);
+    }
+
+    #[test]
+    fn quick_plan_has_both_sweeps_within_the_limits() {
+        let p = plan(Args::parse_from(["scale_bench", "--quick"]));
+        assert_eq!(
+            p.points,
+            vec![
+                (Sweep::Context, 4096, 16),
+                (Sweep::Context, 16384, 16),
+                (Sweep::Batch, 4096, 16),
+                (Sweep::Batch, 4096, 64)
+            ]
+        );
+        assert_eq!(
+            (p.forward, p.pool_bytes, p.steps),
+            (ForwardKind::None, 2_000_000_000, 30)
+        );
+        let c = config(&p);
+        assert_eq!(c.scheduler.max_num_sequences, 64);
+        assert_eq!(c.scheduler.max_seq_len, 16384 + HEADROOM);
+    }
+
+    #[test]
+    fn the_plot_has_a_line_per_series_in_each_panel() {
+        let point = |sweep: &str, context: u32, batch: u32, us: f64| {
+            json!({
+                "sweep": sweep, "context": context, "batch": batch,
+                "step_us": {"median": us}, "cpu_us": {"median": us / 2.0},
+                "commit_schedule_us": {"median": us / 4.0},
+                "timing_us": {"device": {"median": us / 8.0}},
+                "steady_step_us": {"median": us / 2.0},
+            })
+        };
+        let s = svg(&[
+            point("context", 4096, 256, 100.0),
+            point("context", 131072, 256, 120.0),
+            point("batch", 32768, 64, 50.0),
+        ]);
+        assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
+        assert_eq!(s.matches("<polyline").count(), 10);
+        assert_eq!(s.matches("<circle").count(), 15);
+        assert!(s.contains(">131072<"));
     }
 }
