@@ -1059,11 +1059,14 @@ async fn run(p: Plan) -> Result<Vec<Value>, BenchError> {
     Ok(out)
 }
 
+/// A plotted line: its name, its colour, and its value at a point.
+type Series = (&'static str, &'static str, fn(&Value) -> f64);
+
 /// The plot: per-step µs (medians) against context (left) and batch (right), log2 x.
 fn svg(points: &[Value]) -> String {
     const W: f64 = 920.0;
     const H: f64 = 380.0;
-    let series: [(&str, &str, fn(&Value) -> f64); 5] = [
+    let series: [Series; 5] = [
         ("commit_and_step (median)", "#1f77b4", |v| {
             v["step_us"]["median"].as_f64().unwrap_or(0.0)
         }),
