@@ -1,6 +1,8 @@
 //! The reference model on the GPU: the same forward as [`super::paged::ModelForward`],
-//! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, each output one
-//! thread's loop in the host model's order) on the batch's compute stream, reading and
+//! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, every sum in the
+//! host model's order: the warp-shaped [`Lanes32`](super::math::Lanes32) order by one
+//! warp for the matrix-vector products, norms, indexer and attention scores and softmax
+//! denominators, one thread's ascending loop for the rest) on the batch's compute stream, reading and
 //! writing the device pools through the device metadata. The KV is written by the
 //! crate's own scatter kernels (`mla_scatter`, `quantize_indexer` + `indexer_k_scatter`),
 //! as a framework would. The logits come back to the host for sampling (the step waits
@@ -116,11 +118,12 @@ struct Scratch {
     scores: DeviceBuffer,
     sel: DeviceBuffer,
     nsel: DeviceBuffer,
-    rank: DeviceBuffer,
     qn: DeviceBuffer,
     qlat: DeviceBuffer,
     qpe: DeviceBuffer,
     ebuf: DeviceBuffer,
+    /// The attention's selected row addresses, `max_ctx` per (token, head).
+    rowp: DeviceBuffer,
     olat: DeviceBuffer,
     hv: DeviceBuffer,
     attn: DeviceBuffer,
@@ -200,6 +203,11 @@ pub(crate) fn grid(threads: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Launch configuration: one warp for each of `warps` outputs, in blocks of 8 warps.
+fn warps(warps: usize) -> LaunchConfig {
+    grid(warps * 32)
 }
 
 fn blocks(n: usize, threads: u32) -> LaunchConfig {
@@ -313,6 +321,15 @@ impl CudaModelForward {
                     what: "the GPU model forward runs on the CUDA backend".into(),
                 });
             };
+            let ih = model.config().index_heads;
+            if ih * INDEX_DIM * 4 > 48 << 10 {
+                return Err(ForwardError::Unsupported {
+                    what: format!(
+                        "{ih} indexer heads: the GPU indexer keeps a token's queries in 48 KiB \
+                         of shared memory (at most 96 heads)"
+                    ),
+                });
+            }
             if drafts > 64 {
                 return Err(ForwardError::Unsupported {
                     what: format!("{drafts} draft tokens: at most 64 per step"),
@@ -408,11 +425,11 @@ impl CudaModelForward {
             scores: z(t * max_ctx * 4)?,
             sel: z(t * max_ctx * 4)?,
             nsel: z(t * 4)?,
-            rank: z(t * max_ctx * 4)?,
             qn: z(t * c.heads * c.nope_dim * 4)?,
             qlat: z(t * c.heads * LATENT * 4)?,
             qpe: z(t * c.heads * ROPE * 4)?,
             ebuf: z(t * c.heads * max_ctx * 4)?,
+            rowp: z(t * c.heads * max_ctx * 8)?,
             olat: z(t * c.heads * LATENT * 4)?,
             hv: z(t * c.heads * c.v_dim * 4)?,
             attn: z(t * h * 4)?,
@@ -469,11 +486,17 @@ impl CudaModelForward {
         } else {
             &self.f.matvec
         };
-        let outs = if transposed { m.cols } else { m.rows };
+        // `m_matvec`: one warp per output (a Lanes32 sum); `m_matvec_t`: one thread per
+        // output (an ascending sum).
+        let cfg = if transposed {
+            grid(n * m.cols)
+        } else {
+            warps(n * m.rows)
+        };
         // SAFETY: every buffer is sized for `t_max ≥ n` tokens of these widths.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), f, grid(n * outs), self.gpu.ordinal(), "m_matvec";
+                self.stream(), f, cfg, self.gpu.ordinal(), "m_matvec";
                 &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &n32,
             )
         }
@@ -490,7 +513,7 @@ impl CudaModelForward {
         // SAFETY: `[n, hidden]` floats in both buffers.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), &self.f.rmsnorm, grid(n), self.gpu.ordinal(), "m_rmsnorm";
+                self.stream(), &self.f.rmsnorm, warps(n), self.gpu.ordinal(), "m_rmsnorm";
                 &o, &xp, &n32, &h,
             )
         }
@@ -742,7 +765,13 @@ impl CudaModelForward {
                 s.iw.ptr(),
                 m.indexer_page_table.addr,
             );
-            let g = grid(n * self.max_ctx);
+            // One block of 8 warps per (64 positions, token), the token's dequantized
+            // queries in shared memory.
+            let g = LaunchConfig {
+                grid_dim: (self.max_ctx.div_ceil(64) as u32, n.max(1) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (ih * INDEX_DIM * 4) as u32,
+            };
             // SAFETY: the page tables of this step's rows; a position whose block-table
             // entry is −1 or whose page is past the pool sets the fail flag and reads
             // nothing.
@@ -757,18 +786,12 @@ impl CudaModelForward {
             .map_err(cuda)?;
         }
         let topk = c.topk as i32;
-        let (sel, nsel, rank, scores, pos) = (
-            s.sel.ptr(),
-            s.nsel.ptr(),
-            s.rank.ptr(),
-            s.scores.ptr(),
-            s.pos.ptr(),
-        );
+        let (sel, nsel, scores, pos) = (s.sel.ptr(), s.nsel.ptr(), s.scores.ptr(), s.pos.ptr());
         // SAFETY: `max_ctx` entries per token in every buffer.
         unsafe {
             dsa_kv_cuda::launch!(
                 self.stream(), &self.f.topk, blocks(n, 256), dev, "m_topk";
-                &sel, &nsel, &rank, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
+                &sel, &nsel, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
             )
         }
         .map_err(cuda)?;
@@ -821,13 +844,16 @@ impl CudaModelForward {
             s.ebuf.ptr(),
             s.row.ptr(),
             m.block_table.addr,
+            s.rowp.ptr(),
         );
         // SAFETY: selected positions are cached (−1 block-table entries set the flag).
+        // One block of 16 warps per (token, head): a warp per selected row's score, a
+        // thread per output element.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), &self.f.attn, blocks(n * heads, 128), dev, "m_attn";
-                &args.0, &args.1, &args.2, &sel, &nsel, &max_ctx, &args.3, &pos, &args.4,
-                &args.5, &cols, &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb,
+                self.stream(), &self.f.attn, blocks(n * heads, 512), dev, "m_attn";
+                &args.0, &args.1, &args.2, &sel, &nsel, &max_ctx, &args.3, &args.6, &pos,
+                &args.4, &args.5, &cols, &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb,
                 &enc, &scale, &heads32, &ov_last, &ov_rows, &fail, &n32,
             )
         }
