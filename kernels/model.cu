@@ -230,8 +230,9 @@ extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int*
 // a radix select of the k-th largest key T in the total order (4 passes of 8 bits, a
 // shared histogram each), then one ascending pass takes every key above T and the first
 // (by position) keys equal to T that complete k, written in order by ballot prefix sums.
-extern "C" __global__ void m_topk(int* sel, int* nsel, const float* scores, int max_ctx,
-                                  const int* pos, int topk, int use_index, int n) {
+// `rank` is unused (the V4 forward, which shares this kernel, still passes its scratch).
+extern "C" __global__ void m_topk(int* sel, int* nsel, int* rank, const float* scores,
+                                  int max_ctx, const int* pos, int topk, int use_index, int n) {
     int t = blockIdx.x;
     if (t >= n) return;
     int np = pos[t] + 1;

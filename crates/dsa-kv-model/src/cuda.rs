@@ -787,11 +787,13 @@ impl CudaModelForward {
         }
         let topk = c.topk as i32;
         let (sel, nsel, scores, pos) = (s.sel.ptr(), s.nsel.ptr(), s.scores.ptr(), s.pos.ptr());
+        // m_topk's `rank` scratch is unused (the V4 forward still passes one).
+        let no_rank = 0u64;
         // SAFETY: `max_ctx` entries per token in every buffer.
         unsafe {
             dsa_kv_cuda::launch!(
                 self.stream(), &self.f.topk, blocks(n, 256), dev, "m_topk";
-                &sel, &nsel, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
+                &sel, &nsel, &no_rank, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
             )
         }
         .map_err(cuda)?;
