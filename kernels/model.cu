@@ -8,12 +8,13 @@
 //   combines the lanes by butterflies at strides 16, 8, 4, 2, 1. They are m_matvec's
 //   outputs (one warp per (token, row)), m_rmsnorm's sum of squares (one warp per token),
 //   m_index_scores' 128-wide dots (one warp per (token, position); the heads summed in
-//   ascending order), m_attn's 576-term scores (one warp per selected row: the latent's
-//   512 products, then the RoPE part's 64) and its softmax denominator.
+//   ascending order), m_attn_scores' 576-term scores (one warp per selected row: the
+//   latent's 512 products, then the RoPE part's 64) and m_attn_out's softmax denominator.
 // * Ascending sums stay one thread's loop: m_matvec_t's outputs (a head's nope_dim rows)
-//   and m_attn's output elements (by ascending selected position).
-// * Maxima and top-k ranks do not depend on the order (m_attn's maximum is a comparison
-//   fold that ignores NaN like the host's; m_topk is a radix select on the total order).
+//   and m_attn_out's output elements (by ascending selected position).
+// * Maxima and top-k ranks do not depend on the order (m_attn_out's maximum is a
+//   comparison fold that ignores NaN like the host's; m_topk is a radix select on the
+//   total order).
 // No reduction order depends on the batch, so the bits do not change with batch size,
 // batch mates, chunk size or position in the batch.
 //
@@ -169,7 +170,7 @@ extern "C" __global__ void m_to_bf16(u16* dst, const float* src, long n) {
 // sum_h w_h * relu(q_h . k_j) * scale_j, q dequantized (value * scale), keys read through
 // the indexer page table of request row[t] as DeepGEMM's paged logits kernel reads them.
 // Each q_h . k_j is a Lanes32 sum (lane l: c = l, l + 32, l + 64, l + 96), the heads in
-// ascending order. Grid (pages of 64 positions, tokens), 8 warps per block, each warp 8
+// ascending order. Grid (groups of 16 positions, tokens), 8 warps per block, each warp 2
 // positions; dynamic shared memory: the token's dequantized queries (ih x 128 floats).
 extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int* pos,
                                           const int* row, const u8* qv, const float* qs,
@@ -179,14 +180,14 @@ extern "C" __global__ void m_index_scores(float* scores, int max_ctx, const int*
                                           const int* ov_last, u64 ov_keys, int* fail, int n) {
     extern __shared__ float qf[];
     int t = blockIdx.y;
-    int j0 = blockIdx.x * 64;
+    int j0 = blockIdx.x * 16;
     if (t >= n || pos[t] < 0 || j0 > pos[t]) return;
     for (int i = threadIdx.x; i < ih * 128; i += blockDim.x)
         qf[i] = e4m3_to_f32(qv[(long)t * ih * 128 + i]) * qs[(long)t * ih + i / 128];
     __syncthreads();
     int lane = lane_id(), wp = threadIdx.x >> 5;
-    for (int jj = 0; jj < 8; jj++) {
-        int j = j0 + wp * 8 + jj;
+    for (int jj = 0; jj < 2; jj++) {
+        int j = j0 + wp * 2 + jj;
         if (j > pos[t]) break;
         u64 pg;
         int off;
@@ -262,14 +263,28 @@ extern "C" __global__ void m_topk(int* sel, int* nsel, int* rank, const float* s
             if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int above = 0, b = 255;
-            for (; b > 0; b--) {
-                if (above + (int)hist[b] >= need) break;
-                above += (int)hist[b];
+        if (threadIdx.x < 32) {
+            // The bin holding the need-th largest key: lane l owns bins 255 - 8l down to
+            // 248 - 8l; counts above each lane by an inclusive scan from lane 0.
+            int lane = lane_id();
+            int cnt = 0;
+            for (int i = 0; i < 8; i++) cnt += (int)hist[255 - 8 * lane - i];
+            int incl = cnt;
+            for (int o = 1; o < 32; o <<= 1) {
+                int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
             }
-            pick_prefix = prefix | ((u32)b << shift);
-            pick_need = need - above;
+            u32 hit = __ballot_sync(0xffffffffu, incl >= need);
+            if (lane == __ffs(hit) - 1) {
+                int above = incl - cnt, b = 255 - 8 * lane;
+                for (int i = 0; i < 7; i++) {
+                    if (above + (int)hist[b] >= need) break;
+                    above += (int)hist[b];
+                    b--;
+                }
+                pick_prefix = prefix | ((u32)b << shift);
+                pick_need = need - above;
+            }
         }
         __syncthreads();
         prefix = pick_prefix;
@@ -332,67 +347,86 @@ __device__ __forceinline__ const u8* mla_row(int p, int rw, const int* block_tab
     return (const u8*)(base + (u64)(g / tpp) * page_stride + (u64)(g % tpp) * row_bytes);
 }
 
-// Absorbed sparse MLA of token t, head h over its selected positions: scores
-// (q_lat . lat, then q_pe . pe, as one 576-term Lanes32 sum) x scale, one warp per
-// selected row; softmax (the maximum by comparison, e^(s - max), the denominator a
-// Lanes32 sum by warp 0); o_lat = sum_j (e_j / sum) lat_j by ascending selected
-// position, one thread per output element. One block per (t, h) of 512 threads; `ebuf`
-// holds max_ctx floats and `rowp` max_ctx row addresses per (t, h) (0: the row's page
-// was missing).
-extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* qpe,
-                                  const int* sel, const int* nsel, int max_ctx, float* ebuf,
-                                  u64* rowp, const int* pos, const int* row,
-                                  const int* block_table, int cols, u64 base,
-                                  u64 page_stride, int pages, int tpp, int row_bytes, int enc,
-                                  float scale, int heads, const int* ov_last, u64 ov_rows,
-                                  int* fail, int n) {
-    int t = blockIdx.x / heads, h = blockIdx.x % heads;
-    if (t >= n || pos[t] < 0) return;
+// Absorbed sparse MLA, first the scores: token t's score of selected row k for every head
+// h, (q_lat . lat, then q_pe . pe, as one 576-term Lanes32 sum) x scale, into
+// ebuf[(t x heads + h) x max_ctx + k], and the row's address into rowp[t x max_ctx + k]
+// (0: its page was missing; the score is then 0). One warp per selected row (the row
+// dequantized once into registers, lane l holding elements l + 32m); grid (groups of 16
+// selected rows, tokens), 8 warps per block; dynamic shared memory: the token's queries
+// (heads x 576 floats).
+extern "C" __global__ void m_attn_scores(float* ebuf, u64* rowp, const float* qlat,
+                                         const float* qpe, const int* sel, const int* nsel,
+                                         int max_ctx, const int* pos, const int* row,
+                                         const int* block_table, int cols, u64 base,
+                                         u64 page_stride, int pages, int tpp, int row_bytes,
+                                         int enc, float scale, int heads, const int* ov_last,
+                                         u64 ov_rows, int* fail, int n) {
+    extern __shared__ float qsh[];
+    int t = blockIdx.y, k0 = blockIdx.x * 16;
+    if (t >= n || pos[t] < 0 || k0 >= nsel[t]) return;
     int ns = nsel[t];
+    for (int i = threadIdx.x; i < heads * 576; i += blockDim.x) {
+        int h = i / 576, c = i % 576;
+        qsh[i] = c < 512 ? qlat[((long)t * heads + h) * 512 + c]
+                         : qpe[((long)t * heads + h) * 64 + (c - 512)];
+    }
+    __syncthreads();
+    int lane = lane_id(), wp = threadIdx.x >> 5;
     const int* sp = sel + (long)t * max_ctx;
-    float* e = ebuf + ((long)t * heads + h) * max_ctx;
-    u64* rp = rowp + ((long)t * heads + h) * max_ctx;
-    const float* ql = qlat + ((long)t * heads + h) * 512;
-    const float* qp = qpe + ((long)t * heads + h) * 64;
-    int rw = row[t];
-    int lane = lane_id(), wp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float qr[16];
-    for (int m = 0; m < 16; m++) qr[m] = ql[lane + 32 * m];
-    float qe0 = qp[lane], qe1 = qp[lane + 32];
-    for (int k = wp; k < ns; k += warps) {
-        const u8* r = mla_row(sp[k], rw, block_table, cols, base, page_stride, pages, tpp,
+    for (int kk = 0; kk < 2; kk++) {
+        int k = k0 + wp * 2 + kk;
+        if (k >= ns) break;
+        const u8* r = mla_row(sp[k], row[t], block_table, cols, base, page_stride, pages, tpp,
                               row_bytes, t, ov_last, ov_rows, fail);
         if (!r) {
             if (lane == 0) {
-                e[k] = 0.0f;
-                rp[k] = 0;
+                for (int h = 0; h < heads; h++) ebuf[((long)t * heads + h) * max_ctx + k] = 0.0f;
+                rowp[(long)t * max_ctx + k] = 0;
             }
             continue;
         }
-        float a = 0.0f;
+        float v[18];
         if (enc == 1) {
             for (int g = 0; g < 4; g++) {
                 float sc = *(const float*)(r + 512 + 4 * g);
-                for (int m = 4 * g; m < 4 * g + 4; m++)
-                    a = a + qr[m] * (e4m3_to_f32(r[lane + 32 * m]) * sc);
+                for (int m = 4 * g; m < 4 * g + 4; m++) v[m] = e4m3_to_f32(r[lane + 32 * m]) * sc;
             }
-            a = a + qe0 * bf16_to_f32(*(const u16*)(r + 528 + 2 * lane));
-            a = a + qe1 * bf16_to_f32(*(const u16*)(r + 528 + 2 * (lane + 32)));
+            v[16] = bf16_to_f32(*(const u16*)(r + 528 + 2 * lane));
+            v[17] = bf16_to_f32(*(const u16*)(r + 528 + 2 * (lane + 32)));
         } else {
-            for (int m = 0; m < 16; m++)
-                a = a + qr[m] * bf16_to_f32(*(const u16*)(r + 2 * (lane + 32 * m)));
-            a = a + qe0 * bf16_to_f32(*(const u16*)(r + 2 * (512 + lane)));
-            a = a + qe1 * bf16_to_f32(*(const u16*)(r + 2 * (512 + lane + 32)));
+            for (int m = 0; m < 18; m++) v[m] = bf16_to_f32(*(const u16*)(r + 2 * (lane + 32 * m)));
         }
-        a = warp_sum32(a);
-        if (lane == 0) {
-            e[k] = a * scale;
-            rp[k] = (u64)r;
+        for (int h = 0; h < heads; h++) {
+            const float* q = qsh + h * 576 + lane;
+            float a = 0.0f;
+            for (int m = 0; m < 18; m++) a = a + q[32 * m] * v[m];
+            a = warp_sum32(a);
+            if (lane == 0) ebuf[((long)t * heads + h) * max_ctx + k] = a * scale;
         }
+        if (lane == 0) rowp[(long)t * max_ctx + k] = (u64)r;
     }
-    __syncthreads();
-    __shared__ float block_max[32];
-    __shared__ float total;
+}
+
+// Then the softmax and the output of token t, head h: the maximum by comparison (NaN
+// ignored, as the host's fold), e_k = e^(s_k - max), the denominator a Lanes32 sum of the
+// e_k (warp 0), o_lat[c] = sum_k (e_k / sum) lat_k[c] by ascending k. Grid (4 slices of
+// 128 output elements, tokens x heads), 128 threads (one per element); the slice's
+// latent bytes of 64 rows at a time are staged in shared memory with 4-byte loads (for
+// fp8_ds_mla a slice is one 128-wide scale tile).
+extern "C" __global__ void m_attn_out(float* olat, const float* ebuf, const u64* rowp,
+                                      const int* nsel, int max_ctx, const int* pos, int enc,
+                                      int heads, int n) {
+    int th = blockIdx.y, t = th / heads, slice = blockIdx.x;
+    if (t >= n || pos[t] < 0) return;
+    int ns = nsel[t];
+    const float* e = ebuf + (long)th * max_ctx;
+    const u64* rp = rowp + (long)t * max_ctx;
+    int lane = lane_id(), wp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __shared__ float red[32];
+    __shared__ float max_sh, sum_sh;
+    __shared__ u32 tile[64 * 64];
+    __shared__ float pk[64], sk[64];
+    __shared__ int ok[64];
     float m = __int_as_float(0xff800000);
     for (int k = threadIdx.x; k < ns; k += blockDim.x)
         if (e[k] > m) m = e[k];
@@ -400,39 +434,49 @@ extern "C" __global__ void m_attn(float* olat, const float* qlat, const float* q
         float o = __shfl_xor_sync(0xffffffffu, m, s);
         if (o > m) m = o;
     }
-    if (lane == 0) block_max[wp] = m;
+    if (lane == 0) red[wp] = m;
     __syncthreads();
-    m = __int_as_float(0xff800000);
-    for (int w = 0; w < warps; w++)
-        if (block_max[w] > m) m = block_max[w];
-    for (int k = threadIdx.x; k < ns; k += blockDim.x) e[k] = model_exp(e[k] - m);
+    if (threadIdx.x == 0) {
+        float mm = __int_as_float(0xff800000);
+        for (int w = 0; w < warps; w++)
+            if (red[w] > mm) mm = red[w];
+        max_sh = mm;
+    }
     __syncthreads();
+    m = max_sh;
     if (wp == 0) {
         float sum = 0.0f;
-        for (int k = lane; k < ns; k += 32) sum = sum + e[k];
+        for (int k = lane; k < ns; k += 32) sum = sum + model_exp(e[k] - m);
         sum = warp_sum32(sum);
-        if (lane == 0) total = sum;
+        if (lane == 0) sum_sh = sum;
     }
     __syncthreads();
-    float sum = total;
-    for (int k = threadIdx.x; k < ns; k += blockDim.x) e[k] = e[k] / sum;
-    __syncthreads();
-    for (int c = threadIdx.x; c < 512; c += blockDim.x) {
-        float o = 0.0f;
-        if (enc == 1) {
-            int so = 512 + 4 * (c / 128);
-            for (int k = 0; k < ns; k++) {
-                const u8* r = (const u8*)rp[k];
-                if (!r) continue;
-                o = o + e[k] * (e4m3_to_f32(r[c]) * *(const float*)(r + so));
-            }
-        } else {
-            for (int k = 0; k < ns; k++) {
-                const u8* r = (const u8*)rp[k];
-                if (!r) continue;
-                o = o + e[k] * bf16_to_f32(*(const u16*)(r + 2 * c));
-            }
+    float sum = sum_sh;
+    int words = enc == 1 ? 32 : 64;  // 4-byte words of the slice per row
+    u64 off = enc == 1 ? (u64)slice * 128 : (u64)slice * 256;
+    const u8* tb = (const u8*)tile;
+    float o = 0.0f;
+    for (int k0 = 0; k0 < ns; k0 += 64) {
+        int nk = ns - k0 < 64 ? ns - k0 : 64;
+        if ((int)threadIdx.x < nk) {
+            u64 r = rp[k0 + threadIdx.x];
+            ok[threadIdx.x] = r != 0;
+            pk[threadIdx.x] = model_exp(e[k0 + threadIdx.x] - m) / sum;
+            sk[threadIdx.x] = (enc == 1 && r) ? *(const float*)(r + 512 + 4 * slice) : 0.0f;
         }
-        olat[((long)t * heads + h) * 512 + c] = o;
+        for (int i = threadIdx.x; i < nk * words; i += blockDim.x) {
+            int kr = i / words, w = i % words;
+            u64 r = rp[k0 + kr];
+            tile[kr * 64 + w] = r ? *(const u32*)(r + off + 4 * w) : 0u;
+        }
+        __syncthreads();
+        for (int kr = 0; kr < nk; kr++) {
+            if (!ok[kr]) continue;
+            float v = enc == 1 ? e4m3_to_f32(tb[kr * 256 + threadIdx.x]) * sk[kr]
+                               : bf16_to_f32(*(const u16*)(tb + kr * 256 + 2 * threadIdx.x));
+            o = o + pk[kr] * v;
+        }
+        __syncthreads();
     }
+    olat[(long)th * 512 + slice * 128 + threadIdx.x] = o;
 }

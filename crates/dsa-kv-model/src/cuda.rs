@@ -94,7 +94,8 @@ struct Funcs {
     to_bf16: CudaFunction,
     index_scores: CudaFunction,
     topk: CudaFunction,
-    attn: CudaFunction,
+    attn_scores: CudaFunction,
+    attn_out: CudaFunction,
 }
 
 /// Per-step buffers, sized for the largest step.
@@ -122,7 +123,7 @@ struct Scratch {
     qlat: DeviceBuffer,
     qpe: DeviceBuffer,
     ebuf: DeviceBuffer,
-    /// The attention's selected row addresses, `max_ctx` per (token, head).
+    /// The attention's selected row addresses, `max_ctx` per token.
     rowp: DeviceBuffer,
     olat: DeviceBuffer,
     hv: DeviceBuffer,
@@ -321,12 +322,12 @@ impl CudaModelForward {
                     what: "the GPU model forward runs on the CUDA backend".into(),
                 });
             };
-            let ih = model.config().index_heads;
-            if ih * INDEX_DIM * 4 > 48 << 10 {
+            let (ih, heads) = (model.config().index_heads, model.config().heads);
+            if ih * INDEX_DIM * 4 > 48 << 10 || heads * ROW * 4 > 48 << 10 {
                 return Err(ForwardError::Unsupported {
                     what: format!(
-                        "{ih} indexer heads: the GPU indexer keeps a token's queries in 48 KiB \
-                         of shared memory (at most 96 heads)"
+                        "{ih} indexer heads, {heads} MLA heads: the GPU kernels keep a token's \
+                         queries in 48 KiB of shared memory (at most 96 indexer, 21 MLA heads)"
                     ),
                 });
             }
@@ -383,7 +384,8 @@ impl CudaModelForward {
             to_bf16: f("m_to_bf16")?,
             index_scores: f("m_index_scores")?,
             topk: f("m_topk")?,
-            attn: f("m_attn")?,
+            attn_scores: f("m_attn_scores")?,
+            attn_out: f("m_attn_out")?,
         };
         let c = *model.config();
         let layers = model
@@ -429,7 +431,7 @@ impl CudaModelForward {
             qlat: z(t * c.heads * LATENT * 4)?,
             qpe: z(t * c.heads * ROPE * 4)?,
             ebuf: z(t * c.heads * max_ctx * 4)?,
-            rowp: z(t * c.heads * max_ctx * 8)?,
+            rowp: z(t * max_ctx * 8)?,
             olat: z(t * c.heads * LATENT * 4)?,
             hv: z(t * c.heads * c.v_dim * 4)?,
             attn: z(t * h * 4)?,
@@ -839,24 +841,46 @@ impl CudaModelForward {
             mla.rows.tokens_per_page as i32,
             mla.rows.row_bytes as i32,
         );
-        let args = (
+        let (olat, qlat, qpe, ebuf, rowp, row, bt) = (
             s.olat.ptr(),
             s.qlat.ptr(),
             s.qpe.ptr(),
             s.ebuf.ptr(),
+            s.rowp.ptr(),
             s.row.ptr(),
             m.block_table.addr,
-            s.rowp.ptr(),
         );
-        // SAFETY: selected positions are cached (−1 block-table entries set the flag).
-        // One block of 16 warps per (token, head): a warp per selected row's score, a
-        // thread per output element.
+        // One block of 8 warps per (16 selected rows, token), a warp per row (every
+        // head's score), the token's queries in shared memory.
+        let g = LaunchConfig {
+            grid_dim: (self.max_ctx.div_ceil(16) as u32, n.max(1) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (heads * ROW * 4) as u32,
+        };
+        // SAFETY: selected positions are cached (−1 block-table entries set the flag and
+        // read nothing); `ebuf` holds `max_ctx` floats per (token, head), `rowp`
+        // `max_ctx` addresses per token.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), &self.f.attn, blocks(n * heads, 512), dev, "m_attn";
-                &args.0, &args.1, &args.2, &sel, &nsel, &max_ctx, &args.3, &args.6, &pos,
-                &args.4, &args.5, &cols, &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb,
-                &enc, &scale, &heads32, &ov_last, &ov_rows, &fail, &n32,
+                self.stream(), &self.f.attn_scores, g, dev, "m_attn_scores";
+                &ebuf, &rowp, &qlat, &qpe, &sel, &nsel, &max_ctx, &pos, &row, &bt, &cols,
+                &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb, &enc, &scale,
+                &heads32, &ov_last, &ov_rows, &fail, &n32,
+            )
+        }
+        .map_err(cuda)?;
+        // One block of 128 threads per (128 output elements, token, head).
+        let g = LaunchConfig {
+            grid_dim: ((LATENT / 128) as u32, (n * heads).max(1) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads the scores and row addresses m_attn_scores wrote (a 0 address
+        // is skipped).
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.attn_out, g, dev, "m_attn_out";
+                &olat, &ebuf, &rowp, &nsel, &max_ctx, &pos, &enc, &heads32, &n32,
             )
         }
         .map_err(cuda)?;
