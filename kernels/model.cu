@@ -6,7 +6,7 @@
 // * Lanes32 sums (math.rs `Lanes32`, `dot32`, `sum32`) are one warp: term i goes to lane
 //   i mod 32, each lane sums its terms in ascending order from +0, then `warp_sum32`
 //   combines the lanes by butterflies at strides 16, 8, 4, 2, 1. They are m_matvec's
-//   outputs (one warp per (token, row)), m_rmsnorm's sum of squares (one warp per token),
+//   outputs (one warp per (token, row); the heads' matrices stacked, one launch), m_rmsnorm's sum of squares (one warp per token),
 //   m_index_scores' 128-wide dots (one warp per (token, position); the heads summed in
 //   ascending order), m_attn_scores' 576-term scores (one warp per selected row: the
 //   latent's 512 products, then the RoPE part's 64) and m_attn_out's softmax denominator.
@@ -104,32 +104,40 @@ extern "C" __global__ void m_rmsnorm(float* out, const float* x, int n, int h) {
     for (int i = lane; i < h; i += 32) out[t * h + i] = v[i] * r;
 }
 
-// out[t*os + oo + r] = sum_c w[r][c] * x[t*xs + xo + c], a Lanes32 sum (lane l takes
-// c = l, l + 32, ...: coalesced loads). One warp per (t, r).
+// out[t*os + oo + g*rows + r] = sum_c w[g][r][c] * x[t*xs + xo + g*xg + c], a Lanes32 sum
+// (lane l takes c = l, l + 32, ...: coalesced loads), for `groups` matrices w[g] of
+// [rows, cols] stacked (the heads'). One warp per (t, g, r).
 extern "C" __global__ void m_matvec(float* out, int os, int oo, const float* w, int rows,
-                                    int cols, const float* x, int xs, int xo, int n) {
+                                    int cols, const float* x, int xs, int xo, int groups,
+                                    int xg, int n) {
     long i = warp_id();
     int lane = lane_id();
-    if (i >= (long)n * rows) return;
-    int t = (int)(i / rows), r = (int)(i % rows);
-    const float* wr = w + (long)r * cols;
-    const float* v = x + (long)t * xs + xo;
+    int all = groups * rows;
+    if (i >= (long)n * all) return;
+    int t = (int)(i / all), gr = (int)(i % all), g = gr / rows;
+    const float* wr = w + (long)gr * cols;
+    const float* v = x + (long)t * xs + xo + (long)g * xg;
     float s = 0.0f;
     for (int c = lane; c < cols; c += 32) s = s + wr[c] * v[c];
     s = warp_sum32(s);
-    if (lane == 0) out[(long)t * os + oo + r] = s;
+    if (lane == 0) out[(long)t * os + oo + gr] = s;
 }
 
-// out[t*os + oo + c] = sum_r w[r][c] * x[t*xs + xo + r]   (r ascending; W transposed)
+// out[t*os + oo + g*cols + c] = sum_r w[g][r][c] * x[t*xs + xo + g*xg + r] (r ascending;
+// W transposed), for `groups` matrices w[g] of [rows, cols] stacked. One thread per
+// (t, g, c).
 extern "C" __global__ void m_matvec_t(float* out, int os, int oo, const float* w, int rows,
-                                      int cols, const float* x, int xs, int xo, int n) {
+                                      int cols, const float* x, int xs, int xo, int groups,
+                                      int xg, int n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)n * cols) return;
-    int t = (int)(i / cols), c = (int)(i % cols);
-    const float* v = x + (long)t * xs + xo;
+    int all = groups * cols;
+    if (i >= (long)n * all) return;
+    int t = (int)(i / all), gc = (int)(i % all), g = gc / cols, c = gc % cols;
+    const float* wg = w + (long)g * rows * cols;
+    const float* v = x + (long)t * xs + xo + (long)g * xg;
     float s = 0.0f;
-    for (int r = 0; r < rows; r++) s = s + w[(long)r * cols + c] * v[r];
-    out[(long)t * os + oo + c] = s;
+    for (int r = 0; r < rows; r++) s = s + wg[(long)r * cols + c] * v[r];
+    out[(long)t * os + oo + gc] = s;
 }
 
 // x[i] += y[i]

@@ -51,12 +51,13 @@ struct DevLayer {
     w_dkv: DeviceBuffer,
     w_kr: DeviceBuffer,
     w_ik: DeviceBuffer,
-    w_iq: Vec<DeviceBuffer>,
+    /// The per-head matrices stacked (head 0's rows first).
+    w_iq: DeviceBuffer,
     w_iw: DeviceBuffer,
-    w_qn: Vec<DeviceBuffer>,
-    w_uk: Vec<DeviceBuffer>,
-    w_qr: Vec<DeviceBuffer>,
-    w_uv: Vec<DeviceBuffer>,
+    w_qn: DeviceBuffer,
+    w_uk: DeviceBuffer,
+    w_qr: DeviceBuffer,
+    w_uv: DeviceBuffer,
     w_o: DeviceBuffer,
     w_1: DeviceBuffer,
     w_2: DeviceBuffer,
@@ -65,17 +66,24 @@ struct DevLayer {
 impl DevLayer {
     fn new(gpu: &Gpu, l: &Layer) -> Result<DevLayer, CudaError> {
         let up = |m: &Mat| DeviceBuffer::from_slice(gpu, &m.w, "model weights");
-        let ups = |v: &[Mat]| v.iter().map(up).collect::<Result<Vec<_>, _>>();
+        let stack = |v: &[Mat]| {
+            let mut w: Vec<f32> = v.iter().flat_map(|m| m.w.iter().copied()).collect();
+            if w.is_empty() {
+                // No heads: nothing reads it, but a device buffer has a byte.
+                w.push(0.0);
+            }
+            DeviceBuffer::from_slice(gpu, &w, "model weights")
+        };
         Ok(DevLayer {
             w_dkv: up(&l.w_dkv)?,
             w_kr: up(&l.w_kr)?,
             w_ik: up(&l.w_ik)?,
-            w_iq: ups(&l.w_iq)?,
+            w_iq: stack(&l.w_iq)?,
             w_iw: up(&l.w_iw)?,
-            w_qn: ups(&l.w_qn)?,
-            w_uk: ups(&l.w_uk)?,
-            w_qr: ups(&l.w_qr)?,
-            w_uv: ups(&l.w_uv)?,
+            w_qn: stack(&l.w_qn)?,
+            w_uk: stack(&l.w_uk)?,
+            w_qr: stack(&l.w_qr)?,
+            w_uv: stack(&l.w_uv)?,
             w_o: up(&l.w_o)?,
             w_1: up(&l.w_1)?,
             w_2: up(&l.w_2)?,
@@ -282,6 +290,10 @@ struct MatOp<'a> {
     x: &'a DeviceBuffer,
     xs: usize,
     xo: usize,
+    /// `groups` matrices of `rows × cols` stacked in `w` (heads), group `g` reading `x`
+    /// from `xo + g × xg` and writing its outputs after group `g − 1`'s.
+    groups: usize,
+    xg: usize,
 }
 
 impl CudaModelForward {
@@ -480,26 +492,21 @@ impl CudaModelForward {
     }
 
     fn matvec(&self, m: MatOp<'_>, n: usize, transposed: bool) -> Result<(), ForwardError> {
-        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let (rows, cols, groups, xg) = (m.rows as i32, m.cols as i32, m.groups as i32, m.xg as i32);
         let (os, oo, xs, xo, n32) = (m.os as i32, m.oo as i32, m.xs as i32, m.xo as i32, n as i32);
         let (out, w, x) = (m.out.ptr(), m.w.ptr(), m.x.ptr());
-        let f = if transposed {
-            &self.f.matvec_t
-        } else {
-            &self.f.matvec
-        };
         // `m_matvec`: one warp per output (a Lanes32 sum); `m_matvec_t`: one thread per
         // output (an ascending sum).
-        let cfg = if transposed {
-            grid(n * m.cols)
+        let (f, cfg, name) = if transposed {
+            (&self.f.matvec_t, grid(n * m.groups * m.cols), "m_matvec_t")
         } else {
-            warps(n * m.rows)
+            (&self.f.matvec, warps(n * m.groups * m.rows), "m_matvec")
         };
         // SAFETY: every buffer is sized for `t_max ≥ n` tokens of these widths.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), f, cfg, self.gpu.ordinal(), "m_matvec";
-                &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &n32,
+                self.stream(), f, cfg, self.gpu.ordinal(), name;
+                &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &groups, &xg, &n32,
             )
         }
         .map_err(cuda)
@@ -628,6 +635,8 @@ impl CudaModelForward {
             x: &s.xn,
             xs: h,
             xo: 0,
+            groups: 1,
+            xg: 0,
         };
         self.matvec(op(&w.w_dkv, LATENT, &s.kv, ROW, 0), n, false)?;
         self.matvec(op(&w.w_kr, ROPE, &s.kv, ROW, LATENT), n, false)?;
@@ -727,19 +736,22 @@ impl CudaModelForward {
             x: &s.xn,
             xs: h,
             xo: 0,
+            groups: 1,
+            xg: 0,
         };
         let cols = m.max_blocks_per_seq as i32;
         let (n32, max_ctx) = (n as i32, self.max_ctx as i32);
         let (fail, dev) = (s.fail.ptr(), self.gpu.ordinal());
         let use_index = i32::from(cache.indexer.is_some());
         if let Some(ix) = cache.indexer {
-            for (k, wq) in w.w_iq.iter().enumerate() {
-                self.matvec(
-                    op(wq, INDEX_DIM, &s.q, ih * INDEX_DIM, k * INDEX_DIM),
-                    n,
-                    false,
-                )?;
-            }
+            self.matvec(
+                MatOp {
+                    groups: ih,
+                    ..op(&w.w_iq, INDEX_DIM, &s.q, ih * INDEX_DIM, 0)
+                },
+                n,
+                false,
+            )?;
             self.rope(&s.q, ih * INDEX_DIM, 0, ih, INDEX_DIM, n)?;
             self.to_bf16(&s.qbf, &s.q, n * ih * INDEX_DIM)?;
             // SAFETY: `n × ih` query vectors of 128.
@@ -799,39 +811,40 @@ impl CudaModelForward {
             )
         }
         .map_err(cuda)?;
-        for k in 0..heads {
-            self.matvec(
-                op(
-                    &w.w_qn[k],
-                    c.nope_dim,
-                    &s.qn,
-                    heads * c.nope_dim,
-                    k * c.nope_dim,
-                ),
-                n,
-                false,
-            )?;
-            self.matvec(
-                MatOp {
-                    w: &w.w_uk[k],
-                    rows: c.nope_dim,
-                    cols: LATENT,
-                    out: &s.qlat,
-                    os: heads * LATENT,
-                    oo: k * LATENT,
-                    x: &s.qn,
-                    xs: heads * c.nope_dim,
-                    xo: k * c.nope_dim,
-                },
-                n,
-                true,
-            )?;
-            self.matvec(
-                op(&w.w_qr[k], ROPE, &s.qpe, heads * ROPE, k * ROPE),
-                n,
-                false,
-            )?;
-        }
+        // Every head at once: the heads' matrices are stacked.
+        self.matvec(
+            MatOp {
+                groups: heads,
+                ..op(&w.w_qn, c.nope_dim, &s.qn, heads * c.nope_dim, 0)
+            },
+            n,
+            false,
+        )?;
+        self.matvec(
+            MatOp {
+                w: &w.w_uk,
+                rows: c.nope_dim,
+                cols: LATENT,
+                out: &s.qlat,
+                os: heads * LATENT,
+                oo: 0,
+                x: &s.qn,
+                xs: heads * c.nope_dim,
+                xo: 0,
+                groups: heads,
+                xg: c.nope_dim,
+            },
+            n,
+            true,
+        )?;
+        self.matvec(
+            MatOp {
+                groups: heads,
+                ..op(&w.w_qr, ROPE, &s.qpe, heads * ROPE, 0)
+            },
+            n,
+            false,
+        )?;
         self.rope(&s.qpe, heads * ROPE, 0, heads, ROPE, n)?;
         let enc = i32::from(mla.encoding == KvDtype::Fp8DsMla);
         let scale = 1.0 / ((c.nope_dim + ROPE) as f32).sqrt();
@@ -884,23 +897,23 @@ impl CudaModelForward {
             )
         }
         .map_err(cuda)?;
-        for k in 0..heads {
-            self.matvec(
-                MatOp {
-                    w: &w.w_uv[k],
-                    rows: c.v_dim,
-                    cols: LATENT,
-                    out: &s.hv,
-                    os: heads * c.v_dim,
-                    oo: k * c.v_dim,
-                    x: &s.olat,
-                    xs: heads * LATENT,
-                    xo: k * LATENT,
-                },
-                n,
-                false,
-            )?;
-        }
+        self.matvec(
+            MatOp {
+                w: &w.w_uv,
+                rows: c.v_dim,
+                cols: LATENT,
+                out: &s.hv,
+                os: heads * c.v_dim,
+                oo: 0,
+                x: &s.olat,
+                xs: heads * LATENT,
+                xo: 0,
+                groups: heads,
+                xg: LATENT,
+            },
+            n,
+            false,
+        )?;
         self.matvec(
             MatOp {
                 w: &w.w_o,
@@ -912,6 +925,8 @@ impl CudaModelForward {
                 x: &s.hv,
                 xs: heads * c.v_dim,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -931,6 +946,8 @@ impl CudaModelForward {
                 x: &s.hm,
                 xs: c.mlp,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -962,6 +979,8 @@ impl CudaModelForward {
                 x: &self.s.xn,
                 xs: c.hidden,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -1139,6 +1158,8 @@ impl CudaModelForward {
                     x: &s.xn,
                     xs: c.hidden,
                     xo: 0,
+                    groups: 1,
+                    xg: 0,
                 },
                 r,
                 false,
