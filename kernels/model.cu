@@ -7,9 +7,10 @@
 //   i mod 32, each lane sums its terms in ascending order from +0, then `warp_sum32`
 //   combines the lanes by butterflies at strides 16, 8, 4, 2, 1. They are m_matvec's
 //   outputs (one warp per (token, row); the heads' matrices stacked, one launch),
-//   m_rmsnorm's sum of squares (one warp per token), m_index_scores' 128-wide dots (one warp per (token, position); the heads summed in
-//   ascending order), m_attn_scores' 576-term scores (one warp per selected row: the
-//   latent's 512 products, then the RoPE part's 64) and m_attn_out's softmax denominator.
+//   m_rmsnorm's sum of squares (one warp per token), m_index_scores' 128-wide dots (one
+//   warp per (token, position); the heads summed in ascending order), m_attn_scores'
+//   576-term scores (one warp per selected row: the latent's 512 products, then the RoPE
+//   part's 64) and m_attn_out's softmax denominator.
 // * Ascending sums stay one thread's loop: m_matvec_t's outputs (a head's nope_dim rows)
 //   and m_attn_out's output elements (by ascending selected position).
 // * Maxima and top-k ranks do not depend on the order (m_attn_out's maximum is a
