@@ -1,6 +1,8 @@
 //! The reference model on the GPU: the same forward as [`super::paged::ModelForward`],
-//! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, each output one
-//! thread's loop in the host model's order) on the batch's compute stream, reading and
+//! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, every sum in the
+//! host model's order: the warp-shaped [`Lanes32`](super::math::Lanes32) order by one
+//! warp for the matrix-vector products, norms, indexer and attention scores and softmax
+//! denominators, one thread's ascending loop for the rest) on the batch's compute stream, reading and
 //! writing the device pools through the device metadata. The KV is written by the
 //! crate's own scatter kernels (`mla_scatter`, `quantize_indexer` + `indexer_k_scatter`),
 //! as a framework would. The logits come back to the host for sampling (the step waits
@@ -49,12 +51,13 @@ struct DevLayer {
     w_dkv: DeviceBuffer,
     w_kr: DeviceBuffer,
     w_ik: DeviceBuffer,
-    w_iq: Vec<DeviceBuffer>,
+    /// The per-head matrices stacked (head 0's rows first).
+    w_iq: DeviceBuffer,
     w_iw: DeviceBuffer,
-    w_qn: Vec<DeviceBuffer>,
-    w_uk: Vec<DeviceBuffer>,
-    w_qr: Vec<DeviceBuffer>,
-    w_uv: Vec<DeviceBuffer>,
+    w_qn: DeviceBuffer,
+    w_uk: DeviceBuffer,
+    w_qr: DeviceBuffer,
+    w_uv: DeviceBuffer,
     w_o: DeviceBuffer,
     w_1: DeviceBuffer,
     w_2: DeviceBuffer,
@@ -63,17 +66,24 @@ struct DevLayer {
 impl DevLayer {
     fn new(gpu: &Gpu, l: &Layer) -> Result<DevLayer, CudaError> {
         let up = |m: &Mat| DeviceBuffer::from_slice(gpu, &m.w, "model weights");
-        let ups = |v: &[Mat]| v.iter().map(up).collect::<Result<Vec<_>, _>>();
+        let stack = |v: &[Mat]| {
+            let mut w: Vec<f32> = v.iter().flat_map(|m| m.w.iter().copied()).collect();
+            if w.is_empty() {
+                // No heads: nothing reads it, but a device buffer has a byte.
+                w.push(0.0);
+            }
+            DeviceBuffer::from_slice(gpu, &w, "model weights")
+        };
         Ok(DevLayer {
             w_dkv: up(&l.w_dkv)?,
             w_kr: up(&l.w_kr)?,
             w_ik: up(&l.w_ik)?,
-            w_iq: ups(&l.w_iq)?,
+            w_iq: stack(&l.w_iq)?,
             w_iw: up(&l.w_iw)?,
-            w_qn: ups(&l.w_qn)?,
-            w_uk: ups(&l.w_uk)?,
-            w_qr: ups(&l.w_qr)?,
-            w_uv: ups(&l.w_uv)?,
+            w_qn: stack(&l.w_qn)?,
+            w_uk: stack(&l.w_uk)?,
+            w_qr: stack(&l.w_qr)?,
+            w_uv: stack(&l.w_uv)?,
             w_o: up(&l.w_o)?,
             w_1: up(&l.w_1)?,
             w_2: up(&l.w_2)?,
@@ -92,7 +102,8 @@ struct Funcs {
     to_bf16: CudaFunction,
     index_scores: CudaFunction,
     topk: CudaFunction,
-    attn: CudaFunction,
+    attn_scores: CudaFunction,
+    attn_out: CudaFunction,
 }
 
 /// Per-step buffers, sized for the largest step.
@@ -116,11 +127,12 @@ struct Scratch {
     scores: DeviceBuffer,
     sel: DeviceBuffer,
     nsel: DeviceBuffer,
-    rank: DeviceBuffer,
     qn: DeviceBuffer,
     qlat: DeviceBuffer,
     qpe: DeviceBuffer,
     ebuf: DeviceBuffer,
+    /// The attention's selected row addresses, `max_ctx` per token.
+    rowp: DeviceBuffer,
     olat: DeviceBuffer,
     hv: DeviceBuffer,
     attn: DeviceBuffer,
@@ -202,6 +214,11 @@ pub(crate) fn grid(threads: usize) -> LaunchConfig {
     }
 }
 
+/// Launch configuration: one warp for each of `warps` outputs, in blocks of 8 warps.
+fn warps(warps: usize) -> LaunchConfig {
+    grid(warps * 32)
+}
+
 fn blocks(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.max(1) as u32, 1, 1),
@@ -273,6 +290,10 @@ struct MatOp<'a> {
     x: &'a DeviceBuffer,
     xs: usize,
     xo: usize,
+    /// `groups` matrices of `rows × cols` stacked in `w` (heads), group `g` reading `x`
+    /// from `xo + g × xg` and writing its outputs after group `g − 1`'s.
+    groups: usize,
+    xg: usize,
 }
 
 impl CudaModelForward {
@@ -313,6 +334,15 @@ impl CudaModelForward {
                     what: "the GPU model forward runs on the CUDA backend".into(),
                 });
             };
+            let (ih, heads) = (model.config().index_heads, model.config().heads);
+            if ih * INDEX_DIM * 4 > 48 << 10 || heads * ROW * 4 > 48 << 10 {
+                return Err(ForwardError::Unsupported {
+                    what: format!(
+                        "{ih} indexer heads, {heads} MLA heads: the GPU kernels keep a token's \
+                         queries in 48 KiB of shared memory (at most 96 indexer, 21 MLA heads)"
+                    ),
+                });
+            }
             if drafts > 64 {
                 return Err(ForwardError::Unsupported {
                     what: format!("{drafts} draft tokens: at most 64 per step"),
@@ -366,7 +396,8 @@ impl CudaModelForward {
             to_bf16: f("m_to_bf16")?,
             index_scores: f("m_index_scores")?,
             topk: f("m_topk")?,
-            attn: f("m_attn")?,
+            attn_scores: f("m_attn_scores")?,
+            attn_out: f("m_attn_out")?,
         };
         let c = *model.config();
         let layers = model
@@ -408,11 +439,11 @@ impl CudaModelForward {
             scores: z(t * max_ctx * 4)?,
             sel: z(t * max_ctx * 4)?,
             nsel: z(t * 4)?,
-            rank: z(t * max_ctx * 4)?,
             qn: z(t * c.heads * c.nope_dim * 4)?,
             qlat: z(t * c.heads * LATENT * 4)?,
             qpe: z(t * c.heads * ROPE * 4)?,
             ebuf: z(t * c.heads * max_ctx * 4)?,
+            rowp: z(t * max_ctx * 8)?,
             olat: z(t * c.heads * LATENT * 4)?,
             hv: z(t * c.heads * c.v_dim * 4)?,
             attn: z(t * h * 4)?,
@@ -461,20 +492,21 @@ impl CudaModelForward {
     }
 
     fn matvec(&self, m: MatOp<'_>, n: usize, transposed: bool) -> Result<(), ForwardError> {
-        let (rows, cols) = (m.rows as i32, m.cols as i32);
+        let (rows, cols, groups, xg) = (m.rows as i32, m.cols as i32, m.groups as i32, m.xg as i32);
         let (os, oo, xs, xo, n32) = (m.os as i32, m.oo as i32, m.xs as i32, m.xo as i32, n as i32);
         let (out, w, x) = (m.out.ptr(), m.w.ptr(), m.x.ptr());
-        let f = if transposed {
-            &self.f.matvec_t
+        // `m_matvec`: one warp per output (a Lanes32 sum); `m_matvec_t`: one thread per
+        // output (an ascending sum).
+        let (f, cfg, name) = if transposed {
+            (&self.f.matvec_t, grid(n * m.groups * m.cols), "m_matvec_t")
         } else {
-            &self.f.matvec
+            (&self.f.matvec, warps(n * m.groups * m.rows), "m_matvec")
         };
-        let outs = if transposed { m.cols } else { m.rows };
         // SAFETY: every buffer is sized for `t_max ≥ n` tokens of these widths.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), f, grid(n * outs), self.gpu.ordinal(), "m_matvec";
-                &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &n32,
+                self.stream(), f, cfg, self.gpu.ordinal(), name;
+                &out, &os, &oo, &w, &rows, &cols, &x, &xs, &xo, &groups, &xg, &n32,
             )
         }
         .map_err(cuda)
@@ -490,7 +522,7 @@ impl CudaModelForward {
         // SAFETY: `[n, hidden]` floats in both buffers.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), &self.f.rmsnorm, grid(n), self.gpu.ordinal(), "m_rmsnorm";
+                self.stream(), &self.f.rmsnorm, warps(n), self.gpu.ordinal(), "m_rmsnorm";
                 &o, &xp, &n32, &h,
             )
         }
@@ -603,6 +635,8 @@ impl CudaModelForward {
             x: &s.xn,
             xs: h,
             xo: 0,
+            groups: 1,
+            xg: 0,
         };
         self.matvec(op(&w.w_dkv, LATENT, &s.kv, ROW, 0), n, false)?;
         self.matvec(op(&w.w_kr, ROPE, &s.kv, ROW, LATENT), n, false)?;
@@ -702,19 +736,22 @@ impl CudaModelForward {
             x: &s.xn,
             xs: h,
             xo: 0,
+            groups: 1,
+            xg: 0,
         };
         let cols = m.max_blocks_per_seq as i32;
         let (n32, max_ctx) = (n as i32, self.max_ctx as i32);
         let (fail, dev) = (s.fail.ptr(), self.gpu.ordinal());
         let use_index = i32::from(cache.indexer.is_some());
         if let Some(ix) = cache.indexer {
-            for (k, wq) in w.w_iq.iter().enumerate() {
-                self.matvec(
-                    op(wq, INDEX_DIM, &s.q, ih * INDEX_DIM, k * INDEX_DIM),
-                    n,
-                    false,
-                )?;
-            }
+            self.matvec(
+                MatOp {
+                    groups: ih,
+                    ..op(&w.w_iq, INDEX_DIM, &s.q, ih * INDEX_DIM, 0)
+                },
+                n,
+                false,
+            )?;
             self.rope(&s.q, ih * INDEX_DIM, 0, ih, INDEX_DIM, n)?;
             self.to_bf16(&s.qbf, &s.q, n * ih * INDEX_DIM)?;
             // SAFETY: `n × ih` query vectors of 128.
@@ -742,7 +779,13 @@ impl CudaModelForward {
                 s.iw.ptr(),
                 m.indexer_page_table.addr,
             );
-            let g = grid(n * self.max_ctx);
+            // One block of 8 warps per (64 positions, token), the token's dequantized
+            // queries in shared memory.
+            let g = LaunchConfig {
+                grid_dim: (self.max_ctx.div_ceil(64) as u32, n.max(1) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (ih * INDEX_DIM * 4) as u32,
+            };
             // SAFETY: the page tables of this step's rows; a position whose block-table
             // entry is −1 or whose page is past the pool sets the fail flag and reads
             // nothing.
@@ -757,54 +800,51 @@ impl CudaModelForward {
             .map_err(cuda)?;
         }
         let topk = c.topk as i32;
-        let (sel, nsel, rank, scores, pos) = (
-            s.sel.ptr(),
-            s.nsel.ptr(),
-            s.rank.ptr(),
-            s.scores.ptr(),
-            s.pos.ptr(),
-        );
+        let (sel, nsel, scores, pos) = (s.sel.ptr(), s.nsel.ptr(), s.scores.ptr(), s.pos.ptr());
+        // m_topk's `rank` scratch is unused (the V4 forward still passes one).
+        let no_rank = 0u64;
         // SAFETY: `max_ctx` entries per token in every buffer.
         unsafe {
             dsa_kv_cuda::launch!(
                 self.stream(), &self.f.topk, blocks(n, 256), dev, "m_topk";
-                &sel, &nsel, &rank, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
+                &sel, &nsel, &no_rank, &scores, &max_ctx, &pos, &topk, &use_index, &n32,
             )
         }
         .map_err(cuda)?;
-        for k in 0..heads {
-            self.matvec(
-                op(
-                    &w.w_qn[k],
-                    c.nope_dim,
-                    &s.qn,
-                    heads * c.nope_dim,
-                    k * c.nope_dim,
-                ),
-                n,
-                false,
-            )?;
-            self.matvec(
-                MatOp {
-                    w: &w.w_uk[k],
-                    rows: c.nope_dim,
-                    cols: LATENT,
-                    out: &s.qlat,
-                    os: heads * LATENT,
-                    oo: k * LATENT,
-                    x: &s.qn,
-                    xs: heads * c.nope_dim,
-                    xo: k * c.nope_dim,
-                },
-                n,
-                true,
-            )?;
-            self.matvec(
-                op(&w.w_qr[k], ROPE, &s.qpe, heads * ROPE, k * ROPE),
-                n,
-                false,
-            )?;
-        }
+        // Every head at once: the heads' matrices are stacked.
+        self.matvec(
+            MatOp {
+                groups: heads,
+                ..op(&w.w_qn, c.nope_dim, &s.qn, heads * c.nope_dim, 0)
+            },
+            n,
+            false,
+        )?;
+        self.matvec(
+            MatOp {
+                w: &w.w_uk,
+                rows: c.nope_dim,
+                cols: LATENT,
+                out: &s.qlat,
+                os: heads * LATENT,
+                oo: 0,
+                x: &s.qn,
+                xs: heads * c.nope_dim,
+                xo: 0,
+                groups: heads,
+                xg: c.nope_dim,
+            },
+            n,
+            true,
+        )?;
+        self.matvec(
+            MatOp {
+                groups: heads,
+                ..op(&w.w_qr, ROPE, &s.qpe, heads * ROPE, 0)
+            },
+            n,
+            false,
+        )?;
         self.rope(&s.qpe, heads * ROPE, 0, heads, ROPE, n)?;
         let enc = i32::from(mla.encoding == KvDtype::Fp8DsMla);
         let scale = 1.0 / ((c.nope_dim + ROPE) as f32).sqrt();
@@ -814,41 +854,66 @@ impl CudaModelForward {
             mla.rows.tokens_per_page as i32,
             mla.rows.row_bytes as i32,
         );
-        let args = (
+        let (olat, qlat, qpe, ebuf, rowp, row, bt) = (
             s.olat.ptr(),
             s.qlat.ptr(),
             s.qpe.ptr(),
             s.ebuf.ptr(),
+            s.rowp.ptr(),
             s.row.ptr(),
             m.block_table.addr,
         );
-        // SAFETY: selected positions are cached (−1 block-table entries set the flag).
+        // One block of 8 warps per (16 selected rows, token), a warp per row (every
+        // head's score), the token's queries in shared memory.
+        let g = LaunchConfig {
+            grid_dim: (self.max_ctx.div_ceil(16) as u32, n.max(1) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (heads * ROW * 4) as u32,
+        };
+        // SAFETY: selected positions are cached (−1 block-table entries set the flag and
+        // read nothing); `ebuf` holds `max_ctx` floats per (token, head), `rowp`
+        // `max_ctx` addresses per token.
         unsafe {
             dsa_kv_cuda::launch!(
-                self.stream(), &self.f.attn, blocks(n * heads, 128), dev, "m_attn";
-                &args.0, &args.1, &args.2, &sel, &nsel, &max_ctx, &args.3, &pos, &args.4,
-                &args.5, &cols, &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb,
-                &enc, &scale, &heads32, &ov_last, &ov_rows, &fail, &n32,
+                self.stream(), &self.f.attn_scores, g, dev, "m_attn_scores";
+                &ebuf, &rowp, &qlat, &qpe, &sel, &nsel, &max_ctx, &pos, &row, &bt, &cols,
+                &mla.rows.base, &mla.rows.page_stride, &mla_pages, &tpp, &rb, &enc, &scale,
+                &heads32, &ov_last, &ov_rows, &fail, &n32,
             )
         }
         .map_err(cuda)?;
-        for k in 0..heads {
-            self.matvec(
-                MatOp {
-                    w: &w.w_uv[k],
-                    rows: c.v_dim,
-                    cols: LATENT,
-                    out: &s.hv,
-                    os: heads * c.v_dim,
-                    oo: k * c.v_dim,
-                    x: &s.olat,
-                    xs: heads * LATENT,
-                    xo: k * LATENT,
-                },
-                n,
-                false,
-            )?;
+        // One block of 128 threads per (128 output elements, token, head).
+        let g = LaunchConfig {
+            grid_dim: ((LATENT / 128) as u32, (n * heads).max(1) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads the scores and row addresses m_attn_scores wrote (a 0 address
+        // is skipped).
+        unsafe {
+            dsa_kv_cuda::launch!(
+                self.stream(), &self.f.attn_out, g, dev, "m_attn_out";
+                &olat, &ebuf, &rowp, &nsel, &max_ctx, &pos, &enc, &heads32, &n32,
+            )
         }
+        .map_err(cuda)?;
+        self.matvec(
+            MatOp {
+                w: &w.w_uv,
+                rows: c.v_dim,
+                cols: LATENT,
+                out: &s.hv,
+                os: heads * c.v_dim,
+                oo: 0,
+                x: &s.olat,
+                xs: heads * LATENT,
+                xo: 0,
+                groups: heads,
+                xg: LATENT,
+            },
+            n,
+            false,
+        )?;
         self.matvec(
             MatOp {
                 w: &w.w_o,
@@ -860,6 +925,8 @@ impl CudaModelForward {
                 x: &s.hv,
                 xs: heads * c.v_dim,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -879,6 +946,8 @@ impl CudaModelForward {
                 x: &s.hm,
                 xs: c.mlp,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -910,6 +979,8 @@ impl CudaModelForward {
                 x: &self.s.xn,
                 xs: c.hidden,
                 xo: 0,
+                groups: 1,
+                xg: 0,
             },
             n,
             false,
@@ -1087,6 +1158,8 @@ impl CudaModelForward {
                     x: &s.xn,
                     xs: c.hidden,
                     xo: 0,
+                    groups: 1,
+                    xg: 0,
                 },
                 r,
                 false,

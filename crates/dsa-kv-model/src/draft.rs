@@ -2,7 +2,7 @@
 //! draft cache or to the layer after the target's) and its proposal chains, whose own KV
 //! lives in an [`Overlay`] over the cache, never written to it.
 
-use super::math::{add, rmsnorm};
+use super::math::{add, rmsnorm32};
 use super::model::At;
 use super::{KvStore, Model, ModelError};
 
@@ -151,7 +151,7 @@ impl Model {
         self.has_draft()?;
         let at = self.draft_at(cache);
         for (i, &t) in tokens.iter().enumerate() {
-            self.write_kv(kv, at, &rmsnorm(&self.embedding(t)), first + i as u32)?;
+            self.write_kv(kv, at, &rmsnorm32(&self.embedding(t)), first + i as u32)?;
         }
         Ok(())
     }
@@ -179,10 +179,10 @@ impl Model {
         let mut out = Vec::with_capacity(k);
         for i in 0..k as u32 {
             let pos = last + 1 + i;
-            self.write_kv(&mut local, at, &rmsnorm(&self.embedding(tok)), pos)?;
+            self.write_kv(&mut local, at, &rmsnorm32(&self.embedding(tok)), pos)?;
             let mut x = self.embedding(tok);
-            add(&mut x, &rmsnorm(&h));
-            let attn = self.attend(&local, at, &rmsnorm(&x), pos, None)?;
+            add(&mut x, &rmsnorm32(&h));
+            let attn = self.attend(&local, at, &rmsnorm32(&x), pos, None)?;
             add(&mut x, &attn);
             self.mlp(&self.draft, &mut x);
             tok = self.output(&x, pos).greedy;

@@ -12,8 +12,10 @@
 //! vocabulary, greedy sampling.
 //!
 //! **Batch invariance.** Every value is computed for one token of one request with
-//! loops in a fixed order (dot products by ascending index, softmax sums by ascending
-//! position), reading only that request's cache: the result cannot depend on batch
+//! sums in a fixed order (matrix-vector products, norms, indexer and attention scores and
+//! softmax denominators in the warp-shaped `Lanes32` order of `math.rs` that the GPU twin
+//! computes with one warp each; the attention's weighted sum of rows by ascending
+//! selected position), reading only that request's cache: the result cannot depend on batch
 //! size, batch mates, chunk size or position in the batch. The cache is reached only
 //! through [`KvStore`]: [`unpaged::Contiguous`] (one request, contiguous rows, no reuse:
 //! the reference) and [`paged::ModelForward`] (the runtime's pools through the step

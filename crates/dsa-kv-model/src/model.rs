@@ -7,7 +7,7 @@ use half::bf16;
 
 use super::checkpoint::{HfConfig, HfModel};
 use super::config::{ModelConfig, INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
-use super::math::{add, dot, exp, relu, rmsnorm, rope, to_bf16, Mat};
+use super::math::{add, dot, exp, relu, rmsnorm32, rope, sum32, to_bf16, Lanes32, Mat, SumOrder};
 use super::trace::{HeadTrace, IndexTrace, Trace, TracePoint, TracedRun};
 use super::weights::Layer;
 use super::{CacheFormat, KvStore, ModelError};
@@ -175,7 +175,7 @@ impl Model {
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         match &self.hf {
             Some(hf) => hf.logits(x),
-            None => self.w_out.apply(&rmsnorm(x)),
+            None => self.w_out.apply32(&rmsnorm32(x)),
         }
     }
 
@@ -253,7 +253,7 @@ impl Model {
                 cache: l,
                 indexer: self.format.indexer[l],
             };
-            let normed: Vec<Vec<f32>> = xs.iter().map(|x| rmsnorm(x)).collect();
+            let normed: Vec<Vec<f32>> = xs.iter().map(|x| rmsnorm32(x)).collect();
             // Every new token's KV first: a token attends to the new tokens before it.
             for (i, xn) in normed.iter().enumerate() {
                 self.write_kv(kv, at, xn, first + i as u32)?;
@@ -285,9 +285,9 @@ impl Model {
     }
 
     pub(crate) fn mlp(&self, layer: &Layer, x: &mut [f32]) {
-        let hmid = layer.w_1.apply(&rmsnorm(x));
+        let hmid = layer.w_1.apply32(&rmsnorm32(x));
         let hmid: Vec<f32> = hmid.into_iter().map(relu).collect();
-        add(x, &layer.w_2.apply(&hmid));
+        add(x, &layer.w_2.apply32(&hmid));
     }
 
     /// The logits of final hidden state `x`: greedy token and digest.
@@ -303,8 +303,8 @@ impl Model {
         pos: u32,
     ) -> Result<(), ModelError> {
         let (l, layer) = (at.cache, at.w);
-        let mut row = layer.w_dkv.apply(xn);
-        let mut pe = layer.w_kr.apply(xn);
+        let mut row = layer.w_dkv.apply32(xn);
+        let mut pe = layer.w_kr.apply32(xn);
         rope(&mut pe, pos);
         row.extend_from_slice(&pe);
         let row = to_bf16(&row);
@@ -318,7 +318,7 @@ impl Model {
         };
         kv.write_row(l, pos, &bytes)?;
         if at.indexer {
-            let mut k = layer.w_ik.apply(xn);
+            let mut k = layer.w_ik.apply32(xn);
             rope(&mut k[..ROPE], pos);
             let (mut values, mut scale) = ([0u8; INDEX_VALUE_BYTES], [0u8; 4]);
             quantize_fp8_token(
@@ -355,7 +355,7 @@ impl Model {
             .w_iq
             .iter()
             .map(|w| {
-                let mut q = w.apply(xn);
+                let mut q = w.apply32(xn);
                 rope(&mut q[..ROPE], pos);
                 let (mut v, mut s) = ([0u8; INDEX_DIM], [0u8; 4]);
                 quantize_fp8_token(&to_bf16(&q), self.format.scale_format, &mut v, &mut s);
@@ -368,8 +368,8 @@ impl Model {
                 out
             })
             .collect();
-        let w = layer.w_iw.apply(xn);
-        let scored = index_scores(kv, l, pos, &qs, &w)?;
+        let w = layer.w_iw.apply32(xn);
+        let scored = index_scores(kv, l, pos, &qs, &w, SumOrder::Lanes32)?;
         if let (Some(trace), Some(mut t)) = (trace, index) {
             t.weights = w;
             t.logits = scored.iter().map(|&(s, _)| s).collect();
@@ -407,16 +407,16 @@ impl Model {
         }
         let mut heads = Vec::with_capacity(self.cfg.heads * self.cfg.v_dim);
         for h in 0..self.cfg.heads {
-            let q_lat = layer.w_uk[h].apply_t(&layer.w_qn[h].apply(xn));
-            let mut q_pe = layer.w_qr[h].apply(xn);
+            let q_lat = layer.w_uk[h].apply_t(&layer.w_qn[h].apply32(xn));
+            let mut q_pe = layer.w_qr[h].apply32(xn);
             rope(&mut q_pe, pos);
-            let o_lat = attend_head(&q_lat, &q_pe, &rows, scale);
-            heads.extend(layer.w_uv[h].apply(&o_lat));
+            let o_lat = attend_head(&q_lat, &q_pe, &rows, scale, SumOrder::Lanes32);
+            heads.extend(layer.w_uv[h].apply32(&o_lat));
             if let Some(t) = trace.as_deref_mut() {
                 t.heads.push(HeadTrace { q_lat, q_pe, o_lat });
             }
         }
-        let out = layer.w_o.apply(&heads);
+        let out = layer.w_o.apply32(&heads);
         if let Some(t) = trace {
             t.attn_out.clone_from(&out);
         }
@@ -430,14 +430,19 @@ impl Model {
 }
 
 /// The indexer's score of every causal position `j ≤ pos` of cache layer `l`:
-/// `Σ_h w_h · relu(q_h · k_j) · scale_j` (the FP8 key and its scale read from `kv`,
-/// heads summed in order), with its position.
+/// `Σ_h w_h · relu(q_h · k_j) · scale_j` (the FP8 key and its scale read from `kv`),
+/// with its position. Each 128-wide `q_h · k_j` is summed in `order` ([`dot32`]'s warp
+/// order for the reference model, ascending for a checkpoint's); the heads always by
+/// ascending `h`.
+///
+/// [`dot32`]: super::math::dot32
 pub(crate) fn index_scores(
     kv: &dyn KvStore,
     l: usize,
     pos: u32,
     qs: &[Vec<f32>],
     w: &[f32],
+    order: SumOrder,
 ) -> Result<Vec<(f32, u32)>, ModelError> {
     let mut scored = Vec::with_capacity(pos as usize + 1);
     let mut k = [0f32; INDEX_DIM];
@@ -449,7 +454,11 @@ pub(crate) fn index_scores(
         let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
         let mut s = 0f32;
         for (q, wh) in qs.iter().zip(w) {
-            s += wh * relu(dot(q, &k));
+            let d = match order {
+                SumOrder::Ascending => dot(q, &k),
+                SumOrder::Lanes32 => super::math::dot32(q, &k),
+            };
+            s += wh * relu(d);
         }
         scored.push((s * scale, j));
     }
@@ -467,24 +476,47 @@ pub(crate) fn top_k(mut scored: Vec<(f32, u32)>, k: usize) -> Vec<u32> {
 
 /// One head's attention over decoded `rows` (latent, RoPE part) in the absorbed form:
 /// `Σ_j softmax_j(scale · (q_lat · latent_j + q_pe · rope_j)) · latent_j` (512 wide).
+///
+/// In [`SumOrder::Lanes32`] (the reference model) a row's score is one 576-term
+/// [`Lanes32`] sum (the latent's 512 products, then the RoPE part's 64: product `i` of
+/// the concatenation to lane `i mod 32`) and the softmax denominator a [`sum32`] over
+/// the rows; in [`SumOrder::Ascending`] (a checkpoint's) `q_lat · latent` and
+/// `q_pe · rope` are ascending dots added, the denominator ascending. Either way the
+/// maximum is a comparison fold and each output element sums its rows by ascending
+/// selected position.
 pub(crate) fn attend_head(
     q_lat: &[f32],
     q_pe: &[f32],
     rows: &[(Vec<f32>, Vec<f32>)],
     scale: f32,
+    order: SumOrder,
 ) -> Vec<f32> {
     let scores: Vec<f32> = rows
         .iter()
-        .map(|(lat, pe)| (dot(q_lat, lat) + dot(q_pe, pe)) * scale)
+        .map(|(lat, pe)| match order {
+            SumOrder::Ascending => (dot(q_lat, lat) + dot(q_pe, pe)) * scale,
+            SumOrder::Lanes32 => {
+                let mut l = Lanes32::new();
+                l.add_dot(q_lat, lat);
+                l.add_dot(q_pe, pe);
+                l.sum() * scale
+            }
+        })
         .collect();
     let m = scores
         .iter()
         .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
     let e: Vec<f32> = scores.iter().map(|s| exp(s - m)).collect();
-    let mut sum = 0f32;
-    for v in &e {
-        sum += v;
-    }
+    let sum = match order {
+        SumOrder::Ascending => {
+            let mut sum = 0f32;
+            for v in &e {
+                sum += v;
+            }
+            sum
+        }
+        SumOrder::Lanes32 => sum32(&e),
+    };
     let mut o_lat = vec![0f32; LATENT];
     for ((lat, _), ej) in rows.iter().zip(&e) {
         let p = ej / sum;

@@ -23,7 +23,7 @@ use dsa_kv_core::ops::quant::{dequantize_fp8_token, quantize_fp8_token};
 use super::config::Family;
 use super::weights::{FeedForward, HfLayer, HfModel, Mlp};
 use crate::config::{INDEX_DIM, INDEX_VALUE_BYTES, LATENT, ROPE};
-use crate::math::{add, dot, exp, to_bf16};
+use crate::math::{add, dot, exp, to_bf16, SumOrder};
 use crate::model::{attend_head, decode_row, index_scores, output_of, top_k};
 use crate::trace::{HeadTrace, IndexTrace, Trace, TracePoint};
 use crate::{CacheFormat, KvStore, ModelError, TokenOut};
@@ -268,7 +268,7 @@ impl HfModel {
             .collect();
         let fold = ((c.index_heads as f64).powf(-0.5) * (INDEX_DIM as f64).powf(-0.5)) as f32;
         let w: Vec<f32> = ix.weights_proj.apply(h).iter().map(|v| v * fold).collect();
-        let scored = index_scores(kv, l, pos, &qs, &w)?;
+        let scored = index_scores(kv, l, pos, &qs, &w, SumOrder::Ascending)?;
         if let (Some(trace), Some(mut t)) = (trace, index) {
             t.weights = w;
             t.logits = scored.iter().map(|&(s, _)| s).collect();
@@ -309,7 +309,7 @@ impl HfModel {
         let mut heads = Vec::with_capacity(self.cfg.heads * self.cfg.v_dim);
         for (hd, (q_nope, q_pe)) in q.heads.iter().enumerate() {
             let q_lat = a.w_uk[hd].apply_t(q_nope);
-            let o_lat = attend_head(&q_lat, q_pe, &rows, scale);
+            let o_lat = attend_head(&q_lat, q_pe, &rows, scale, SumOrder::Ascending);
             heads.extend(a.w_uv[hd].apply(&o_lat));
             if let Some(t) = trace.as_deref_mut() {
                 t.heads.push(HeadTrace {
