@@ -164,6 +164,13 @@ struct Args {
     /// `KvCacheBuilder::idle_spin` in µs (0: off)
     #[arg(long, value_name = "US", default_value_t = 0)]
     idle_spin_us: u64,
+    /// Tokens each request generates, `MIN,MAX` (uniform) [default: 256,768; --quick:
+    /// 32,96]. Fewer finishes and arrivals per step with longer generations: at
+    /// 900,1000 no request admitted before the warm-up finishes within 350 steps (a
+    /// decode-only window). MAX plus the longest suffix must leave room for the drafts
+    /// in the 2,048 tokens above the shared prefix.
+    #[arg(long, value_name = "MIN,MAX", value_parser = list_u32)]
+    generate: Option<::std::vec::Vec<u32>>,
     /// Only the context sweep, or only the batch sweep
     #[arg(long, value_enum)]
     only: Option<Sweep>,
@@ -290,6 +297,28 @@ fn plan(a: Args) -> Plan {
     if steps == 0 {
         err("--steps must be at least 1".into());
     }
+    let suffix = if q { QUICK_SUFFIX } else { SUFFIX };
+    let generate = match a.generate.as_deref() {
+        None => {
+            if q {
+                QUICK_GENERATE
+            } else {
+                GENERATE
+            }
+        }
+        Some(&[lo, hi])
+            if lo >= 1
+                && lo <= hi
+                && u64::from(hi) + suffix.1 + u64::from(DRAFTS) + 1 <= u64::from(HEADROOM) =>
+        {
+            (u64::from(lo), u64::from(hi))
+        }
+        Some(_) => err(format!(
+            "--generate takes MIN,MAX with 1 <= MIN <= MAX and MAX <= {} (the room above \
+             the shared prefix less the longest suffix and the drafts)",
+            u64::from(HEADROOM) - suffix.1 - u64::from(DRAFTS) - 1
+        )),
+    };
     Plan {
         backend: a.backend,
         gpu: a.gpu,
@@ -301,8 +330,8 @@ fn plan(a: Args) -> Plan {
         warmup: a.warmup.unwrap_or(if q { 10 } else { 50 }),
         fill: a.fill,
         new_prefix_pct: a.new_prefix_pct,
-        suffix: if q { QUICK_SUFFIX } else { SUFFIX },
-        generate: if q { QUICK_GENERATE } else { GENERATE },
+        suffix,
+        generate,
         seed: a.seed,
         workers: a.workers,
         idle_spin_us: a.idle_spin_us,
@@ -570,6 +599,8 @@ struct Window {
 struct Engine {
     kv: KvCacheHandle,
     rep: StepReport,
+    /// Whether `rep`'s step is in flight (uncommitted).
+    in_flight: bool,
     drafts: HashMap<RequestId, Vec<TokenId>>,
     live: HashMap<RequestId, Live>,
     groups: Vec<Group>,
@@ -680,10 +711,10 @@ impl Engine {
         Ok(())
     }
 
-    /// One `commit_and_step`, timed into `w`, then the window's counts and arrivals.
-    async fn step(&mut self, w: &mut Window) -> Result<(), BenchError> {
-        let outcomes: Vec<RequestOutcome> = self
-            .rep
+    /// The step in flight's outcomes: one draft accepted where there were drafts, a
+    /// sampled token where the step produces one.
+    fn outcomes(&self) -> Vec<RequestOutcome> {
+        self.rep
             .scheduled
             .iter()
             .map(|r| RequestOutcome {
@@ -691,10 +722,15 @@ impl Engine {
                 accepted_drafts: r.num_drafts.min(1),
                 next_token: r.produces_token.then_some(TokenId(9)),
             })
-            .collect();
+            .collect()
+    }
+
+    /// One `commit_and_step`, timed into `w`, then the window's counts and arrivals.
+    async fn step(&mut self, w: &mut Window) -> Result<(), BenchError> {
+        let outcomes = self.outcomes();
         let drafts = Drafts::from(self.drafts.clone());
         // A step that scheduled nothing left nothing to commit: a plain `step` then.
-        let idle = self.rep.scheduled.is_empty();
+        let idle = !self.in_flight || self.rep.scheduled.is_empty();
         let t = Instant::now();
         let (finished, next) = if idle {
             (Vec::new(), self.kv.step(drafts).await)
@@ -704,6 +740,7 @@ impl Engine {
         };
         w.walls.push(t.elapsed().as_nanos() as u64);
         self.rep = next?;
+        self.in_flight = true;
         let rep = &self.rep;
         w.timings.push(rep.timing);
         let mut gone: Vec<RequestId> = finished.iter().map(|f| f.finished.id).collect();
@@ -756,26 +793,29 @@ impl Engine {
         self.arrivals(w).await
     }
 
-    /// Ends every request in flight: cancels them all, then commits the step in flight
-    /// (and any step still scheduled) with no arrivals.
+    /// Ends every request: commits the step in flight alone (no next step), so that no
+    /// request is part of a step, then cancels them all.
     async fn drain(&mut self) -> Result<(), BenchError> {
         self.batch = 0;
-        let mut w = Window::default();
-        for _ in 0..1000 {
-            let mut ids: Vec<RequestId> = self.live.keys().copied().collect();
-            ids.extend(self.rep.scheduled.iter().map(|r| r.id));
-            for id in ids {
-                // One that finished or was cancelled already: nothing to cancel.
-                let _ = self.kv.cancel(id).await;
-            }
-            self.live.clear();
-            self.drafts.clear();
-            self.step(&mut w).await?;
-            if self.rep.scheduled.is_empty() {
-                return Ok(());
-            }
+        if self.in_flight && !self.rep.scheduled.is_empty() {
+            self.kv.commit(self.outcomes()).await?;
+            self.in_flight = false;
         }
-        Err("requests still scheduled after 1,000 steps of cancelling them".into())
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            // One that finished with that commit: nothing to cancel.
+            let _ = self.kv.cancel(id).await;
+        }
+        self.live.clear();
+        self.drafts.clear();
+        // Nothing is left to schedule; a step proves it.
+        let mut w = Window::default();
+        self.step(&mut w).await?;
+        if self.rep.scheduled.is_empty() {
+            return Ok(());
+        }
+        let left: Vec<RequestId> = self.rep.scheduled.iter().map(|r| r.id).collect();
+        Err(format!("requests {left:?} were still scheduled after cancelling every request").into())
     }
 }
 
@@ -917,6 +957,7 @@ async fn point(
         "forward": p.forward.name(),
         "shared_prefix_tokens": e.prefix_len,
         "shared_prefixes": groups,
+        "generate": [p.generate.0, p.generate.1],
         "steps": p.steps,
         "warmup_steps": p.warmup,
         "settle_steps": settle + steps,
@@ -1015,6 +1056,7 @@ async fn run(p: Plan) -> Result<Vec<Value>, BenchError> {
     let mut e = Engine {
         kv,
         rep,
+        in_flight: true,
         drafts: HashMap::new(),
         live: HashMap::new(),
         groups: Vec::new(),

@@ -728,8 +728,9 @@ impl StepCore {
         self.meta.restore(snapshot).map_err(|e| self.meta_err(e))
     }
 
-    /// Hash of the bound page tables (the pages holding KV) and slot mappings: FNV-1a
-    /// over 32-bit words (a value per step per table entry, so words, not bytes).
+    /// Hash of the page tables' history ([`StepMetadata::table_digest`]: every cell the
+    /// fills wrote) and this step's slot mappings: FNV-1a over 32-bit words. It costs the
+    /// step's tokens and changed cells, not the batch's context.
     pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
@@ -737,24 +738,8 @@ impl StepCore {
                 h = (h ^ u64::from(w)).wrapping_mul(0x100_0000_01b3);
             }
         };
+        eat(self.meta.table_digest() as i64);
         let n = self.meta.counts().num_tokens;
-        // Each request's row up to the pages holding its KV (the rest is padding, and
-        // with long max_seq_len rows are mostly padding).
-        let (b, t) = (
-            self.meta.max_blocks_per_seq(),
-            self.meta.layout().tokens_per_block.max(1) as usize,
-        );
-        for (r, &kv) in self.meta.kv_lens()[..self.meta.counts().num_requests]
-            .iter()
-            .enumerate()
-        {
-            let cols = (kv.max(0) as usize).div_ceil(t).min(b);
-            for table in [self.meta.indexer_page_table(), self.meta.block_table()] {
-                table[r * b..r * b + cols]
-                    .iter()
-                    .for_each(|&x| eat(i64::from(x)));
-            }
-        }
         self.meta.slot_mapping_value()[..n]
             .iter()
             .for_each(|&x| eat(x));

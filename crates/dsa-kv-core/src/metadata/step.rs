@@ -188,6 +188,9 @@ pub struct StepMetadata {
     pub(super) ok_scratch: Vec<usize>,
     /// Page-table cells the last fill wrote (both tables; padding included).
     pub(super) table_writes: usize,
+    /// FNV-1a chain over every page-table cell written, in write order (see
+    /// [`table_digest`](Self::table_digest)).
+    pub(super) table_digest: u64,
     pub(super) counts: StepCounts,
     /// Bumped by every prepare and restore of a draft replay.
     pub(super) epoch: u64,
@@ -263,6 +266,7 @@ impl StepMetadata {
             ok_scratch: Vec::new(),
             filled_scale: [layout.indexer_page_scale; 2],
             table_writes: 0,
+            table_digest: FNV_OFFSET,
             counts: StepCounts::default(),
             epoch: 0,
             replay: None,
@@ -495,6 +499,7 @@ impl StepMetadata {
             row_version.fill(0);
             self.filled_scale[which] = self.layout.indexer_page_scale;
         }
+        let mut digest = self.table_digest;
         // What this fill writes is logged for a mirror (device copies).
         let mut ix_log = std::mem::take(&mut self.buffers[set.indexer_page_table.0 as usize].log);
         let mut bt_log = std::mem::take(&mut self.buffers[set.block_table.0 as usize].log);
@@ -526,6 +531,13 @@ impl StepMetadata {
                 (len - from) + (stale - len) + (valid - bt_from) + old_valid.saturating_sub(valid);
             ix_log.record(r * b + from, r * b + stale, ix_len);
             bt_log.record(r * b + bt_from, r * b + valid.max(old_valid), bt_len);
+            digest = fnv_cells(digest, 0, r * b + from, &ixr[from..stale]);
+            digest = fnv_cells(
+                digest,
+                1,
+                r * b + bt_from,
+                &btr[bt_from..valid.max(old_valid)],
+            );
             row_cols[r] = len;
             row_valid[r] = valid;
             row_version[r] = req.row.version;
@@ -548,6 +560,12 @@ impl StepMetadata {
         // `put_i32` re-pads what the last fill used past this batch's rows.
         ix_log.record(rows, ix_dirty, ix_len);
         bt_log.record(rows, bt_dirty, bt_len);
+        for (t, pad, dirty) in [(0, 0, ix_dirty), (1, -1, bt_dirty)] {
+            for c in rows..dirty {
+                digest = fnv_cell(digest, t, c, pad);
+            }
+        }
+        self.table_digest = digest;
         self.buffers[set.indexer_page_table.0 as usize].log = ix_log;
         self.buffers[set.block_table.0 as usize].log = bt_log;
         self.put_i32(set.indexer_page_table, ix, ix_dirty, rows, 0);
@@ -730,6 +748,15 @@ impl StepMetadata {
         self.table_writes
     }
 
+    /// A digest of the page tables' history: an FNV-1a chain over every cell the fills
+    /// wrote (table, index, value), in write order, since creation. Two metadata that
+    /// were filled alike (tensor-parallel ranks given the same plans) have the same
+    /// digest; once they wrote one cell differently they never agree again. It costs
+    /// the cells written, not the tables' size.
+    pub fn table_digest(&self) -> u64 {
+        self.table_digest
+    }
+
     /// Current bindings (which buffer plays which role; full-KV alias state).
     pub fn bindings(&self) -> Bindings {
         self.bound
@@ -850,4 +877,24 @@ impl StepMetadata {
     pub fn in_draft_replay(&self) -> bool {
         self.replay.is_some()
     }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x100_0000_01b3;
+
+/// Chains one page-table cell (table 0: indexer, 1: block table) into an FNV-1a digest,
+/// as three 32-bit words.
+fn fnv_cell(mut h: u64, table: u32, index: usize, value: i32) -> u64 {
+    for w in [table, index as u32, value as u32] {
+        h = (h ^ u64::from(w)).wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+/// Chains cells `at..` holding `values` into the digest, in order.
+fn fnv_cells(h: u64, table: u32, at: usize, values: &[i32]) -> u64 {
+    values
+        .iter()
+        .enumerate()
+        .fold(h, |h, (i, &v)| fnv_cell(h, table, at + i, v))
 }

@@ -922,3 +922,34 @@ fn a_change_log_gives_up_instead_of_growing() {
     lens.log.record(0, 1, 8);
     assert_eq!(lens.log.ranges(), None);
 }
+
+/// The table digest follows what the fills wrote: equal for metadata filled alike,
+/// different from the first cell written differently on, and then for good (later
+/// identical fills do not bring it back).
+#[test]
+fn the_table_digest_tells_diverged_tables_apart_for_good() {
+    let mut a = StepMetadata::new(layout(3), dims(4), None, false).unwrap();
+    let mut b = StepMetadata::new(layout(3), dims(4), None, false).unwrap();
+    assert_eq!(a.table_digest(), b.table_digest());
+    let r1 = req(Generation, &[5, 2], 100, 1);
+    a.prepare(&layout(3), &[r1]).unwrap();
+    b.prepare(&layout(3), &[r1]).unwrap();
+    assert_eq!(a.table_digest(), b.table_digest());
+    let r2 = req(Generation, &[5, 3], 100, 1);
+    a.prepare(&layout(3), &[r1]).unwrap();
+    b.prepare(&layout(3), &[r2]).unwrap();
+    assert_ne!(a.table_digest(), b.table_digest());
+    let r3 = req(Generation, &[7, 7, 7], 100, 1);
+    a.prepare(&layout(3), &[r3]).unwrap();
+    b.prepare(&layout(3), &[r3]).unwrap();
+    assert_eq!(
+        a.block_table()[..3],
+        b.block_table()[..3],
+        "same contents now"
+    );
+    assert_ne!(
+        a.table_digest(),
+        b.table_digest(),
+        "but not the same history"
+    );
+}
