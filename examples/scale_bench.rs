@@ -309,7 +309,7 @@ fn plan(a: Args) -> Plan {
         Some(&[lo, hi])
             if lo >= 1
                 && lo <= hi
-                && u64::from(hi) + suffix.1 + u64::from(DRAFTS) + 1 <= u64::from(HEADROOM) =>
+                && u64::from(hi) + suffix.1 + u64::from(DRAFTS) < u64::from(HEADROOM) =>
         {
             (u64::from(lo), u64::from(hi))
         }

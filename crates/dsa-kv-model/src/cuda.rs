@@ -1,6 +1,6 @@
 //! The reference model on the GPU: the same forward as [`super::paged::ModelForward`],
 //! computed by the kernels of `kernels/model.cu` (NVRTC, exact IEEE, every sum in the
-//! host model's order: the warp-shaped [`Lanes32`](super::math::Lanes32) order by one
+//! host model's order: the warp-shaped `Lanes32` order (`math.rs`) by one
 //! warp for the matrix-vector products, norms, indexer and attention scores and softmax
 //! denominators, one thread's ascending loop for the rest) on the batch's compute stream, reading and
 //! writing the device pools through the device metadata. The KV is written by the

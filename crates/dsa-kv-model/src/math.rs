@@ -175,7 +175,7 @@ pub(crate) fn add(x: &mut [f32], y: &[f32]) {
 
 /// `x / sqrt(mean(x²) + 1e-6)`, the sum of squares by ascending index (no model uses it
 /// now; the V4 GPU test compares its order with [`rmsnorm8`]'s).
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 pub(crate) fn rmsnorm(x: &[f32]) -> Vec<f32> {
     let ms = dot(x, x) / x.len() as f32;
     let r = 1.0 / (ms + 1e-6).sqrt();
