@@ -38,8 +38,10 @@ pub struct DeviceMetadata {
     /// Pairs one upload can carry (a quarter of the two largest tables: a change log
     /// gives up past a quarter of its table).
     pairs_cap: usize,
-    /// Recorded after the uploads from each staging half.
-    staged: [Option<CudaEvent>; 2],
+    /// Recorded after the upload from each staging half (created once: an event per
+    /// step would cost a create and a destroy each), and whether it was.
+    staged: [CudaEvent; 2],
+    armed: [bool; 2],
     next: usize,
     /// Bytes and page-table cells moved by the last call, and the tables it copied by
     /// their used part (reports, tests, benches).
@@ -98,13 +100,20 @@ impl DeviceMetadata {
             PinnedHost::zeroed(gpu, bytes, "metadata staging")?,
         ];
         let area = DeviceBuffer::zeroed(gpu, bytes, "metadata upload area")?;
+        let event = || {
+            gpu.context()
+                .new_event(None)
+                .map_err(|e| driver_error(gpu.ordinal(), "cuEventCreate", e))
+        };
+        let staged = [event()?, event()?];
         gpu.synchronize()?;
         Ok(DeviceMetadata {
             bufs,
             staging,
             area,
             pairs_cap,
-            staged: [None, None],
+            staged,
+            armed: [false; 2],
             next: 0,
             last_bytes: 0,
             last_cells: 0,
@@ -144,10 +153,11 @@ impl DeviceMetadata {
         let dev = gpu.ordinal();
         let k = self.next;
         self.next ^= 1;
-        if let Some(ev) = self.staged[k].take() {
+        if std::mem::take(&mut self.armed[k]) {
             // The copy out of this half (two uploads ago) must be done before it is
             // overwritten; normally it long is.
-            ev.synchronize()
+            self.staged[k]
+                .synchronize()
                 .map_err(|e| driver_error(dev, "cuEventSynchronize", e))?;
         }
         let b = meta.bindings();
@@ -269,6 +279,14 @@ impl DeviceMetadata {
             check(dev, "cuMemcpyHtoDAsync", unsafe {
                 sys::cuMemcpyHtoDAsync_v2(self.area.ptr(), from.cast(), used, stream)
             })?;
+            // Behind the copy: this half is not written again before it completes.
+            if let Err(e) = self.staged[k].record(gpu.compute()) {
+                // Without the event, wait for the copy here rather than let the next
+                // upload overwrite its source.
+                let _ = gpu.compute().synchronize();
+                return Err(driver_error(dev, "cuEventRecord", e));
+            }
+            self.armed[k] = true;
             let t = (self.addr(tables[0]), self.addr(tables[1]));
             // SAFETY: every record names a buffer of ours with at least its words, its
             // source lies in the area; every cell was logged inside its table (the host
@@ -290,11 +308,6 @@ impl DeviceMetadata {
         self.last_bytes = if segments + cells > 0 { used } else { 0 };
         self.last_cells = cells;
         self.last_table_copies = copies;
-        self.staged[k] = Some(
-            gpu.compute()
-                .record_event(None)
-                .map_err(|e| driver_error(dev, "cuEventRecord", e))?,
-        );
         Ok(())
     }
 }

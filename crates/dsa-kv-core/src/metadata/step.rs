@@ -389,6 +389,9 @@ impl StepMetadata {
         }
         let dims = self.bound_dims;
         let counts = self.validate_for(0, layout, &dims, reqs)?;
+        // The shared per-token buffers hold values up to the last prepare's tokens (after
+        // a replay's restore, the same prepare's): only those are re-padded.
+        let old_tokens = self.counts.num_tokens;
         self.layout = *layout;
         self.counts = counts;
         self.kinds.clear();
@@ -420,9 +423,10 @@ impl StepMetadata {
                 kv_start += kv;
             }
         }
-        self.req_idx_per_token[tok..].fill(0);
-        self.cu_seqlen_ks[tok..].fill(0);
-        self.cu_seqlen_ke[tok..].fill(0);
+        let stale = tok..old_tokens.max(tok);
+        self.req_idx_per_token[stale.clone()].fill(0);
+        self.cu_seqlen_ks[stale.clone()].fill(0);
+        self.cu_seqlen_ke[stale].fill(0);
         let set = self.bound_set();
         self.fill_set(&set, self.bound_dims, reqs, counts);
         Ok(counts)

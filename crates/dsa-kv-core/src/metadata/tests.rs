@@ -953,3 +953,35 @@ fn the_table_digest_tells_diverged_tables_apart_for_good() {
         "but not the same history"
     );
 }
+
+/// The shared per-token buffers are re-padded exactly where the last step wrote past
+/// this one's tokens (not to the maximum), and equal a fresh metadata's after any
+/// sequence of batches, draft replays included.
+#[test]
+fn shared_token_buffers_are_repadded_where_the_last_step_wrote() {
+    let d = MetadataDims {
+        max_num_sequences: 4,
+        max_blocks_per_seq: 4,
+        max_num_tokens: 600,
+        max_context_kv_tokens: 1024,
+    };
+    let mut m = StepMetadata::new(layout(1), d, Some(d), true).unwrap();
+    let slots = [1, 2, 3, 4];
+    let big = [
+        req(Context, &slots, 10, 100),
+        req(Context, &slots, 0, 50),
+        req(Generation, &slots, 70, 4),
+    ];
+    m.prepare(&layout(1), &big).unwrap();
+    assert_eq!(m.counts().num_tokens, 154);
+    let snap = m.prepare_draft(&layout(1), &big).unwrap();
+    m.restore(&snap).unwrap();
+    let small = [req(Generation, &slots, 80, 2)];
+    m.prepare(&layout(1), &small).unwrap();
+    let mut fresh = StepMetadata::new(layout(1), d, Some(d), true).unwrap();
+    fresh.prepare(&layout(1), &small).unwrap();
+    assert_eq!(m.req_idx_per_token(), fresh.req_idx_per_token());
+    assert_eq!(m.cu_seqlen_ks(), fresh.cu_seqlen_ks());
+    assert_eq!(m.cu_seqlen_ke(), fresh.cu_seqlen_ke());
+    assert!(m.cu_seqlen_ke()[2..].iter().all(|&x| x == 0));
+}
