@@ -729,8 +729,8 @@ impl StepCore {
     }
 
     /// Hash of the page tables' history ([`StepMetadata::table_digest`]: every cell the
-    /// fills wrote) and this step's slot mappings: FNV-1a over 32-bit words. It costs the
-    /// step's tokens and changed cells, not the batch's context.
+    /// fills wrote, kept as they write) and this step's slot mappings: FNV-1a over 32-bit
+    /// words. It costs the step's tokens, not the batch's context.
     pub(crate) fn metadata_digest(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |x: i64| {
