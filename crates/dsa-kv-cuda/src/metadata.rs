@@ -29,9 +29,11 @@ use dsa_kv_core::metadata::StepMetadata;
 
 /// Device copies of every metadata buffer. See the module docs.
 pub struct DeviceMetadata {
-    /// Device buffer of each metadata buffer, and how many leading elements of it may
-    /// differ from padding (what the last upload covered).
-    bufs: HashMap<MetaRef, (DeviceBuffer, usize)>,
+    /// Device buffer of each metadata buffer, how many leading elements of it may
+    /// differ from padding (what the last upload covered), and whether it must be
+    /// copied whole (an upload failed after the host's change logs were taken: the
+    /// device may hold anything).
+    bufs: HashMap<MetaRef, (DeviceBuffer, usize, bool)>,
     staging: [PinnedHost; 2],
     /// Where each upload lands on the device (the staging's layout).
     area: DeviceBuffer,
@@ -85,7 +87,8 @@ impl DeviceMetadata {
                     }
                 }
             }
-            bufs.insert(r, (b, 0));
+            // The copy holds the current contents: their extent, not 0.
+            bufs.insert(r, (b, meta.mirror_extent(r), false));
         }
         // One upload moves one set and the shared buffers.
         let shared: usize = [MetaRef::ReqIdx, MetaRef::Ks, MetaRef::Ke]
@@ -95,6 +98,15 @@ impl DeviceMetadata {
         let data = (largest_set[0].max(largest_set[1]) + shared).min(total);
         let pairs_cap = (tables[0].max(tables[1]) / 4 + 1).min(1 << 20);
         let bytes = MAX_SEGMENTS * SEGMENT + data + pairs_cap * PAIR;
+        if bytes > i32::MAX as usize {
+            return Err(CudaError::Invalid {
+                device: gpu.ordinal(),
+                what: format!(
+                    "step metadata of {bytes} B per upload is past the upload kernel's 2 GiB \
+                     offsets; lower max_num_sequences, max_blocks_per_seq or max_num_tokens"
+                ),
+            });
+        }
         let staging = [
             PinnedHost::zeroed(gpu, bytes, "metadata staging")?,
             PinnedHost::zeroed(gpu, bytes, "metadata staging")?,
@@ -123,7 +135,7 @@ impl DeviceMetadata {
 
     /// Device address of a buffer.
     pub fn addr(&self, r: MetaRef) -> u64 {
-        self.bufs.get(&r).map_or(0, |(b, _)| b.ptr())
+        self.bufs.get(&r).map_or(0, |(b, _, _)| b.ptr())
     }
 
     /// Bytes the last [`upload`](Self::upload) copied to the device (segment records
@@ -150,6 +162,18 @@ impl DeviceMetadata {
     /// differ from padding now or did at the last upload; one copy and one kernel.
     /// Takes the tables' change logs (this must be the metadata's only mirror).
     pub fn upload(&mut self, gpu: &Gpu, meta: &mut StepMetadata) -> Result<(), CudaError> {
+        let r = self.upload_inner(gpu, meta);
+        if r.is_err() {
+            // The change logs may be taken and nothing sent: the next uploads copy every
+            // buffer whole, once.
+            for v in self.bufs.values_mut() {
+                v.2 = true;
+            }
+        }
+        r
+    }
+
+    fn upload_inner(&mut self, gpu: &Gpu, meta: &mut StepMetadata) -> Result<(), CudaError> {
         let dev = gpu.ordinal();
         let k = self.next;
         self.next ^= 1;
@@ -190,6 +214,9 @@ impl DeviceMetadata {
         let mut by_pairs = [false; 2];
         let mut cells = 0usize;
         for (which, &t) in tables.iter().enumerate() {
+            if self.bufs.get(&t).is_some_and(|v| v.2) {
+                continue;
+            }
             if let MirrorChanges::Ranges(ranges) = meta.mirror_changes(t) {
                 let n: usize = ranges.iter().map(|&(s, e)| (e - s) as usize).sum();
                 if cells + n <= self.pairs_cap {
@@ -202,7 +229,7 @@ impl DeviceMetadata {
         let (records, data) = stage.split_at_mut(MAX_SEGMENTS * SEGMENT);
         let (mut off, mut segments, mut copies, mut widest) = (0usize, 0usize, 0usize, cells);
         for r in all {
-            let Some((buf, dev_extent)) = self.bufs.get_mut(&r) else {
+            let Some((buf, dev_extent, stale)) = self.bufs.get_mut(&r) else {
                 continue;
             };
             let host_extent = meta.mirror_extent(r);
@@ -212,7 +239,11 @@ impl DeviceMetadata {
                 continue;
             }
             let eb = meta.mirror_elem_bytes(r);
-            let bytes = host_extent.max(*dev_extent) * eb;
+            let bytes = if std::mem::take(stale) {
+                meta.mirror_bytes(r).len()
+            } else {
+                host_extent.max(*dev_extent) * eb
+            };
             *dev_extent = host_extent;
             if table.is_some() {
                 // The copy below brings the whole table up to date.

@@ -124,7 +124,9 @@ impl ChangeLog {
             return;
         }
         self.cells += end - start;
-        if self.cells > len / 4 || end > u32::MAX as usize {
+        // Bit 31 of a cell names the table in the CUDA upload's pairs: larger tables
+        // are copied by extent.
+        if self.cells > len / 4 || end > 1 << 31 {
             self.overflow = true;
             self.ranges.clear();
             return;

@@ -565,8 +565,12 @@ impl StepMetadata {
         ix_log.record(rows, ix_dirty, ix_len);
         bt_log.record(rows, bt_dirty, bt_len);
         for (t, pad, dirty) in [(0, 0, ix_dirty), (1, -1, bt_dirty)] {
-            for c in rows..dirty {
-                digest = digest.wrapping_add(cell_mix(t, c, pad));
+            let pads = [pad; 512];
+            let mut at = rows;
+            while at < dirty {
+                let n = (dirty - at).min(pads.len());
+                digest = add_cells(digest, t, at, &pads[..n]);
+                at += n;
             }
         }
         self.table_digest = digest;
@@ -706,17 +710,19 @@ impl StepMetadata {
         }
         let t = self.layout.tokens_per_block;
         for (r, &c) in num_cached.iter().enumerate() {
-            let kv = c + if self.helix_inactive[r] {
-                0
-            } else {
-                self.num_new[r]
-            };
-            let needed = kv.div_ceil(t);
+            // In u64: a cached length near u32::MAX is refused, not wrapped.
+            let kv = u64::from(c)
+                + u64::from(if self.helix_inactive[r] {
+                    0
+                } else {
+                    self.num_new[r]
+                });
+            let needed = kv.div_ceil(u64::from(t.max(1)));
             let given = self.blocks_given[usize::from(self.replay.is_some())][r];
-            if needed > given {
+            if needed > u64::from(given) {
                 return Err(MetadataError::BlocksShort {
                     request: r,
-                    kv_len: u64::from(kv),
+                    kv_len: kv,
                     needed: needed as usize,
                     given: given as usize,
                 });
@@ -755,8 +761,11 @@ impl StepMetadata {
     /// A digest of the page tables' history: the wrapping sum of a 64-bit mix of every
     /// cell write the fills made (table, index, value) since creation. Two metadata that
     /// were filled alike (tensor-parallel ranks given the same plans) have the same
-    /// digest; once they wrote one cell differently they do not agree again (short of a
-    /// 64-bit collision). It costs the cells written, not the tables' size.
+    /// digest; a step that writes one cell differently makes them differ (short of a
+    /// 64-bit collision), and they stay different unless later writes happen to cancel
+    /// the difference (the sum does not see write order: X = 5 then 7 on one rank and 7
+    /// then 5 on another agree again), so compare every step. It costs the cells
+    /// written, not the tables' size.
     pub fn table_digest(&self) -> u64 {
         self.table_digest
     }
