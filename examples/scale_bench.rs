@@ -374,10 +374,10 @@ mod kernel_writer {
 
     use std::sync::Arc;
 
-    use dsa_kv::config::{IndexerDtype, KvDtype};
+    use dsa_kv::config::IndexerDtype;
     use dsa_kv::cuda::kernels::{DevRows, MlaEncoding};
     use dsa_kv::cuda::{DeviceBuffer, Gpu};
-    use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardSetup, RowsView};
+    use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardSetup};
     use dsa_kv::rng::SplitMix64;
     use half::bf16;
 
@@ -429,16 +429,6 @@ mod kernel_writer {
                 scales,
                 max_tokens: n,
             })
-        }
-    }
-
-    fn dev_rows(r: &RowsView) -> DevRows {
-        DevRows {
-            pool: r.pool.addr,
-            pool_len: r.pool.bytes,
-            base: r.base - r.pool.addr,
-            block_stride: r.page_stride,
-            tokens_per_block: r.tokens_per_page,
         }
     }
 
@@ -505,18 +495,9 @@ mod kernel_writer {
                     }
                 }
                 if let Some(m) = l.mla {
-                    let enc = match m.encoding {
-                        KvDtype::Bf16 => MlaEncoding::Bf16,
-                        KvDtype::Fp8 => MlaEncoding::Fp8 {
-                            tensor_scale: m.fp8_tensor_scale,
-                        },
-                        KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
-                        other => {
-                            return Err(ForwardError::Unsupported {
-                                what: format!("--forward kernels does not write {other:?} rows"),
-                            })
-                        }
-                    };
+                    let enc = MlaEncoding::of(&m).map_err(|what| ForwardError::Unsupported {
+                        what: format!("layer {}: {what}", l.layer.get()),
+                    })?;
                     // SAFETY: `rows` holds `max_tokens ≥ n` rows of 576 BF16; the view is
                     // this layer's rows in the pool (rows past the pool are skipped); the
                     // mapping is the batch's (n entries).
@@ -524,7 +505,7 @@ mod kernel_writer {
                         k.mla_scatter(
                             stream,
                             dev,
-                            dev_rows(&m.rows),
+                            DevRows::of(&m.rows),
                             enc,
                             self.rows.ptr(),
                             mla,

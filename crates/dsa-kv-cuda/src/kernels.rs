@@ -14,6 +14,8 @@
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 
 use super::CudaError;
+use dsa_kv_core::config::KvDtype;
+use dsa_kv_device::forward::{MlaCacheView, RowsView};
 
 /// Launches a kernel: `launch!(stream, function, config, device, "what"; &arg, …)` pushes
 /// the arguments in order onto a launch of `function` on `stream` with `config`, and
@@ -92,6 +94,19 @@ pub struct DevRows {
     pub tokens_per_block: u32,
 }
 
+impl DevRows {
+    /// A cache view's rows as the kernels address them.
+    pub fn of(r: &RowsView) -> DevRows {
+        DevRows {
+            pool: r.pool.addr,
+            pool_len: r.pool.bytes,
+            base: r.base - r.pool.addr,
+            block_stride: r.page_stride,
+            tokens_per_block: r.tokens_per_page,
+        }
+    }
+}
+
 /// A step's fail flag (`kernels/guard.cu`): a guarded scatter first checks every mapping
 /// of its batch and refuses the whole batch, and every later guarded op, once one is out
 /// of range. `op` numbers the guarded ops of a step in launch order.
@@ -148,6 +163,35 @@ pub enum MlaEncoding {
 }
 
 impl MlaEncoding {
+    /// The encoding the kernels write a layer's MLA cache in (`fp8_ds_mla` with UE8M0
+    /// tile scales), checked against the view's row size. The error says what is missing
+    /// or different.
+    pub fn of(m: &MlaCacheView) -> Result<MlaEncoding, String> {
+        let enc = match m.encoding {
+            KvDtype::Bf16 => MlaEncoding::Bf16,
+            KvDtype::Fp8 => MlaEncoding::Fp8 {
+                tensor_scale: m.fp8_tensor_scale,
+            },
+            KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
+            KvDtype::Nvfp4 => MlaEncoding::Nvfp4 {
+                scales: DevRows::of(
+                    m.block_scales
+                        .as_ref()
+                        .ok_or("an NVFP4 cache without its block-scale buffer")?,
+                ),
+            },
+        };
+        if enc.row_bytes() != m.rows.row_bytes {
+            return Err(format!(
+                "rows of {} B; the kernels write {} B for {:?}",
+                m.rows.row_bytes,
+                enc.row_bytes(),
+                m.encoding
+            ));
+        }
+        Ok(enc)
+    }
+
     /// Bytes of one row in the main view.
     pub fn row_bytes(&self) -> u32 {
         match self {

@@ -12,8 +12,8 @@ use half::bf16;
 use crate::guard::{guard_error, host_check, GuardMaps, GuardedOp};
 use crate::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
 use crate::{CudaError, DeviceBuffer, Gpu};
-use dsa_kv_core::config::{DsaModel, IndexerDtype, KvDtype};
-use dsa_kv_device::forward::{Batch, ForwardError, ForwardSetup, RowsView};
+use dsa_kv_core::config::{DsaModel, IndexerDtype};
+use dsa_kv_device::forward::{Batch, ForwardError, ForwardSetup};
 use dsa_kv_device::synthetic::{new_tokens, row_view};
 use dsa_kv_device::{Forward, KvSource};
 
@@ -198,33 +198,9 @@ impl CudaWriter {
                 }
             }
             if let Some(m) = l.mla {
-                let enc = match m.encoding {
-                    KvDtype::Bf16 => MlaEncoding::Bf16,
-                    KvDtype::Fp8 => MlaEncoding::Fp8 {
-                        tensor_scale: m.fp8_tensor_scale,
-                    },
-                    KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
-                    KvDtype::Nvfp4 => MlaEncoding::Nvfp4 {
-                        scales: dev_rows(&m.block_scales.ok_or_else(|| {
-                            ForwardError::Unsupported {
-                                what: format!(
-                                    "NVFP4 layer {} has no block-scale buffer",
-                                    l.layer.get()
-                                ),
-                            }
-                        })?),
-                    },
-                };
-                if enc.row_bytes() != m.rows.row_bytes {
-                    return Err(ForwardError::Unsupported {
-                        what: format!(
-                            "layer {} rows are {} B; the kernels write {} B",
-                            l.layer.get(),
-                            m.rows.row_bytes,
-                            enc.row_bytes()
-                        ),
-                    });
-                }
+                let enc = MlaEncoding::of(&m).map_err(|what| ForwardError::Unsupported {
+                    what: format!("layer {}: {what}", l.layer.get()),
+                })?;
                 let g = admit(GuardedOp::Mla {
                     view: row_view(&m.rows),
                     cache_len: m.rows.pool.bytes,
@@ -242,7 +218,7 @@ impl CudaWriter {
                     k.mla_scatter(
                         stream,
                         dev,
-                        dev_rows(&m.rows),
+                        DevRows::of(&m.rows),
                         enc,
                         self.input.ptr(),
                         mla,
@@ -273,15 +249,5 @@ impl CudaWriter {
                 f.op, f.token
             ),
         }))
-    }
-}
-
-fn dev_rows(r: &RowsView) -> DevRows {
-    DevRows {
-        pool: r.pool.addr,
-        pool_len: r.pool.bytes,
-        base: r.base - r.pool.addr,
-        block_stride: r.page_stride,
-        tokens_per_block: r.tokens_per_page,
     }
 }

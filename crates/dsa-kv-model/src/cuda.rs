@@ -245,13 +245,7 @@ impl KvDst {
             ForwardError::framework(ModelError::Access("a layer without an MLA cache".into()))
         })?;
         Ok(KvDst {
-            rows: DevRows {
-                pool: mla.rows.pool.addr,
-                pool_len: mla.rows.pool.bytes,
-                base: mla.rows.base - mla.rows.pool.addr,
-                block_stride: mla.rows.page_stride,
-                tokens_per_block: mla.rows.tokens_per_page,
-            },
+            rows: DevRows::of(&mla.rows),
             enc: match mla.encoding {
                 KvDtype::Fp8DsMla => MlaEncoding::Fp8DsMla { ue8m0: true },
                 _ => MlaEncoding::Bf16,
