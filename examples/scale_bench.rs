@@ -70,7 +70,6 @@ use clap::{Parser, ValueEnum};
 use dsa_kv::actors::{Drafts, KvCacheBuilder, KvCacheHandle, StepReport, StepTiming};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, SubmitRequest};
-use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
 use dsa_kv::device::Verification;
 use dsa_kv::ids::{RequestId, TokenId};
@@ -646,13 +645,7 @@ impl Engine {
             }
         };
         self.kv
-            .submit(SubmitRequest {
-                id,
-                scope: ReuseScope::SHARED,
-                prompt,
-                max_new_tokens: max_new,
-                priority: 35,
-            })
+            .submit(SubmitRequest::new(id, prompt, max_new))
             .await?;
         if self.filler_len.is_none() && self.groups[group].leader.is_none() {
             self.groups[group].leader = Some(id);

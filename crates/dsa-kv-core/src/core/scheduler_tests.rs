@@ -847,16 +847,7 @@ fn a_request_longer_than_the_pool_fails_once_and_leaves() {
             .iter()
             .all(|p| p.id != RequestId(1) || step < 10));
         s.complete(plan.target_fence, plan.draft_fence).unwrap();
-        let outcomes: Vec<RequestOutcome> = plan
-            .requests
-            .iter()
-            .map(|p| RequestOutcome {
-                id: p.id,
-                accepted_drafts: 0,
-                next_token: Some(TokenId(1)),
-            })
-            .collect();
-        let done = s.commit(&outcomes).unwrap();
+        let done = s.commit(&sampled_one_each(&plan)).unwrap();
         let ids: Vec<RequestId> = done.iter().map(|f| f.id).collect();
         s.finalize(&ids).unwrap();
     }
@@ -881,15 +872,7 @@ fn a_request_finalized_mid_step_leaves_a_hole_the_commit_skips() {
         s.complete(plan.target_fence, plan.draft_fence).unwrap();
         let gone = plan.requests[1].id;
         s.finalize(&[gone]).unwrap();
-        let mut outcomes: Vec<RequestOutcome> = plan
-            .requests
-            .iter()
-            .map(|p| RequestOutcome {
-                id: p.id,
-                accepted_drafts: 0,
-                next_token: Some(TokenId(1)),
-            })
-            .collect();
+        let mut outcomes = sampled_one_each(&plan);
         if reversed {
             outcomes.reverse();
         }
@@ -902,4 +885,16 @@ fn a_request_finalized_mid_step_leaves_a_hole_the_commit_skips() {
         assert_eq!(s.status(gone), None);
         assert_eq!(s.num_active(), 2);
     }
+}
+
+/// Every planned request's outcome: no draft accepted, token 1 sampled.
+fn sampled_one_each(plan: &StepPlan) -> Vec<RequestOutcome> {
+    plan.requests
+        .iter()
+        .map(|p| RequestOutcome {
+            id: p.id,
+            accepted_drafts: 0,
+            next_token: Some(TokenId(1)),
+        })
+        .collect()
 }
