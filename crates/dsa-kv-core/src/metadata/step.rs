@@ -19,7 +19,7 @@
 
 use serde::Serialize;
 
-use super::buffers::{Bindings, BufferId, BufferRole, Data, MetaBuffer};
+use super::buffers::{Bindings, BufferId, BufferRole, ChangeLog, Data, MetaBuffer};
 use super::MetadataError;
 use crate::core::scheduler::{PlannedRequest, RequestKind};
 use crate::core::RowStamp;
@@ -531,16 +531,21 @@ impl StepMetadata {
             if old_valid > valid {
                 btr[valid..old_valid].fill(-1);
             }
-            writes +=
-                (len - from) + (stale - len) + (valid - bt_from) + old_valid.saturating_sub(valid);
-            ix_log.record(r * b + from, r * b + stale, ix_len);
-            bt_log.record(r * b + bt_from, r * b + valid.max(old_valid), bt_len);
-            digest = add_cells(digest, 0, r * b + from, &ixr[from..stale]);
-            digest = add_cells(
-                digest,
+            let bt_to = valid.max(old_valid);
+            writes += wrote(
+                &mut ix_log,
+                &mut digest,
+                0,
+                r * b + from,
+                &ixr[from..stale],
+                ix_len,
+            ) + wrote(
+                &mut bt_log,
+                &mut digest,
                 1,
                 r * b + bt_from,
-                &btr[bt_from..valid.max(old_valid)],
+                &btr[bt_from..bt_to],
+                bt_len,
             );
             row_cols[r] = len;
             row_valid[r] = valid;
@@ -550,7 +555,6 @@ impl StepMetadata {
         // Rows past this batch are re-padded whole below.
         let old_rows = ix_dirty.max(bt_dirty).div_ceil(b.max(1));
         for r in reqs.len()..old_rows.min(row_cols.len()) {
-            writes += 2 * b;
             row_cols[r] = 0;
             row_valid[r] = 0;
             row_version[r] = 0;
@@ -560,19 +564,20 @@ impl StepMetadata {
         self.row_valid[which] = row_valid;
         self.row_version[which] = row_version;
         self.row_ok[which] = row_ok;
-        self.table_writes = writes;
         // `put_i32` re-pads what the last fill used past this batch's rows.
-        ix_log.record(rows, ix_dirty, ix_len);
-        bt_log.record(rows, bt_dirty, bt_len);
-        for (t, pad, dirty) in [(0, 0, ix_dirty), (1, -1, bt_dirty)] {
+        for (t, pad, dirty, log, len) in [
+            (0, 0, ix_dirty, &mut ix_log, ix_len),
+            (1, -1, bt_dirty, &mut bt_log, bt_len),
+        ] {
             let pads = [pad; 512];
             let mut at = rows;
             while at < dirty {
                 let n = (dirty - at).min(pads.len());
-                digest = add_cells(digest, t, at, &pads[..n]);
+                writes += wrote(log, &mut digest, t, at, &pads[..n], len);
                 at += n;
             }
         }
+        self.table_writes = writes;
         self.table_digest = digest;
         self.buffers[set.indexer_page_table.0 as usize].log = ix_log;
         self.buffers[set.block_table.0 as usize].log = bt_log;
@@ -903,6 +908,21 @@ const DIGEST_SEED: u64 = 0xcbf2_9ce4_8422_2325;
 fn cell_mix(table: u32, index: usize, value: i32) -> u64 {
     let x = ((index as u64) << 32 | u64::from(value as u32)) ^ (u64::from(table) << 63);
     (x ^ (x >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A fill wrote `cells` at `at..` of a table of `len` cells: logged for the mirror and
+/// added to the digest. Returns how many.
+fn wrote(
+    log: &mut ChangeLog,
+    digest: &mut u64,
+    table: u32,
+    at: usize,
+    cells: &[i32],
+    len: usize,
+) -> usize {
+    log.record(at, at + cells.len(), len);
+    *digest = add_cells(*digest, table, at, cells);
+    cells.len()
 }
 
 /// Adds cells `at..` holding `values` to the digest: two cells a word (their values,
