@@ -96,8 +96,7 @@ use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, SubmitRequest};
 use dsa_kv::core::ReuseScope;
 use dsa_kv::device::forward::ForwardFactory;
 use dsa_kv::device::Verification;
-use dsa_kv::ids::{LayerId, RequestId, TokenId};
-use dsa_kv::ops::quant::ScaleFormat;
+use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use dsa_kv_model::checkpoint::HfConfig;
 use dsa_kv_model::paged::{ModelForward, Outputs};
@@ -675,16 +674,8 @@ impl ModelSource {
         devices: usize,
         checkpoint: Option<&std::path::Path>,
     ) -> Result<Self, ServeError> {
-        let dsa = config.model.build()?;
-        let spec = dsa.spec();
         // As `model::paged::cache_format` reads it from the devices' cache views.
-        let format = CacheFormat {
-            kv_dtype: spec.kv_dtype,
-            scale_format: ScaleFormat::Ue8m0,
-            indexer: (0..spec.num_layers)
-                .map(|l| dsa.has_indexer(LayerId(l)))
-                .collect(),
-        };
+        let format = CacheFormat::of(&config.model.build()?);
         let model = match checkpoint {
             Some(dir) => Model::from_checkpoint(dir, format.clone())?,
             None => Model::new(ModelConfig::tiny(MODEL_SEED), format.clone())?,

@@ -2,7 +2,8 @@
 //! read them back, the global index a sparse kernel is handed) and the [`CacheFormat`]
 //! the rows are encoded in.
 
-use dsa_kv_core::config::KvDtype;
+use dsa_kv_core::config::{DsaModel, KvDtype};
+use dsa_kv_core::ids::LayerId;
 use dsa_kv_core::layout::FP8_DS_MLA_ROW_BYTES;
 use dsa_kv_core::ops::quant::ScaleFormat;
 
@@ -21,6 +22,20 @@ pub struct CacheFormat {
 }
 
 impl CacheFormat {
+    /// The format of the target cache a model configuration describes, as the devices
+    /// lay it out: its KV dtype, UE8M0 scales, and which of its target layers have an
+    /// indexer.
+    pub fn of(dsa: &DsaModel) -> CacheFormat {
+        let spec = dsa.spec();
+        CacheFormat {
+            kv_dtype: spec.kv_dtype,
+            scale_format: ScaleFormat::Ue8m0,
+            indexer: (0..spec.num_layers)
+                .map(|l| dsa.has_indexer(LayerId(l)))
+                .collect(),
+        }
+    }
+
     /// Bytes of one MLA row.
     pub fn row_bytes(&self) -> usize {
         match self.kv_dtype {

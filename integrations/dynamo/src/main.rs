@@ -1,0 +1,90 @@
+//! `dsa-kv-dynamo`: a Dynamo worker serving the reference DSA model from the dsa-kv
+//! runtime. Start Dynamo's frontend (`python -m dynamo.frontend`) and one or more of
+//! these with the same discovery settings; see the README next to this crate.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Parser;
+use dsa_kv_dynamo::engine::{DsaKvEngine, Settings, BLOCK_TOKENS};
+use dsa_kv_dynamo::fixture;
+use dynamo_backend_common::{CommonArgs, WorkerConfig};
+
+/// A Dynamo worker serving the reference DSA model from the dsa-kv runtime.
+#[derive(Parser, Debug)]
+#[command(name = "dsa-kv-dynamo", version)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// The model directory: the worker writes its tokenizer, `config.json` and chat
+    /// template here (identical each time, replaced atomically) and registers it with
+    /// Dynamo, whose frontend reads it.
+    #[arg(long, default_value = "/tmp/dsa-kv-dynamo-model")]
+    model_dir: PathBuf,
+    /// The model name clients ask for.
+    #[arg(long, default_value = "dsa-kv-reference")]
+    served_model_name: String,
+    /// GPU-tier tokens of the cache (a multiple of 64).
+    #[arg(long, default_value_t = 65_536)]
+    kv_tokens: u64,
+    /// Requests a step may hold.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: u32,
+    /// Tokens a step may hold.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: u32,
+    /// Prompt tokens of one request per step at most.
+    #[arg(long, default_value_t = 512)]
+    max_prefill_chunk: u32,
+    /// Prompt plus generated tokens of a request at most.
+    #[arg(long, default_value_t = 4096)]
+    context_length: u32,
+    /// Do not check requests against the unpaged model.
+    #[arg(long)]
+    no_verify: bool,
+    /// Write a JSON report (counts, verification) here at shutdown.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// The host the KV event publisher binds.
+    #[arg(long, default_value = "127.0.0.1")]
+    events_host: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    if a.kv_tokens == 0 || a.kv_tokens % u64::from(BLOCK_TOKENS) != 0 {
+        anyhow::bail!(
+            "--kv-tokens {} is not a positive multiple of {BLOCK_TOKENS}",
+            a.kv_tokens
+        );
+    }
+    fixture::write(&a.model_dir, a.context_length).map_err(|e| {
+        anyhow::anyhow!("writing the model directory {}: {e}", a.model_dir.display())
+    })?;
+    let engine = DsaKvEngine::new(Settings {
+        served_model_name: a.served_model_name.clone(),
+        kv_tokens: a.kv_tokens,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        max_prefill_chunk: a.max_prefill_chunk,
+        context_length: a.context_length,
+        verify: !a.no_verify,
+        report: a.report,
+        events_host: a.events_host,
+    });
+    let c = a.common;
+    let config = WorkerConfig {
+        namespace: c.namespace,
+        component: c.component,
+        endpoint: c.endpoint,
+        endpoint_types: c.endpoint_types,
+        custom_jinja_template: c.custom_jinja_template,
+        disaggregation_mode: c.disaggregation_mode,
+        exclude_tools_when_tool_choice_none: c.exclude_tools_when_tool_choice_none,
+        model_name: a.model_dir.display().to_string(),
+        served_model_name: Some(a.served_model_name),
+        runtime: c.runtime,
+        ..Default::default()
+    };
+    dynamo_backend_common::run(Arc::new(engine), config)
+}

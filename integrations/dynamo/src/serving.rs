@@ -1,0 +1,563 @@
+//! The engine loop: one task owns the dsa-kv runtime, admits requests, runs steps of the
+//! reference model, and sends each request's tokens to its stream.
+//!
+//! Each round: the step in flight has run; its tokens are read from the model's outputs;
+//! each token gets its request's stop verdict. When no request has to end early, the
+//! tokens are committed and the next step is planned and run in one call
+//! (`commit_and_step`). When one does (a stop id, end-of-sequence, a client that went
+//! away), the tokens are committed alone, those requests are cancelled (the runtime
+//! cancels only requests outside a step in flight), and the next step follows. The pages
+//! a cancellation releases are checked: the slots in use never grow across it.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use dsa_kv::actors::{Drafts, KvCacheHandle, RuntimeStats, StepReport};
+use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::ids::{RequestId, Tier, TokenId};
+use dsa_kv_model::paged::Outputs;
+use dynamo_backend_common::{ComponentSnapshot, FinishReason, SnapshotPublisher};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::stop::{StopRule, Verdict};
+use crate::verify::Verifier;
+
+/// How often the load snapshot is published while steps run.
+pub const SNAPSHOT_EVERY: Duration = Duration::from_millis(100);
+
+/// The pause before planning again after a step that scheduled nothing while requests
+/// were live.
+pub const IDLE_RETRY: Duration = Duration::from_millis(1);
+
+/// A request for the loop.
+pub enum Command {
+    /// Admit a request; its events go to `events`.
+    Submit {
+        /// The runtime's id for it.
+        id: RequestId,
+        /// Its prompt.
+        prompt: Arc<Vec<u32>>,
+        /// Tokens to generate at most.
+        max_new: u32,
+        /// When it ends early.
+        rule: StopRule,
+        /// Where its tokens go.
+        events: mpsc::UnboundedSender<Event>,
+    },
+    /// End a request early (its client stopped or went away).
+    Cancel(RequestId),
+    /// Answer with the GPU-tier slots in use and in total, and the requests live.
+    Load(tokio::sync::oneshot::Sender<Result<Load, String>>),
+}
+
+/// The cache's load as the loop sees it between steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    /// GPU-tier slots held by requests (neither free nor evictable).
+    pub in_use: u64,
+    /// GPU-tier slots in total.
+    pub total: u64,
+    /// Requests admitted and not ended.
+    pub live: usize,
+}
+
+/// What a request's stream receives.
+#[derive(Debug, PartialEq)]
+pub enum Event {
+    /// A generated token.
+    Token(u32),
+    /// The request ended: why, the last token it returns (if any), and the prompt
+    /// tokens served from the cache.
+    End {
+        /// Why.
+        reason: FinishReason,
+        /// The last token returned, with the end.
+        last: Option<u32>,
+        /// Prompt tokens served from the cache.
+        cached_tokens: u64,
+    },
+    /// The request failed: the runtime's reason.
+    Failed(String),
+}
+
+/// What the loop counted, for the worker's report.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Counts {
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused at admission.
+    pub refused: u64,
+    /// Requests that reached `max_tokens`.
+    pub length: u64,
+    /// Requests ended by a stop id.
+    pub stop: u64,
+    /// Requests ended by end-of-sequence.
+    pub eos: u64,
+    /// Requests cancelled because their client stopped or went away.
+    pub cancelled: u64,
+    /// Requests the runtime failed.
+    pub failed: u64,
+    /// Tokens sent to clients.
+    pub tokens_out: u64,
+    /// Prompt tokens of the requests that ended (not failed).
+    pub prompt_tokens: u64,
+    /// Of those, served from the cache (the usage's `cached_tokens`).
+    pub cached_tokens: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Steps that went through `commit_and_step` (the rest: commit, cancel, step).
+    pub fused_steps: u64,
+    /// Cancellation rounds, with the GPU-tier slots in use before and after.
+    pub cancel_rounds: u64,
+    /// Slots released by those rounds in total.
+    pub slots_released: u64,
+    /// Rounds after which more slots were in use than before (must stay 0).
+    pub cancel_leaks: u64,
+}
+
+struct Live {
+    prompt: Arc<Vec<u32>>,
+    max_new: u32,
+    rule: StopRule,
+    events: mpsc::UnboundedSender<Event>,
+    generated: Vec<u32>,
+    /// What the admission probe found cached (the usage of a request that does not
+    /// finish by length; one that does reports the runtime's own count).
+    probe_cached: u64,
+    /// The client stopped or went away.
+    cancel: bool,
+}
+
+/// The loop's state (owned by its task).
+pub struct Serving {
+    kv: KvCacheHandle,
+    outputs: Arc<Mutex<Outputs>>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    live: HashMap<RequestId, Live>,
+    verifier: Verifier,
+    snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
+    last_snapshot: Option<Instant>,
+    counts: Arc<Mutex<Counts>>,
+}
+
+/// Why the loop stopped serving.
+#[derive(Debug)]
+pub struct Stopped {
+    /// `None`: every command sender was dropped (a clean shutdown).
+    pub error: Option<String>,
+    /// The runtime's prompt tokens served from the cache over those looked up, at the end.
+    pub prefix_hit_rate: Option<f64>,
+}
+
+impl Serving {
+    /// A loop over `kv` whose forward records into `outputs`.
+    pub fn new(
+        kv: KvCacheHandle,
+        outputs: Arc<Mutex<Outputs>>,
+        commands: mpsc::UnboundedReceiver<Command>,
+        verifier: Verifier,
+        snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
+        counts: Arc<Mutex<Counts>>,
+    ) -> Serving {
+        Serving {
+            kv,
+            outputs,
+            commands,
+            live: HashMap::new(),
+            verifier,
+            snapshots,
+            last_snapshot: None,
+            counts,
+        }
+    }
+
+    /// Serves until every command sender is gone or the runtime fails; then ends every
+    /// live request (failed, with the reason), shuts the runtime down, and returns the
+    /// verifier for its final count.
+    pub async fn run(mut self) -> (Stopped, Verifier) {
+        let error = self.serve().await.err();
+        let why = error
+            .clone()
+            .unwrap_or_else(|| "the worker is shutting down".into());
+        for (_, r) in self.live.drain() {
+            let _ = r.events.send(Event::Failed(why.clone()));
+        }
+        let prefix_hit_rate = self.kv.stats().await.ok().map(|st| st.prefix_hit_rate);
+        self.kv.shutdown().await;
+        (
+            Stopped {
+                error,
+                prefix_hit_rate,
+            },
+            self.verifier,
+        )
+    }
+
+    async fn serve(&mut self) -> Result<(), String> {
+        let mut pending: Option<StepReport> = None;
+        loop {
+            // Wait for work only when nothing runs.
+            if pending.is_none() && self.live.is_empty() {
+                self.publish_snapshot(true).await;
+                match self.commands.recv().await {
+                    Some(c) => self.take(c).await,
+                    None => return Ok(()),
+                }
+            }
+            loop {
+                match self.commands.try_recv() {
+                    Ok(c) => self.take(c).await,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        if pending.is_none() {
+                            return Ok(());
+                        }
+                        break;
+                    }
+                }
+            }
+            pending = match pending.take() {
+                None if self.live.is_empty() => None,
+                None => {
+                    let report = self
+                        .kv
+                        .step(Drafts::none())
+                        .await
+                        .map_err(|e| format!("step: {e}"))?;
+                    self.stepped(&report);
+                    Some(report)
+                }
+                Some(report) => self.finish_step(report).await?,
+            };
+            // A step that scheduled nothing has nothing to commit.
+            if pending.as_ref().is_some_and(|r| r.scheduled.is_empty()) {
+                pending = None;
+                if !self.live.is_empty() {
+                    // Live requests the scheduler could not place now (none running
+                    // frees room by itself): poll again shortly instead of spinning.
+                    tokio::time::sleep(IDLE_RETRY).await;
+                }
+            }
+        }
+    }
+
+    /// Takes one command.
+    async fn take(&mut self, c: Command) {
+        match c {
+            Command::Submit {
+                id,
+                prompt,
+                max_new,
+                rule,
+                events,
+            } => {
+                let tokens: Vec<TokenId> = prompt.iter().map(|&t| TokenId(t)).collect();
+                match self
+                    .kv
+                    .submit(SubmitRequest::new(id, tokens, max_new))
+                    .await
+                {
+                    Ok(probe_cached) => {
+                        bump(&self.counts, |c| c.admitted += 1);
+                        self.live.insert(
+                            id,
+                            Live {
+                                prompt,
+                                max_new,
+                                rule,
+                                events,
+                                generated: Vec::new(),
+                                probe_cached,
+                                cancel: false,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        bump(&self.counts, |c| c.refused += 1);
+                        let _ = events.send(Event::Failed(format!("the runtime refused it: {e}")));
+                    }
+                }
+            }
+            Command::Cancel(id) => {
+                if let Some(r) = self.live.get_mut(&id) {
+                    r.cancel = true;
+                }
+            }
+            Command::Load(reply) => {
+                let load = self
+                    .kv
+                    .stats()
+                    .await
+                    .map(|st| {
+                        let (in_use, total) = load(&st);
+                        Load {
+                            in_use,
+                            total,
+                            live: self.live.len(),
+                        }
+                    })
+                    .map_err(|e| format!("stats: {e}"));
+                let _ = reply.send(load);
+            }
+        }
+    }
+
+    /// After a step ran: the requests it failed end.
+    fn stepped(&mut self, report: &StepReport) {
+        bump(&self.counts, |c| c.steps += 1);
+        for (id, why) in &report.failed {
+            if let Some(r) = self.live.remove(id) {
+                bump(&self.counts, |c| c.failed += 1);
+                let _ = r.events.send(Event::Failed(why.clone()));
+                self.forget(*id);
+            }
+        }
+    }
+
+    /// Commits the step in flight and starts the next one; returns it (`None` when the
+    /// next step is left to the next round).
+    async fn finish_step(&mut self, report: StepReport) -> Result<Option<StepReport>, String> {
+        let mut outcomes = Vec::with_capacity(report.scheduled.len());
+        // (request, token, verdict) of each token sampled this step.
+        let mut sampled = Vec::new();
+        {
+            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+            for r in report.scheduled.iter() {
+                let token = match r.produces_token {
+                    true => Some(o.next.remove(&(0, r.id)).ok_or_else(|| {
+                        format!(
+                            "step {}: the model computed no token for request {}",
+                            report.step, r.id
+                        )
+                    })?),
+                    false => None,
+                };
+                outcomes.push(RequestOutcome {
+                    id: r.id,
+                    accepted_drafts: 0,
+                    next_token: token.map(TokenId),
+                });
+                if let (Some(t), Some(l)) = (token, self.live.get(&r.id)) {
+                    let n = l.generated.len() as u32 + 1;
+                    sampled.push((r.id, t, l.rule.verdict(t, n), n == l.max_new));
+                }
+            }
+        }
+        // Requests that end now without reaching `max_tokens`: cancelled after the commit.
+        let mut ending: HashSet<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.cancel)
+            .map(|(id, _)| *id)
+            .collect();
+        for (id, _, verdict, last) in &sampled {
+            if !matches!(verdict, Verdict::Emit) && !last {
+                ending.insert(*id);
+            }
+        }
+        let (commit, next) = if ending.is_empty() {
+            let r = self
+                .kv
+                .commit_and_step(outcomes, Drafts::none())
+                .await
+                .map_err(|e| format!("commit: {e}"))?;
+            bump(&self.counts, |c| c.fused_steps += 1);
+            (r.commit, Some(r.step.map_err(|e| format!("step: {e}"))?))
+        } else {
+            let c = self
+                .kv
+                .commit(outcomes)
+                .await
+                .map_err(|e| format!("commit: {e}"))?;
+            (c, None)
+        };
+        let finished: HashMap<RequestId, u64> = commit
+            .finished
+            .iter()
+            .map(|f| (f.finished.id, f.finished.reused_tokens))
+            .collect();
+        for (id, token, verdict, _) in sampled {
+            let Some(l) = self.live.get_mut(&id) else {
+                continue;
+            };
+            l.generated.push(token);
+            if l.cancel {
+                continue;
+            }
+            let cached = finished.get(&id).copied();
+            let end = |reason, last| Event::End {
+                reason,
+                last,
+                cached_tokens: cached.unwrap_or(l.probe_cached),
+            };
+            let (event, reason) = match (verdict, cached.is_some()) {
+                (Verdict::Emit, false) => (Event::Token(token), None),
+                (Verdict::Emit, true) => (
+                    end(FinishReason::Length, Some(token)),
+                    Some(FinishReason::Length),
+                ),
+                (Verdict::EmitAndEnd(why), _) => (end(why.clone(), Some(token)), Some(why)),
+                (Verdict::End(why), _) => (end(why.clone(), None), Some(why)),
+            };
+            if let Event::End { cached_tokens, .. } = &event {
+                let (p, c) = (l.prompt.len() as u64, *cached_tokens);
+                bump(&self.counts, |k| {
+                    k.prompt_tokens += p;
+                    k.cached_tokens += c;
+                });
+            }
+            if matches!(event, Event::Token(_) | Event::End { last: Some(_), .. }) {
+                bump(&self.counts, |c| c.tokens_out += 1);
+            }
+            let _ = l.events.send(event);
+            if let Some(reason) = reason {
+                self.ended(id, &reason);
+            }
+        }
+        // A request whose client stopped while it reached `max_tokens` in this commit ends
+        // as cancelled; the runtime already released it.
+        let cancelled_at_length: Vec<RequestId> = finished
+            .keys()
+            .filter(|id| self.live.contains_key(id))
+            .copied()
+            .collect();
+        for id in cancelled_at_length {
+            self.end_cancelled(id);
+        }
+        ending.retain(|id| !finished.contains_key(id));
+        if !ending.is_empty() {
+            self.cancel(ending).await?;
+        }
+        if let Some(next) = &next {
+            self.stepped(next);
+        }
+        self.publish_snapshot(false).await;
+        Ok(next)
+    }
+
+    /// Cancels requests outside any step (none of them finished): the client ones end
+    /// as cancelled (the others were already told why they ended), and the slots in use
+    /// must not grow.
+    async fn cancel(&mut self, ids: HashSet<RequestId>) -> Result<(), String> {
+        let before = self.in_use().await?;
+        for id in ids {
+            self.end_cancelled(id);
+            self.kv
+                .cancel(id)
+                .await
+                .map_err(|e| format!("cancel {id}: {e}"))?;
+        }
+        let after = self.in_use().await?;
+        bump(&self.counts, |c| {
+            c.cancel_rounds += 1;
+            c.slots_released += before.saturating_sub(after);
+        });
+        if after > before {
+            bump(&self.counts, |c| c.cancel_leaks += 1);
+            tracing::error!(before, after, "a cancellation left more slots in use");
+        }
+        Ok(())
+    }
+
+    /// Ends a request whose client stopped or went away (if it is still live).
+    fn end_cancelled(&mut self, id: RequestId) {
+        if let Some(l) = self.live.get(&id) {
+            let (p, c) = (l.prompt.len() as u64, l.probe_cached);
+            bump(&self.counts, |k| {
+                k.prompt_tokens += p;
+                k.cached_tokens += c;
+            });
+            let _ = l.events.send(Event::End {
+                reason: FinishReason::Cancelled,
+                last: None,
+                cached_tokens: l.probe_cached,
+            });
+            self.ended(id, &FinishReason::Cancelled);
+        }
+    }
+
+    /// A request ended (its stream was told): counted, queued for verification, forgotten.
+    fn ended(&mut self, id: RequestId, reason: &FinishReason) {
+        let Some(l) = self.live.remove(&id) else {
+            return;
+        };
+        bump(&self.counts, |c| match reason {
+            FinishReason::Length => c.length += 1,
+            FinishReason::Stop => c.stop += 1,
+            FinishReason::EoS => c.eos += 1,
+            FinishReason::Cancelled => c.cancelled += 1,
+            _ => c.failed += 1,
+        });
+        self.verifier.submit(id.0, l.prompt, l.generated);
+        self.forget(id);
+    }
+
+    /// Drops what the model recorded for a request (its positions' outputs).
+    fn forget(&self, id: RequestId) {
+        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
+        o.tokens.remove(&(0, id));
+        o.next.remove(&(0, id));
+        o.accepted.remove(&(0, id));
+        o.drafts.remove(&(0, id));
+    }
+
+    /// GPU-tier slots held by requests (neither free nor evictable).
+    async fn in_use(&self) -> Result<u64, String> {
+        let st = self.kv.stats().await.map_err(|e| format!("stats: {e}"))?;
+        Ok(load(&st).0)
+    }
+
+    /// Publishes the load (at most every [`SNAPSHOT_EVERY`] unless `now`).
+    async fn publish_snapshot(&mut self, now: bool) {
+        let Some(p) = self.snapshots.get() else {
+            return;
+        };
+        if !now
+            && self
+                .last_snapshot
+                .is_some_and(|t| t.elapsed() < SNAPSHOT_EVERY)
+        {
+            return;
+        }
+        let Ok(st) = self.kv.stats().await else {
+            return;
+        };
+        let (used, total) = load(&st);
+        p.publish(
+            0,
+            ComponentSnapshot {
+                kv_used_blocks: used,
+                kv_total_blocks: total,
+                gpu_cache_usage: if total == 0 {
+                    0.0
+                } else {
+                    used as f32 / total as f32
+                },
+                kv_cache_hit_rate: Some(st.prefix_hit_rate as f32),
+                dp_rank: 0,
+            },
+        );
+        self.last_snapshot = Some(Instant::now());
+    }
+}
+
+fn bump(counts: &Mutex<Counts>, f: impl FnOnce(&mut Counts)) {
+    f(&mut counts.lock().unwrap_or_else(|e| e.into_inner()));
+}
+
+/// GPU-tier slots in use (neither free nor evictable) and in total, of the first pool
+/// group (every group of the target cache shares one allocation life cycle).
+pub fn load(st: &RuntimeStats) -> (u64, u64) {
+    st.utilization
+        .iter()
+        .find(|u| u.tier == Tier::Gpu)
+        .map_or((0, 0), |u| {
+            let g = &u.usage;
+            (
+                u64::from(g.total.saturating_sub(g.free).saturating_sub(g.evictable)),
+                u64::from(g.total),
+            )
+        })
+}

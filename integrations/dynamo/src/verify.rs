@@ -1,0 +1,155 @@
+//! Every request's tokens checked against the reference model run alone on an unpaged
+//! cache (`dsa_kv_model::unpaged::generate`), on a thread of its own so serving does not
+//! wait for it.
+//!
+//! The queue is bounded: a request that finds it full is counted as unverified (never
+//! dropped silently). At shutdown the queue is drained before the report is written.
+
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use dsa_kv_model::unpaged::generate;
+use dsa_kv_model::{CacheFormat, Model};
+use serde::Serialize;
+
+/// Requests waiting for the verifier at most.
+pub const QUEUE: usize = 65_536;
+/// Differences kept for the report.
+pub const DIFFERENCES_KEPT: usize = 16;
+
+/// What the verifier found.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Verification {
+    /// Requests compared.
+    pub verified: u64,
+    /// Of those, bit-exact.
+    pub exact: u64,
+    /// Requests not compared: the queue was full, or the verifier is off.
+    pub unverified: u64,
+    /// The first differences (request, first differing position, tokens).
+    pub differences: Vec<String>,
+}
+
+impl Verification {
+    /// Every request compared and exact.
+    pub fn all_exact(&self) -> bool {
+        self.exact == self.verified && self.unverified == 0 && self.differences.is_empty()
+    }
+}
+
+struct Job {
+    id: u64,
+    prompt: Arc<Vec<u32>>,
+    generated: Vec<u32>,
+}
+
+/// The verifier thread and its queue.
+pub struct Verifier {
+    tx: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<()>>,
+    found: Arc<Mutex<Verification>>,
+}
+
+impl Verifier {
+    /// Starts the thread (`model` with its cache `format`).
+    pub fn start(model: Arc<Model>, format: CacheFormat) -> std::io::Result<Verifier> {
+        let (tx, rx) = sync_channel::<Job>(QUEUE);
+        let found = Arc::new(Mutex::new(Verification::default()));
+        let out = found.clone();
+        let thread = std::thread::Builder::new()
+            .name("dsa-kv-verify".into())
+            .spawn(move || {
+                for job in rx {
+                    let verdict = check(&model, &format, &job);
+                    let mut f = out.lock().unwrap_or_else(|e| e.into_inner());
+                    f.verified += 1;
+                    match verdict {
+                        Ok(()) => f.exact += 1,
+                        Err(why) => {
+                            tracing::error!(request = job.id, "not exact: {why}");
+                            if f.differences.len() < DIFFERENCES_KEPT {
+                                f.differences.push(why);
+                            }
+                        }
+                    }
+                }
+            })?;
+        Ok(Verifier {
+            tx: Some(tx),
+            thread: Some(thread),
+            found,
+        })
+    }
+
+    /// A verifier that compares nothing (every request counts as unverified).
+    pub fn off() -> Verifier {
+        Verifier {
+            tx: None,
+            thread: None,
+            found: Arc::default(),
+        }
+    }
+
+    /// Queues a request's tokens (`generated` may be empty: nothing to compare, not
+    /// queued).
+    pub fn submit(&self, id: u64, prompt: Arc<Vec<u32>>, generated: Vec<u32>) {
+        if generated.is_empty() {
+            return;
+        }
+        let queued = match &self.tx {
+            Some(tx) => match tx.try_send(Job {
+                id,
+                prompt,
+                generated,
+            }) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+            },
+            None => false,
+        };
+        if !queued {
+            self.found
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .unverified += 1;
+        }
+    }
+
+    /// What was found so far.
+    pub fn found(&self) -> Verification {
+        self.found.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Verifies what is queued, stops the thread, and returns what was found.
+    pub fn finish(&mut self) -> Verification {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the verifier thread panicked");
+            }
+        }
+        self.found()
+    }
+}
+
+fn check(model: &Model, format: &CacheFormat, job: &Job) -> Result<(), String> {
+    let want = generate(model, format, &job.prompt, job.generated.len() as u32)
+        .map_err(|e| format!("request {}: the unpaged run failed: {e}", job.id))?;
+    if want.tokens == job.generated {
+        return Ok(());
+    }
+    let i = job
+        .generated
+        .iter()
+        .zip(&want.tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    Err(format!(
+        "request {} ({} prompt tokens): generated token {i} is {:?}, the unpaged model's {:?}",
+        job.id,
+        job.prompt.len(),
+        job.generated.get(i),
+        want.tokens.get(i)
+    ))
+}

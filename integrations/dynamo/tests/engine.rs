@@ -1,0 +1,372 @@
+//! The engine as Dynamo's worker drives it, without the network: Dynamo's own
+//! conformance kit, tokens bit-exact against the unpaged model, prefix reuse in the
+//! usage, each way a request ends, cancellation releasing the request's pages, and bad
+//! requests refused with typed errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsa_kv_dynamo::engine::{reference_model, DsaKvEngine, Settings};
+use dsa_kv_model::unpaged::generate;
+use dynamo_backend_common::testing::{mock_context, run_conformance};
+use dynamo_backend_common::{
+    BackendError, DynamoError, ErrorType, FinishReason, GenerateContext, LLMEngine,
+    LLMEngineOutput, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions,
+};
+use dynamo_runtime::engine::AsyncEngineContext;
+use futures::StreamExt;
+
+fn settings() -> Settings {
+    Settings {
+        kv_tokens: 8192,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 512,
+        max_prefill_chunk: 96,
+        context_length: 2048,
+        ..Settings::default()
+    }
+}
+
+fn request(prompt: Vec<u32>, stop: StopConditions, eos: Vec<u32>) -> PreprocessedRequest {
+    PreprocessedRequest::builder()
+        .model("dsa-kv-reference".to_string())
+        .token_ids(prompt)
+        .stop_conditions(stop)
+        .sampling_options(SamplingOptions::default())
+        .output_options(OutputOptions::default())
+        .eos_token_ids(eos)
+        .build()
+        .expect("a request")
+}
+
+fn max_tokens(n: u32) -> StopConditions {
+    StopConditions {
+        max_tokens: Some(n),
+        ..Default::default()
+    }
+}
+
+fn prompt(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| (seed * 7919 + i * 31) % 256).collect()
+}
+
+/// The unpaged model's greedy tokens for `prompt`.
+fn reference(prompt: &[u32], n: u32) -> Vec<u32> {
+    let (model, format) = reference_model(&settings().kv_config()).expect("model");
+    generate(&model, &format, prompt, n)
+        .expect("generate")
+        .tokens
+}
+
+async fn collect(
+    engine: &DsaKvEngine,
+    r: PreprocessedRequest,
+    ctx: Arc<dyn AsyncEngineContext>,
+) -> Vec<Result<LLMEngineOutput, DynamoError>> {
+    engine
+        .generate(r, GenerateContext::new(ctx, None))
+        .await
+        .expect("generate")
+        .collect()
+        .await
+}
+
+/// The tokens of a stream that ended with one terminal chunk (its last item), the
+/// terminal's reason and its usage `(prompt, completion, cached)`.
+fn tokens_of(
+    items: &[Result<LLMEngineOutput, DynamoError>],
+) -> (Vec<u32>, FinishReason, (u32, u32, u32)) {
+    let chunks: Vec<&LLMEngineOutput> = items
+        .iter()
+        .map(|i| i.as_ref().expect("no error"))
+        .collect();
+    let (last, body) = chunks.split_last().expect("a chunk");
+    assert!(
+        body.iter().all(|c| c.finish_reason.is_none()),
+        "one terminal chunk, the last"
+    );
+    let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.token_ids.clone()).collect();
+    let u = last
+        .completion_usage
+        .as_ref()
+        .expect("usage on the terminal");
+    let cached = u
+        .prompt_tokens_details
+        .as_ref()
+        .and_then(|d| d.cached_tokens)
+        .expect("cached tokens");
+    assert_eq!(u.completion_tokens as usize, tokens.len());
+    (
+        tokens,
+        last.finish_reason.clone().expect("a reason"),
+        (u.prompt_tokens, u.completion_tokens, cached),
+    )
+}
+
+async fn started() -> DsaKvEngine {
+    let e = DsaKvEngine::new(settings());
+    let config = e.start(1).await.expect("start");
+    let llm = config.llm.expect("LLM registration");
+    assert_eq!(llm.kv_cache_block_size, Some(64));
+    assert_eq!(llm.max_num_seqs, Some(8));
+    // The runtime rounds the cache up to whole pool pages: at least the tokens asked for,
+    // and the snapshot's total is what was registered.
+    let total = llm.total_kv_blocks.expect("total blocks");
+    assert!(total >= 8192 / 64, "{total}");
+    assert_eq!(e.load().await.expect("load").total, total);
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamo_conformance_kit_passes() {
+    run_conformance(|| DsaKvEngine::new(settings()))
+        .await
+        .expect("Dynamo's conformance kit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_bit_exact_and_a_repeated_prompt_is_served_from_the_cache() {
+    let e = Arc::new(started().await);
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 100 + 37 * i)).collect();
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (e, p) = (e.clone(), p.clone());
+        tasks.push(tokio::spawn(async move {
+            let n = 5 + i as u32 * 3;
+            let items = collect(
+                &e,
+                request(p.clone(), max_tokens(n), vec![]),
+                mock_context(),
+            )
+            .await;
+            (p, n, items)
+        }));
+    }
+    for t in tasks {
+        let (p, n, items) = t.await.expect("task");
+        let (tokens, reason, (prompt_tokens, completion, _)) = tokens_of(&items);
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!((prompt_tokens, completion), (p.len() as u32, n));
+        assert_eq!(
+            tokens,
+            reference(&p, n),
+            "bit-exact against the unpaged model"
+        );
+    }
+    // The same prompt again: all of it but the last token (which must run to give the
+    // first output) comes from the cache; the tokens are the same.
+    let p = prompts[5].clone();
+    let items = collect(
+        &e,
+        request(p.clone(), max_tokens(4), vec![]),
+        mock_context(),
+    )
+    .await;
+    let (tokens, _, (_, _, cached)) = tokens_of(&items);
+    assert_eq!(cached, p.len() as u32 - 1, "the prompt reused");
+    assert_eq!(tokens, reference(&p, 4));
+    e.cleanup().await.expect("cleanup");
+    let report = e.report().expect("a report");
+    assert_eq!(report["exact"], true, "{report}");
+    assert_eq!(report["verification"]["verified"], 7, "{report}");
+    assert_eq!(report["counts"]["length"], 7, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_ids_and_end_of_sequence_end_a_request_early() {
+    let e = started().await;
+    let p = prompt(11, 80);
+    let want = reference(&p, 12);
+    // The model's 4th token as a hidden stop id (first occurrence in the output).
+    let k = 3;
+    let first = want.iter().position(|&t| t == want[k]).expect("present");
+    let hidden = StopConditions {
+        max_tokens: Some(12),
+        stop_token_ids_hidden: Some(vec![want[k]]),
+        ..Default::default()
+    };
+    let (tokens, reason, _) =
+        tokens_of(&collect(&e, request(p.clone(), hidden, vec![]), mock_context()).await);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(tokens, want[..first], "the stop token is not returned");
+    // As a visible stop id it is returned.
+    let visible = StopConditions {
+        max_tokens: Some(12),
+        stop_token_ids_visible: Some(vec![want[k]]),
+        ..Default::default()
+    };
+    let (tokens, reason, _) =
+        tokens_of(&collect(&e, request(p.clone(), visible, vec![]), mock_context()).await);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(tokens, want[..=first]);
+    // As end-of-sequence: not returned, reason eos; with ignore_eos it runs to max_tokens.
+    let (tokens, reason, _) = tokens_of(
+        &collect(
+            &e,
+            request(p.clone(), max_tokens(12), vec![want[k]]),
+            mock_context(),
+        )
+        .await,
+    );
+    assert_eq!(reason, FinishReason::EoS);
+    assert_eq!(tokens, want[..first]);
+    let ignore = StopConditions {
+        max_tokens: Some(12),
+        ignore_eos: Some(true),
+        ..Default::default()
+    };
+    let (tokens, reason, _) = tokens_of(
+        &collect(
+            &e,
+            request(p.clone(), ignore, vec![want[k]]),
+            mock_context(),
+        )
+        .await,
+    );
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(tokens, want);
+    // Every early end released its request: nothing is held, nothing is live.
+    let load = e.load().await.expect("load");
+    assert_eq!((load.in_use, load.live), (0, 0), "{load:?}");
+    let c = e.counts();
+    assert_eq!(
+        (c.stop, c.eos, c.length, c.cancel_leaks),
+        (2, 1, 1, 0),
+        "{c:?}"
+    );
+    e.cleanup().await.expect("cleanup");
+    assert_eq!(e.report().expect("report")["exact"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_or_dropped_request_is_cancelled_and_its_pages_freed() {
+    let e = started().await;
+    // A client that stops: the stream ends with one `Cancelled` terminal.
+    let ctx = mock_context();
+    let mut stream = e
+        .generate(
+            request(prompt(3, 300), max_tokens(1500), vec![]),
+            GenerateContext::new(ctx.clone(), None),
+        )
+        .await
+        .expect("generate");
+    let mut returned = 0;
+    while returned < 5 {
+        let c = stream.next().await.expect("a chunk").expect("no error");
+        assert!(c.finish_reason.is_none());
+        returned += c.token_ids.len();
+    }
+    // Held while it runs: its prompt's blocks and more.
+    let held = e.load().await.expect("load");
+    assert!(held.in_use >= 5, "{held:?}");
+    ctx.stop_generating();
+    let rest: Vec<_> = stream.collect().await;
+    let last = rest.last().expect("a terminal").as_ref().expect("no error");
+    assert_eq!(last.finish_reason, Some(FinishReason::Cancelled));
+    let load = e.load().await.expect("load");
+    assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
+    // A client that drops its stream: the request is cancelled too.
+    let mut stream = e
+        .generate(
+            request(prompt(4, 200), max_tokens(1500), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+        .expect("generate");
+    stream.next().await.expect("a chunk").expect("no error");
+    drop(stream);
+    let mut load = e.load().await.expect("load");
+    for _ in 0..200 {
+        if load.live == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        load = e.load().await.expect("load");
+    }
+    assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
+    let c = e.counts();
+    assert_eq!(c.cancelled, 2, "{c:?}");
+    assert_eq!(c.cancel_leaks, 0, "{c:?}");
+    assert!(c.slots_released >= 8, "{c:?}");
+    e.cleanup().await.expect("cleanup");
+    // The cancelled requests' tokens were exact too.
+    let report = e.report().expect("report");
+    assert_eq!(report["exact"], true, "{report}");
+    assert_eq!(report["verification"]["verified"], 2, "{report}");
+}
+
+fn invalid(e: DynamoError) -> String {
+    assert_eq!(
+        e.error_type(),
+        ErrorType::Backend(BackendError::InvalidArgument),
+        "{e}"
+    );
+    e.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_typed_errors_and_the_engine_serves_on() {
+    let e = started().await;
+    let cases: Vec<(PreprocessedRequest, &str)> = vec![
+        (request(vec![], max_tokens(4), vec![]), "empty"),
+        (
+            request(vec![1, 2, 256], max_tokens(4), vec![]),
+            "outside the model's vocabulary",
+        ),
+        (
+            request(prompt(1, 2048), max_tokens(4), vec![]),
+            "context length",
+        ),
+        (
+            request(prompt(1, 10), max_tokens(0), vec![]),
+            "max_tokens is 0",
+        ),
+    ];
+    for (r, want) in cases {
+        let err = match e
+            .generate(r, GenerateContext::new(mock_context(), None))
+            .await
+        {
+            Ok(_) => panic!("accepted a bad request ({want})"),
+            Err(err) => invalid(err),
+        };
+        assert!(err.contains(want), "{err} should say {want:?}");
+    }
+    let (tokens, _, _) = tokens_of(
+        &collect(
+            &e,
+            request(prompt(2, 70), max_tokens(3), vec![]),
+            mock_context(),
+        )
+        .await,
+    );
+    assert_eq!(tokens, reference(&prompt(2, 70), 3));
+    // max_tokens beyond the context: the generation stops at the context length.
+    let p = prompt(5, 2040);
+    let (tokens, reason, _) = tokens_of(
+        &collect(
+            &e,
+            request(p.clone(), max_tokens(100), vec![]),
+            mock_context(),
+        )
+        .await,
+    );
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(tokens, reference(&p, 8));
+    e.cleanup().await.expect("cleanup");
+    // After cleanup: a typed error, not a hang.
+    let err = match e
+        .generate(
+            request(prompt(2, 70), max_tokens(3), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+    {
+        Ok(_) => panic!("served after cleanup"),
+        Err(err) => err,
+    };
+    assert_eq!(
+        err.error_type(),
+        ErrorType::Backend(BackendError::EngineShutdown)
+    );
+}
