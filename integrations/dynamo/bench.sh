@@ -5,7 +5,7 @@
 # concurrencies. Each (routing, concurrency) run gets a fresh cluster (empty caches);
 # every request's tokens are checked against the unpaged model by the workers.
 #   integrations/dynamo/bench.sh [--out DIR] [--concurrency "1 4 16"] [--requests N]
-# The workload: prompts of 512 tokens whose first 384 are one of 8 shared prefixes
+# The workload: prompts of 512 tokens whose first 384 are one of 24 shared prefixes
 # (aiperf's prefix prompts), 32 output tokens each (end-of-sequence ignored), streaming
 # chat completions.
 set -euo pipefail
@@ -40,9 +40,9 @@ for mode in kv round-robin; do
     echo "== aiperf: $mode routing, concurrency $c, $requests requests"
     "$aiperf_venv/bin/aiperf" profile --model dsa-kv-reference --url "$CLUSTER_URL" \
       --endpoint-type chat --streaming --tokenizer "$run/model" \
-      --concurrency "$c" --request-count "$requests" --num-warmup-requests 0 \
+      --concurrency "$c" --request-count "$requests"  \
       --synthetic-input-tokens-mean 128 --synthetic-input-tokens-stddev 0 \
-      --prefix-prompt-length 384 --num-prefix-prompts 8 \
+      --prefix-prompt-length 384 --num-prefix-prompts 24 \
       --output-tokens-mean 32 --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
       --random-seed 7 --artifact-dir "$run/aiperf" --ui-type none \
       >"$run/aiperf.log" 2>&1 || { tail -30 "$run/aiperf.log"; fail "aiperf failed"; }
@@ -76,18 +76,23 @@ for mode in ["kv", "round-robin"]:
             "itl_ms": {s: metric(m, "inter_token_latency", s) for s in ["p50", "p90", "p99"]},
             "prefix_hit_rate": cached / prompt if prompt else 0.0,
             "requests_per_worker": [w["counts"]["admitted"] for w in workers],
+            # The runtime's time per step, over both workers: the coordinator (schedule,
+            # commit) and the devices (the reference model's host forward, cache copies).
+            "manager_us_per_step": sum(w["manager_us"] for w in workers) / max(1, sum(w["counts"]["steps"] for w in workers)),
+            "device_us_per_step": sum(w["device_us"] for w in workers) / max(1, sum(w["counts"]["steps"] for w in workers)),
             "exact": all(w["exact"] for w in workers),
             "verified": sum(w["verification"]["verified"] for w in workers),
         })
 json.dump(rows, open(f"{out}/summary.json", "w"), indent=1)
 f = lambda x: "-" if x is None else f"{x:.1f}"
-lines = ["| routing | conc. | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | prefix hit | per worker | exact (verified) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+lines = ["| routing | conc. | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | prefix hit | per worker | µs/step: coordinator, model | exact (verified) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     lines.append(f"| {r['routing']} | {r['concurrency']} | {f(r['requests_per_s'])} | {f(r['output_tokens_per_s'])} | "
                  f"{' / '.join(f(r['ttft_ms'][s]) for s in ['p50','p90','p99'])} | "
                  f"{' / '.join(f(r['itl_ms'][s]) for s in ['p50','p90','p99'])} | {r['prefix_hit_rate']:.3f} | "
-                 f"{'/'.join(map(str, r['requests_per_worker']))} | {r['exact']} ({r['verified']}) |")
+                 f"{'/'.join(map(str, r['requests_per_worker']))} | {r['manager_us_per_step']:.0f}, {r['device_us_per_step']:.0f} | "
+                 f"{r['exact']} ({r['verified']}) |")
 open(f"{out}/summary.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 bad = [r for r in rows if not r["exact"] or r["errors"]]

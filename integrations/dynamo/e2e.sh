@@ -78,14 +78,33 @@ for i in $(seq 1 12); do
   comp "{\"model\":\"dsa-kv-reference\",\"prompt\":\"distinct prompt number $i: $(printf 'z%.0s' $(seq 1 $((i * 7))))\",\"max_tokens\":4}" >/dev/null
 done
 
-echo "== 3. a client that disconnects cancels its request"
-curl -sS -N --max-time 2 "$base/v1/completions" -H 'content-type: application/json' \
+echo "== 3. the load each worker publishes (Dynamo's gauges, from the runtime's stats)"
+for i in 0 1; do
+  m=$(curl -sS --max-time 10 "http://127.0.0.1:${CLUSTER_METRICS_PORTS[$i]}/metrics")
+  total=$(grep -E '^dynamo_component_total_blocks\{' <<<"$m" | awk '{print $NF}' | head -1)
+  echo "   worker $i: total_blocks ${total:-missing}, $(grep -E '^dynamo_component_gpu_cache_usage_percent\{' <<<"$m" | head -1)"
+  [ "${total:-0}" = 1048 ] || fail "worker $i does not publish its 1048 blocks (the runtime's GPU slots)"
+done
+
+echo "== 4. a client that disconnects cancels its request; while it runs, its worker's load shows it"
+curl -sS -N --max-time 3 "$base/v1/completions" -H 'content-type: application/json' \
   -d '{"model":"dsa-kv-reference","prompt":"A very long answer, please","max_tokens":3000,"stream":true}' \
-  >/dev/null 2>&1 || true
+  >/dev/null 2>&1 &
+client=$!
+sleep 1.5
+busy=0
+for i in 0 1; do
+  u=$(curl -sS --max-time 10 "http://127.0.0.1:${CLUSTER_METRICS_PORTS[$i]}/metrics" \
+    | grep -E '^dynamo_component_gpu_cache_usage_percent\{' | awk '{print $NF}' | head -1)
+  echo "   worker $i: gpu_cache_usage_percent ${u:-missing}"
+  python3 -c "import sys; sys.exit(0 if float('${u:-0}') > 0 else 1)" && busy=$((busy + 1))
+done
+[ "$busy" -ge 1 ] || fail "no worker's published load shows the running request"
+wait "$client" || true
 sleep 2
 
 stop_cluster
-echo "== 4. the workers' reports"
+echo "== 5. the workers' reports"
 python3 - "$out/kv" <<'EOF'
 import json, sys, glob
 reports = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + "/worker-*.json"))]

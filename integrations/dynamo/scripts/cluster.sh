@@ -25,24 +25,54 @@ cluster_env() {
   export DYN_LOG=${DYN_LOG:-info}
 }
 
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+# A free port below 32768: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a 16-bit signed integer.
+free_low_port() {
+  python3 -c '
+import random, socket
+for _ in range(1000):
+    p = random.randint(20000, 32767)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    print(p)
+    break'
+}
+
 CLUSTER_PIDS=()
+# Whatever way the script ends, nothing of the cluster outlives it.
+kill_cluster() {
+  for p in "${CLUSTER_PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  CLUSTER_PIDS=()
+}
+trap kill_cluster EXIT
 # start_cluster DIR ROUTER_MODE WORKERS [WORKER FLAGS...]: starts the workers (each
-# writes DIR/worker-I.json at shutdown, logs to DIR/worker-I.log) and the frontend on a
-# free port (CLUSTER_URL), and waits until the frontend lists the model with every
-# worker registered.
+# writes DIR/worker-I.json at shutdown, logs to DIR/worker-I.log, serves its metrics on
+# 127.0.0.1:CLUSTER_METRICS_PORTS[I]) and the frontend on a free port (CLUSTER_URL), and
+# waits until the frontend lists the model with every worker registered.
 start_cluster() {
   local dir=$1 mode=$2 n=$3
   shift 3
   mkdir -p "$dir"
   cluster_env "$dir"
   local bin="${CARGO_TARGET_DIR:-$here/target}/release/dsa-kv-dynamo"
+  CLUSTER_METRICS_PORTS=()
   for i in $(seq 0 $((n - 1))); do
-    "$bin" --model-dir "$dir/model" --report "$dir/worker-$i.json" "$@" \
+    # Each worker's system server (/metrics, /health) on a port of its own.
+    local mport
+    mport=$(free_low_port)
+    CLUSTER_METRICS_PORTS+=("$mport")
+    DYN_SYSTEM_PORT=$mport \
+      "$bin" --model-dir "$dir/model" --report "$dir/worker-$i.json" "$@" \
       >"$dir/worker-$i.log" 2>&1 &
     CLUSTER_PIDS+=($!)
   done
   local port
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(free_port)
   "$venv/bin/python" -m dynamo.frontend --http-host 127.0.0.1 --http-port "$port" \
     --router-mode "$mode" >"$dir/frontend.log" 2>&1 &
   CLUSTER_PIDS+=($!)
@@ -53,9 +83,9 @@ start_cluster() {
     sleep 1
     t=$((t + 1))
     for p in "${CLUSTER_PIDS[@]}"; do
-      kill -0 "$p" 2>/dev/null || { tail -20 "$dir"/*.log; fail "a process of the cluster exited"; }
+      kill -0 "$p" 2>/dev/null || { tail -n 20 "$dir"/*.log; fail "a process of the cluster exited"; }
     done
-    [ $t -lt 180 ] || { tail -20 "$dir"/*.log; fail "the frontend did not list the model in 180 s"; }
+    [ $t -lt 180 ] || { tail -n 20 "$dir"/*.log; fail "the frontend did not list the model in 180 s"; }
   done
   # Every worker registered (each writes its instance into the discovery directory).
   t=0
@@ -84,7 +114,31 @@ stop_cluster() {
   kill -INT "${CLUSTER_PIDS[$n]}" 2>/dev/null || true
   sleep 1
   kill -9 "${CLUSTER_PIDS[$n]}" 2>/dev/null || true
+  free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+# A free port below 32768: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a 16-bit signed integer.
+free_low_port() {
+  python3 -c '
+import random, socket
+for _ in range(1000):
+    p = random.randint(20000, 32767)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    print(p)
+    break'
+}
+
+CLUSTER_PIDS=()
+# Whatever way the script ends, nothing of the cluster outlives it.
+kill_cluster() {
+  for p in "${CLUSTER_PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   CLUSTER_PIDS=()
+}
+trap kill_cluster EXIT
 }
 
 # check_json RESPONSE PYTHON_CONDITION WHAT: the condition holds of the JSON `j`.

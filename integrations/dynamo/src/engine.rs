@@ -227,6 +227,8 @@ impl DsaKvEngine {
             "verification": verification,
             "exact": verification.all_exact(),
             "prefix_hit_rate": stopped.prefix_hit_rate,
+            "manager_us": stopped.manager_us,
+            "device_us": stopped.device_us,
             "kv_events": {
                 "batches": published.batches,
                 "events": published.events,
@@ -416,6 +418,8 @@ impl LLMEngine for DsaKvEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
+        // Streams still held keep senders alive: the loop is told to stop.
+        let _ = r.commands.send(Command::Shutdown);
         drop(r.commands);
         let (stopped, mut verifier) = r
             .serving

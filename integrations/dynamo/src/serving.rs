@@ -50,6 +50,10 @@ pub enum Command {
     Cancel(RequestId),
     /// Answer with the GPU-tier slots in use and in total, and the requests live.
     Load(tokio::sync::oneshot::Sender<Result<Load, String>>),
+    /// Stop serving now (the worker's cleanup): live requests fail with that reason. A
+    /// stream still held elsewhere keeps a sender alive, so the loop cannot wait for
+    /// every sender to go.
+    Shutdown,
 }
 
 /// The cache's load as the loop sees it between steps.
@@ -149,6 +153,11 @@ pub struct Stopped {
     pub error: Option<String>,
     /// The runtime's prompt tokens served from the cache over those looked up, at the end.
     pub prefix_hit_rate: Option<f64>,
+    /// The runtime's coordinator time (schedule, commit, bookkeeping) and device time
+    /// (the model's forward and the cache copies), microseconds in total.
+    pub manager_us: u64,
+    /// See `manager_us`.
+    pub device_us: u64,
 }
 
 impl Serving {
@@ -173,9 +182,9 @@ impl Serving {
         }
     }
 
-    /// Serves until every command sender is gone or the runtime fails; then ends every
-    /// live request (failed, with the reason), shuts the runtime down, and returns the
-    /// verifier for its final count.
+    /// Serves until [`Command::Shutdown`], every command sender gone, or a runtime
+    /// failure; then ends every live request (failed, with the reason), shuts the runtime
+    /// down, and returns the verifier for its final count.
     pub async fn run(mut self) -> (Stopped, Verifier) {
         let error = self.serve().await.err();
         let why = error
@@ -184,12 +193,14 @@ impl Serving {
         for (_, r) in self.live.drain() {
             let _ = r.events.send(Event::Failed(why.clone()));
         }
-        let prefix_hit_rate = self.kv.stats().await.ok().map(|st| st.prefix_hit_rate);
+        let st = self.kv.stats().await.ok();
         self.kv.shutdown().await;
         (
             Stopped {
                 error,
-                prefix_hit_rate,
+                prefix_hit_rate: st.as_ref().map(|s| s.prefix_hit_rate),
+                manager_us: st.as_ref().map_or(0, |s| s.manager_us),
+                device_us: st.as_ref().map_or(0, |s| s.device_us),
             },
             self.verifier,
         )
@@ -202,12 +213,13 @@ impl Serving {
             if pending.is_none() && self.live.is_empty() {
                 self.publish_snapshot(true).await;
                 match self.commands.recv().await {
+                    Some(Command::Shutdown) | None => return Ok(()),
                     Some(c) => self.take(c).await,
-                    None => return Ok(()),
                 }
             }
             loop {
                 match self.commands.try_recv() {
+                    Ok(Command::Shutdown) => return Ok(()),
                     Ok(c) => self.take(c).await,
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => {
@@ -301,6 +313,7 @@ impl Serving {
                     .map_err(|e| format!("stats: {e}"));
                 let _ = reply.send(load);
             }
+            Command::Shutdown => {}
         }
     }
 

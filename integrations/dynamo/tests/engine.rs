@@ -370,3 +370,32 @@ async fn bad_requests_get_typed_errors_and_the_engine_serves_on() {
         ErrorType::Backend(BackendError::EngineShutdown)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_ends_a_request_whose_stream_is_still_held() {
+    let e = started().await;
+    let mut stream = e
+        .generate(
+            request(prompt(6, 100), max_tokens(1900), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+        .expect("generate");
+    stream.next().await.expect("a chunk").expect("no error");
+    // The stream is held (its sender too): cleanup must not wait for it.
+    tokio::time::timeout(Duration::from_secs(30), e.cleanup())
+        .await
+        .expect("cleanup finished")
+        .expect("cleanup");
+    // The stream ends with an error, after the tokens already sent.
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(30), stream.collect())
+        .await
+        .expect("the stream ended");
+    let err = rest
+        .last()
+        .expect("an item")
+        .as_ref()
+        .expect_err("an error");
+    assert!(err.to_string().contains("shutting down"), "{err}");
+    assert!(rest[..rest.len() - 1].iter().all(|i| i.is_ok()));
+}
