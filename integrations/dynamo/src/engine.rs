@@ -13,6 +13,7 @@
 //!   snapshot publisher the loop feeds from the runtime's stats.
 //! * `cleanup` stops the loop and the runtime, drains the verifier and writes the report.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -25,9 +26,10 @@ use dsa_kv::publish::{PublisherReport, ZmqPublisher, ZmqPublisherConfig};
 use dsa_kv_model::paged::{ModelForward, Outputs};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 use dynamo_backend_common::{
-    chunk, usage, BackendError, CompletionUsage, DynamoError, EngineConfig, ErrorType,
-    FinishReason, GenerateContext, KvEventSource, LLMEngine, LLMEngineOutput, LlmRegistration,
-    MetricsBindings, MetricsCtx, PreprocessedRequest, PromptTokensDetails, SnapshotPublisher,
+    chunk, usage, AsyncEngineContext, BackendError, CompletionUsage, DynamoError, EngineConfig,
+    ErrorType, FinishReason, GenerateContext, KvEventSource, LLMEngine, LLMEngineOutput,
+    LlmRegistration, MetricsBindings, MetricsCtx, PreprocessedRequest, PromptTokensDetails,
+    SnapshotPublisher,
 };
 use futures::stream::BoxStream;
 use serde_json::json;
@@ -129,6 +131,8 @@ pub struct DsaKvEngine {
     snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
     counts: Arc<Mutex<Counts>>,
     next_id: AtomicU64,
+    /// The request of each live stream, by its Dynamo context id (for `abort`).
+    contexts: Arc<Mutex<HashMap<String, RequestId>>>,
     /// The report, once `cleanup` wrote it.
     report: Mutex<Option<serde_json::Value>>,
 }
@@ -143,6 +147,7 @@ impl DsaKvEngine {
             snapshots: Arc::default(),
             counts: Arc::default(),
             next_id: AtomicU64::new(1),
+            contexts: Arc::default(),
             report: Mutex::new(None),
         }
     }
@@ -345,6 +350,12 @@ impl LLMEngine for DsaKvEngine {
         let (prompt, max_new) = self.admit(&request)?;
         let prompt_tokens = prompt.len() as u32;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let context = ctx.id().to_string();
+        self.contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(context.clone(), id);
+        let contexts = self.contexts.clone();
         let (events, mut rx) = mpsc::unbounded_channel();
         commands
             .send(Command::Submit {
@@ -354,10 +365,17 @@ impl LLMEngine for DsaKvEngine {
                 rule: StopRule::of(&request),
                 events,
             })
-            .map_err(|_| engine_shutdown("the engine loop stopped"))?;
+            .map_err(|_| {
+                self.contexts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&context);
+                engine_shutdown("the engine loop stopped")
+            })?;
         let stream = async_stream::stream! {
-            // Cancels the request if the stream is dropped before its end.
-            let mut guard = CancelOnDrop { id, commands: Some(commands) };
+            // Cancels the request if the stream is dropped before its end; forgets its
+            // context either way.
+            let mut guard = CancelOnDrop { id, commands: Some(commands), contexts, context };
             let mut returned = 0u32;
             let mut stopping = false;
             loop {
@@ -437,6 +455,20 @@ impl LLMEngine for DsaKvEngine {
         Ok(())
     }
 
+    /// Dynamo calls this when a request's client stops or the operator kills it; the
+    /// stream notices `ctx.stopped()` too, and whichever comes first cancels it.
+    async fn abort(&self, ctx: Arc<dyn AsyncEngineContext>) {
+        let id = self
+            .contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(ctx.id())
+            .copied();
+        if let (Some(id), Ok(commands)) = (id, self.sender()) {
+            let _ = commands.send(Command::Cancel(id));
+        }
+    }
+
     async fn kv_event_sources(&self) -> Result<Vec<KvEventSource>, DynamoError> {
         let running = self.running.lock().await;
         let r = running
@@ -463,10 +495,13 @@ impl LLMEngine for DsaKvEngine {
     }
 }
 
-/// Sends a cancellation for its request when dropped armed.
+/// Sends a cancellation for its request when dropped armed; forgets its context id when
+/// dropped.
 struct CancelOnDrop {
     id: RequestId,
     commands: Option<mpsc::UnboundedSender<Command>>,
+    contexts: Arc<Mutex<HashMap<String, RequestId>>>,
+    context: String,
 }
 
 impl CancelOnDrop {
@@ -484,6 +519,10 @@ impl CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.cancel();
+        self.contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.context);
     }
 }
 

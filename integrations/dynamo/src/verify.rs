@@ -153,3 +153,36 @@ fn check(model: &Model, format: &CacheFormat, job: &Job) -> Result<(), String> {
         want.tokens.get(i)
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{reference_model, Settings};
+
+    /// The verifier passes the model's own tokens and catches one changed token (it can
+    /// fail), counts a full queue's overflow, and skips empty generations.
+    #[test]
+    fn exact_tokens_pass_and_a_changed_one_is_caught() {
+        let (model, format) = reference_model(&Settings::default().kv_config()).unwrap();
+        let prompt: Arc<Vec<u32>> = Arc::new((0..70).map(|i| (i * 13) % 256).collect());
+        let want = generate(&model, &format, &prompt, 6).unwrap().tokens;
+        let mut v = Verifier::start(Arc::new(model), format).unwrap();
+        v.submit(1, prompt.clone(), want.clone());
+        let mut wrong = want.clone();
+        wrong[4] = (wrong[4] + 1) % 256;
+        v.submit(2, prompt.clone(), wrong);
+        v.submit(3, prompt, Vec::new());
+        let found = v.finish();
+        assert_eq!((found.verified, found.exact, found.unverified), (2, 1, 0));
+        assert_eq!(found.differences.len(), 1);
+        assert!(found.differences[0].contains("request 2"), "{found:?}");
+        assert!(
+            found.differences[0].contains("generated token 4"),
+            "{found:?}"
+        );
+        assert!(!found.all_exact());
+        let mut off = Verifier::off();
+        off.submit(4, Arc::new(vec![1]), vec![2]);
+        assert_eq!(off.finish().unverified, 1);
+    }
+}

@@ -239,7 +239,7 @@ async fn stop_ids_and_end_of_sequence_end_a_request_early() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_or_dropped_request_is_cancelled_and_its_pages_freed() {
+async fn a_stopped_dropped_or_aborted_request_is_cancelled_and_its_pages_freed() {
     let e = started().await;
     // A client that stops: the stream ends with one `Cancelled` terminal.
     let ctx = mock_context();
@@ -284,15 +284,31 @@ async fn a_stopped_or_dropped_request_is_cancelled_and_its_pages_freed() {
         load = e.load().await.expect("load");
     }
     assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
+    // Dynamo's `abort` (the client's context is not stopped here): cancelled as well.
+    let ctx = mock_context();
+    let mut stream = e
+        .generate(
+            request(prompt(7, 150), max_tokens(1500), vec![]),
+            GenerateContext::new(ctx.clone(), None),
+        )
+        .await
+        .expect("generate");
+    stream.next().await.expect("a chunk").expect("no error");
+    e.abort(ctx).await;
+    let rest: Vec<_> = stream.collect().await;
+    let last = rest.last().expect("a terminal").as_ref().expect("no error");
+    assert_eq!(last.finish_reason, Some(FinishReason::Cancelled));
+    let load = e.load().await.expect("load");
+    assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
     let c = e.counts();
-    assert_eq!(c.cancelled, 2, "{c:?}");
+    assert_eq!(c.cancelled, 3, "{c:?}");
     assert_eq!(c.cancel_leaks, 0, "{c:?}");
     assert!(c.slots_released >= 8, "{c:?}");
     e.cleanup().await.expect("cleanup");
     // The cancelled requests' tokens were exact too.
     let report = e.report().expect("report");
     assert_eq!(report["exact"], true, "{report}");
-    assert_eq!(report["verification"]["verified"], 2, "{report}");
+    assert_eq!(report["verification"]["verified"], 3, "{report}");
 }
 
 fn invalid(e: DynamoError) -> String {
