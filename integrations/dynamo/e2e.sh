@@ -81,26 +81,44 @@ done
 echo "== 3. the load each worker publishes (Dynamo's gauges, from the runtime's stats)"
 for i in 0 1; do
   m=$(curl -sS --max-time 10 "http://127.0.0.1:${CLUSTER_METRICS_PORTS[$i]}/metrics")
-  total=$(grep -E '^dynamo_component_total_blocks\{' <<<"$m" | awk '{print $NF}' | head -1)
+  total=$(grep -E '^dynamo_component_total_blocks\{' <<<"$m" | awk '{print $NF}' | head -1 || true)
   echo "   worker $i: total_blocks ${total:-missing}, $(grep -E '^dynamo_component_gpu_cache_usage_percent\{' <<<"$m" | head -1)"
   [ "${total:-0}" = 1048 ] || fail "worker $i does not publish its 1048 blocks (the runtime's GPU slots)"
 done
 
 echo "== 4. a client that disconnects cancels its request; while it runs, its worker's load shows it"
-curl -sS -N --max-time 3 "$base/v1/completions" -H 'content-type: application/json' \
-  -d '{"model":"dsa-kv-reference","prompt":"A very long answer, please","max_tokens":3000,"stream":true}' \
-  >/dev/null 2>&1 &
+# The client reads 40 streamed chunks of a request for 4000 tokens, then closes its
+# connection (python3's http.client: no timing guess).
+python3 - "$base" >"$out/disconnect.log" 2>&1 <<'PY' &
+import http.client, json, sys, time
+host, port = sys.argv[1].removeprefix("http://").split(":")
+c = http.client.HTTPConnection(host, int(port), timeout=60)
+c.request("POST", "/v1/completions", json.dumps({"model": "dsa-kv-reference",
+          "prompt": "A very long answer, please", "max_tokens": 4000, "stream": True}),
+          {"content-type": "application/json"})
+r = c.getresponse()
+n = 0
+while n < 40:
+    line = r.readline()
+    if not line:
+        sys.exit("the stream ended before 40 chunks")
+    n += line.startswith(b"data: ")
+print("read", n, "chunks; holding the connection for 2 s, then closing it", flush=True)
+time.sleep(2)
+r.close()
+c.close()
+PY
 client=$!
 sleep 1.5
 busy=0
 for i in 0 1; do
   u=$(curl -sS --max-time 10 "http://127.0.0.1:${CLUSTER_METRICS_PORTS[$i]}/metrics" \
-    | grep -E '^dynamo_component_gpu_cache_usage_percent\{' | awk '{print $NF}' | head -1)
+    | grep -E '^dynamo_component_gpu_cache_usage_percent\{' | awk '{print $NF}' | head -1 || true)
   echo "   worker $i: gpu_cache_usage_percent ${u:-missing}"
   python3 -c "import sys; sys.exit(0 if float('${u:-0}') > 0 else 1)" && busy=$((busy + 1))
 done
 [ "$busy" -ge 1 ] || fail "no worker's published load shows the running request"
-wait "$client" || true
+wait "$client" || { cat "$out/disconnect.log"; fail "the disconnecting client failed"; }
 sleep 2
 
 stop_cluster

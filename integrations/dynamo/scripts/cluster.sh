@@ -114,31 +114,7 @@ stop_cluster() {
   kill -INT "${CLUSTER_PIDS[$n]}" 2>/dev/null || true
   sleep 1
   kill -9 "${CLUSTER_PIDS[$n]}" 2>/dev/null || true
-  free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-# A free port below 32768: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a 16-bit signed integer.
-free_low_port() {
-  python3 -c '
-import random, socket
-for _ in range(1000):
-    p = random.randint(20000, 32767)
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", p))
-    except OSError:
-        continue
-    print(p)
-    break'
-}
-
-CLUSTER_PIDS=()
-# Whatever way the script ends, nothing of the cluster outlives it.
-kill_cluster() {
-  for p in "${CLUSTER_PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   CLUSTER_PIDS=()
-}
-trap kill_cluster EXIT
 }
 
 # check_json RESPONSE PYTHON_CONDITION WHAT: the condition holds of the JSON `j`.

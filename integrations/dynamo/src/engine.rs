@@ -39,7 +39,7 @@ use tokio::task::JoinHandle;
 use crate::fixture::MODEL_VOCAB;
 use crate::serving::{Command, Counts, Event, Load, Serving, Stopped};
 use crate::stop::StopRule;
-use crate::verify::{Verification, Verifier};
+use crate::verify::{Verification, Verifier, FINISH_WITHIN};
 
 /// The reference model's weight seed (the one `serve` runs).
 pub const MODEL_SEED: u64 = 7;
@@ -264,10 +264,17 @@ impl LLMEngine for DsaKvEngine {
         let config = self.settings.kv_config();
         let (model, format) = reference_model(&config).map_err(invalid)?;
         let model = Arc::new(model);
+        // Started first: nothing else is running yet if it fails.
+        let verifier = if self.settings.verify {
+            Verifier::start(model.clone(), format)
+                .map_err(|e| engine_shutdown(format!("the verifier thread: {e}")))?
+        } else {
+            Verifier::off()
+        };
         let outputs = Arc::new(Mutex::new(Outputs::default()));
         let kv = KvCacheBuilder::new()
             .config(config)
-            .forward(ModelForward::factory(model.clone(), outputs.clone()))
+            .forward(ModelForward::factory(model, outputs.clone()))
             .start()
             .await
             .map_err(|e| engine_shutdown(format!("the dsa-kv runtime did not start: {e}")))?;
@@ -294,12 +301,6 @@ impl LLMEngine for DsaKvEngine {
                 kv.shutdown().await;
                 return Err(engine_shutdown(format!("the KV event publisher: {e}")));
             }
-        };
-        let verifier = if self.settings.verify {
-            Verifier::start(model, format)
-                .map_err(|e| engine_shutdown(format!("the verifier thread: {e}")))?
-        } else {
-            Verifier::off()
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let serving = Serving::new(
@@ -372,10 +373,15 @@ impl LLMEngine for DsaKvEngine {
                     .remove(&context);
                 engine_shutdown("the engine loop stopped")
             })?;
+        // Cancels the request if the stream is dropped before its end, read or not (the
+        // stream's body first runs when it is first polled); forgets its context either way.
+        let mut guard = CancelOnDrop {
+            id,
+            commands: Some(commands),
+            contexts,
+            context,
+        };
         let stream = async_stream::stream! {
-            // Cancels the request if the stream is dropped before its end; forgets its
-            // context either way.
-            let mut guard = CancelOnDrop { id, commands: Some(commands), contexts, context };
             let mut returned = 0u32;
             let mut stopping = false;
             loop {
@@ -444,7 +450,7 @@ impl LLMEngine for DsaKvEngine {
             .await
             .map_err(|e| engine_shutdown(format!("the engine loop panicked: {e}")))?;
         let published = r.publisher.shutdown().await;
-        let verification = tokio::task::spawn_blocking(move || verifier.finish())
+        let verification = tokio::task::spawn_blocking(move || verifier.finish(FINISH_WITHIN))
             .await
             .map_err(|e| engine_shutdown(format!("the verifier: {e}")))?;
         let report = self.write_report(&stopped, &verification, &published);
@@ -519,10 +525,11 @@ impl CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.cancel();
-        self.contexts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.context);
+        let mut contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        // Only its own entry (a context id used again maps to the newer request).
+        if contexts.get(&self.context) == Some(&self.id) {
+            contexts.remove(&self.context);
+        }
     }
 }
 

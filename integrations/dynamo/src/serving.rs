@@ -246,6 +246,16 @@ impl Serving {
             // A step that scheduled nothing has nothing to commit.
             if pending.as_ref().is_some_and(|r| r.scheduled.is_empty()) {
                 pending = None;
+                // No step is in flight: requests whose clients went away end now.
+                let gone: HashSet<RequestId> = self
+                    .live
+                    .iter()
+                    .filter(|(_, l)| l.cancel)
+                    .map(|(id, _)| *id)
+                    .collect();
+                if !gone.is_empty() {
+                    self.cancel(gone).await?;
+                }
                 if !self.live.is_empty() {
                     // Live requests the scheduler could not place now (none running
                     // frees room by itself): poll again shortly instead of spinning.

@@ -3,18 +3,24 @@
 //! wait for it.
 //!
 //! The queue is bounded: a request that finds it full is counted as unverified (never
-//! dropped silently). At shutdown the queue is drained before the report is written.
+//! dropped silently). At shutdown the queue is drained before the report is written, up
+//! to a deadline; what is left then counts as unverified too.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use dsa_kv_model::unpaged::generate;
 use dsa_kv_model::{CacheFormat, Model};
 use serde::Serialize;
 
-/// Requests waiting for the verifier at most.
-pub const QUEUE: usize = 65_536;
+/// Requests waiting for the verifier at most (each holds its prompt and tokens: at most
+/// 32 KiB at a 4,096-token context).
+pub const QUEUE: usize = 1024;
+/// How long the worker's cleanup waits for the queue to drain.
+pub const FINISH_WITHIN: Duration = Duration::from_secs(60);
 /// Differences kept for the report.
 pub const DIFFERENCES_KEPT: usize = 16;
 
@@ -49,6 +55,8 @@ pub struct Verifier {
     tx: Option<SyncSender<Job>>,
     thread: Option<JoinHandle<()>>,
     found: Arc<Mutex<Verification>>,
+    /// Set when the deadline to drain passed: the rest is counted, not checked.
+    give_up: Arc<AtomicBool>,
 }
 
 impl Verifier {
@@ -56,11 +64,16 @@ impl Verifier {
     pub fn start(model: Arc<Model>, format: CacheFormat) -> std::io::Result<Verifier> {
         let (tx, rx) = sync_channel::<Job>(QUEUE);
         let found = Arc::new(Mutex::new(Verification::default()));
-        let out = found.clone();
+        let give_up = Arc::new(AtomicBool::new(false));
+        let (out, stop) = (found.clone(), give_up.clone());
         let thread = std::thread::Builder::new()
             .name("dsa-kv-verify".into())
             .spawn(move || {
                 for job in rx {
+                    if stop.load(Ordering::Relaxed) {
+                        out.lock().unwrap_or_else(|e| e.into_inner()).unverified += 1;
+                        continue;
+                    }
                     let verdict = check(&model, &format, &job);
                     let mut f = out.lock().unwrap_or_else(|e| e.into_inner());
                     f.verified += 1;
@@ -79,6 +92,7 @@ impl Verifier {
             tx: Some(tx),
             thread: Some(thread),
             found,
+            give_up,
         })
     }
 
@@ -88,6 +102,7 @@ impl Verifier {
             tx: None,
             thread: None,
             found: Arc::default(),
+            give_up: Arc::default(),
         }
     }
 
@@ -121,10 +136,19 @@ impl Verifier {
         self.found.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Verifies what is queued, stops the thread, and returns what was found.
-    pub fn finish(&mut self) -> Verification {
+    /// Verifies what is queued (for at most `within`; the rest is counted as
+    /// unverified), stops the thread, and returns what was found.
+    pub fn finish(&mut self, within: Duration) -> Verification {
         self.tx = None;
         if let Some(t) = self.thread.take() {
+            let deadline = Instant::now() + within;
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if !t.is_finished() {
+                tracing::warn!("the verifier did not drain its queue in {within:?}: the rest counts as unverified");
+                self.give_up.store(true, Ordering::Relaxed);
+            }
             if t.join().is_err() {
                 tracing::error!("the verifier thread panicked");
             }
@@ -172,7 +196,7 @@ mod tests {
         wrong[4] = (wrong[4] + 1) % 256;
         v.submit(2, prompt.clone(), wrong);
         v.submit(3, prompt, Vec::new());
-        let found = v.finish();
+        let found = v.finish(FINISH_WITHIN);
         assert_eq!((found.verified, found.exact, found.unverified), (2, 1, 0));
         assert_eq!(found.differences.len(), 1);
         assert!(found.differences[0].contains("request 2"), "{found:?}");
@@ -183,6 +207,20 @@ mod tests {
         assert!(!found.all_exact());
         let mut off = Verifier::off();
         off.submit(4, Arc::new(vec![1]), vec![2]);
-        assert_eq!(off.finish().unverified, 1);
+        assert_eq!(off.finish(FINISH_WITHIN).unverified, 1);
+    }
+
+    /// Past the deadline the queue is counted, not checked: nothing is lost silently.
+    #[test]
+    fn a_queue_left_at_the_deadline_counts_as_unverified() {
+        let (model, format) = reference_model(&Settings::default().kv_config()).unwrap();
+        let prompt: Arc<Vec<u32>> = Arc::new((0..200).map(|i| (i * 7) % 256).collect());
+        let mut v = Verifier::start(Arc::new(model), format).unwrap();
+        for id in 0..50 {
+            v.submit(id, prompt.clone(), vec![1; 16]);
+        }
+        let found = v.finish(Duration::ZERO);
+        assert_eq!(found.verified + found.unverified, 50, "{found:?}");
+        assert!(found.unverified > 0, "{found:?}");
     }
 }

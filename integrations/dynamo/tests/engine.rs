@@ -284,6 +284,24 @@ async fn a_stopped_dropped_or_aborted_request_is_cancelled_and_its_pages_freed()
         load = e.load().await.expect("load");
     }
     assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
+    // A stream dropped before it was ever read: cancelled too.
+    let stream = e
+        .generate(
+            request(prompt(8, 120), max_tokens(1500), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+        .expect("generate");
+    drop(stream);
+    let mut load = e.load().await.expect("load");
+    for _ in 0..200 {
+        if load.live == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        load = e.load().await.expect("load");
+    }
+    assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
     // Dynamo's `abort` (the client's context is not stopped here): cancelled as well.
     let ctx = mock_context();
     let mut stream = e
@@ -301,7 +319,7 @@ async fn a_stopped_dropped_or_aborted_request_is_cancelled_and_its_pages_freed()
     let load = e.load().await.expect("load");
     assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
     let c = e.counts();
-    assert_eq!(c.cancelled, 3, "{c:?}");
+    assert_eq!(c.cancelled, 4, "{c:?}");
     assert_eq!(c.cancel_leaks, 0, "{c:?}");
     assert!(c.slots_released >= 8, "{c:?}");
     e.cleanup().await.expect("cleanup");
