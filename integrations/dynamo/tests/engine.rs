@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dsa_kv_dynamo::engine::{reference_model, DsaKvEngine, Settings};
+use dsa_kv_dynamo::serving::Load;
 use dsa_kv_model::unpaged::generate;
 use dynamo_backend_common::testing::{mock_context, run_conformance};
 use dynamo_backend_common::{
@@ -101,6 +102,20 @@ fn tokens_of(
         last.finish_reason.clone().expect("a reason"),
         (u.prompt_tokens, u.completion_tokens, cached),
     )
+}
+
+/// The load once no request is live (a dropped stream's cancellation reaches the loop
+/// asynchronously), or after 2 s.
+async fn settled(e: &DsaKvEngine) -> Load {
+    let mut load = e.load().await.expect("load");
+    for _ in 0..200 {
+        if load.live == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        load = e.load().await.expect("load");
+    }
+    load
 }
 
 async fn started() -> DsaKvEngine {
@@ -275,14 +290,7 @@ async fn a_stopped_dropped_or_aborted_request_is_cancelled_and_its_pages_freed()
         .expect("generate");
     stream.next().await.expect("a chunk").expect("no error");
     drop(stream);
-    let mut load = e.load().await.expect("load");
-    for _ in 0..200 {
-        if load.live == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        load = e.load().await.expect("load");
-    }
+    let load = settled(&e).await;
     assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
     // A stream dropped before it was ever read: cancelled too.
     let stream = e
@@ -293,14 +301,7 @@ async fn a_stopped_dropped_or_aborted_request_is_cancelled_and_its_pages_freed()
         .await
         .expect("generate");
     drop(stream);
-    let mut load = e.load().await.expect("load");
-    for _ in 0..200 {
-        if load.live == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        load = e.load().await.expect("load");
-    }
+    let load = settled(&e).await;
     assert_eq!((load.in_use, load.live), (0, 0), "pages freed: {load:?}");
     // Dynamo's `abort` (the client's context is not stopped here): cancelled as well.
     let ctx = mock_context();
