@@ -67,6 +67,8 @@ pub struct Settings {
     pub report: Option<PathBuf>,
     /// The host the KV event publisher binds (`tcp://HOST:0`).
     pub events_host: String,
+    /// Requests held at most, running and waiting (more are refused with an error).
+    pub max_live: usize,
 }
 
 impl Settings {
@@ -110,12 +112,12 @@ impl Default for Settings {
             verify: true,
             report: None,
             events_host: "127.0.0.1".into(),
+            max_live: 4096,
         }
     }
 }
 
 struct Running {
-    commands: mpsc::UnboundedSender<Command>,
     serving: JoinHandle<(Stopped, Verifier)>,
     publisher: ZmqPublisher,
     events_endpoint: String,
@@ -126,7 +128,7 @@ struct Running {
 pub struct DsaKvEngine {
     settings: Settings,
     running: AsyncMutex<Option<Running>>,
-    /// The loop's command sender, for `generate` (set by `start`, taken by `cleanup`).
+    /// The loop's command sender (set by `start`, taken by `cleanup`).
     commands: Mutex<Option<mpsc::UnboundedSender<Command>>>,
     snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
     counts: Arc<Mutex<Counts>>,
@@ -307,6 +309,7 @@ impl LLMEngine for DsaKvEngine {
             kv,
             outputs,
             rx,
+            self.settings.max_live,
             verifier,
             self.snapshots.clone(),
             self.counts.clone(),
@@ -318,9 +321,8 @@ impl LLMEngine for DsaKvEngine {
             total_blocks,
             "dsa-kv engine started: the reference model on the host backend"
         );
-        *self.commands.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx.clone());
+        *self.commands.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         *running = Some(Running {
-            commands: tx,
             serving: tokio::spawn(serving.run()),
             publisher,
             events_endpoint,
@@ -438,13 +440,15 @@ impl LLMEngine for DsaKvEngine {
         let Some(r) = self.running.lock().await.take() else {
             return Ok(());
         };
-        self.commands
+        let commands = self
+            .commands
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
         // Streams still held keep senders alive: the loop is told to stop.
-        let _ = r.commands.send(Command::Shutdown);
-        drop(r.commands);
+        if let Some(c) = commands {
+            let _ = c.send(Command::Shutdown);
+        }
         let (stopped, mut verifier) = r
             .serving
             .await

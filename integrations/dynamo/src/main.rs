@@ -48,6 +48,9 @@ struct Args {
     /// The host the KV event publisher binds.
     #[arg(long, default_value = "127.0.0.1")]
     events_host: String,
+    /// Requests held at most, running and waiting; more are refused with an error.
+    #[arg(long, default_value_t = 4096)]
+    max_live_requests: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -71,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         verify: !a.no_verify,
         report: a.report,
         events_host: a.events_host,
+        max_live: a.max_live_requests,
     });
     let c = a.common;
     let config = WorkerConfig {

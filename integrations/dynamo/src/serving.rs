@@ -91,7 +91,7 @@ pub enum Event {
 pub struct Counts {
     /// Requests admitted.
     pub admitted: u64,
-    /// Requests refused at admission.
+    /// Requests refused at admission (by the runtime, or past the worker's limit).
     pub refused: u64,
     /// Requests that reached `max_tokens`.
     pub length: u64,
@@ -140,6 +140,8 @@ pub struct Serving {
     outputs: Arc<Mutex<Outputs>>,
     commands: mpsc::UnboundedReceiver<Command>,
     live: HashMap<RequestId, Live>,
+    /// Requests admitted at most (running and waiting): what clients can make it hold.
+    max_live: usize,
     verifier: Verifier,
     snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
     last_snapshot: Option<Instant>,
@@ -149,7 +151,7 @@ pub struct Serving {
 /// Why the loop stopped serving.
 #[derive(Debug)]
 pub struct Stopped {
-    /// `None`: every command sender was dropped (a clean shutdown).
+    /// `None`: a clean shutdown ([`Command::Shutdown`], or every command sender dropped).
     pub error: Option<String>,
     /// The runtime's prompt tokens served from the cache over those looked up, at the end.
     pub prefix_hit_rate: Option<f64>,
@@ -161,11 +163,13 @@ pub struct Stopped {
 }
 
 impl Serving {
-    /// A loop over `kv` whose forward records into `outputs`.
+    /// A loop over `kv` whose forward records into `outputs`, holding at most
+    /// `max_live` requests.
     pub fn new(
         kv: KvCacheHandle,
         outputs: Arc<Mutex<Outputs>>,
         commands: mpsc::UnboundedReceiver<Command>,
+        max_live: usize,
         verifier: Verifier,
         snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
         counts: Arc<Mutex<Counts>>,
@@ -175,6 +179,7 @@ impl Serving {
             outputs,
             commands,
             live: HashMap::new(),
+            max_live,
             verifier,
             snapshots,
             last_snapshot: None,
@@ -247,12 +252,7 @@ impl Serving {
             if pending.as_ref().is_some_and(|r| r.scheduled.is_empty()) {
                 pending = None;
                 // No step is in flight: requests whose clients went away end now.
-                let gone: HashSet<RequestId> = self
-                    .live
-                    .iter()
-                    .filter(|(_, l)| l.cancel)
-                    .map(|(id, _)| *id)
-                    .collect();
+                let gone = self.flagged();
                 if !gone.is_empty() {
                     self.cancel(gone).await?;
                 }
@@ -275,6 +275,14 @@ impl Serving {
                 rule,
                 events,
             } => {
+                if self.live.len() >= self.max_live {
+                    bump(&self.counts, |c| c.refused += 1);
+                    let _ = events.send(Event::Failed(format!(
+                        "the worker holds {} requests, its limit: retry later",
+                        self.max_live
+                    )));
+                    return;
+                }
                 let tokens: Vec<TokenId> = prompt.iter().map(|&t| TokenId(t)).collect();
                 match self
                     .kv
@@ -369,12 +377,7 @@ impl Serving {
             }
         }
         // Requests that end now without reaching `max_tokens`: cancelled after the commit.
-        let mut ending: HashSet<RequestId> = self
-            .live
-            .iter()
-            .filter(|(_, l)| l.cancel)
-            .map(|(id, _)| *id)
-            .collect();
+        let mut ending = self.flagged();
         for (id, _, verdict, last) in &sampled {
             if !matches!(verdict, Verdict::Emit) && !last {
                 ending.insert(*id);
@@ -410,34 +413,18 @@ impl Serving {
                 continue;
             }
             let cached = finished.get(&id).copied();
-            let end = |reason, last| Event::End {
-                reason,
-                last,
-                cached_tokens: cached.unwrap_or(l.probe_cached),
+            let (reason, last) = match verdict {
+                Verdict::Emit if cached.is_none() => {
+                    bump(&self.counts, |c| c.tokens_out += 1);
+                    let _ = l.events.send(Event::Token(token));
+                    continue;
+                }
+                Verdict::Emit => (FinishReason::Length, Some(token)),
+                Verdict::EmitAndEnd(why) => (why, Some(token)),
+                Verdict::End(why) => (why, None),
             };
-            let (event, reason) = match (verdict, cached.is_some()) {
-                (Verdict::Emit, false) => (Event::Token(token), None),
-                (Verdict::Emit, true) => (
-                    end(FinishReason::Length, Some(token)),
-                    Some(FinishReason::Length),
-                ),
-                (Verdict::EmitAndEnd(why), _) => (end(why.clone(), Some(token)), Some(why)),
-                (Verdict::End(why), _) => (end(why.clone(), None), Some(why)),
-            };
-            if let Event::End { cached_tokens, .. } = &event {
-                let (p, c) = (l.prompt.len() as u64, *cached_tokens);
-                bump(&self.counts, |k| {
-                    k.prompt_tokens += p;
-                    k.cached_tokens += c;
-                });
-            }
-            if matches!(event, Event::Token(_) | Event::End { last: Some(_), .. }) {
-                bump(&self.counts, |c| c.tokens_out += 1);
-            }
-            let _ = l.events.send(event);
-            if let Some(reason) = reason {
-                self.ended(id, &reason);
-            }
+            let cached = cached.unwrap_or(l.probe_cached);
+            self.end(id, reason, last, cached);
         }
         // A request whose client stopped while it reached `max_tokens` in this commit ends
         // as cancelled; the runtime already released it.
@@ -486,35 +473,46 @@ impl Serving {
 
     /// Ends a request whose client stopped or went away (if it is still live).
     fn end_cancelled(&mut self, id: RequestId) {
-        if let Some(l) = self.live.get(&id) {
-            let (p, c) = (l.prompt.len() as u64, l.probe_cached);
-            bump(&self.counts, |k| {
-                k.prompt_tokens += p;
-                k.cached_tokens += c;
-            });
-            let _ = l.events.send(Event::End {
-                reason: FinishReason::Cancelled,
-                last: None,
-                cached_tokens: l.probe_cached,
-            });
-            self.ended(id, &FinishReason::Cancelled);
+        if let Some(cached) = self.live.get(&id).map(|l| l.probe_cached) {
+            self.end(id, FinishReason::Cancelled, None, cached);
         }
     }
 
-    /// A request ended (its stream was told): counted, queued for verification, forgotten.
-    fn ended(&mut self, id: RequestId, reason: &FinishReason) {
+    /// Ends a live request: its stream gets the end (with `last`, its last token, if it
+    /// returns one), it is counted, queued for verification and forgotten.
+    fn end(&mut self, id: RequestId, reason: FinishReason, last: Option<u32>, cached: u64) {
         let Some(l) = self.live.remove(&id) else {
             return;
         };
-        bump(&self.counts, |c| match reason {
-            FinishReason::Length => c.length += 1,
-            FinishReason::Stop => c.stop += 1,
-            FinishReason::EoS => c.eos += 1,
-            FinishReason::Cancelled => c.cancelled += 1,
-            _ => c.failed += 1,
+        let prompt = l.prompt.len() as u64;
+        bump(&self.counts, |c| {
+            match reason {
+                FinishReason::Length => c.length += 1,
+                FinishReason::Stop => c.stop += 1,
+                FinishReason::EoS => c.eos += 1,
+                FinishReason::Cancelled => c.cancelled += 1,
+                _ => c.failed += 1,
+            }
+            c.tokens_out += u64::from(last.is_some());
+            c.prompt_tokens += prompt;
+            c.cached_tokens += cached;
+        });
+        let _ = l.events.send(Event::End {
+            reason,
+            last,
+            cached_tokens: cached,
         });
         self.verifier.submit(id.0, l.prompt, l.generated);
         self.forget(id);
+    }
+
+    /// The live requests whose clients stopped or went away.
+    fn flagged(&self) -> HashSet<RequestId> {
+        self.live
+            .iter()
+            .filter(|(_, l)| l.cancel)
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Drops what the model recorded for a request (its positions' outputs).

@@ -434,3 +434,36 @@ async fn cleanup_ends_a_request_whose_stream_is_still_held() {
     assert!(err.to_string().contains("shutting down"), "{err}");
     assert!(rest[..rest.len() - 1].iter().all(|i| i.is_ok()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_limit_are_refused_with_an_error() {
+    let e = DsaKvEngine::new(Settings {
+        max_live: 1,
+        ..settings()
+    });
+    e.start(1).await.expect("start");
+    let mut first = e
+        .generate(
+            request(prompt(9, 100), max_tokens(1500), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+        .expect("generate");
+    first.next().await.expect("a chunk").expect("no error");
+    let second = collect(
+        &e,
+        request(prompt(10, 100), max_tokens(4), vec![]),
+        mock_context(),
+    )
+    .await;
+    let err = second
+        .last()
+        .expect("an item")
+        .as_ref()
+        .expect_err("refused");
+    assert!(err.to_string().contains("limit"), "{err}");
+    assert_eq!(e.counts().refused, 1);
+    drop(first);
+    assert_eq!(settled(&e).await.live, 0);
+    e.cleanup().await.expect("cleanup");
+}
