@@ -1103,8 +1103,10 @@ mod tests {
         assert_eq!(s.held(a), (2, 1));
         let a3 = s.take(a).unwrap();
         assert_eq!(s.held(a), (3, 2));
+        s.check_invariants();
         drop((a2, a3, b1));
         assert_eq!(s.held(a), (0, 0));
+        s.check_invariants();
         assert!(lock(&s.held).by_peer.is_empty());
     }
 
