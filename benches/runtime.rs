@@ -15,7 +15,7 @@ use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle, StepTiming};
 use dsa_kv::config::{DsaModel, LayerSet};
 use dsa_kv::core::scheduler::{Scheduler, SchedulerLimits};
 use dsa_kv::core::{KvCacheManager, ManagerOptions, TierSlots};
-use dsa_kv::device::{Batch, DeviceBackend, Forward, ForwardError, ForwardSetup};
+use dsa_kv::device::{Batch, DeviceBackend, Forward, ForwardError, ForwardSetup, Sampling};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::{LayoutKind, PoolPlan};
 
@@ -95,8 +95,8 @@ const SPIN: Duration = Duration::from_micros(500);
 struct NoopForward;
 
 impl Forward for NoopForward {
-    fn forward(&mut self, _: &mut Batch<'_>) -> Result<(), ForwardError> {
-        Ok(())
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        Ok(Sampling::ByEngine)
     }
 }
 

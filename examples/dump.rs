@@ -22,20 +22,19 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use clap::Parser;
-use dsa_kv::actors::KvCacheBuilder;
+use dsa_kv::actors::{Drafts, KvCacheBuilder};
 use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv_model::dump::{Dump, DumpSpec};
-use dsa_kv_model::paged::Outputs;
+use dsa_kv_model::paged::ForwardOptions;
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 
 /// Dumps one layer of one step of the reference model as `.npy` files for external
@@ -84,7 +83,6 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
         indexer: vec![true, true],
     };
     let model = Arc::new(Model::new(ModelConfig::tiny(a.seed), format).map_err(|e| e.to_string())?);
-    let outputs = Arc::new(Mutex::new(Outputs::default()));
     let dump = Dump::new(DumpSpec {
         step: a.step,
         layer: a.layer,
@@ -106,7 +104,7 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
     let kv = KvCacheBuilder::new()
         .config(c)
         .host_devices(1)
-        .forward(dump.speculative_factory(model, outputs.clone(), a.drafts as usize))
+        .forward(dump.factory(model, ForwardOptions::default().drafts(a.drafts as usize)))
         .start()
         .await
         .map_err(|e| e.to_string())?;
@@ -121,37 +119,11 @@ async fn run(a: &Args) -> Result<serde_json::Value, String> {
         };
         kv.submit(r).await.map_err(|e| e.to_string())?;
     }
+    // The model samples and proposes in its forward; the runtime commits each step.
     let mut done = 0;
-    let mut drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
     while done < requests as usize {
-        let rep = kv.step(drafts.clone()).await.map_err(|e| e.to_string())?;
-        let outcomes = {
-            let mut o = outputs.lock().unwrap_or_else(|e| e.into_inner());
-            drafts.clear();
-            // The MTP layer's proposals for the next step, and the drafts the target
-            // accepted in this one.
-            for (&(_, id), (_, d)) in std::mem::take(&mut o.drafts).iter() {
-                drafts.insert(id, d.iter().map(|&t| TokenId(t)).collect());
-            }
-            let accepted = std::mem::take(&mut o.accepted);
-            rep.scheduled
-                .iter()
-                .map(|r| RequestOutcome {
-                    id: r.id,
-                    accepted_drafts: if r.produces_token {
-                        accepted.get(&(0, r.id)).copied().unwrap_or(0)
-                    } else {
-                        0
-                    },
-                    next_token: r
-                        .produces_token
-                        .then(|| o.next.get(&(0, r.id)).map(|&t| TokenId(t)))
-                        .flatten(),
-                })
-                .collect()
-        };
-        let c = kv.commit(outcomes).await.map_err(|e| e.to_string())?;
-        done += c.finished.len();
+        let rep = kv.step(Drafts::none()).await.map_err(|e| e.to_string())?;
+        done += rep.committed.map_or(0, |c| c.finished.len());
     }
     kv.shutdown().await;
     dump.result().map_err(|e| e.to_string())

@@ -70,7 +70,9 @@ use clap::{Parser, ValueEnum};
 use dsa_kv::actors::{Drafts, KvCacheBuilder, KvCacheHandle, StepReport, StepTiming};
 use dsa_kv::config::{EngineConfig, SpecMode};
 use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, SubmitRequest};
-use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
+use dsa_kv::device::forward::{
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, Sampling,
+};
 use dsa_kv::device::Verification;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
@@ -362,8 +364,8 @@ fn config(p: &Plan) -> EngineConfig {
 struct NoopForward;
 
 impl Forward for NoopForward {
-    fn forward(&mut self, _: &mut Batch<'_>) -> Result<(), ForwardError> {
-        Ok(())
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        Ok(Sampling::ByEngine)
     }
 }
 
@@ -376,7 +378,7 @@ mod kernel_writer {
     use dsa_kv::config::IndexerDtype;
     use dsa_kv::cuda::kernels::{DevRows, MlaEncoding};
     use dsa_kv::cuda::{DeviceBuffer, Gpu};
-    use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardSetup};
+    use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardSetup, Sampling};
     use dsa_kv::rng::SplitMix64;
     use half::bf16;
 
@@ -432,10 +434,10 @@ mod kernel_writer {
     }
 
     impl Forward for KernelWriter {
-        fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
             let n = batch.host_metadata().counts().num_tokens;
             if n == 0 {
-                return Ok(());
+                return Ok(Sampling::ByEngine);
             }
             if n > self.max_tokens {
                 return Err(ForwardError::Memory {
@@ -515,7 +517,7 @@ mod kernel_writer {
                     };
                 }
             }
-            Ok(())
+            Ok(Sampling::ByEngine)
         }
     }
 }

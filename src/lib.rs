@@ -188,7 +188,7 @@ pub mod device {
     pub use dsa_kv_device::forward::{
         Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory,
         IndexerCacheView, LayerCache, MemKind, MetaBuffer, MetadataView, MlaCacheView, Phase,
-        Region, RowsView,
+        Proposals, Region, RowsView, Sampled, Sampling,
     };
     #[cfg(feature = "testing")]
     pub use dsa_kv_device::*;

@@ -10,7 +10,7 @@ pub use crate::core::scheduler::{PlannedRequest, RequestKind, RequestOutcome, Su
 pub use crate::core::ReuseScope;
 pub use crate::device::forward::{
     Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, MemKind, MetadataView,
-    Phase,
+    Phase, Proposals, Sampled, Sampling,
 };
 pub use crate::device::Verification;
 pub use crate::ids::{RequestId, TokenId};

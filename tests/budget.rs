@@ -73,7 +73,10 @@ impl DeviceBackend for Recorder {
     ) -> Result<DraftSnapshot, DeviceError> {
         unreachable!("the budget sweep runs no step")
     }
-    fn draft_forward(&mut self, _: &dsa_kv::core::scheduler::StepPlan) -> Result<u64, DeviceError> {
+    fn draft_forward(
+        &mut self,
+        _: &dsa_kv::core::scheduler::StepPlan,
+    ) -> Result<(u64, dsa_kv::device::Proposals), DeviceError> {
         unreachable!("the budget sweep runs no step")
     }
     fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {

@@ -40,13 +40,15 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats};
 use dsa_kv::config::{EngineConfig, KvDtype};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
-use dsa_kv::device::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
+use dsa_kv::device::forward::{
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, Sampling,
+};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv_model::dump::{Dump, DumpSpec};
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward};
 use dsa_kv_model::trace::{TracePoint, Tracer};
 use dsa_kv_model::unpaged::{generate, Contiguous};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
@@ -415,13 +417,9 @@ fn config(kv_dtype: KvDtype) -> EngineConfig {
     c
 }
 
-/// Runs the workload (one host device) with `forward`, whose greedy tokens are read
-/// from `outputs`; returns the runtime's statistics.
-async fn drive(
-    kv_dtype: KvDtype,
-    forward: ForwardFactory,
-    outputs: Arc<Mutex<Outputs>>,
-) -> RuntimeStats {
+/// Runs the workload (one host device) with `forward`, which samples the greedy tokens
+/// (the runtime commits each step itself); returns the runtime's statistics.
+async fn drive(kv_dtype: KvDtype, forward: ForwardFactory) -> RuntimeStats {
     let kv = KvCacheBuilder::new()
         .config(config(kv_dtype))
         .host_devices(1)
@@ -443,15 +441,14 @@ async fn drive(
         if i == 0 {
             for _ in 0..3 {
                 let rep = kv.step(HashMap::new()).await.unwrap();
-                kv.commit(outcomes(&rep, &outputs)).await.unwrap();
+                assert!(rep.committed.is_some(), "the forward samples");
             }
         }
     }
     let mut done = 0;
     for _ in 0..1000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
-        let c = kv.commit(outcomes(&rep, &outputs)).await.unwrap();
-        done += c.finished.len();
+        done += rep.committed.expect("the forward samples").finished.len();
         if done as u64 == REQUESTS {
             break;
         }
@@ -460,11 +457,6 @@ async fn drive(
     let stats = kv.stats().await.unwrap();
     kv.shutdown().await;
     stats
-}
-
-fn outcomes(rep: &dsa_kv::actors::StepReport, outputs: &Mutex<Outputs>) -> Vec<RequestOutcome> {
-    let o = outputs.lock().unwrap();
-    rep.outcomes(|r| TokenId(o.next[&(0, r.id)]))
 }
 
 /// A layer's copied views: the indexer K cache, the MLA rows, the row size.
@@ -480,11 +472,11 @@ struct Capture {
 }
 
 impl Forward for Capture {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.inner.forward(batch)?;
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        let sampled = self.inner.forward(batch)?;
         let traces = self.tracer.take();
         if traces.is_empty() {
-            return Ok(());
+            return Ok(sampled);
         }
         let (m, cache, step) = (batch.metadata, batch.cache.clone(), batch.step);
         let host = batch.host().expect("the host backend");
@@ -545,7 +537,7 @@ impl Forward for Capture {
             }
         }
         self.points.lock().unwrap().extend(out);
-        Ok(())
+        Ok(sampled)
     }
 }
 
@@ -593,9 +585,11 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn capture(kv_dtype: KvDtype) -> Captured {
     let model = model(kv_dtype);
-    let outputs = Arc::new(Mutex::new(Outputs::default()));
     let tracer = Tracer::new(sample);
-    let inner = ModelForward::traced(model.clone(), outputs.clone(), 0, Some(tracer.clone()));
+    let inner = ModelForward::factory(
+        model.clone(),
+        ForwardOptions::default().tracer(tracer.clone()),
+    );
     let points = Arc::new(Mutex::new(Vec::new()));
     let sink = points.clone();
     let topk = model.config().topk;
@@ -608,7 +602,7 @@ fn capture(kv_dtype: KvDtype) -> Captured {
             points: sink.clone(),
         }) as Box<dyn Forward>)
     });
-    let stats = runtime().block_on(drive(kv_dtype, forward, outputs));
+    let stats = runtime().block_on(drive(kv_dtype, forward));
     let points = std::mem::take(&mut *points.lock().unwrap());
     Captured { points, stats }
 }
@@ -803,7 +797,6 @@ fn a_dump_reads_back_and_recomputes() {
     let (step, layer) = (6, 1);
     let dir = std::env::temp_dir().join(format!("dsa-kv-dump-{}", std::process::id()));
     let model = model(kv_dtype);
-    let outputs = Arc::new(Mutex::new(Outputs::default()));
     let dump = Dump::new(DumpSpec {
         step,
         layer,
@@ -812,8 +805,7 @@ fn a_dump_reads_back_and_recomputes() {
     });
     runtime().block_on(drive(
         kv_dtype,
-        dump.factory(model.clone(), outputs.clone()),
-        outputs,
+        dump.factory(model.clone(), ForwardOptions::default()),
     ));
     let manifest = dump.result().unwrap();
     let on_disk: serde_json::Value =

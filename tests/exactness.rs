@@ -16,11 +16,11 @@ use std::sync::{Arc, Mutex};
 
 use dsa_kv::actors::{KvCacheBuilder, RuntimeStats};
 use dsa_kv::config::{EngineConfig, KvDtype, SpecMode};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::ops::quant::ScaleFormat;
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward, Outputs};
 use dsa_kv_model::unpaged::{draft_reference, generate};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 
@@ -97,6 +97,8 @@ struct Run {
     proposals: Vec<(RequestId, u32, Vec<u32>)>,
     stats: RuntimeStats,
     devices: usize,
+    /// The step that failed (the misdirection drill: devices that sampled differently).
+    step_error: Option<String>,
     /// Steps run as a CUDA graph.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     graph_steps: u64,
@@ -125,23 +127,23 @@ async fn run_with(
 ) -> Run {
     let outputs = Arc::new(Mutex::new(Outputs::default()));
     let graph_steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let opts = ForwardOptions::default()
+        .drafts(drafts)
+        .record(outputs.clone());
     let builder = KvCacheBuilder::new().config(cfg);
     let builder = match backend {
-        Backend::Host => builder.host_devices(2).forward(ModelForward::speculative(
-            model,
-            outputs.clone(),
-            drafts,
-        )),
+        Backend::Host => builder
+            .host_devices(2)
+            .forward(ModelForward::factory(model, opts)),
         #[cfg(feature = "cuda")]
         Backend::Cuda { gpus, graphs } => builder
             .backend(dsa_kv::cuda::CudaDevice::factory(gpus.clone()))
             .host_devices(gpus.len())
-            .forward(dsa_kv_model::cuda::CudaModelForward::speculative(
+            .forward(dsa_kv_model::cuda::CudaModelForward::factory(
                 model,
-                outputs.clone(),
+                opts,
                 *graphs,
                 graph_steps.clone(),
-                drafts,
             )),
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda { .. } => unreachable!("CUDA tests need the cuda feature"),
@@ -161,71 +163,51 @@ async fn run_with(
     }
     let mut generated: HashMap<RequestId, Vec<u32>> = HashMap::new();
     let mut proposals = Vec::new();
-    let mut next_drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
     let mut done = 0;
+    let mut step_error = None;
     #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
     let mut injected = !misdirect;
     for _ in 0..5000 {
-        let rep = kv.step(next_drafts.clone()).await.unwrap();
-        let mut outs = Vec::new();
-        let mut sampled = Vec::new();
-        {
-            let mut o = outputs.lock().unwrap();
-            // This step's decisions only: what the forwards record is taken, so a step
-            // that stopped deciding cannot pass with the previous step's.
-            let (nexts, accepts, props) = (
-                std::mem::take(&mut o.next),
-                std::mem::take(&mut o.accepted),
-                std::mem::take(&mut o.drafts),
-            );
-            for r in &rep.scheduled {
-                if !r.produces_token {
-                    outs.push(RequestOutcome {
-                        id: r.id,
-                        accepted_drafts: 0,
-                        next_token: None,
-                    });
-                    continue;
-                }
-                let verdict = |dev: usize| {
-                    (
-                        nexts.get(&(dev, r.id)).copied().expect("the forward ran"),
-                        accepts[&(dev, r.id)],
-                        props.get(&(dev, r.id)).cloned(),
-                    )
-                };
-                let v = verdict(0);
-                if !misdirect {
-                    for d in 1..devices {
-                        assert_eq!(v, verdict(d), "every device decides the same");
-                    }
-                }
-                let (next, accepted, proposal) = v;
-                let g = generated.entry(r.id).or_default();
-                let used = next_drafts.get(&r.id).map_or(&[][..], |d| &d[..]);
-                assert!(accepted <= r.num_drafts && r.num_drafts as usize <= used.len());
-                g.extend(used[..accepted as usize].iter().map(|t| t.0));
-                g.push(next);
-                outs.push(RequestOutcome {
-                    id: r.id,
-                    accepted_drafts: accepted,
-                    next_token: Some(TokenId(next)),
-                });
-                if drafts > 0 {
-                    let (last, d) = proposal.expect("the draft layer proposed");
-                    // The chain starts after the last accepted position: the sampled
-                    // token is at `last + 1`.
-                    let at = prompt(r.id.0).len() + g.len() - 2;
-                    assert_eq!(last as usize, at, "request {}: the chain's start", r.id);
-                    sampled.push((r.id, d.iter().map(|&t| TokenId(t)).collect()));
-                    proposals.push((r.id, last, d));
-                }
+        // The forward samples and proposes; the runtime commits and feeds each
+        // request's proposals into its next step.
+        let rep = match kv.step(HashMap::new()).await {
+            Ok(rep) => rep,
+            Err(e) => {
+                // Only the drill may fail a step: device 0's misdirected read makes
+                // it sample another token than device 1.
+                assert!(misdirect, "{e}");
+                step_error = Some(e.to_string());
+                break;
             }
+        };
+        let c = rep.committed.as_ref().expect("the forward samples");
+        assert_eq!(rep.outcomes.len(), rep.scheduled.len());
+        let mut proposed: HashMap<RequestId, &Vec<TokenId>> = rep
+            .devices[0]
+            .sampled()
+            .map(|s| s.drafts.iter().map(|(id, d)| (*id, d)).collect())
+            .unwrap_or_default();
+        if let Some(d) = &rep.draft {
+            proposed.extend(d.proposals.iter().map(|(id, d)| (*id, d)));
         }
-        next_drafts = sampled.into_iter().collect();
-        let c = kv.commit(outs).await.unwrap();
-        for f in &c.finished {
-            next_drafts.remove(&f.finished.id);
+        for (r, o) in rep.scheduled.iter().zip(&rep.outcomes) {
+            assert_eq!(r.id, o.id, "outcomes in the plan's order");
+            if !r.produces_token {
+                assert_eq!((o.accepted_drafts, o.next_token), (0, None));
+                continue;
+            }
+            let g = generated.entry(r.id).or_default();
+            let used = &r.tokens[r.tokens.len() - r.num_drafts as usize..];
+            assert!(o.accepted_drafts <= r.num_drafts);
+            g.extend(used[..o.accepted_drafts as usize].iter().map(|t| t.0));
+            g.push(o.next_token.expect("a sampled token").0);
+            if drafts > 0 {
+                let d = proposed.get(&r.id).expect("the draft layer proposed");
+                // The chain starts after the last accepted position: the sampled
+                // token is at `last + 1`.
+                let last = (prompt(r.id.0).len() + g.len() - 2) as u32;
+                proposals.push((r.id, last, d.iter().map(|t| t.0).collect()));
+            }
         }
         done += c.finished.len();
         #[cfg(feature = "fault-injection")]
@@ -247,7 +229,9 @@ async fn run_with(
         }
     }
     assert!(injected, "the fault needs the fault-injection feature");
-    assert_eq!(done as u64, REQUESTS, "every request finishes");
+    if step_error.is_none() {
+        assert_eq!(done as u64, REQUESTS, "every request finishes");
+    }
     let stats = kv.stats().await.unwrap();
     kv.shutdown().await;
     let outputs = std::mem::take(&mut *outputs.lock().unwrap());
@@ -257,6 +241,7 @@ async fn run_with(
         proposals,
         stats,
         devices,
+        step_error,
         graph_steps: graph_steps.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
@@ -401,10 +386,9 @@ async fn a_cache_the_model_cannot_read_is_refused() {
     let start = |cfg: EngineConfig| {
         let model = model.clone();
         async move {
-            let outputs = Arc::new(Mutex::new(Outputs::default()));
             match KvCacheBuilder::new()
                 .config(cfg)
-                .forward(ModelForward::factory(model, outputs))
+                .forward(ModelForward::factory(model, ForwardOptions::default()))
                 .start()
                 .await
             {
@@ -437,7 +421,18 @@ async fn a_one_slot_block_table_error_changes_the_result() {
     let kv_dtype = KvDtype::Fp8DsMla;
     let model = Arc::new(Model::new(ModelConfig::tiny(7), format(kv_dtype)).unwrap());
     let run = run(model.clone(), kv_dtype, 0, true, &Backend::Host).await;
-    let bad = compare(&model, kv_dtype, 0, &run);
+    assert_drill_caught(&model, kv_dtype, &run);
+}
+
+/// The misdirection drill was caught: by the runtime (device 0 sampled another token
+/// than device 1: the step failed) or by the comparison (request 3's outputs on device
+/// 0 differ from the reference).
+fn assert_drill_caught(model: &Model, kv_dtype: KvDtype, run: &Run) {
+    if let Some(e) = &run.step_error {
+        assert!(e.contains("returned other sampled outcomes than device 0"), "{e}");
+        return;
+    }
+    let bad = compare(model, kv_dtype, 0, run);
     assert!(
         bad.iter().any(|b| b.starts_with("request 3 device 0")),
         "the misdirected request must differ on device 0: {bad:#?}"
@@ -548,9 +543,5 @@ async fn on_the_gpu_a_one_slot_block_table_error_changes_the_result() {
         graphs: false,
     };
     let run = run(model.clone(), kv_dtype, 0, true, &backend).await;
-    let bad = compare(&model, kv_dtype, 0, &run);
-    assert!(
-        bad.iter().any(|b| b.starts_with("request 3 device 0")),
-        "the misdirected request must differ on device 0: {bad:#?}"
-    );
+    assert_drill_caught(&model, kv_dtype, &run);
 }

@@ -338,13 +338,16 @@ fn write_key(
     Ok(())
 }
 
+/// Writes KV and samples nothing: the test samples and commits.
 impl Forward for TestForward {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.run(batch)
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        self.run(batch)?;
+        Ok(Sampling::ByEngine)
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.run(batch)
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
+        self.run(batch)?;
+        Ok(Proposals::new())
     }
 }
 
@@ -977,9 +980,9 @@ extern "C" __global__ void hold(volatile unsigned int* gate, volatile unsigned i
     }
 
     impl Forward for HoldForward {
-        fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+        fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
             if self.held {
-                return Ok(());
+                return Ok(Sampling::ByEngine);
             }
             self.held = true;
             let stream = batch.cuda_stream().ok_or_else(|| err("stream", "none"))?;
@@ -996,7 +999,7 @@ extern "C" __global__ void hold(volatile unsigned int* gate, volatile unsigned i
                 })
             }
             .map_err(|e| err("hold", e))?;
-            Ok(())
+            Ok(Sampling::ByEngine)
         }
     }
 

@@ -15,7 +15,7 @@ use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::ops::quant::ScaleFormat;
 use dsa_kv_model::checkpoint::Family;
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward, Outputs};
 use dsa_kv_model::trace::TracePoint;
 use dsa_kv_model::unpaged::Contiguous;
 use dsa_kv_model::{CacheFormat, Model};
@@ -351,7 +351,10 @@ async fn greedy_tokens_through_the_paged_runtime_agree_with_hf_where_no_near_tie
         let kv = KvCacheBuilder::new()
             .config(cfg)
             .host_devices(1)
-            .forward(ModelForward::factory(m.clone(), outputs.clone()))
+            .forward(ModelForward::factory(
+                m.clone(),
+                ForwardOptions::default().record(outputs.clone()),
+            ))
             .start()
             .await
             .unwrap();
@@ -374,17 +377,14 @@ async fn greedy_tokens_through_the_paged_runtime_agree_with_hf_where_no_near_tie
             }
             let mut finished = 0;
             for _ in 0..10_000 {
+                // The forward samples; the runtime commits.
                 let rep = kv.step(Drafts::none()).await.unwrap();
-                let outs = {
-                    let o = outputs.lock().unwrap();
-                    rep.outcomes(|s| TokenId(o.next[&(0, s.id)]))
-                };
-                for o in &outs {
+                for o in &rep.outcomes {
                     if let Some(t) = o.next_token {
                         generated.entry(o.id).or_default().push(t.0);
                     }
                 }
-                let done = kv.commit(outs).await.unwrap();
+                let done = rep.committed.expect("the forward samples");
                 finished += done.finished.len();
                 reused += done
                     .finished

@@ -10,7 +10,9 @@ use dsa_kv::actors::KvCacheHandle;
 use dsa_kv::config::EngineConfig;
 use dsa_kv::core::scheduler::{RequestKind, RequestOutcome, StepPlan, SubmitRequest};
 use dsa_kv::core::ReuseScope;
-use dsa_kv::device::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use dsa_kv::device::{
+    DeviceBackend, DeviceError, DeviceStepReport, Mismatch, Proposals, VerifySpec,
+};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::metadata::{DraftSnapshot, MetadataError};
 
@@ -22,17 +24,7 @@ impl DeviceBackend for NullDevice {
         self.0
     }
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
-        Ok(DeviceStepReport {
-            device: self.0,
-            target_fence: plan.target_fence,
-            draft_fence: plan.draft_fence,
-            tokens_written: 0,
-            slot_copies: 0,
-            tokens_verified: 0,
-            mismatches: Vec::new(),
-            metadata_digest: 0,
-            elapsed_us: 0,
-        })
+        Ok(DeviceStepReport::new(self.0, plan))
     }
     fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
         Err(DeviceError::Metadata {
@@ -40,8 +32,8 @@ impl DeviceBackend for NullDevice {
             source: MetadataError::NoDraftBuffers,
         })
     }
-    fn draft_forward(&mut self, _: &StepPlan) -> Result<u64, DeviceError> {
-        Ok(0)
+    fn draft_forward(&mut self, _: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
+        Ok((0, Proposals::new()))
     }
     fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
         Ok(())

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use dsa_kv::actors::{KvCacheBuilder, KvCacheHandle};
 use dsa_kv::config::{EngineConfig, KvDtype, SpecMode, DSA_TOKENS_PER_BLOCK};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::layout::Role;
@@ -32,7 +32,7 @@ use dsa_kv::transfer::session::{
     AbortReason, HandOver, ImportOutcome, SessionOptions, TransferSession, Wire,
 };
 use dsa_kv::transfer::{CacheKind, ExportedBlocks, KvTransport, TransferReport};
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward, Outputs};
 use dsa_kv_model::unpaged::{draft_reference, generate};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig, TokenOut};
 use serde::{Deserialize, Serialize};
@@ -180,11 +180,13 @@ impl Engine {
             });
         }
         let b = KvCacheBuilder::new().config(config(s));
+        let opts = ForwardOptions::default()
+            .drafts(drafts)
+            .record(outputs.clone());
         let b = match s.backend.as_str() {
-            "host" => {
-                b.host_devices(1)
-                    .forward(ModelForward::speculative(model, outputs.clone(), drafts))
-            }
+            "host" => b
+                .host_devices(1)
+                .forward(ModelForward::factory(model, opts)),
             #[cfg(feature = "cuda")]
             "cuda" | "cuda-ipc" => b
                 .backend(dsa_kv::cuda::CudaDevice::factory_with(
@@ -192,12 +194,11 @@ impl Engine {
                     crate::bench::pool_alloc(&s.backend),
                 ))
                 .host_devices(1)
-                .forward(dsa_kv_model::cuda::CudaModelForward::speculative(
+                .forward(dsa_kv_model::cuda::CudaModelForward::factory(
                     model,
-                    outputs.clone(),
+                    opts,
                     false,
                     Arc::default(),
-                    drafts,
                 )),
             other => {
                 let _ = gpu;
@@ -218,49 +219,49 @@ impl Engine {
         prompt: &[u32],
         max_new: u32,
     ) -> Result<Gen, BoxError> {
+        let prompt_len = prompt.len();
         let prompt = prompt.iter().map(|&t| TokenId(t)).collect();
         let mut request = SubmitRequest::new(id, prompt, max_new);
         request.scope = SCOPE;
         self.kv.submit(request).await?;
         let mut g = Gen::default();
-        let mut drafts: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
         for _ in 0..10_000 {
-            let rep = self.kv.step(drafts.clone()).await?;
-            let mut outs = Vec::new();
-            {
-                let mut o = self.outputs.lock().unwrap();
-                let nexts = std::mem::take(&mut o.next);
-                let accepts = std::mem::take(&mut o.accepted);
-                let props = std::mem::take(&mut o.drafts);
-                drafts.clear();
-                for r in rep.scheduled.iter() {
-                    if !r.produces_token {
-                        outs.push(RequestOutcome {
-                            id: r.id,
-                            accepted_drafts: 0,
-                            next_token: None,
-                        });
-                        continue;
-                    }
-                    let next = nexts[&(0, r.id)];
-                    let accepted = accepts.get(&(0, r.id)).copied().unwrap_or(0);
-                    let used = step_drafts(r.num_drafts, &g.proposals);
-                    g.tokens.extend(&used[..accepted as usize]);
-                    g.tokens.push(next);
-                    outs.push(RequestOutcome {
-                        id: r.id,
-                        accepted_drafts: accepted,
-                        next_token: Some(TokenId(next)),
-                    });
-                    if self.drafts > 0 {
-                        if let Some((last, d)) = props.get(&(0, r.id)).cloned() {
-                            drafts.insert(r.id, d.iter().map(|&t| TokenId(t)).collect());
-                            g.proposals.push((last, d));
-                        }
+            // The forward samples (and proposes the next step's drafts); the runtime
+            // commits the step.
+            let rep = self.kv.step(HashMap::new()).await?;
+            let c = rep
+                .committed
+                .as_ref()
+                .ok_or("the model's forward sampled nothing")?;
+            let mut proposed: HashMap<RequestId, &Vec<TokenId>> = rep
+                .devices
+                .first()
+                .and_then(|d| d.sampled())
+                .map(|s| s.drafts.iter().map(|(id, d)| (*id, d)).collect())
+                .unwrap_or_default();
+            if let Some(d) = &rep.draft {
+                proposed.extend(d.proposals.iter().map(|(id, d)| (*id, d)));
+            }
+            for (r, o) in rep.scheduled.iter().zip(&rep.outcomes) {
+                let Some(next) = o.next_token.filter(|_| r.produces_token) else {
+                    continue;
+                };
+                let used = &r.tokens[r.tokens.len() - r.num_drafts as usize..];
+                g.tokens.extend(
+                    used[..o.accepted_drafts as usize]
+                        .iter()
+                        .map(|t| t.0),
+                );
+                g.tokens.push(next.0);
+                if self.drafts > 0 {
+                    if let Some(d) = proposed.get(&r.id) {
+                        // The chain follows the last accepted position; the sampled
+                        // token is after it.
+                        let last = (prompt_len + g.tokens.len() - 2) as u32;
+                        g.proposals.push((last, d.iter().map(|t| t.0).collect()));
                     }
                 }
             }
-            let c = self.kv.commit(outs).await?;
             if let Some(f) = c.finished.iter().find(|f| f.finished.id == id) {
                 g.reused = f.finished.reused_tokens;
                 let mut o = self.outputs.lock().unwrap();
@@ -271,15 +272,6 @@ impl Engine {
             }
         }
         Err(format!("request {id} did not finish in 10,000 steps").into())
-    }
-}
-
-/// The drafts the last step verified: the tokens of the latest proposal (truncated to
-/// what the step took).
-fn step_drafts(n: u32, proposals: &[(u32, Vec<u32>)]) -> Vec<u32> {
-    match proposals.last() {
-        Some((_, d)) if n > 0 => d[..(n as usize).min(d.len())].to_vec(),
-        _ => Vec::new(),
     }
 }
 

@@ -99,7 +99,7 @@ use dsa_kv::device::Verification;
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::rng::SplitMix64;
 use dsa_kv_model::checkpoint::HfConfig;
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward, Outputs};
 use dsa_kv_model::unpaged::generate;
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 use serde_json::json;
@@ -470,7 +470,7 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
             }
         }
         let step_started = Instant::now();
-        let report = kv.step(drafts).await?;
+        let mut report = kv.step(drafts).await?;
         let step_took = step_started.elapsed();
         step += 1;
         for (id, why) in &report.failed {
@@ -482,30 +482,33 @@ async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
         }
         if !report.scheduled.is_empty() {
             latency.record(&report, step_took);
-            let outcomes = match &mut model {
-                Some(m) => {
-                    let next = m.sample(&report)?;
-                    report
+            // The model samples in its forward and the runtime commits the step; the
+            // synthetic writer samples nothing: its tokens are drawn here and committed.
+            let commit = match (&mut model, report.committed.take()) {
+                (Some(m), Some(commit)) => {
+                    m.sampled(&report);
+                    commit
+                }
+                (Some(_), None) => {
+                    return Err(format!(
+                        "step {}: the model's forward sampled nothing",
+                        report.step
+                    )
+                    .into())
+                }
+                (None, _) => {
+                    let outcomes = report
                         .scheduled
                         .iter()
                         .map(|r| RequestOutcome {
                             id: r.id,
-                            accepted_drafts: 0,
-                            next_token: next.get(&r.id).copied(),
+                            accepted_drafts: draft_acceptance(&mut rng, r.num_drafts),
+                            next_token: r.produces_token.then(|| rng.token()),
                         })
-                        .collect()
+                        .collect();
+                    kv.commit(outcomes).await?
                 }
-                None => report
-                    .scheduled
-                    .iter()
-                    .map(|r| RequestOutcome {
-                        id: r.id,
-                        accepted_drafts: draft_acceptance(&mut rng, r.num_drafts),
-                        next_token: r.produces_token.then(|| rng.token()),
-                    })
-                    .collect(),
             };
-            let commit = kv.commit(outcomes).await?;
             for f in commit.finished {
                 mismatches += f.mismatches.len() as u64;
                 outputs += u64::from(f.finished.generated);
@@ -653,9 +656,10 @@ struct ModelRequest {
     generated: Vec<u32>,
 }
 
-/// The reference model on the device actors: it builds their forward, samples each
-/// step's greedy tokens from what the devices computed, and checks every request
-/// against the model run alone on a contiguous cache.
+/// The reference model on the device actors: it builds their forward (which samples
+/// each step's greedy tokens; the runtime commits them), keeps what each request
+/// generated, and checks every request, and every position's output the forward
+/// recorded, against the model run alone on a contiguous cache.
 struct ModelSource {
     model: Arc<Model>,
     format: CacheFormat,
@@ -696,12 +700,12 @@ impl ModelSource {
         match backend {
             Backend::Host => Ok(ModelForward::factory(
                 self.model.clone(),
-                self.outputs.clone(),
+                ForwardOptions::default().record(self.outputs.clone()),
             )),
             #[cfg(feature = "cuda")]
             Backend::Cuda => Ok(dsa_kv_model::cuda::CudaModelForward::factory(
                 self.model.clone(),
-                self.outputs.clone(),
+                ForwardOptions::default().record(self.outputs.clone()),
                 graphs,
                 self.graph_steps.clone(),
             )),
@@ -749,44 +753,14 @@ impl ModelSource {
         );
     }
 
-    /// The greedy token of every scheduled request that produces one this step, as every
-    /// device computed it; devices that disagree are an error.
-    fn sample(&mut self, report: &StepReport) -> Result<HashMap<RequestId, TokenId>, ServeError> {
-        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut next = HashMap::new();
-        for r in &report.scheduled {
-            // Taken, not read: a later step cannot see this step's token.
-            let per_device: Vec<Option<u32>> = (0..self.devices)
-                .map(|d| o.next.remove(&(d, r.id)))
-                .collect();
-            if !r.produces_token {
-                continue;
+    /// Keeps the token the step sampled for each request that produced one (every
+    /// device sampled the same: the runtime checked).
+    fn sampled(&mut self, report: &StepReport) {
+        for o in &report.outcomes {
+            if let (Some(t), Some(req)) = (o.next_token, self.requests.get_mut(&o.id)) {
+                req.generated.push(t.0);
             }
-            let Some(token) = per_device[0] else {
-                return Err(format!(
-                    "step {}: device 0 computed no token for request {}",
-                    report.step, r.id
-                )
-                .into());
-            };
-            if let Some((d, t)) = per_device
-                .iter()
-                .enumerate()
-                .find(|(_, t)| **t != Some(token))
-            {
-                return Err(format!(
-                    "step {}: the devices disagree on request {}'s next token: device 0 \
-                     computed {token}, device {d} {t:?}",
-                    report.step, r.id
-                )
-                .into());
-            }
-            if let Some(req) = self.requests.get_mut(&r.id) {
-                req.generated.push(token);
-            }
-            next.insert(r.id, TokenId(token));
         }
-        Ok(next)
     }
 
     /// A finished request's prompt and generated tokens: what its conversation's next

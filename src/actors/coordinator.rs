@@ -36,6 +36,7 @@ use dsa_kv_core::core::scheduler::{
 use dsa_kv_core::core::{KvEvent, ManagerStats};
 use dsa_kv_core::ids::{Fence, RequestId, Tier, TokenId};
 use dsa_kv_device::backend::{DeviceStepReport, Mismatch, VerifySpec};
+use dsa_kv_device::forward::{Sampled, Sampling};
 
 /// A finished request with the result of its final verification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -96,6 +97,14 @@ pub struct StepReport {
     pub devices: Vec<DeviceStepReport>,
     /// The draft replay, when the step had one.
     pub draft: Option<DraftReport>,
+    /// What the devices' forward sampled for each scheduled request (every device
+    /// sampled the same), in the plan's order; empty when the engine samples.
+    pub outcomes: Vec<RequestOutcome>,
+    /// The step's commit, when the forward sampled: the coordinator committed the
+    /// outcomes itself (no `commit` call follows). `None` when the engine samples: it
+    /// commits with [`KvCacheHandle::commit`](super::KvCacheHandle::commit) or
+    /// [`commit_and_step`](super::KvCacheHandle::commit_and_step).
+    pub committed: Option<CommitReport>,
     /// Coordinator time for scheduling, microseconds.
     pub manager_us: u64,
     /// Where the step's time went on its way through the runtime.
@@ -173,8 +182,8 @@ pub struct StepTiming {
     /// The handle's call sent → the coordinator's handler running (the message and the
     /// wake-up of the coordinator's task).
     pub to_coordinator_ns: u64,
-    /// Committing the step before ([`commit_and_step`](super::KvCacheHandle::commit_and_step)
-    /// only; verification of finished requests included).
+    /// Committing: the step before ([`commit_and_step`](super::KvCacheHandle::commit_and_step)),
+    /// or this step when its forward sampled; verification of finished requests included.
     pub commit_ns: u64,
     /// `Scheduler::schedule`.
     pub schedule_ns: u64,
@@ -332,6 +341,9 @@ pub(super) struct Coordinator {
     /// How long the coordinator polls for the devices' replies before yielding.
     idle_spin: Duration,
     shared: Arc<RuntimeShared>,
+    /// Drafts the forward proposed at the last step it sampled, for the next step of
+    /// each request (an engine's own drafts for a request win).
+    proposed: HashMap<RequestId, Vec<TokenId>>,
 }
 
 /// Committed plans kept for recycling while callers still hold their reports.
@@ -363,11 +375,40 @@ impl PendingReport {
             resumed: self.plan.resumed.clone(),
             failed: self.plan.failed.clone(),
             devices: self.devices.clone(),
-            draft: self.draft,
+            draft: self.draft.clone(),
+            outcomes: match self.devices.first().map(|d| &d.sampling) {
+                Some(Sampling::Sampled(s)) => s.outcomes.clone(),
+                _ => Vec::new(),
+            },
+            committed: None,
             manager_us: self.manager_us,
             timing: self.timing,
         }
     }
+}
+
+/// What every device's forward said about a step: all sampled the same (`Some`), or
+/// all leave sampling to the engine (`None`); anything else is an error.
+fn agreed_sampling(
+    step: u64,
+    reports: &[DeviceStepReport],
+) -> Result<Option<&Sampled>, RuntimeError> {
+    let Some(first) = reports.first() else {
+        return Ok(None);
+    };
+    for (device, r) in reports.iter().enumerate().skip(1) {
+        let what = match (&first.sampling, &r.sampling) {
+            (Sampling::Sampled(a), Sampling::Sampled(b)) if a == b => continue,
+            (Sampling::ByEngine, Sampling::ByEngine) => continue,
+            (Sampling::Sampled(_), Sampling::Sampled(_)) => "sampled outcomes",
+            _ => "sampling (some devices sampled, some left it to the engine)",
+        };
+        return Err(RuntimeError::DevicesDisagree { step, device, what });
+    }
+    Ok(match &first.sampling {
+        Sampling::Sampled(s) => Some(s),
+        _ => None,
+    })
 }
 
 /// What the coordinator starts with.
@@ -426,6 +467,7 @@ impl Actor for Coordinator {
             plans_recycled: 0,
             idle_spin: args.idle_spin,
             shared: args.shared,
+            proposed: HashMap::new(),
         })
     }
 
@@ -711,8 +753,12 @@ impl Message<Step> for Coordinator {
                 // bookkeeping no caller waits for is done; messages are handled in
                 // order, so everything read through the mailbox still sees it done.
                 report.timing.replied = Some(Instant::now());
+                let committed = report.committed.as_ref().map(|c| c.manager_us);
                 let reply = ctx.reply(Ok(report));
                 self.after_step(pending);
+                if let Some(manager_us) = committed {
+                    self.after_commit(manager_us);
+                }
                 reply
             }
             Err(e) => ctx.reply(Err(e)),
@@ -726,7 +772,7 @@ impl Coordinator {
     /// [`PendingStep`] rebuilds it from.
     async fn run_step(
         &mut self,
-        drafts: HashMap<RequestId, Vec<TokenId>>,
+        mut drafts: HashMap<RequestId, Vec<TokenId>>,
         timing: &mut StepTiming,
     ) -> Result<(StepReport, PendingReport), RuntimeError> {
         let devices = self.alive();
@@ -734,6 +780,10 @@ impl Coordinator {
             return Err(RuntimeError::NoDevices);
         }
         let t0 = Instant::now();
+        // The forward's proposals from the step before, where the engine gave none.
+        for (id, d) in self.proposed.drain() {
+            drafts.entry(id).or_insert(d);
+        }
         self.recycle_retired();
         let plan = Arc::new(self.sched.schedule(&drafts)?);
         let scheduled_at = Instant::now();
@@ -838,6 +888,11 @@ impl Coordinator {
             },
             _ => None,
         };
+        if first_err.is_none() {
+            if let Err(e) = agreed_sampling(plan.step, &reports) {
+                first_err = Some(e);
+            }
+        }
         if let Some(e) = first_err {
             // Devices disagree about what happened: nothing of this step can be trusted.
             let failed = self
@@ -878,14 +933,33 @@ impl Coordinator {
         timing.to_device_ns = between(t1, received);
         timing.from_device_ns = between(replied, all_replies);
         timing.finish_ns = between(all_replies, Instant::now());
-        let pending = PendingReport {
+        let mut pending = PendingReport {
             plan,
             devices: reports,
             draft,
             manager_us,
             timing: *timing,
         };
-        Ok((pending.report(), pending))
+        let mut report = pending.report();
+        // A forward that sampled: the step is committed here, its proposals kept for
+        // the next step.
+        let sampled = agreed_sampling(pending.plan.step, &pending.devices)?.cloned();
+        if let Some(sampled) = sampled {
+            let t3 = Instant::now();
+            let replay = pending.draft.as_ref().map(|d| d.proposals.clone());
+            self.proposed = sampled
+                .drafts
+                .into_iter()
+                .chain(replay.into_iter().flatten())
+                .collect();
+            let commit = self.run_commit(&sampled.outcomes).await?;
+            timing.commit_ns = between(t3, Instant::now());
+            timing.finish_ns = between(all_replies, Instant::now());
+            pending.timing = *timing;
+            report.timing = *timing;
+            report.committed = Some(commit);
+        }
+        Ok((report, pending))
     }
 
     /// The step's events in the span of each request it touched. Nothing is looked up

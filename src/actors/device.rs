@@ -17,6 +17,7 @@ use super::shared::RuntimeShared;
 use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::metadata::DraftSnapshot;
 use dsa_kv_device::backend::{DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec};
+use dsa_kv_device::forward::Proposals;
 
 /// Owns one device. See the module docs.
 pub(super) struct DeviceActor {
@@ -169,7 +170,7 @@ impl Message<DraftPrepare> for DeviceActor {
 pub(super) struct DraftForward(pub Arc<StepPlan>);
 
 impl Message<DraftForward> for DeviceActor {
-    type Reply = Result<u64, DeviceError>;
+    type Reply = Result<(u64, Proposals), DeviceError>;
 
     async fn handle(
         &mut self,

@@ -16,6 +16,7 @@ use tracing::Instrument;
 use super::device::{DeviceActor, DraftForward, DraftPrepare, DraftRestore};
 use super::error::RuntimeError;
 use dsa_kv_core::core::scheduler::StepPlan;
+use dsa_kv_device::forward::Proposals;
 
 /// Replays drafts. See the module docs.
 pub(super) struct DraftReplayActor {
@@ -36,7 +37,7 @@ impl Actor for DraftReplayActor {
 }
 
 /// What one replay did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DraftReport {
     /// Devices that replayed.
     pub devices: usize,
@@ -44,12 +45,18 @@ pub struct DraftReport {
     pub tokens: u64,
     /// Replays so far.
     pub replays: u64,
+    /// The drafts the draft layers proposed for the requests' next steps (every device
+    /// proposed the same).
+    pub proposals: Proposals,
 }
 
 /// Replay the draft of one step on every device.
 pub(super) struct DraftStep(pub Arc<StepPlan>);
 
-async fn replay(dev: ActorRef<DeviceActor>, plan: Arc<StepPlan>) -> Result<u64, RuntimeError> {
+async fn replay(
+    dev: ActorRef<DeviceActor>,
+    plan: Arc<StepPlan>,
+) -> Result<(u64, Proposals), RuntimeError> {
     let snapshot = dev.ask(DraftPrepare(plan.clone())).await?;
     let drafted = dev.ask(DraftForward(plan)).await;
     // Restore whatever the draft did: the target bindings must come back.
@@ -70,14 +77,28 @@ impl Message<DraftStep> for DraftReplayActor {
         .instrument(span)
         .await;
         let mut tokens = 0;
-        for r in results {
-            tokens = r?;
+        let mut proposals: Option<Proposals> = None;
+        for (device, r) in results.into_iter().enumerate() {
+            let (n, p) = r?;
+            tokens = n;
+            match &proposals {
+                None => proposals = Some(p),
+                Some(first) if *first != p => {
+                    return Err(RuntimeError::DevicesDisagree {
+                        step: msg.0.step,
+                        device,
+                        what: "draft proposals",
+                    })
+                }
+                Some(_) => {}
+            }
         }
         self.replays += 1;
         Ok(DraftReport {
             devices: self.devices.len(),
             tokens,
             replays: self.replays,
+            proposals: proposals.unwrap_or_default(),
         })
     }
 }

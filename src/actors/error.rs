@@ -46,6 +46,20 @@ pub enum RuntimeError {
     /// Every device is gone.
     #[error("no device is left: restart the runtime")]
     NoDevices,
+    /// Devices computed different results for one step (tensor-parallel ranks must
+    /// agree); the step's requests were failed.
+    #[error(
+        "step {step}: device {device} returned other {what} than device 0 (every device must \
+         compute the same)"
+    )]
+    DevicesDisagree {
+        /// The step.
+        step: u64,
+        /// The first device that disagreed.
+        device: usize,
+        /// What differed: sampled outcomes, draft proposals, or who samples.
+        what: &'static str,
+    },
     /// A builder setting past its limit.
     #[error("KvCacheBuilder::{setting}({value}) is too large: at most {max}")]
     BadSetting {

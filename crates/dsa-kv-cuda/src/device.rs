@@ -19,7 +19,7 @@ use dsa_kv_core::metadata::MetadataLayout;
 use dsa_kv_core::storage::HostStorage;
 use dsa_kv_device::backend::{pool_ids, run_copies, Cache, PoolDigest, StepCore, VerifyRef};
 use dsa_kv_device::forward::{
-    Batch, CacheView, Forward, ForwardSetup, MemKind, MetadataView, Phase, Region,
+    Batch, CacheView, Forward, ForwardSetup, MemKind, MetadataView, Phase, Region, Sampling,
 };
 use dsa_kv_device::{BackendFactory, DeviceBackend, DeviceError, DeviceSetup, Mismatch, StepHooks};
 
@@ -212,7 +212,11 @@ impl CudaDevice {
 
     /// Uploads the bound metadata and runs the forward of `phase` on the compute
     /// stream; records the step's fence. Returns the batch's tokens.
-    fn forward_phase(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn forward_phase(
+        &mut self,
+        phase: Phase,
+        plan: &StepPlan,
+    ) -> Result<(u64, Sampling), DeviceError> {
         let dev = self.core.index;
         let cuda = |source: CudaError| DeviceError::Backend {
             device: dev,
@@ -249,8 +253,8 @@ impl CudaDevice {
                 .record_event(None)
                 .map_err(|e| cuda(super::driver_error(self.gpu.ordinal(), "cuEventRecord", e)))?,
         );
-        r.map_err(|e| DeviceError::forward(dev, e))?;
-        Ok(meta.counts().num_tokens as u64)
+        let sampling = r.map_err(|e| DeviceError::forward(dev, e))?;
+        Ok((meta.counts().num_tokens as u64, sampling))
     }
 
     /// Bytes of metadata the last forward's upload copied.
@@ -343,7 +347,11 @@ impl StepHooks for CudaDevice {
         )
     }
 
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn run_forward(
+        &mut self,
+        phase: Phase,
+        plan: &StepPlan,
+    ) -> Result<(u64, Sampling), DeviceError> {
         self.forward_phase(phase, plan)
     }
 

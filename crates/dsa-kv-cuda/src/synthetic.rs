@@ -13,7 +13,7 @@ use crate::guard::{guard_error, host_check, GuardMaps, GuardedOp};
 use crate::kernels::{DevRows, Guard, GuardFailure, MlaEncoding};
 use crate::{CudaError, DeviceBuffer, Gpu};
 use dsa_kv_core::config::{DsaModel, IndexerDtype};
-use dsa_kv_device::forward::{Batch, ForwardError, ForwardSetup};
+use dsa_kv_device::forward::{Batch, ForwardError, ForwardSetup, Proposals, Sampling};
 use dsa_kv_device::synthetic::{new_tokens, row_view};
 use dsa_kv_device::{Forward, KvSource};
 
@@ -39,13 +39,16 @@ impl CudaSyntheticWriter {
     }
 }
 
+/// Writes KV and samples nothing: the engine samples and commits.
 impl Forward for CudaSyntheticWriter {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.writer.write(&self.model, &*self.source, batch)
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        self.writer.write(&self.model, &*self.source, batch)?;
+        Ok(Sampling::ByEngine)
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.writer.write(&self.model, &*self.source, batch)
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
+        self.writer.write(&self.model, &*self.source, batch)?;
+        Ok(Proposals::new())
     }
 
     fn after_synchronize(&mut self) -> Result<(), ForwardError> {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use half::bf16;
 use serde::Serialize;
 
-use super::forward::{ForwardError, ForwardFactory};
+use super::forward::{ForwardError, ForwardFactory, Proposals, Sampled, Sampling};
 use super::kv_source::{KvPosition, KvSource};
 use crate::transfer::{CacheKind, MemRegion, PoolRegion};
 use dsa_kv_core::config::{DsaModel, IndexerDtype, KvDtype};
@@ -250,6 +250,7 @@ pub struct Mismatch {
 
 /// What a device did for one step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct DeviceStepReport {
     /// Device index.
     pub device: usize,
@@ -269,6 +270,36 @@ pub struct DeviceStepReport {
     pub metadata_digest: u64,
     /// Time spent, in microseconds.
     pub elapsed_us: u64,
+    /// What the forward sampled, or that the engine samples.
+    pub sampling: Sampling,
+}
+
+impl DeviceStepReport {
+    /// The report of device `device` that ran `plan`'s step and did nothing else: no
+    /// tokens written, no copies, nothing verified, the engine samples (set the fields
+    /// a backend measures on the result).
+    pub fn new(device: usize, plan: &StepPlan) -> Self {
+        DeviceStepReport {
+            device,
+            target_fence: plan.target_fence,
+            draft_fence: plan.draft_fence,
+            tokens_written: 0,
+            slot_copies: 0,
+            tokens_verified: 0,
+            mismatches: Vec::new(),
+            metadata_digest: 0,
+            elapsed_us: 0,
+            sampling: Sampling::ByEngine,
+        }
+    }
+
+    /// What the forward sampled (`None` when the engine samples).
+    pub fn sampled(&self) -> Option<&Sampled> {
+        match &self.sampling {
+            Sampling::Sampled(s) => Some(s),
+            Sampling::ByEngine => None,
+        }
+    }
 }
 
 /// Builds one device backend: `(device index, setup)`.
@@ -285,8 +316,8 @@ pub trait DeviceBackend: Send + 'static {
     /// Rebinds the metadata to the draft buffers for the plan's draft slots.
     fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError>;
     /// Runs the forward's draft layers on the draft cache through the bound draft
-    /// metadata; returns the tokens of the batch.
-    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError>;
+    /// metadata; returns the tokens of the batch and the drafts proposed.
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<(u64, Proposals), DeviceError>;
     /// Restores the target bindings.
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError>;
     /// Verifies whole requests; returns (positions verified, mismatches).
@@ -450,6 +481,7 @@ pub(crate) struct StepWork {
     pub(crate) slot_copies: u64,
     pub(crate) verified: u64,
     pub(crate) mismatches: Vec<Mismatch>,
+    pub(crate) sampling: Sampling,
 }
 
 /// What every backend shares: the step metadata, the KV source and the expected
@@ -669,6 +701,7 @@ impl StepCore {
             mismatches: work.mismatches,
             metadata_digest: self.metadata_digest(),
             elapsed_us: start.elapsed().as_micros() as u64,
+            sampling: work.sampling,
         }
     }
 

@@ -13,8 +13,10 @@
 use std::any::Any;
 
 use dsa_kv_core::config::{DsaModel, IndexerDtype, KvDtype};
-use dsa_kv_core::core::scheduler::PlannedRequest;
-use dsa_kv_core::ids::LayerId;
+use serde::Serialize;
+
+use dsa_kv_core::core::scheduler::{PlannedRequest, RequestOutcome};
+use dsa_kv_core::ids::{LayerId, RequestId, TokenId};
 use dsa_kv_core::layout::{BufferPlacement, PoolPlan, Role};
 use dsa_kv_core::metadata::mirror::MetaRef;
 use dsa_kv_core::metadata::{BufferRole, StepCounts, StepMetadata};
@@ -26,17 +28,24 @@ use dsa_kv_core::storage::BackendError;
 /// `forward` must write the KV of every new token of the batch (the slot mappings say
 /// where) and may read any cached token (the page tables say where). It runs on the
 /// device's thread with its CUDA context current; on the CUDA backend it enqueues its
-/// kernels on [`Batch::cuda_stream`] and returns without waiting for them.
+/// kernels on [`Batch::cuda_stream`] and returns without waiting for them, unless it
+/// samples (reading its tokens back waits for them).
+///
+/// It returns what it sampled ([`Sampling::Sampled`]: the coordinator checks that every
+/// device sampled the same, then commits the step itself), or
+/// [`Sampling::ByEngine`] when the engine samples outside the forward and commits each
+/// step with `KvCacheHandle::commit` / `commit_and_step`.
 pub trait Forward: Send + 'static {
     /// The target model's forward for one step.
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError>;
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError>;
 
     /// The draft (MTP) layers' forward during a draft replay: the batch views the draft
-    /// cache and the draft-bound metadata. Runs only with a separate draft cache; the
-    /// default does nothing.
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    /// cache and the draft-bound metadata. Runs only with a separate draft cache;
+    /// returns the draft tokens proposed for each request's next step (every device
+    /// must propose the same). The default does nothing and proposes none.
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
         let _ = batch;
-        Ok(())
+        Ok(Proposals::new())
     }
 
     /// Called after the device has waited for all enqueued work (a synchronize the
@@ -45,6 +54,49 @@ pub trait Forward: Send + 'static {
     fn after_synchronize(&mut self) -> Result<(), ForwardError> {
         Ok(())
     }
+}
+
+/// Draft tokens proposed for each request's next step (an MTP layer's proposals), in
+/// the plan's order.
+pub type Proposals = Vec<(RequestId, Vec<TokenId>)>;
+
+/// What a forward sampled in one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Sampled {
+    /// One outcome per planned request, in the plan's order: the drafts it accepted and,
+    /// where the request produces a token ([`PlannedRequest::produces_token`]), the token
+    /// sampled after them.
+    pub outcomes: Vec<RequestOutcome>,
+    /// Drafts proposed for the requests' next steps by a draft layer that shares the
+    /// target's cache (a separate draft cache proposes from `draft_forward`).
+    pub drafts: Proposals,
+}
+
+impl Sampled {
+    /// `outcomes`, no drafts proposed.
+    pub fn new(outcomes: Vec<RequestOutcome>) -> Self {
+        Sampled {
+            outcomes,
+            drafts: Proposals::new(),
+        }
+    }
+
+    /// The same with `drafts` proposed for the next steps.
+    pub fn with_drafts(mut self, drafts: Proposals) -> Self {
+        self.drafts = drafts;
+        self
+    }
+}
+
+/// Who samples a step's tokens. See [`Forward`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub enum Sampling {
+    /// The forward sampled; the coordinator commits the step itself.
+    Sampled(Sampled),
+    /// The engine samples outside the forward and commits the step.
+    ByEngine,
 }
 
 /// Builds the forward of one device, on the caller of `KvCacheBuilder::start`, after the
@@ -613,11 +665,14 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// Runs `forward`'s method for this batch's phase.
-    pub fn run(&mut self, forward: &mut dyn Forward) -> Result<(), ForwardError> {
+    /// Runs `forward`'s method for this batch's phase: the target's sampling, or the
+    /// draft layers' proposals as [`Sampled::drafts`] (no outcomes).
+    pub fn run(&mut self, forward: &mut dyn Forward) -> Result<Sampling, ForwardError> {
         match self.phase {
             Phase::Target => forward.forward(self),
-            Phase::Draft => forward.draft_forward(self),
+            Phase::Draft => forward
+                .draft_forward(self)
+                .map(|drafts| Sampling::Sampled(Sampled::default().with_drafts(drafts))),
         }
     }
 

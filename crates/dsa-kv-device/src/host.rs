@@ -10,7 +10,7 @@ use super::backend::{
 };
 use super::forward::{
     Batch, BatchMemory, CacheView, Forward, ForwardSetup, HostMemory, MemKind, MetadataView, Phase,
-    Region,
+    Region, Sampling,
 };
 use super::step::StepHooks;
 use crate::synthetic::SyntheticWriter;
@@ -84,7 +84,11 @@ impl HostDevice {
     }
 
     /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens.
-    fn forward_phase(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn forward_phase(
+        &mut self,
+        phase: Phase,
+        plan: &StepPlan,
+    ) -> Result<(u64, Sampling), DeviceError> {
         let dev = self.core.index;
         let (cache, view) = match phase {
             Phase::Target => (&mut self.target, &self.target_view),
@@ -105,10 +109,10 @@ impl HostDevice {
             memory: BatchMemory::Host(HostMemory::new(cache.store.gpu_pools_mut(), meta)),
             extension: None,
         };
-        batch
+        let sampling = batch
             .run(&mut *self.forward)
             .map_err(|e| DeviceError::forward(dev, e))?;
-        Ok(meta.counts().num_tokens as u64)
+        Ok((meta.counts().num_tokens as u64, sampling))
     }
 
     /// Verifies one request on the target cache (and the draft cache when it has one).
@@ -154,7 +158,11 @@ impl StepHooks for HostDevice {
         )
     }
 
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn run_forward(
+        &mut self,
+        phase: Phase,
+        plan: &StepPlan,
+    ) -> Result<(u64, Sampling), DeviceError> {
         self.forward_phase(phase, plan)
     }
 

@@ -24,8 +24,8 @@ pub use backend::{
 };
 pub use forward::{
     Batch, CacheView, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory,
-    IndexerCacheView, LayerCache, MemKind, MetaBuffer, MetadataView, MlaCacheView, Phase, Region,
-    RowsView,
+    IndexerCacheView, LayerCache, MemKind, MetaBuffer, MetadataView, MlaCacheView, Phase,
+    Proposals, Region, RowsView, Sampled, Sampling,
 };
 pub use host::HostDevice;
 pub use kv_source::{KvPosition, KvSource, SyntheticKv};

@@ -16,7 +16,7 @@ use crate::backend::{
     verify_all, DeviceBackend, DeviceError, DeviceStepReport, Mismatch, StepCore, StepWork,
     VerifyRef, VerifySpec,
 };
-use crate::forward::Phase;
+use crate::forward::{Phase, Proposals, Sampling};
 use crate::transfer::PoolRegion;
 
 /// What a backend supplies to the step recipe. See the module docs.
@@ -39,8 +39,10 @@ pub trait StepHooks: Send + 'static {
         -> Result<u64, DeviceError>;
     /// The metadata layouts of the target cache and of the draft cache, if any.
     fn layouts(&self) -> (MetadataLayout, Option<MetadataLayout>);
-    /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens.
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan) -> Result<u64, DeviceError>;
+    /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens
+    /// and what the forward sampled ([`Batch::run`](crate::Batch::run)).
+    fn run_forward(&mut self, phase: Phase, plan: &StepPlan)
+        -> Result<(u64, Sampling), DeviceError>;
     /// See [`DeviceBackend::cache_digest`].
     fn cache_digest(&mut self) -> Result<String, DeviceError>;
     /// See [`DeviceBackend::synchronize`].
@@ -76,12 +78,13 @@ impl<T: StepHooks> DeviceBackend for T {
         core.meta
             .prepare(&target, &requests)
             .map_err(|e| core.meta_err(e))?;
-        let written = self.run_forward(Phase::Target, plan)?;
+        let (written, sampling) = self.run_forward(Phase::Target, plan)?;
         let work = StepWork {
             written,
             slot_copies,
             verified,
             mismatches,
+            sampling,
         };
         Ok(self.core().step_report(plan, work, start))
     }
@@ -91,11 +94,16 @@ impl<T: StepHooks> DeviceBackend for T {
         self.core_mut().prepare_draft(draft, plan)
     }
 
-    fn draft_forward(&mut self, plan: &StepPlan) -> Result<u64, DeviceError> {
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
         self.bind()?;
         let has_draft = self.layouts().1.is_some();
         self.core().check_draft_forward(has_draft)?;
-        self.run_forward(Phase::Draft, plan)
+        let (written, sampling) = self.run_forward(Phase::Draft, plan)?;
+        let drafts = match sampling {
+            Sampling::Sampled(s) => s.drafts,
+            Sampling::ByEngine => Proposals::new(),
+        };
+        Ok((written, drafts))
     }
 
     fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {

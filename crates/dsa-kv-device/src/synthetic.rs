@@ -13,7 +13,9 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::backend::quantize_key;
-use crate::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
+use crate::forward::{
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, Proposals, Sampling,
+};
 use crate::{KvPosition, KvSource, MemKind};
 use dsa_kv_core::config::{DsaModel, KvDtype};
 use dsa_kv_core::core::scheduler::PlannedRequest;
@@ -54,13 +56,16 @@ impl SyntheticWriter {
     }
 }
 
+/// The synthetic writer writes KV and samples nothing: the engine samples and commits.
 impl Forward for SyntheticWriter {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        write_host(&self.model, &*self.source, batch)
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        write_host(&self.model, &*self.source, batch)?;
+        Ok(Sampling::ByEngine)
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        write_host(&self.model, &*self.source, batch)
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
+        write_host(&self.model, &*self.source, batch)?;
+        Ok(Proposals::new())
     }
 }
 

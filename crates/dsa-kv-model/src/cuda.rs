@@ -24,14 +24,17 @@ use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 
 use super::math::{rope_cos_sin, Mat};
 use super::model::output_of;
-use super::paged::{check_setup, verdict, Mtp, Outputs};
+use super::paged::{check_setup, verdict, ForwardOptions, Mtp, Outputs};
 use super::weights::Layer;
 use super::{Model, ModelError, INDEX_DIM, LATENT, ROPE};
 use dsa_kv_core::config::KvDtype;
 use dsa_kv_cuda::kernels::{DevRows, MlaEncoding};
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
+use dsa_kv_core::core::scheduler::RequestOutcome;
+use dsa_kv_core::ids::TokenId;
 use dsa_kv_device::forward::{
     Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, LayerCache, MetadataView,
+    Proposals, Sampled, Sampling,
 };
 
 const ROW: usize = LATENT + ROPE;
@@ -151,7 +154,7 @@ unsafe impl Send for Graph {}
 pub struct CudaModelForward {
     model: Arc<Model>,
     device: usize,
-    outputs: Arc<Mutex<Outputs>>,
+    record: Option<Arc<Mutex<Outputs>>>,
     gpu: Arc<Gpu>,
     _module: Arc<CudaModule>,
     f: Funcs,
@@ -291,30 +294,24 @@ struct MatOp<'a> {
 }
 
 impl CudaModelForward {
-    /// A factory giving every CUDA device the model (like
-    /// [`ModelForward::factory`](super::paged::ModelForward::factory)); `graphs`: run
-    /// decode-only steps as a CUDA graph. `graph_steps` counts graph launches.
+    /// A factory giving every CUDA device the model, sampling and proposing as
+    /// [`ModelForward::factory`](super::paged::ModelForward::factory) does with `opts`
+    /// (the draft chains on the GPU: their own KV in overlay pages, the cached draft KV
+    /// through the draft metadata; no trace); `graphs`: run decode-only steps as a CUDA
+    /// graph. `graph_steps` counts graph launches.
     pub fn factory(
         model: Arc<Model>,
-        outputs: Arc<Mutex<Outputs>>,
+        opts: ForwardOptions,
         graphs: bool,
         graph_steps: Arc<std::sync::atomic::AtomicU64>,
     ) -> ForwardFactory {
-        Self::speculative(model, outputs, graphs, graph_steps, 0)
-    }
-
-    /// [`factory`](Self::factory) with MTP speculation, as
-    /// [`ModelForward::speculative`](super::paged::ModelForward::speculative): the draft
-    /// layer proposes `drafts` tokens per request that sampled one, on the GPU (the
-    /// chain's own KV in overlay pages, the cached draft KV through the draft metadata).
-    pub fn speculative(
-        model: Arc<Model>,
-        outputs: Arc<Mutex<Outputs>>,
-        graphs: bool,
-        graph_steps: Arc<std::sync::atomic::AtomicU64>,
-        drafts: usize,
-    ) -> ForwardFactory {
+        let (drafts, record) = (opts.drafts, opts.record.clone());
         Arc::new(move |setup: &ForwardSetup<'_>| {
+            if opts.tracer.is_some() {
+                return Err(ForwardError::Unsupported {
+                    what: "the GPU forward traces nothing: trace on the host backend".into(),
+                });
+            }
             if model.checkpoint().is_some() {
                 return Err(ForwardError::Unsupported {
                     what: "the GPU forward runs the built-in model only: run a checkpoint's \
@@ -347,7 +344,7 @@ impl CudaModelForward {
             let f = Self::new(
                 model.clone(),
                 setup.device,
-                outputs.clone(),
+                record.clone(),
                 gpu.clone(),
                 setup.max_num_tokens,
                 max_ctx,
@@ -365,7 +362,7 @@ impl CudaModelForward {
     fn new(
         model: Arc<Model>,
         device: usize,
-        outputs: Arc<Mutex<Outputs>>,
+        record: Option<Arc<Mutex<Outputs>>>,
         gpu: Arc<Gpu>,
         t_max: usize,
         max_ctx: usize,
@@ -459,7 +456,7 @@ impl CudaModelForward {
         Ok(CudaModelForward {
             model,
             device,
-            outputs,
+            record,
             gpu,
             _module: module,
             f: funcs,
@@ -1064,11 +1061,15 @@ impl CudaModelForward {
 impl CudaModelForward {
     /// The pending requests' draft chains on MTP cache layer `cache` (the batch's cache
     /// and metadata hold the draft KV of every position up to each chain's `last`).
-    fn propose(&mut self, batch: &Batch<'_>, cache: &LayerCache) -> Result<(), ForwardError> {
+    fn propose(
+        &mut self,
+        batch: &Batch<'_>,
+        cache: &LayerCache,
+    ) -> Result<Proposals, ForwardError> {
         let pending = std::mem::take(&mut self.pending);
         let r = pending.len();
         if r == 0 || self.drafts == 0 {
-            return Ok(());
+            return Ok(Proposals::new());
         }
         if r > self.ov.chains {
             return Err(ForwardError::framework(ModelError::Access(format!(
@@ -1166,16 +1167,16 @@ impl CudaModelForward {
                 proposals[k].push(toks[k]);
             }
         }
-        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-        for (p, d) in pending.iter().zip(proposals) {
-            o.drafts.insert((self.device, p.id), (p.last, d));
-        }
-        Ok(())
+        Ok(pending
+            .iter()
+            .zip(proposals)
+            .map(|(p, d)| (p.id, d.into_iter().map(TokenId).collect()))
+            .collect())
     }
 }
 
 impl Forward for CudaModelForward {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
         self.pending.clear();
         self.gpu.bind().map_err(cuda)?;
         let c = *self.model.config();
@@ -1190,7 +1191,7 @@ impl Forward for CudaModelForward {
         let graph = self.graphs && decode && tokens <= self.t_max;
         let n = self.upload_tokens(batch, if graph { bucket } else { 0 })?;
         if n == 0 {
-            return Ok(());
+            return Ok(Sampling::Sampled(Sampled::default()));
         }
         let cache = &batch.cache.layers[..c.layers];
         let m = batch.metadata;
@@ -1229,7 +1230,8 @@ impl Forward for CudaModelForward {
             Vec::new()
         };
         let mut t0 = 0;
-        let mut results = Vec::with_capacity(batch.requests.len());
+        let mut outcomes = Vec::with_capacity(batch.requests.len());
+        let mut kept = Vec::new();
         for (r, req) in batch.requests.iter().enumerate() {
             let k = req.tokens.len();
             let outs: Vec<_> = (0..k)
@@ -1252,36 +1254,46 @@ impl Forward for CudaModelForward {
                     next: outs[keep].greedy,
                 });
             }
-            results.push((req.id, outs[..=keep].to_vec(), accepted));
+            outcomes.push(RequestOutcome {
+                id: req.id,
+                accepted_drafts: accepted,
+                next_token: req
+                    .produces_token
+                    .then_some(TokenId(outs[keep].greedy)),
+            });
+            if self.record.is_some() {
+                kept.push((req.id, outs[..=keep].to_vec()));
+            }
             t0 += k;
         }
-        {
-            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-            for (id, outs, accepted) in &results {
-                o.record(self.device, *id, outs, *accepted);
+        if let Some(record) = &self.record {
+            let mut o = record.lock().unwrap_or_else(|e| e.into_inner());
+            for (id, outs) in &kept {
+                o.record(self.device, *id, outs);
             }
         }
+        let mut drafts = Proposals::new();
         if let Mtp::Combined { layer, .. } = self.mtp {
             if let Some(l) = batch.cache.layers.get(layer) {
                 let l = *l;
                 self.draft_kv(batch, &l)?;
                 self.check_fail()?;
-                self.propose(batch, &l)?;
+                drafts = self.propose(batch, &l)?;
             }
         }
-        Ok(())
+        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(drafts)))
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
         if let Mtp::Separate { .. } = self.mtp {
             self.gpu.bind().map_err(cuda)?;
             if let Some(l) = batch.cache.layers.first() {
                 let l = *l;
                 self.draft_kv(batch, &l)?;
                 self.check_fail()?;
-                self.propose(batch, &l)?;
+                return self.propose(batch, &l);
             }
         }
-        Ok(())
+        Ok(Proposals::new())
     }
 }

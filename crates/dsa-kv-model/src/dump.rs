@@ -12,11 +12,13 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 
-use super::paged::{ModelForward, Outputs};
+use super::paged::{ForwardOptions, ModelForward};
 use super::trace::{StepTrace, Trace, TracePoint, Tracer};
 use super::{npy, Model, INDEX_DIM, LATENT, ROPE};
 use dsa_kv_core::config::KvDtype;
-use dsa_kv_device::forward::{Batch, Forward, ForwardError, ForwardFactory, ForwardSetup};
+use dsa_kv_device::forward::{
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, Proposals, Sampling,
+};
 
 /// Which layer of which step to dump, and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,22 +94,12 @@ impl Dump {
         }
     }
 
-    /// The forward factory: [`ModelForward::factory`] (recording into `outputs`) that
-    /// writes the dump after the target forward of the chosen step.
-    pub fn factory(&self, model: Arc<Model>, outputs: Arc<Mutex<Outputs>>) -> ForwardFactory {
-        self.speculative_factory(model, outputs, 0)
-    }
-
-    /// [`factory`](Self::factory) with MTP drafts ([`ModelForward::speculative`]): a
-    /// decode step then verifies `1 + drafts` tokens of each request that has a
-    /// proposal, and the dump holds them all (`tokens_per_row`).
-    pub fn speculative_factory(
-        &self,
-        model: Arc<Model>,
-        outputs: Arc<Mutex<Outputs>>,
-        drafts: usize,
-    ) -> ForwardFactory {
-        let inner = ModelForward::traced(model.clone(), outputs, drafts, Some(self.tracer.clone()));
+    /// The forward factory: [`ModelForward::factory`] with `opts` (its tracer replaced
+    /// by the dump's) that writes the dump after the target forward of the chosen step.
+    /// With drafts, a decode step verifies `1 + drafts` tokens of each request that has
+    /// a proposal, and the dump holds them all (`tokens_per_row`).
+    pub fn factory(&self, model: Arc<Model>, opts: ForwardOptions) -> ForwardFactory {
+        let inner = ModelForward::factory(model.clone(), opts.tracer(self.tracer.clone()));
         let dump = self.clone();
         Arc::new(move |setup: &ForwardSetup<'_>| {
             Ok(Box::new(DumpForward {
@@ -137,20 +129,20 @@ struct DumpForward {
 }
 
 impl Forward for DumpForward {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
-        self.inner.forward(batch)?;
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        let sampled = self.inner.forward(batch)?;
         let spec = &self.dump.spec;
         if batch.step != spec.step || self.device != spec.device {
-            return Ok(());
+            return Ok(sampled);
         }
         let traces = self.dump.tracer.take();
         // A failed dump is reported by `Dump::result`; the run goes on.
         let r = write(spec, &self.model, batch, &traces);
         *self.dump.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-        Ok(())
+        Ok(sampled)
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
         self.inner.draft_forward(batch)
     }
 

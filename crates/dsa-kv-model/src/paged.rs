@@ -8,45 +8,32 @@ use std::sync::{Arc, Mutex};
 
 use super::trace::{TraceSite, Tracer};
 use super::{CacheFormat, DraftCache, KvStore, Model, ModelError, TokenOut};
-use dsa_kv_core::core::scheduler::PlannedRequest;
-use dsa_kv_core::ids::RequestId;
+use dsa_kv_core::core::scheduler::{PlannedRequest, RequestOutcome};
+use dsa_kv_core::ids::{RequestId, TokenId};
 use dsa_kv_core::ops::quant::ScaleFormat;
 use dsa_kv_device::forward::{
-    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory, LayerCache,
+    Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, HostMemory, LayerCache, Proposals,
+    Sampled, Sampling,
 };
 
-/// What every device's forward produced, by request and position.
+/// What every device's forward computed at each position, for checking a run against
+/// the model run alone ([`crate::unpaged`]): the greedy token and the logits' digest of
+/// every position that ran. The tokens a step sampled travel in the step's outcomes
+/// ([`Sampled`]), not here; a forward keeps this record only when given one
+/// ([`ForwardOptions::record`]).
 #[derive(Debug, Default)]
 pub struct Outputs {
     /// `(device, request)` → position → output. A position computed again (a request
     /// recomputed after preemption) must give the same output: see `conflicts`.
     pub tokens: HashMap<(usize, RequestId), BTreeMap<u32, TokenOut>>,
-    /// `(device, request)` → the greedy token after the request's last accepted token of
-    /// the latest step (the engine's `next_token`).
-    pub next: HashMap<(usize, RequestId), u32>,
     /// Positions whose recomputed output differed from the first (must stay empty).
     pub conflicts: Vec<String>,
-    /// `(device, request)` → draft tokens of the latest step that the target's greedy
-    /// tokens accepted (a prefix of the step's drafts; the rest are rolled back).
-    pub accepted: HashMap<(usize, RequestId), u32>,
-    /// `(device, request)` → the MTP draft layer's proposals for the request's next step
-    /// (speculative forwards only), with the position they follow: `(last, tokens)`,
-    /// where `last` is the request's last accepted position and `tokens` are proposed
-    /// for positions `last + 2 ..` (the sampled token is at `last + 1`).
-    pub drafts: HashMap<(usize, RequestId), (u32, Vec<u32>)>,
 }
 
 impl Outputs {
     /// Records the outputs of committed positions (`outs`: the step's positions up to the
-    /// last accepted one) and the drafts accepted.
-    pub(crate) fn record(
-        &mut self,
-        device: usize,
-        id: RequestId,
-        outs: &[TokenOut],
-        accepted: u32,
-    ) {
-        self.accepted.insert((device, id), accepted);
+    /// last accepted one).
+    pub(crate) fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut]) {
         let m = self.tokens.entry((device, id)).or_default();
         for o in outs {
             if let Some(prev) = m.insert(o.pos, *o) {
@@ -58,9 +45,41 @@ impl Outputs {
                 }
             }
         }
-        if let Some(o) = outs.last() {
-            self.next.insert((device, id), o.greedy);
-        }
+    }
+}
+
+/// How the model's forward runs: drafts proposed per step, a record of every position's
+/// output, a trace. The default proposes no drafts, keeps no record and traces nothing.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub struct ForwardOptions {
+    /// Draft tokens the MTP layer proposes per request and step (0: no speculation).
+    pub drafts: usize,
+    /// Where every position's output is recorded, for an exactness check.
+    pub record: Option<Arc<Mutex<Outputs>>>,
+    /// The target forward's points to trace (see [`super::trace`]).
+    pub tracer: Option<Tracer>,
+}
+
+impl ForwardOptions {
+    /// `n` draft tokens proposed per request and step (the cache needs an MTP layer:
+    /// `model.num_mtp_layers = 1`, in a separate draft cache or the target's); the next
+    /// step's drafts are accepted while they equal the target's greedy tokens.
+    pub fn drafts(mut self, n: usize) -> Self {
+        self.drafts = n;
+        self
+    }
+
+    /// Every position's output recorded into `record`.
+    pub fn record(mut self, record: Arc<Mutex<Outputs>>) -> Self {
+        self.record = Some(record);
+        self
+    }
+
+    /// The target forward's points that `tracer` selects traced.
+    pub fn tracer(mut self, tracer: Tracer) -> Self {
+        self.tracer = Some(tracer);
+        self
     }
 }
 
@@ -207,79 +226,47 @@ struct Pending {
 pub struct ModelForward {
     model: Arc<Model>,
     device: usize,
-    outputs: Arc<Mutex<Outputs>>,
-    /// Draft tokens to propose per step (0: no speculation).
-    drafts: usize,
+    opts: ForwardOptions,
     mtp: Mtp,
     pending: Vec<Pending>,
-    tracer: Option<Tracer>,
 }
 
 impl ModelForward {
     /// A factory giving every device the model `model` (its cache format must be the
-    /// devices' target cache format), recording into `outputs`. The MTP layer's KV, if
-    /// the cache has one, is written; no drafts are proposed.
-    pub fn factory(model: Arc<Model>, outputs: Arc<Mutex<Outputs>>) -> ForwardFactory {
-        Self::speculative(model, outputs, 0)
-    }
-
-    /// [`factory`](Self::factory) for speculative decoding: after each step the MTP
-    /// draft layer proposes `drafts` tokens per request that sampled one
-    /// ([`Outputs::drafts`]), and the next step's drafts are accepted while they equal
-    /// the target's greedy tokens ([`Outputs::accepted`]; the caller commits that many).
-    /// The cache needs an MTP layer (`model.num_mtp_layers = 1`, in a separate draft
-    /// cache or the target's).
-    pub fn speculative(
-        model: Arc<Model>,
-        outputs: Arc<Mutex<Outputs>>,
-        drafts: usize,
-    ) -> ForwardFactory {
-        Self::traced(model, outputs, drafts, None)
-    }
-
-    /// [`speculative`](Self::speculative), tracing the target forward's points that
-    /// `tracer` selects (see [`super::trace`]).
-    pub fn traced(
-        model: Arc<Model>,
-        outputs: Arc<Mutex<Outputs>>,
-        drafts: usize,
-        tracer: Option<Tracer>,
-    ) -> ForwardFactory {
+    /// devices' target cache format). Each step it samples the greedy token of every
+    /// request that produces one and accepts drafts while they equal the target's
+    /// greedy tokens; with `opts.drafts`, the MTP draft layer proposes the next step's
+    /// drafts. The MTP layer's KV, if the cache has one, is written.
+    pub fn factory(model: Arc<Model>, opts: ForwardOptions) -> ForwardFactory {
         Arc::new(move |setup: &ForwardSetup<'_>| {
-            let mtp = check_setup(setup, &model, drafts)?;
+            let mtp = check_setup(setup, &model, opts.drafts)?;
             Ok(Box::new(ModelForward {
                 model: model.clone(),
                 device: setup.device,
-                outputs: outputs.clone(),
-                drafts,
+                opts: opts.clone(),
                 mtp,
                 pending: Vec::new(),
-                tracer: tracer.clone(),
             }) as Box<dyn Forward>)
         })
     }
 
     /// Writes the MTP layer's KV of every new token of `batch` (cache layer `layer`)
     /// and proposes the pending requests' drafts.
-    fn draft(&mut self, batch: &mut Batch<'_>, at: DraftCache) -> Result<(), ForwardError> {
+    fn draft(&mut self, batch: &mut Batch<'_>, at: DraftCache) -> Result<Proposals, ForwardError> {
         let pending = std::mem::take(&mut self.pending);
-        let mut proposals = Vec::with_capacity(pending.len());
+        let mut proposals = Proposals::with_capacity(pending.len());
         let model = self.model.clone();
-        let drafts = self.drafts;
+        let drafts = self.opts.drafts;
         each_request(batch, |r, req, store| {
             let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
             model.draft_write(store, at, req.num_cached, &tokens)?;
             for p in pending.iter().filter(|p| p.row == r && drafts > 0) {
                 let d = model.propose(store, at, p.last, &p.hidden, p.next, drafts)?;
-                proposals.push((p.id, (p.last, d)));
+                proposals.push((p.id, d.into_iter().map(TokenId).collect()));
             }
             Ok(())
         })?;
-        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, d) in proposals {
-            o.drafts.insert((self.device, id), d);
-        }
-        Ok(())
+        Ok(proposals)
     }
 }
 
@@ -354,12 +341,13 @@ fn each_request(
 }
 
 impl Forward for ModelForward {
-    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
         self.pending.clear();
         let model = self.model.clone();
-        let mut results = Vec::with_capacity(batch.requests.len());
+        let mut outcomes = Vec::with_capacity(batch.requests.len());
+        let mut kept = Vec::new();
         let mut pending = Vec::new();
-        let (step, device, tracer) = (batch.step, self.device, self.tracer.as_ref());
+        let (step, device, tracer) = (batch.step, self.device, self.opts.tracer.as_ref());
         each_request(batch, |r, req, store| {
             let tokens: Vec<u32> = req.tokens.iter().map(|t| t.0).collect();
             let site = TraceSite {
@@ -381,26 +369,34 @@ impl Forward for ModelForward {
                     next: outs[keep].greedy,
                 });
             }
-            results.push((req.id, outs[..=keep].to_vec(), accepted));
+            outcomes.push(RequestOutcome {
+                id: req.id,
+                accepted_drafts: accepted,
+                next_token: req.produces_token.then_some(TokenId(outs[keep].greedy)),
+            });
+            if self.opts.record.is_some() {
+                kept.push((req.id, outs[..=keep].to_vec()));
+            }
             Ok(())
         })?;
-        {
-            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-            for (id, outs, accepted) in &results {
-                o.record(self.device, *id, outs, *accepted);
+        if let Some(record) = &self.opts.record {
+            let mut o = record.lock().unwrap_or_else(|e| e.into_inner());
+            for (id, outs) in &kept {
+                o.record(self.device, *id, outs);
             }
         }
         self.pending = pending;
-        match self.mtp {
-            Mtp::Combined { layer, indexer } => self.draft(batch, DraftCache { layer, indexer }),
-            _ => Ok(()),
-        }
+        let drafts = match self.mtp {
+            Mtp::Combined { layer, indexer } => self.draft(batch, DraftCache { layer, indexer })?,
+            _ => Proposals::new(),
+        };
+        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(drafts)))
     }
 
-    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<(), ForwardError> {
+    fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {
         match self.mtp {
             Mtp::Separate { indexer } => self.draft(batch, DraftCache { layer: 0, indexer }),
-            _ => Ok(()),
+            _ => Ok(Proposals::new()),
         }
     }
 }

@@ -143,7 +143,7 @@ pub struct StepPlan {
 }
 
 /// What the framework decided after the forward pass of one request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RequestOutcome {
     /// The request.
     pub id: RequestId,
