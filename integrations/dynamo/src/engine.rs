@@ -351,6 +351,7 @@ impl LLMEngine for DsaKvEngine {
     ) -> Result<BoxStream<'static, Result<LLMEngineOutput, DynamoError>>, DynamoError> {
         let commands = self.sender()?;
         let (prompt, max_new) = self.admit(&request)?;
+        let rule = StopRule::of(&request).map_err(|e| invalid(e.to_string()))?;
         let prompt_tokens = prompt.len() as u32;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let context = ctx.id().to_string();
@@ -365,7 +366,7 @@ impl LLMEngine for DsaKvEngine {
                 id,
                 prompt,
                 max_new,
-                rule: StopRule::of(&request),
+                rule,
                 events,
             })
             .map_err(|_| {
