@@ -126,7 +126,31 @@ fn rows() -> Vec<Row> {
         (
             "config: malformed JSON",
             Box::new(|| err(EngineConfig::from_json_str("{\"kv_cache\": {"))),
-            "invalid config <json>: EOF while parsing an object at line 1 column 14",
+            "invalid config <json>: kv_cache: EOF while parsing an object at line 1 column 14",
+        ),
+        (
+            "config: unknown field (JSON)",
+            Box::new(|| err(EngineConfig::from_json_str("{\"kv_cache\": {\"max_tokenz\": 1}}"))),
+            "invalid config <json>: kv_cache.max_tokenz: unknown field `max_tokenz`, expected one of `tokens_per_block`, `use_kv_cache_manager_v2`, `free_gpu_memory_fraction`, `max_tokens`, `max_gpu_total_bytes`, `host_cache_size`, `enable_block_reuse`, `enable_partial_reuse`, `max_util_for_resume` at line 1 column 26",
+        ),
+        (
+            "config: wrong type (JSON)",
+            Box::new(|| {
+                err(EngineConfig::from_json_str(
+                    "{\"kv_cache\": {\"max_tokens\": \"lots\"}}",
+                ))
+            }),
+            "invalid config <json>: kv_cache.max_tokens: invalid type: string \"lots\", expected u64 at line 1 column 34",
+        ),
+        (
+            "config: YAML nested 100,000 deep",
+            Box::new(|| err(EngineConfig::from_yaml_str(&"[".repeat(100_000)))),
+            "invalid config <yaml>: nested too deeply at line 1: indentation, entries and brackets count 100000, past the limit of 64 (an engine configuration is three levels deep)",
+        ),
+        (
+            "config: a file that is a character device",
+            Box::new(|| err(EngineConfig::from_file("/dev/zero"))),
+            "cannot read config file /dev/zero: not a regular file (a character device): name the file itself",
         ),
         (
             "config: malformed YAML",
@@ -880,6 +904,11 @@ async fn extreme_limits_are_typed_errors_before_any_allocation() {
             Box::new(|c| c.kv_cache.max_tokens = Some(u64::MAX)),
             "kv_cache.max_tokens = 18446744073709551615 is invalid: must be at most \
              1099511627776 tokens",
+        ),
+        (
+            "config: host_cache_size u64::MAX",
+            Box::new(|c| c.kv_cache.host_cache_size = Some(u64::MAX)),
+            "host_cache_size = 18446744073709551615 B would make",
         ),
         (
             "config: tp_size 10^6",

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use dsa_kv::actors::KvCacheHandle;
 use dsa_kv::transfer::session::{
-    host_block_digests, link_pair, AbortReason, HandOver, ImportOutcome, SessionError, SessionMsg,
-    SessionOptions, TransferSession, Wire, PROTOCOL_VERSION,
+    host_block_digests, link_pair, AbortReason, BlockDigest, HandOver, ImportOutcome, SessionError,
+    SessionMsg, SessionOptions, TransferSession, Wire, PROTOCOL_VERSION,
 };
 use dsa_kv::transfer::{
     plan_writes, ImportTicket, KvTransport, LocalTransport, MemRegion, PeerId, TransportError,
@@ -443,13 +443,13 @@ fn hostile_exporters_end_the_import_cleanly() {
                 else {
                     panic!("{case:?}: no ticket");
                 };
-                let written = |digests: Vec<String>, import: RequestId| SessionMsg::Written {
+                let written = |digests: Vec<BlockDigest>, import: RequestId| SessionMsg::Written {
                     export: t2.export,
                     import,
                     report: Default::default(),
                     digests: Some(digests),
                 };
-                let four = vec!["00".repeat(32); 4];
+                let four = vec![BlockDigest([0; 32]); 4];
                 match case {
                     Exporter::Fails | Exporter::FailsInFlight => w
                         .send(&SessionMsg::Failed {
@@ -471,7 +471,7 @@ fn hostile_exporters_end_the_import_cleanly() {
                         t.write(&peer, &[], note.as_bytes()).unwrap();
                     }
                     Exporter::ShortDigests => w
-                        .send(&written(vec!["00".repeat(32)], t2.id))
+                        .send(&written(vec![BlockDigest([0; 32])], t2.id))
                         .await
                         .unwrap(),
                     Exporter::OtherImport => w

@@ -36,24 +36,39 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use tokio::sync::mpsc;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-/// The system allocator, recording the largest single allocation.
+/// The system allocator, recording the largest single allocation, and the bytes live
+/// and their peak.
 struct Counting;
 
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(by: usize) {
+    let now = LIVE.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
 
 // SAFETY: every call is forwarded to the system allocator unchanged.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         LARGEST.fetch_max(l.size(), Ordering::Relaxed);
+        grew(l.size());
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         LARGEST.fetch_max(new, Ordering::Relaxed);
+        if new >= l.size() {
+            grew(new - l.size());
+        } else {
+            LIVE.fetch_sub(l.size() - new, Ordering::Relaxed);
+        }
         // SAFETY: as above.
         unsafe { System.realloc(p, l, new) }
     }
@@ -367,6 +382,143 @@ fn the_session_wire_refuses_or_decodes() {
         .unwrap();
 }
 
+/// Frames of the session protocol as an exporter could craft them, each as large as the
+/// wire admits (16 MiB) and made of what costs the decoder most per byte: 5.6 M empty
+/// digest strings, 8 M one-digit tokens or metadata bytes, a 16 MiB reason, 16K + 1
+/// blocks with no pages. Each is refused (or, for the honest large offer, decoded) with
+/// no single allocation over 4 MiB (an offer's 1M tokens take exactly that) and at most
+/// the frame's own bytes plus 8 MiB live at the peak. Before: the empty digests cost
+/// 320 MiB at the peak and 192 MiB held, the tokens 80 MiB, the metadata and the
+/// reason 48 MiB.
+#[test]
+fn session_frames_cost_no_more_than_their_bytes() {
+    use dsa_kv::transfer::session::{SessionMsg, Wire, WireError, MAX_FRAME};
+    use dsa_kv::transfer::MAX_TRANSFER_BLOCKS;
+    let _serial = SERIAL.lock().unwrap();
+    let frame = |json: Vec<u8>| {
+        let mut f = (json.len() as u64).to_le_bytes().to_vec();
+        f.extend(json);
+        f
+    };
+    // `head`, then `n` times `item` comma-separated, then `tail`.
+    let list = |head: &str, item: &str, tail: &str, n: usize| {
+        let mut b = Vec::with_capacity(head.len() + n * (item.len() + 1) + tail.len());
+        b.extend_from_slice(head.as_bytes());
+        for i in 0..n {
+            if i > 0 {
+                b.push(b',');
+            }
+            b.extend_from_slice(item.as_bytes());
+        }
+        b.extend_from_slice(tail.as_bytes());
+        b
+    };
+    // As many as fill a whole frame.
+    let fill = |head: &str, item: &str, tail: &str| {
+        let n = (MAX_FRAME as usize - head.len() - tail.len()) / (item.len() + 1);
+        list(head, item, tail, n)
+    };
+    let room = MAX_FRAME as usize;
+    let digest = format!("\"{}\"", "ab".repeat(32));
+    let block = format!(
+        "{{\"key\":[{}],\"target\":[],\"draft\":[]}}",
+        ["0"; 32].join(",")
+    );
+    let cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        (
+            "empty digests",
+            fill("{\"Written\":{\"digests\":[", "\"\"", "]}}"),
+            Some("invalid value"),
+        ),
+        (
+            "digests past the cap",
+            list(
+                "{\"Written\":{\"digests\":[",
+                &digest,
+                "]}}",
+                MAX_TRANSFER_BLOCKS + 1,
+            ),
+            Some("more than 16384 entries"),
+        ),
+        (
+            "offer tokens",
+            fill("{\"Offer\":{\"export\":{\"tokens\":[", "1", "]}}}"),
+            Some("more than 1048576 entries"),
+        ),
+        (
+            "offer blocks",
+            list(
+                "{\"Offer\":{\"export\":{\"blocks\":[",
+                &block,
+                "]}}}",
+                MAX_TRANSFER_BLOCKS + 1,
+            ),
+            Some("more than 16384 entries"),
+        ),
+        (
+            "hello metadata",
+            fill("{\"Hello\":{\"metadata\":[", "0", "]}}"),
+            Some("more than 1048576 entries"),
+        ),
+        (
+            "a long reason",
+            {
+                let mut b = b"{\"Failed\":{\"export\":1,\"in_flight\":false,\"why\":\"".to_vec();
+                b.resize(room - 3, b'x');
+                b.extend_from_slice(b"\"}}");
+                b
+            },
+            Some("a string of more than 65536 bytes"),
+        ),
+        (
+            "an honest offer of 1M tokens",
+            {
+                let mut b = list(
+                    "{\"Offer\":{\"export\":{\"id\":1,\"scope\":{\"lora_id\":null,\"salt\":null},\"tokens\":[",
+                    "7",
+                    "],",
+                    1 << 20,
+                );
+                b.extend_from_slice(
+                    b"\"tokens_per_block\":64,\"layout\":\"x\",\"pools\":[],\"blocks\":[]}}}",
+                );
+                b
+            },
+            None,
+        ),
+    ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for (name, json, refused) in cases {
+        let len = json.len();
+        assert!(len as u64 <= MAX_FRAME, "{name}: {len} bytes");
+        let bytes = frame(json);
+        LARGEST.store(0, Ordering::Relaxed);
+        let base = LIVE.load(Ordering::Relaxed);
+        PEAK.store(base, Ordering::Relaxed);
+        let got = rt.block_on(Wire::new(&bytes[..]).recv::<SessionMsg>());
+        let largest = LARGEST.load(Ordering::Relaxed);
+        let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+        match (refused, &got) {
+            (Some(why), Err(WireError::Decode { why: got, .. })) => {
+                assert!(got.contains(why), "{name}: {got}")
+            }
+            (None, Ok(SessionMsg::Offer { export })) => {
+                assert_eq!(export.tokens.len(), 1 << 20, "{name}")
+            }
+            _ => panic!("{name}: {got:?}"),
+        }
+        assert!(largest <= BOUND, "{name}: an allocation of {largest} bytes");
+        assert!(
+            peak <= len + (8 << 20),
+            "{name}: {peak} bytes live at the peak for a frame of {len}"
+        );
+        eprintln!("{name}: {len} B frame, largest allocation {largest} B, peak {peak} B");
+    }
+}
+
 /// A small random engine side: regions of 1–3 pools per cache, random slot counts and
 /// addresses (some near the end of the address space), random pages.
 fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
@@ -498,4 +650,119 @@ fn transfer_plans_from_peer_inputs_stay_inside_the_regions() {
             Ok(())
         })
         .unwrap();
+}
+
+/// A checkpoint folder with the fixture's tensors and an edited `config.json` (or, with
+/// `zero`, a `config.json` that links to `/dev/zero`).
+fn checkpoint_copy(variant: &str, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(variant);
+    let dst =
+        std::env::temp_dir().join(format!("dsa-kv-fuzz-ckpt-{}-{variant}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dst.join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+    dst
+}
+
+/// A `config.json` that claims many layers costs nothing before the first missing
+/// tensor: 2^24 layers are refused by the parser, the most it admits (4,096) at the
+/// first missing layer, with no allocation over 4 MiB (before: both loaders reserved
+/// every layer up front, 12.6 GB for V3.2 and 18.5 GB for V4 at 2^24); a `config.json`
+/// that is not a regular file (`/dev/zero`, a FIFO) is refused without reading it
+/// (before: memory grew without bound, or the loader hung).
+#[test]
+fn checkpoint_files_cannot_make_the_loaders_reserve_or_hang() {
+    use dsa_kv::config::KvDtype;
+    use dsa_kv::ops::quant::ScaleFormat;
+    use dsa_kv_model::v4::V4Model;
+    use dsa_kv_model::{CacheFormat, Model};
+    let _serial = SERIAL.lock().unwrap();
+    let format = CacheFormat {
+        kv_dtype: KvDtype::Bf16,
+        scale_format: ScaleFormat::Ue8m0,
+        indexer: vec![true, true],
+    };
+    let v32_with = |n: u64| {
+        checkpoint_copy("deepseek_v32", |c| {
+            // Dense first, then MoE (`first_k_dense_replace`), for any count.
+            let o = c.as_object_mut().unwrap();
+            o.remove("layer_types");
+            o.remove("mlp_layer_types");
+            c["num_hidden_layers"] = n.into();
+        })
+    };
+    let v4_with = |n: u64| {
+        checkpoint_copy("deepseek_v4", |c| {
+            // The default layer pattern, for any count.
+            let o = c.as_object_mut().unwrap();
+            o.remove("layer_types");
+            o.remove("mlp_layer_types");
+            c["num_hidden_layers"] = n.into();
+        })
+    };
+    let v32 = v32_with(1 << 24);
+    let e = Model::from_checkpoint(&v32, format.clone())
+        .err()
+        .expect("refused");
+    assert!(
+        e.to_string()
+            .starts_with("config.json: num_hidden_layers = 16777216: at most 4096"),
+        "{e}"
+    );
+    let v32 = v32_with(4096);
+    LARGEST.store(0, Ordering::Relaxed);
+    let e = Model::from_checkpoint(&v32, format.clone())
+        .err()
+        .expect("refused");
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(largest < BOUND, "an allocation of {largest} bytes ({e})");
+    assert!(e.to_string().contains("model.layers.2."), "{e}");
+    let v4 = v4_with(1 << 24);
+    let e = V4Model::from_checkpoint(&v4).err().expect("refused");
+    assert!(
+        e.to_string()
+            .starts_with("config.json: num_hidden_layers = 16777216: at most 4096"),
+        "{e}"
+    );
+    let v4 = v4_with(4096);
+    LARGEST.store(0, Ordering::Relaxed);
+    let e = V4Model::from_checkpoint(&v4).err().expect("refused");
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(largest < BOUND, "an allocation of {largest} bytes ({e})");
+    assert!(e.to_string().contains("model.layers."), "{e}");
+    // Files that are not regular files.
+    for dir in [&v32, &v4] {
+        let cfg = dir.join("config.json");
+        std::fs::remove_file(&cfg).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &cfg).unwrap();
+        let e = match dir == &v32 {
+            true => Model::from_checkpoint(dir, format.clone())
+                .err()
+                .unwrap()
+                .to_string(),
+            false => V4Model::from_checkpoint(dir).err().unwrap().to_string(),
+        };
+        assert!(e.contains("not a regular file (a character device)"), "{e}");
+        std::fs::remove_file(&cfg).unwrap();
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&cfg)
+            .status()
+            .unwrap()
+            .success());
+        let e = match dir == &v32 {
+            true => Model::from_checkpoint(dir, format.clone())
+                .err()
+                .unwrap()
+                .to_string(),
+            false => V4Model::from_checkpoint(dir).err().unwrap().to_string(),
+        };
+        assert!(e.contains("not a regular file (a FIFO)"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

@@ -239,21 +239,61 @@ fn ready(ty: &str) -> Vec<u8> {
 /// A raw client that completed the handshake as a `ty` socket (the server's greeting
 /// and READY are read and discarded).
 fn handshaken(endpoint: &str, ty: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr(endpoint)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(&greeting()).unwrap();
-    s.write_all(&ready(ty)).unwrap();
+    handshake_on(TcpStream::connect(addr(endpoint)).unwrap(), ty).unwrap()
+}
+
+/// The client's half of the handshake as a `ty` socket on `s`; an error if the server
+/// closed the connection instead.
+fn handshake_on(mut s: TcpStream, ty: &str) -> std::io::Result<TcpStream> {
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(&greeting())?;
+    s.write_all(&ready(ty))?;
     let mut g = [0u8; 64];
-    s.read_exact(&mut g).unwrap();
+    s.read_exact(&mut g)?;
     assert_eq!((g[0], g[9], g[10]), (0xff, 0x7f, 3), "a ZMTP 3 greeting");
     // The server's READY: flags, length, body.
     let mut h = [0u8; 2];
-    s.read_exact(&mut h).unwrap();
+    s.read_exact(&mut h)?;
     assert_eq!(h[0] & 0x04, 0x04, "a command frame");
     let mut body = vec![0u8; h[1] as usize];
-    s.read_exact(&mut body).unwrap();
+    s.read_exact(&mut body)?;
     assert_eq!(&body[1..6], b"READY");
-    s
+    Ok(s)
+}
+
+/// A TCP connection to `endpoint` from the loopback address `from` (127.0.0.2 is
+/// another host as far as the publisher can tell).
+async fn connect_from(endpoint: &str, from: [u8; 4]) -> std::io::Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind((from, 0).into())?;
+    let s = socket.connect(addr(endpoint).parse().unwrap()).await?;
+    let s = s.into_std()?;
+    s.set_nonblocking(false)?;
+    Ok(s)
+}
+
+/// The next whole message on a raw client's connection: its frames.
+fn read_message(s: &mut TcpStream) -> std::io::Result<Vec<Vec<u8>>> {
+    let mut frames = Vec::new();
+    loop {
+        let mut flags = [0u8; 1];
+        s.read_exact(&mut flags)?;
+        let len = if flags[0] & 0x02 != 0 {
+            let mut n = [0u8; 8];
+            s.read_exact(&mut n)?;
+            u64::from_be_bytes(n) as usize
+        } else {
+            let mut n = [0u8; 1];
+            s.read_exact(&mut n)?;
+            usize::from(n[0])
+        };
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body)?;
+        frames.push(body);
+        if flags[0] & 0x01 == 0 {
+            return Ok(frames);
+        }
+    }
 }
 
 /// Whether the server closed `s` within `within` (reads and discards what comes).
@@ -467,6 +507,8 @@ async fn stalled_subscribers_cost_bounded_memory() {
     let _serial = SERIAL.lock().await;
     let limits = ZmqLimits {
         subscriber_queue_bytes: 512 << 10,
+        // All 51 come from 127.0.0.1 here.
+        max_subscribers_per_peer: 64,
         ..ZmqLimits::default()
     };
     let mut e = Engine::fed(limits.clone()).await;
@@ -574,6 +616,128 @@ async fn connection_caps_and_handshake_deadlines() {
     sub_sees_a_batch(&mut e).await;
     let r = e.publisher.report();
     assert!(r.refused_connections >= 1, "{r:?}");
+    e.shutdown().await;
+}
+
+/// Issue 39, item 10: one host that opens every connection both sockets allow (quiet
+/// subscribers subscribed to everything, replay clients that ask nothing yet: each
+/// looks honest) locked every other router out until it let go. Now a peer address
+/// holds at most `max_subscribers_per_peer` / `max_replay_clients_per_peer`, and a
+/// router on another host (127.0.0.2) subscribes and replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_host_cannot_take_every_connection() {
+    let _serial = SERIAL.lock().await;
+    let limits = ZmqLimits::default();
+    let mut e = Engine::fed(limits.clone()).await;
+    e.produce(2).await;
+    let pub_ep = e.publisher.endpoint().to_string();
+    let replay_ep = e.publisher.replay_endpoint().unwrap().to_string();
+    let mut hog = Vec::new();
+    for _ in 0..limits.max_subscribers {
+        let mut s = TcpStream::connect(addr(&pub_ep)).unwrap();
+        let _ = s.write_all(&greeting());
+        let _ = s.write_all(&ready("SUB"));
+        let _ = s.write_all(&frame(0x00, &[1]));
+        hog.push(s);
+    }
+    for _ in 0..limits.max_replay_clients {
+        let mut s = TcpStream::connect(addr(&replay_ep)).unwrap();
+        let _ = s.write_all(&greeting());
+        let _ = s.write_all(&ready("DEALER"));
+        hog.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The router on another host: a subscriber that gets the next batch.
+    let sub = connect_from(&pub_ep, [127, 0, 0, 2]).await.unwrap();
+    let mut sub = handshake_on(sub, "SUB").expect("the other host's subscriber was refused");
+    sub.write_all(&frame(0x00, &[1])).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    e.produce(1).await;
+    let m = read_message(&mut sub).expect("the other host's subscriber got a batch");
+    assert_eq!(m.len(), 3);
+    assert_eq!(m[1], 2u64.to_be_bytes());
+    // And its replay client: asks from 1, gets batches 1 and 2 and the end marker.
+    let replay = connect_from(&replay_ep, [127, 0, 0, 2]).await.unwrap();
+    let mut replay =
+        handshake_on(replay, "DEALER").expect("the other host's replay client was refused");
+    replay.write_all(&[0x01, 0x00]).unwrap();
+    replay.write_all(&frame(0x00, &1u64.to_be_bytes())).unwrap();
+    let mut seqs = Vec::new();
+    loop {
+        let m = read_message(&mut replay).expect("the replay answer");
+        if m[1] == END_OF_REPLAY {
+            break;
+        }
+        seqs.push(u64::from_be_bytes(m[1].as_slice().try_into().unwrap()));
+    }
+    assert_eq!(seqs, vec![1, 2]);
+    // The host kept its share on each socket: 16 subscribers, 8 replay clients; the
+    // rest were closed at once, counted and logged.
+    let mut kept = 0;
+    for s in &mut hog {
+        if !closed_by_server(s, Duration::from_millis(100)) {
+            kept += 1;
+        }
+    }
+    assert_eq!(
+        kept,
+        limits.max_subscribers_per_peer + limits.max_replay_clients_per_peer
+    );
+    let r = e.publisher.report();
+    let refused = (limits.max_subscribers - limits.max_subscribers_per_peer)
+        + (limits.max_replay_clients - limits.max_replay_clients_per_peer);
+    assert_eq!(r.refused_per_peer, refused as u64, "{r:?}");
+    assert_eq!(r.refused_connections, 0, "{r:?}");
+    drop(hog);
+    e.shutdown().await;
+}
+
+/// Issue 39, item 10 (idle peers): a subscriber that never subscribes to the
+/// publisher's topic, or cancels it, would receive nothing and only hold a slot; it is
+/// closed after `subscribe_timeout` (before: kept for ever). A replay client that asks
+/// nothing is closed after `replay_idle_timeout`. A subscriber that subscribed is kept
+/// however quiet it is (the publisher is the one that writes) and gets the next batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_peers_go_and_quiet_subscribers_stay() {
+    let _serial = SERIAL.lock().await;
+    let limits = ZmqLimits {
+        subscribe_timeout: Duration::from_millis(500),
+        replay_idle_timeout: Duration::from_millis(500),
+        ..ZmqLimits::default()
+    };
+    let mut e = Engine::fed(limits).await;
+    e.produce(1).await;
+    let pub_ep = e.publisher.endpoint().to_string();
+    let mut never = handshaken(&pub_ep, "SUB");
+    let mut elsewhere = handshaken(&pub_ep, "SUB");
+    elsewhere
+        .write_all(&frame(0x00, b"\x01another topic"))
+        .unwrap();
+    let mut quiet = handshaken(&pub_ep, "SUB");
+    quiet.write_all(&frame(0x00, &[1])).unwrap();
+    let mut asks_nothing = handshaken(e.publisher.replay_endpoint().unwrap(), "DEALER");
+    let t0 = Instant::now();
+    assert!(
+        closed_by_server(&mut never, Duration::from_secs(3)),
+        "a subscriber without a subscription was kept"
+    );
+    assert!(
+        closed_by_server(&mut elsewhere, Duration::from_secs(3)),
+        "a subscriber to another topic was kept"
+    );
+    assert!(closed_by_server(&mut asks_nothing, Duration::from_secs(3)));
+    let quiet_for = Duration::from_secs(2).saturating_sub(t0.elapsed());
+    assert!(
+        !closed_by_server(&mut quiet, quiet_for),
+        "a quiet subscriber was closed"
+    );
+    e.produce(1).await;
+    let m = read_message(&mut quiet).expect("the quiet subscriber got the batch");
+    assert_eq!(m[1], 1u64.to_be_bytes());
+    // It cancels its subscription: it wants nothing now, and goes.
+    quiet.write_all(&frame(0x00, &[0])).unwrap();
+    assert!(closed_by_server(&mut quiet, Duration::from_secs(3)));
+    assert_eq!(e.publisher.report().dropped_peers, 4);
     e.shutdown().await;
 }
 

@@ -13,10 +13,10 @@
 //!
 //! What a client can cost the publisher is bounded: see [`ZmqLimits`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,9 +43,20 @@ pub const END_OF_REPLAY: [u8; 8] = (-1i64).to_be_bytes();
 /// limits:
 ///
 /// * connections: at most `max_subscribers` on the PUB socket and `max_replay_clients`
-///   on the replay socket (handshakes included); the next is closed at once;
+///   on the replay socket (handshakes included), and of those at most
+///   `max_subscribers_per_peer` / `max_replay_clients_per_peer` from one peer address
+///   (an IPv4 address, or an IPv6 address), so that one host cannot lock the routers
+///   of others out; the next is closed at once, counted
+///   ([`PublisherReport::refused_connections`], [`PublisherReport::refused_per_peer`])
+///   and logged. Behind a proxy or NAT that shows every client with one address, raise
+///   the per-peer limits to the totals;
 /// * a connection that has not completed its handshake within `handshake_timeout` is
 ///   closed;
+/// * a subscriber that holds no subscription matching the publisher's topic for
+///   `subscribe_timeout` (from its handshake, or from cancelling its last one) is
+///   closed: it would receive nothing, and only hold a slot. One that is subscribed is
+///   never closed for being quiet (the publisher is the one that writes), only for a
+///   socket that accepts nothing, below;
 /// * a frame or command from a peer larger than `max_inbound_frame` is refused from its
 ///   header, before its body is read; a message of more frames than a request has is
 ///   refused; the connection is closed;
@@ -58,8 +69,9 @@ pub const END_OF_REPLAY: [u8; 8] = (-1i64).to_be_bytes();
 ///   subscriber whose socket accepts nothing for `send_timeout` is closed;
 /// * a replay client has one request answered at a time (the next is read once the
 ///   answer is written; what it sends meanwhile waits in its own TCP buffers); an
-///   answer not written within `replay_deadline` closes the client, and a client idle
-///   for `replay_idle_timeout` is closed.
+///   answer not written within `replay_deadline` closes the client, and a client that
+///   asks nothing for `replay_idle_timeout` (from its handshake or its last answer) is
+///   closed.
 ///
 /// So the publisher's memory beyond its replay buffer is at most about
 /// max_subscribers × (subscriber_queue_bytes + max_subscriptions × max_inbound_frame)
@@ -73,6 +85,10 @@ pub struct ZmqLimits {
     pub max_subscribers: usize,
     /// Connections on the replay socket (handshakes included).
     pub max_replay_clients: usize,
+    /// Connections on the PUB socket from one peer address (handshakes included).
+    pub max_subscribers_per_peer: usize,
+    /// Connections on the replay socket from one peer address (handshakes included).
+    pub max_replay_clients_per_peer: usize,
     /// Subscriptions one subscriber may hold.
     pub max_subscriptions: usize,
     /// The largest frame or command a peer may send (subscriptions, requests, READY).
@@ -81,6 +97,8 @@ pub struct ZmqLimits {
     pub subscriber_queue_bytes: u64,
     /// Time to complete the ZMTP handshake.
     pub handshake_timeout: Duration,
+    /// Time a subscriber may hold no subscription that matches the publisher's topic.
+    pub subscribe_timeout: Duration,
     /// Time a subscriber's socket may accept nothing while a message waits for it.
     pub send_timeout: Duration,
     /// Time to write one whole replay answer.
@@ -92,17 +110,24 @@ pub struct ZmqLimits {
 }
 
 impl Default for ZmqLimits {
-    /// 64 subscribers and 16 replay clients; 32 subscriptions; 1 KiB inbound frames;
-    /// 16 MiB per subscriber queue; 5 s handshakes; 10 s sends and replay answers;
-    /// 120 s idle replay clients; 1,000 batches per replay answer.
+    /// 64 subscribers and 16 replay clients, of which 16 and 8 from one peer address
+    /// (a quarter and a half: a router keeps one subscriber and one replay connection
+    /// per engine, so a host of eight routers is served, and no one host fills a
+    /// socket); 32 subscriptions; 1 KiB
+    /// inbound frames; 16 MiB per subscriber queue; 5 s handshakes; 30 s to subscribe
+    /// to the topic; 10 s sends and replay answers; 120 s idle replay clients; 1,000
+    /// batches per replay answer.
     fn default() -> Self {
         ZmqLimits {
             max_subscribers: 64,
             max_replay_clients: 16,
+            max_subscribers_per_peer: 16,
+            max_replay_clients_per_peer: 8,
             max_subscriptions: 32,
             max_inbound_frame: 1024,
             subscriber_queue_bytes: 16 << 20,
             handshake_timeout: Duration::from_secs(5),
+            subscribe_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(10),
             replay_deadline: Duration::from_secs(10),
             replay_idle_timeout: Duration::from_secs(120),
@@ -189,6 +214,10 @@ pub struct PublisherReport {
     pub dropped_messages: u64,
     /// Connections closed at once because the socket had its maximum of connections.
     pub refused_connections: u64,
+    /// Connections closed at once because their peer address had its maximum on that
+    /// socket ([`ZmqLimits::max_subscribers_per_peer`],
+    /// [`ZmqLimits::max_replay_clients_per_peer`]).
+    pub refused_per_peer: u64,
     /// Connections closed for breaking a limit or the protocol, a deadline, or a
     /// socket that accepted nothing for too long (each is logged with its reason).
     pub dropped_peers: u64,
@@ -203,6 +232,7 @@ struct Counters {
     replay_truncated: AtomicU64,
     dropped_messages: AtomicU64,
     refused_connections: AtomicU64,
+    refused_per_peer: AtomicU64,
     dropped_peers: AtomicU64,
     /// One more than the last sequence number sent (0: none yet).
     next_seq: AtomicU64,
@@ -220,6 +250,7 @@ impl Counters {
             send_errors: 0,
             dropped_messages: l(&self.dropped_messages),
             refused_connections: l(&self.refused_connections),
+            refused_per_peer: l(&self.refused_per_peer),
             dropped_peers: l(&self.dropped_peers),
         }
     }
@@ -305,9 +336,109 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .expect("invariant: the publisher's locks are never held across a panic")
 }
 
+/// The connections one socket holds, in all and per peer address.
+struct Slots {
+    max: usize,
+    per_peer: usize,
+    held: Mutex<Held>,
+}
+
+#[derive(Default)]
+struct Held {
+    total: usize,
+    /// Only addresses holding at least one (so at most `max` entries).
+    by_peer: HashMap<IpAddr, usize>,
+}
+
+/// Why a connection got no slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NoSlot {
+    /// The socket holds its maximum.
+    Full,
+    /// The connection's peer address holds its maximum.
+    PeerFull,
+}
+
+/// A connection's place on its socket, given back when dropped (however its task ends).
+struct Slot {
+    slots: Arc<Slots>,
+    peer: IpAddr,
+}
+
+impl Slots {
+    fn new(max: usize, per_peer: usize) -> Arc<Slots> {
+        Arc::new(Slots {
+            max,
+            per_peer,
+            held: Mutex::new(Held::default()),
+        })
+    }
+
+    /// A slot for a connection from `peer` (an IPv4-mapped IPv6 address counts as its
+    /// IPv4 address), unless the socket or that address holds its maximum.
+    fn take(self: &Arc<Self>, peer: IpAddr) -> Result<Slot, NoSlot> {
+        let peer = peer.to_canonical();
+        let mut h = lock(&self.held);
+        if h.total >= self.max {
+            return Err(NoSlot::Full);
+        }
+        let n = h.by_peer.get(&peer).copied().unwrap_or(0);
+        if n >= self.per_peer {
+            return Err(NoSlot::PeerFull);
+        }
+        h.by_peer.insert(peer, n + 1);
+        h.total += 1;
+        drop(h);
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+        Ok(Slot {
+            slots: self.clone(),
+            peer,
+        })
+    }
+
+    /// The total is the sum per address; no address holds more than its maximum, none
+    /// is listed with nothing.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
+    fn check_invariants(&self) {
+        let h = lock(&self.held);
+        assert_eq!(h.total, h.by_peer.values().sum::<usize>());
+        assert!(h.total <= self.max);
+        assert!(h
+            .by_peer
+            .values()
+            .all(|&n| (1..=self.per_peer).contains(&n)));
+    }
+
+    /// (connections held, of them from `peer`), for tests.
+    #[cfg(test)]
+    fn held(&self, peer: IpAddr) -> (usize, usize) {
+        let h = lock(&self.held);
+        (h.total, h.by_peer.get(&peer).copied().unwrap_or(0))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut h = lock(&self.slots.held);
+        h.total -= 1;
+        if let Some(n) = h.by_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                h.by_peer.remove(&self.peer);
+            }
+        }
+        drop(h);
+        #[cfg(debug_assertions)]
+        self.slots.check_invariants();
+    }
+}
+
 /// What every task of the publisher shares.
 struct Shared {
     limits: ZmqLimits,
+    /// The first frame of every message (what a subscription must match).
+    topic: Bytes,
     counters: Counters,
     subscribers: Mutex<Vec<Arc<Subscriber>>>,
     buffer: ReplayBuffer,
@@ -396,6 +527,8 @@ impl ZmqPublisher {
         let l = &config.limits;
         if l.max_subscribers == 0
             || l.max_replay_clients == 0
+            || l.max_subscribers_per_peer == 0
+            || l.max_replay_clients_per_peer == 0
             || l.max_subscriptions == 0
             || l.replay_max_batches == 0
             || l.max_inbound_frame < 64
@@ -411,6 +544,7 @@ impl ZmqPublisher {
         };
         let shared = Arc::new(Shared {
             limits: config.limits.clone(),
+            topic: Bytes::copy_from_slice(config.topic.as_bytes()),
             counters: Counters::default(),
             subscribers: Mutex::new(Vec::new()),
             buffer: Mutex::new(VecDeque::new()),
@@ -560,14 +694,14 @@ fn handle(item: StreamItem, topic: &[u8], config: &ZmqPublisherConfig, shared: &
 }
 
 /// Accepts connections on one socket, each served by its own task, at most the
-/// socket's maximum at once; on close, waits for them (subscribers flush their queues
-/// within `send_timeout`).
+/// socket's maximum at once and its maximum per peer address; on close, waits for them
+/// (subscribers flush their queues within `send_timeout`).
 async fn accept(listener: TcpListener, ty: SocketType, shared: Arc<Shared>) {
-    let max = match ty {
-        SocketType::Pub => shared.limits.max_subscribers,
-        SocketType::Router => shared.limits.max_replay_clients,
+    let l = &shared.limits;
+    let slots = match ty {
+        SocketType::Pub => Slots::new(l.max_subscribers, l.max_subscribers_per_peer),
+        SocketType::Router => Slots::new(l.max_replay_clients, l.max_replay_clients_per_peer),
     };
-    let open = Arc::new(AtomicUsize::new(0));
     let mut tasks = JoinSet::new();
     let mut closing = shared.closing.subscribe();
     loop {
@@ -586,24 +720,28 @@ async fn accept(listener: TcpListener, ty: SocketType, shared: Arc<Shared>) {
                 continue;
             }
         };
-        if open.load(Ordering::Relaxed) >= max {
-            shared
-                .counters
-                .refused_connections
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%peer, max, socket = ?ty, "ZMQ publisher: too many connections; closing the new one");
-            drop(stream);
-            continue;
-        }
+        let slot = match slots.take(peer.ip()) {
+            Ok(slot) => slot,
+            Err(no) => {
+                let c = &shared.counters;
+                let (counter, limit, what) = match no {
+                    NoSlot::Full => (&c.refused_connections, slots.max, "in all"),
+                    NoSlot::PeerFull => (&c.refused_per_peer, slots.per_peer, "from its address"),
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, socket = ?ty, limit, "ZMQ publisher: the socket holds its maximum of connections {what}; closing the new one");
+                drop(stream);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
-        open.fetch_add(1, Ordering::Relaxed);
-        let (shared, open) = (shared.clone(), open.clone());
+        let shared = shared.clone();
         tasks.spawn(async move {
+            let _slot = slot;
             match ty {
                 SocketType::Pub => serve_subscriber(stream, peer, &shared).await,
                 SocketType::Router => serve_replay(stream, peer, &shared).await,
             }
-            open.fetch_sub(1, Ordering::Relaxed);
         });
     }
     drop(listener);
@@ -667,7 +805,7 @@ async fn serve_subscriber(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<
     let writer = tokio::spawn(write_queued(wr, sub.clone(), shared.clone(), peer));
     let mut closing = shared.closing.subscribe();
     let why = tokio::select! {
-        why = read_subscriptions(&mut rd, &sub, &shared.limits) => Some(why),
+        why = read_subscriptions(&mut rd, &sub, &shared.limits, &shared.topic) => Some(why),
         _ = closing.wait_for(|c| *c) => None,
         // The writer ended first (the socket broke or accepted nothing in time).
         _ = wait_gone(&sub) => None,
@@ -675,7 +813,9 @@ async fn serve_subscriber(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<
     lock(&shared.subscribers).retain(|s| !Arc::ptr_eq(s, &sub));
     match why {
         // The peer closed its connection: not its fault.
-        Some(ZmtpError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+        Some(ReaderEnd::Zmtp(ZmtpError::Io(e)))
+            if e.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
             sub.end();
         }
         Some(e) => {
@@ -694,15 +834,39 @@ async fn wait_gone(sub: &Subscriber) {
     }
 }
 
-/// Reads subscriptions until the connection fails or breaks a limit (the reason).
+/// Why a subscriber's reader ended.
+#[derive(Debug, Error)]
+enum ReaderEnd {
+    /// The connection failed, or the peer broke the protocol or a limit.
+    #[error(transparent)]
+    Zmtp(#[from] ZmtpError),
+    /// No subscription matched the topic for this long.
+    #[error("no subscription to the publisher's topic for {0:?}: it would receive nothing")]
+    Unsubscribed(Duration),
+}
+
+/// Reads subscriptions until the connection fails, breaks a limit, or holds no
+/// subscription that matches `topic` for `subscribe_timeout` (the reason).
 async fn read_subscriptions(
     rd: &mut tokio::net::tcp::OwnedReadHalf,
     sub: &Subscriber,
     limits: &ZmqLimits,
-) -> ZmtpError {
+    topic: &[u8],
+) -> ReaderEnd {
+    // While the subscriber wants nothing we send: when it is closed unless it asks.
+    let mut unsubscribed_until = Some(tokio::time::Instant::now() + limits.subscribe_timeout);
     loop {
-        let change = match zmtp::read_incoming(rd, limits.max_inbound_frame, 1).await {
-            Err(e) => return e,
+        let next = zmtp::read_incoming(rd, limits.max_inbound_frame, 1);
+        let read = match unsubscribed_until {
+            None => next.await,
+            // Cut mid-frame or not, the connection is closed.
+            Some(t) => match tokio::time::timeout_at(t, next).await {
+                Ok(read) => read,
+                Err(_) => return ReaderEnd::Unsubscribed(limits.subscribe_timeout),
+            },
+        };
+        let change = match read {
+            Err(e) => return e.into(),
             // ZMTP 3.0: a message whose first byte is 1 (subscribe) or 0 (cancel).
             Ok(Incoming::Message(parts)) => match parts[0].first() {
                 Some(1) => Some((true, parts[0].slice(1..))),
@@ -717,7 +881,9 @@ async fn read_subscriptions(
                 _ => None,
             },
         };
-        let Some((add, topic)) = change else { continue };
+        let Some((add, prefix)) = change else {
+            continue;
+        };
         let mut subs = lock(&sub.subscriptions);
         if add {
             if subs.len() >= limits.max_subscriptions {
@@ -725,12 +891,20 @@ async fn read_subscriptions(
                     what: "subscription list (entries)",
                     len: subs.len() as u64 + 1,
                     limit: limits.max_subscriptions as u64,
-                };
+                }
+                .into();
             }
-            subs.push(topic);
-        } else if let Some(i) = subs.iter().position(|s| *s == topic) {
+            subs.push(prefix);
+        } else if let Some(i) = subs.iter().position(|s| *s == prefix) {
             subs.swap_remove(i);
         }
+        let wanted = subs.iter().any(|s| topic.starts_with(s));
+        drop(subs);
+        unsubscribed_until = match (wanted, unsubscribed_until) {
+            (true, _) => None,
+            (false, Some(t)) => Some(t),
+            (false, None) => Some(tokio::time::Instant::now() + limits.subscribe_timeout),
+        };
     }
 }
 
@@ -907,6 +1081,33 @@ mod tests {
         assert_eq!(replay_start(&[Bytes::from_static(b"x"), seq]), None);
         assert_eq!(replay_start(&[]), None);
         assert_eq!(END_OF_REPLAY, [0xff; 8]);
+    }
+
+    #[test]
+    fn slots_hold_a_share_per_peer_and_come_back_when_dropped() {
+        let s = Slots::new(3, 2);
+        let (a, b) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
+        let a_mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        let a1 = s.take(a).unwrap();
+        // The IPv4-mapped form of `a` is `a`.
+        let a2 = s.take(a_mapped).unwrap();
+        assert_eq!(s.take(a).err(), Some(NoSlot::PeerFull));
+        assert_eq!(s.held(a), (2, 2));
+        let b1 = s.take(b).unwrap();
+        assert_eq!(
+            s.take(IpAddr::from([10, 0, 0, 3])).err(),
+            Some(NoSlot::Full)
+        );
+        assert_eq!(s.take(a).err(), Some(NoSlot::Full));
+        drop(a1);
+        assert_eq!(s.held(a), (2, 1));
+        let a3 = s.take(a).unwrap();
+        assert_eq!(s.held(a), (3, 2));
+        s.check_invariants();
+        drop((a2, a3, b1));
+        assert_eq!(s.held(a), (0, 0));
+        s.check_invariants();
+        assert!(lock(&s.held).by_peer.is_empty());
     }
 
     #[test]

@@ -41,6 +41,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bounded;
 pub mod config;
 pub mod core;
 pub mod ids;

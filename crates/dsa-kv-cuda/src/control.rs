@@ -11,14 +11,32 @@
 //! itself `A`, or replays an earlier `Hello`, is refused.
 //!
 //! The [`Acceptor`] runs every handshake at once without blocking: a connection that
-//! sends nothing costs a slot until its deadline, never the wait of the next one, and
-//! at most [`MAX_HANDSHAKES`] are in progress and [`MAX_INTRODUCED`] introduced
-//! connections wait for their `connect` (the oldest is dropped), so a flood of sockets
-//! costs bounded memory.
+//! sends nothing costs a slot until its deadline, never the wait of the next one. The
+//! slots are bounded in all and per peer address, so a flood of sockets costs bounded
+//! memory, and a newcomer is never turned away for want of one: it displaces the
+//! oldest entry of its own address once that address holds its share, else of the
+//! address holding the most ([`displaced`]). At most [`MAX_HANDSHAKES`] handshakes are
+//! in progress ([`MAX_HANDSHAKES_PER_PEER`] from one address).
+//!
+//! A `Hello`'s proof needs the connector's secret, which the acceptor learns only from
+//! that peer's metadata, when `connect` pairs with it ([`pair`]). While it pairs with
+//! `A`, a `Hello` naming `A` is checked the moment it arrives (and those that waited
+//! are checked when pairing starts): a forged one is closed at once and a proven one is
+//! kept apart, where nothing but `A` itself can add to it. A `Hello` naming anyone else
+//! waits unproven for its own `connect`, [`MAX_INTRODUCED`] of them at most
+//! ([`MAX_INTRODUCED_PER_PEER`] from one address). A connector whose connection is
+//! closed (displaced, refused, or its handshake cut at its deadline) connects again,
+//! with a growing pause, until its deadline: an honest peer displaced by a flood from
+//! its own address gets in on a later try, and one that connects while we pair with it
+//! is proven at once. What is left: an address that opens connections faster than the
+//! peer answers its challenge (many per millisecond, without pause) can keep displacing
+//! it; that is a flood of the host, not of a slot.
+//!
+//! The wire protocol is unchanged (challenge, `Hello`, then the transport's frames).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -31,11 +49,27 @@ use dsa_kv_device::transfer::TransportError;
 /// Bytes of a secret and of a nonce.
 pub(crate) const SECRET_LEN: usize = 32;
 
-/// Handshakes in progress at once; more connections are closed at once.
+/// Handshakes in progress at once; a newcomer past it displaces one (see the module
+/// docs).
 pub(crate) const MAX_HANDSHAKES: usize = 64;
 
-/// Introduced connections waiting for their `connect`.
+/// Handshakes in progress from one peer address: a fair share of [`MAX_HANDSHAKES`]
+/// (four addresses are needed to fill it; one connector has one at a time).
+pub(crate) const MAX_HANDSHAKES_PER_PEER: usize = 16;
+
+/// Introduced connections whose proof cannot be checked yet (they name a peer we are
+/// not pairing with now), waiting for their `connect`.
 pub(crate) const MAX_INTRODUCED: usize = 16;
+
+/// Unproven introduced connections from one peer address.
+pub(crate) const MAX_INTRODUCED_PER_PEER: usize = 4;
+
+/// The first pause before a connector tries again; it doubles up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(20);
+
+/// The longest pause between a connector's tries: it is back within this long of the
+/// peer's starting to pair, and tries about deadline / `RETRY_MAX` + 6 times at most.
+const RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// The largest `Hello` frame.
 const MAX_HELLO: u64 = 4096;
@@ -217,51 +251,130 @@ pub(crate) struct PairSpec<'a> {
 /// (its `Hello` checked by `acceptor`), served together, so that neither side waits for
 /// the other to finish its half first. Returns (our connection, its connection, the id
 /// of the communicator it sends on).
+///
+/// While it runs, `acceptor` checks every `Hello` naming `p.agent` as it arrives. Our
+/// own connection is made again (after a pause that grows from [`RETRY_FIRST`] to
+/// [`RETRY_MAX`]) whenever the peer closes it before taking it, until `deadline`: the
+/// peer's acceptor may have displaced it to make room, or cut its handshake.
 pub(crate) fn pair(
     acceptor: &mut Acceptor,
     p: &PairSpec<'_>,
     deadline: Instant,
 ) -> Result<(TcpStream, TcpStream, Vec<u8>), TransportError> {
-    let mut out = loop {
-        match TcpStream::connect_timeout(&p.control, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => {
-                return Err(failed(
-                    "connect",
-                    format!("cannot reach {} at {}: {e}", p.agent, p.control),
-                ))
-            }
-            Err(_) => {
-                acceptor.poll()?;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+    acceptor.expect(p.agent, p.peer_secret);
+    let paired = pair_expected(acceptor, p, deadline);
+    acceptor.expect_nobody();
+    paired
+}
+
+/// Our connection to the peer, in its introduction.
+struct Outgoing {
+    stream: TcpStream,
+    /// What has arrived of the peer's challenge.
+    challenge: Vec<u8>,
+    /// Our `Hello` is sent.
+    introduced: bool,
+}
+
+/// Why one try of our connection ended.
+enum TryEnded {
+    /// The peer closed it, or it could not be made: try again.
+    Closed(String),
+    /// The peer does not speak this protocol: give up.
+    Fatal(TransportError),
+}
+
+/// Advances our connection's introduction without blocking: reads the challenge,
+/// answers it; once answered, watches that the peer keeps the connection.
+fn advance_outgoing(o: &mut Outgoing, p: &PairSpec<'_>) -> Result<(), TryEnded> {
+    if o.introduced {
+        return if closed(&o.stream) {
+            Err(TryEnded::Closed(format!(
+                "{} closed our control connection after our Hello (refused it, or displaced it to make room)",
+                p.agent
+            )))
+        } else {
+            Ok(())
+        };
+    }
+    let nonce = match read_challenge(&mut o.stream, &mut o.challenge).map_err(TryEnded::Fatal)? {
+        Challenged::Partial => return Ok(()),
+        Challenged::Closed(why) => return Err(TryEnded::Closed(why)),
+        Challenged::Nonce(nonce) => nonce,
     };
-    out.set_nodelay(true)
-        .and_then(|()| out.set_nonblocking(true))
-        .map_err(|e| failed("connect", e.to_string()))?;
-    let mut challenge: Vec<u8> = Vec::new();
-    let mut introduced = false;
+    let mac = hello_mac(p.peer_secret, p.own_secret, &nonce, p.me, p.out_id)
+        .finalize()
+        .into_bytes();
+    let hello = Hello {
+        agent: p.me.to_string(),
+        id: p.out_id.to_vec(),
+        mac: hex(&mac),
+    };
+    let body = serde_json::to_vec(&hello)
+        .map_err(|e| TryEnded::Fatal(failed("connect", e.to_string())))?;
+    // A frame of a few hundred bytes on a fresh connection fits its send buffer, so
+    // this write does not wait on the peer; the timeout is for a buffer that is not.
+    o.stream
+        .set_nonblocking(false)
+        .and_then(|()| o.stream.set_write_timeout(Some(Duration::from_secs(1))))
+        .map_err(|e| TryEnded::Closed(format!("our control connection: {e}")))?;
+    write_frame(&mut o.stream, &body).map_err(|e| TryEnded::Closed(e.to_string()))?;
+    o.introduced = true;
+    Ok(())
+}
+
+fn pair_expected(
+    acceptor: &mut Acceptor,
+    p: &PairSpec<'_>,
+    deadline: Instant,
+) -> Result<(TcpStream, TcpStream, Vec<u8>), TransportError> {
+    let mut out: Option<Outgoing> = None;
+    let mut tries = 0u32;
+    let mut next_try = Instant::now();
+    let mut pause = RETRY_FIRST;
+    let mut last_end = String::new();
     let mut incoming: Option<(TcpStream, Vec<u8>)> = None;
     loop {
         acceptor.poll()?;
-        if !introduced {
-            if let Some(nonce) = read_challenge(&mut out, &mut challenge)? {
-                out.set_nonblocking(false)
-                    .map_err(|e| failed("connect", e.to_string()))?;
-                let mac = hello_mac(p.peer_secret, p.own_secret, &nonce, p.me, p.out_id)
-                    .finalize()
-                    .into_bytes();
-                let hello = Hello {
-                    agent: p.me.to_string(),
-                    id: p.out_id.to_vec(),
-                    mac: hex(&mac),
-                };
-                write_frame(
-                    &mut out,
-                    &serde_json::to_vec(&hello).map_err(|e| failed("connect", e.to_string()))?,
-                )?;
-                introduced = true;
+        if out.is_none() && Instant::now() >= next_try {
+            tries += 1;
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .clamp(Duration::from_millis(1), Duration::from_secs(1));
+            match TcpStream::connect_timeout(&p.control, wait).and_then(|s| {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+                Ok(s)
+            }) {
+                Ok(stream) => {
+                    out = Some(Outgoing {
+                        stream,
+                        challenge: Vec::new(),
+                        introduced: false,
+                    })
+                }
+                Err(e) => {
+                    last_end = format!("cannot reach {} at {}: {e}", p.agent, p.control);
+                    next_try = Instant::now() + pause;
+                    pause = (pause * 2).min(RETRY_MAX);
+                }
+            }
+        }
+        if let Some(o) = out.as_mut() {
+            match advance_outgoing(o, p) {
+                Ok(()) => {}
+                Err(TryEnded::Fatal(e)) => return Err(e),
+                Err(TryEnded::Closed(why)) => {
+                    tracing::debug!(
+                        agent = p.agent,
+                        tries,
+                        "nccl: our control connection ended ({why}); connecting again"
+                    );
+                    last_end = why;
+                    out = None;
+                    next_try = Instant::now() + pause;
+                    pause = (pause * 2).min(RETRY_MAX);
+                }
             }
         }
         while incoming.is_none() {
@@ -272,21 +385,31 @@ pub(crate) fn pair(
                 None => break,
             }
         }
-        if introduced {
-            if let Some((s, id)) = incoming.take() {
-                return Ok((out, s, id));
+        // Our connection was seen open after our Hello in this round (above), so the
+        // peer holds it: both directions are done.
+        if out.as_ref().is_some_and(|o| o.introduced) && incoming.is_some() {
+            if let (Some(o), Some((s, id))) = (out.take(), incoming.take()) {
+                return Ok((o.stream, s, id));
             }
         }
         if Instant::now() > deadline {
+            let ours = if out.as_ref().is_some_and(|o| o.introduced) {
+                String::new()
+            } else if last_end.is_empty() {
+                "; it sent no challenge on our connection".to_string()
+            } else {
+                format!("; it did not keep our connection ({tries} tries, the last: {last_end})")
+            };
             return Err(failed(
                 "connect",
                 format!(
-                    "{} did not complete the authenticated introduction in time ({}): both sides must connect, each with the other's metadata",
+                    "{} did not complete the authenticated introduction in time ({}{ours}): both sides must connect, each with the other's metadata",
                     p.agent,
-                    match (introduced, incoming.is_some()) {
-                        (false, _) => "it sent no challenge on our connection",
-                        (true, _) => "no connection from it proved it holds our metadata",
-                    }
+                    if incoming.is_some() {
+                        "its connection to us proved it holds our metadata"
+                    } else {
+                        "no connection from it proved it holds our metadata"
+                    },
                 ),
             ));
         }
@@ -294,12 +417,19 @@ pub(crate) fn pair(
     }
 }
 
-/// Reads what has arrived of the peer's challenge on the non-blocking `s` into `buf`:
-/// its nonce once whole.
-fn read_challenge(
-    s: &mut TcpStream,
-    buf: &mut Vec<u8>,
-) -> Result<Option<[u8; SECRET_LEN]>, TransportError> {
+/// What has arrived of the peer's challenge.
+enum Challenged {
+    /// Not all of it yet.
+    Partial,
+    /// All of it: its nonce.
+    Nonce([u8; SECRET_LEN]),
+    /// The peer closed the connection (or it failed) first: why.
+    Closed(String),
+}
+
+/// Reads what has arrived of the peer's challenge on the non-blocking `s` into `buf`;
+/// an error for a challenge that is not this protocol's.
+fn read_challenge(s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<Challenged, TransportError> {
     let mut chunk = [0u8; 512];
     loop {
         let want = if buf.len() < 8 {
@@ -318,21 +448,24 @@ fn read_challenge(
             let c: Challenge = serde_json::from_slice(&buf[8..])
                 .map_err(|e| failed("connect", format!("the peer's challenge: {e}")))?;
             return unhex(&c.nonce)
-                .map(Some)
+                .map(Challenged::Nonce)
                 .ok_or_else(|| failed("connect", "the peer's challenge is not a 32-byte nonce"));
         }
         let room = (want - buf.len()).min(chunk.len());
         match s.read(&mut chunk[..room]) {
             Ok(0) => {
-                return Err(failed(
-                    "connect",
-                    "the peer closed our control connection before its challenge",
+                return Ok(Challenged::Closed(
+                    "the peer closed our control connection before its challenge".into(),
                 ))
             }
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Challenged::Partial),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(failed("connect", e.to_string())),
+            Err(e) => {
+                return Ok(Challenged::Closed(format!(
+                    "our control connection, before the challenge: {e}"
+                )))
+            }
         }
     }
 }
@@ -372,16 +505,87 @@ pub(crate) fn introduce(
 /// A connection in its handshake: the challenge is sent, the `Hello` is being read.
 struct Handshake {
     stream: TcpStream,
+    /// The peer's address (canonical: an IPv4-mapped IPv6 address as IPv4).
+    peer: IpAddr,
+    started: Instant,
     nonce: [u8; SECRET_LEN],
     buf: Vec<u8>,
     deadline: Instant,
 }
 
-/// A connection whose `Hello` arrived, not yet checked against a peer's secret.
+/// A connection whose `Hello` arrived naming a peer we are not pairing with: its proof
+/// waits for that peer's secret.
 struct Introduced {
     stream: TcpStream,
+    peer: IpAddr,
+    arrived: Instant,
     nonce: [u8; SECRET_LEN],
     hello: Hello,
+}
+
+/// The peer we are pairing with, and its connections whose proof checked.
+struct Expected {
+    agent: String,
+    secret: [u8; SECRET_LEN],
+    /// Oldest first; only that peer can add to it (a proof needs its secret).
+    proven: VecDeque<(TcpStream, Vec<u8>)>,
+}
+
+/// Whether `hello`, the answer on a connection challenged with `nonce`, proves that its
+/// sender holds `acceptor_secret` and `connector_secret`.
+fn proves(
+    acceptor_secret: &[u8; SECRET_LEN],
+    connector_secret: &[u8; SECRET_LEN],
+    nonce: &[u8; SECRET_LEN],
+    hello: &Hello,
+) -> bool {
+    unhex(&hello.mac).is_some_and(|mac| {
+        hello_mac(
+            acceptor_secret,
+            connector_secret,
+            nonce,
+            &hello.agent,
+            &hello.id,
+        )
+        .verify_slice(&mac)
+        .is_ok()
+    })
+}
+
+/// Which entry of a table of `entries` (each its peer address and age) a newcomer from
+/// `peer` displaces, if any: none while there is room; once `peer` holds `per_peer`,
+/// the oldest of its own; once the table holds `total`, the oldest of the address that
+/// holds the most (of those, the one with the oldest entry). So a newcomer displaces
+/// another address's entry only if that address holds at least as many as its own,
+/// and it is never turned away.
+fn displaced(
+    entries: &[(IpAddr, Instant)],
+    peer: IpAddr,
+    total: usize,
+    per_peer: usize,
+) -> Option<usize> {
+    let mut held: HashMap<IpAddr, (usize, Instant)> = HashMap::new();
+    for &(ip, t) in entries {
+        let e = held.entry(ip).or_insert((0, t));
+        e.0 += 1;
+        e.1 = e.1.min(t);
+    }
+    let victim = if held.get(&peer).is_some_and(|&(n, _)| n >= per_peer) {
+        peer
+    } else if entries.len() >= total {
+        // The most entries; of those, the oldest entry (reversed: min_by on age).
+        held.iter()
+            .max_by(|a, b| a.1 .0.cmp(&b.1 .0).then(b.1 .1.cmp(&a.1 .1)))
+            .map(|(ip, _)| *ip)?
+    } else {
+        return None;
+    };
+    entries
+        .iter()
+        .enumerate()
+        .filter(|(_, (ip, _))| *ip == victim)
+        .min_by_key(|(_, (_, t))| *t)
+        .map(|(i, _)| i)
 }
 
 /// Accepts control connections and runs their handshakes concurrently (see the module
@@ -391,9 +595,12 @@ pub(crate) struct Acceptor {
     secret: [u8; SECRET_LEN],
     hello_timeout: Duration,
     handshaking: Vec<Handshake>,
+    /// Unproven, oldest first.
     introduced: VecDeque<Introduced>,
-    /// Connections closed: over the caps, silent past the deadline, malformed, or with
-    /// a wrong proof.
+    /// The peer [`pair`] is pairing with.
+    expected: Option<Expected>,
+    /// Connections closed: displaced to make room, silent past the deadline,
+    /// malformed, or with a wrong proof.
     pub refused: u64,
 }
 
@@ -411,6 +618,7 @@ impl Acceptor {
             hello_timeout,
             handshaking: Vec::new(),
             introduced: VecDeque::new(),
+            expected: None,
             refused: 0,
         })
     }
@@ -419,15 +627,27 @@ impl Acceptor {
     pub(crate) fn poll(&mut self) -> Result<(), TransportError> {
         loop {
             match self.listener.accept() {
-                Ok((s, peer)) => {
-                    if self.handshaking.len() >= MAX_HANDSHAKES {
+                Ok((s, addr)) => {
+                    let peer = addr.ip().to_canonical();
+                    let table: Vec<(IpAddr, Instant)> = self
+                        .handshaking
+                        .iter()
+                        .map(|h| (h.peer, h.started))
+                        .collect();
+                    if let Some(i) =
+                        displaced(&table, peer, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_PEER)
+                    {
+                        let old = self.handshaking.swap_remove(i);
                         self.refused += 1;
-                        tracing::warn!(%peer, "nccl: too many control handshakes at once; closing the new connection");
-                        continue;
+                        tracing::warn!(
+                            displaced = %old.peer,
+                            %addr,
+                            "nccl: control handshakes at their limit ({MAX_HANDSHAKES} in all, {MAX_HANDSHAKES_PER_PEER} per address); closing the oldest of the busiest address for a new connection"
+                        );
                     }
-                    if let Err(e) = self.start(s) {
+                    if let Err(e) = self.start(s, peer) {
                         self.refused += 1;
-                        tracing::warn!(%peer, "nccl: a control connection failed its challenge: {e}");
+                        tracing::warn!(%addr, "nccl: a control connection failed its challenge: {e}");
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -447,15 +667,7 @@ impl Acceptor {
                 Ok(Some(hello)) => {
                     let h = self.handshaking.swap_remove(i);
                     let _ = h.stream.set_nonblocking(false);
-                    if self.introduced.len() >= MAX_INTRODUCED {
-                        self.introduced.pop_front();
-                        self.refused += 1;
-                    }
-                    self.introduced.push_back(Introduced {
-                        stream: h.stream,
-                        nonce: h.nonce,
-                        hello,
-                    });
+                    self.introduce(h, hello, now);
                 }
                 Err(why) => {
                     let h = self.handshaking.swap_remove(i);
@@ -467,7 +679,85 @@ impl Acceptor {
         Ok(())
     }
 
-    fn start(&mut self, s: TcpStream) -> std::io::Result<()> {
+    /// Files a connection whose `Hello` arrived: checked now if it names the peer we
+    /// pair with, else kept unproven (displacing one past the limits).
+    fn introduce(&mut self, h: Handshake, hello: Hello, now: Instant) {
+        if let Some(x) = self.expected.as_mut().filter(|x| x.agent == hello.agent) {
+            if proves(&self.secret, &x.secret, &h.nonce, &hello) {
+                x.proven.push_back((h.stream, hello.id));
+                // Only the peer itself gets here; the bound is for form's sake.
+                if x.proven.len() > MAX_INTRODUCED {
+                    x.proven.pop_front();
+                }
+            } else {
+                self.refused += 1;
+                tracing::warn!(agent = %hello.agent, peer = %h.peer, "nccl: refused a control connection that names a peer but cannot prove it (wrong secret)");
+            }
+            return;
+        }
+        let table: Vec<(IpAddr, Instant)> = self
+            .introduced
+            .iter()
+            .map(|i| (i.peer, i.arrived))
+            .collect();
+        if let Some(k) = displaced(&table, h.peer, MAX_INTRODUCED, MAX_INTRODUCED_PER_PEER) {
+            let old = self
+                .introduced
+                .remove(k)
+                .expect("invariant: an index of the table");
+            self.refused += 1;
+            tracing::warn!(
+                agent = %old.hello.agent,
+                displaced = %old.peer,
+                "nccl: introduced control connections at their limit ({MAX_INTRODUCED} in all, {MAX_INTRODUCED_PER_PEER} per address); closing the oldest of the busiest address"
+            );
+        }
+        self.introduced.push_back(Introduced {
+            stream: h.stream,
+            peer: h.peer,
+            arrived: now,
+            nonce: h.nonce,
+            hello,
+        });
+    }
+
+    /// From now on a `Hello` naming `agent` is checked with `peer_secret` (from that
+    /// agent's metadata) as it arrives; those waiting are checked now. Connections
+    /// naming `agent` with a wrong proof are closed and counted.
+    pub(crate) fn expect(&mut self, agent: &str, peer_secret: &[u8; SECRET_LEN]) {
+        if self
+            .expected
+            .as_ref()
+            .is_some_and(|x| x.agent == agent && x.secret == *peer_secret)
+        {
+            return;
+        }
+        let mut x = Expected {
+            agent: agent.to_string(),
+            secret: *peer_secret,
+            proven: VecDeque::new(),
+        };
+        let mut kept = VecDeque::with_capacity(self.introduced.len());
+        for i in self.introduced.drain(..) {
+            if i.hello.agent != agent {
+                kept.push_back(i);
+            } else if proves(&self.secret, peer_secret, &i.nonce, &i.hello) {
+                x.proven.push_back((i.stream, i.hello.id));
+            } else {
+                self.refused += 1;
+                tracing::warn!(agent, peer = %i.peer, "nccl: refused a control connection that names a peer but cannot prove it (wrong secret)");
+            }
+        }
+        self.introduced = kept;
+        self.expected = Some(x);
+    }
+
+    /// Back to keeping every `Hello` unproven; proven connections not taken are closed.
+    pub(crate) fn expect_nobody(&mut self) {
+        self.expected = None;
+    }
+
+    fn start(&mut self, s: TcpStream, peer: IpAddr) -> std::io::Result<()> {
         let nonce = random_bytes().map_err(std::io::Error::other)?;
         let body = serde_json::to_vec(&Challenge { nonce: hex(&nonce) })?;
         let mut f = (body.len() as u64).to_le_bytes().to_vec();
@@ -478,11 +768,14 @@ impl Acceptor {
         s.set_nodelay(true)?;
         (&s).write_all(&f)?;
         s.set_nonblocking(true)?;
+        let now = Instant::now();
         self.handshaking.push(Handshake {
             stream: s,
+            peer,
+            started: now,
             nonce,
             buf: Vec::new(),
-            deadline: Instant::now() + self.hello_timeout,
+            deadline: now + self.hello_timeout,
         });
         Ok(())
     }
@@ -522,41 +815,24 @@ impl Acceptor {
         }
     }
 
-    /// An introduced connection from `agent` whose proof checks with our secret and
-    /// `peer_secret` (from that agent's metadata): the stream and its communicator id.
-    /// Connections naming `agent` with a wrong proof are closed and counted.
+    /// A connection from `agent` whose proof checks with our secret and `peer_secret`
+    /// (from that agent's metadata), oldest first: the stream and its communicator id.
+    /// Expects `agent` from now on ([`expect`](Self::expect)).
     pub(crate) fn take(
         &mut self,
         agent: &str,
         peer_secret: &[u8; SECRET_LEN],
     ) -> Option<(TcpStream, Vec<u8>)> {
-        let mut found = None;
-        let mut kept = VecDeque::with_capacity(self.introduced.len());
-        for i in self.introduced.drain(..) {
-            if found.is_some() || i.hello.agent != agent {
-                kept.push_back(i);
-                continue;
-            }
-            let ok = unhex(&i.hello.mac).is_some_and(|mac| {
-                hello_mac(&self.secret, peer_secret, &i.nonce, agent, &i.hello.id)
-                    .verify_slice(&mac)
-                    .is_ok()
-            });
-            if ok {
-                found = Some((i.stream, i.hello.id));
-            } else {
-                self.refused += 1;
-                tracing::warn!(agent, peer = ?i.stream.peer_addr().ok(), "nccl: refused a control connection that names a peer but cannot prove it (wrong secret)");
-            }
-        }
-        self.introduced = kept;
-        found
+        self.expect(agent, peer_secret);
+        self.expected.as_mut()?.proven.pop_front()
     }
 
-    /// Handshakes in progress and introduced connections waiting (for tests).
+    /// Handshakes in progress and introduced connections waiting, proven or not (for
+    /// tests).
     #[cfg(test)]
     fn counts(&self) -> (usize, usize) {
-        (self.handshaking.len(), self.introduced.len())
+        let proven = self.expected.as_ref().map_or(0, |x| x.proven.len());
+        (self.handshaking.len(), self.introduced.len() + proven)
     }
 }
 
@@ -644,10 +920,16 @@ mod tests {
             write_frame(&mut replay, &hello).unwrap();
             (c, replay)
         });
-        assert!(poll_until(&mut a, |a| a.counts().1 == 1));
+        // (`take` made the acceptor expect "prefill": the replay is checked, and
+        // refused, the moment it arrives.)
+        assert!(poll_until(&mut a, |a| a.refused == 2));
         let _keep = rec.join().unwrap();
         assert!(a.take("prefill", &peer_secret).is_none());
-        assert_eq!(a.refused, 2);
+        assert_eq!(
+            a.counts(),
+            (12 + 1, 0),
+            "the silent ones and `c`, in handshakes"
+        );
         // The silent sockets (and `c`, which never sent its Hello) are closed at their
         // deadline (here: shortened).
         a.hello_timeout = Duration::ZERO;
@@ -723,14 +1005,172 @@ mod tests {
         let _ = t.join().unwrap();
     }
 
+    /// A client that answers its challenge with a well-formed `Hello` naming `agent`
+    /// whose proof is garbage (it holds nobody's secret).
+    fn forge(addr: std::net::SocketAddr, agent: &str, deadline: Instant) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        read_frame(&mut s, MAX_HELLO, deadline, None).unwrap();
+        let hello = Hello {
+            agent: agent.into(),
+            id: b"forged".to_vec(),
+            mac: "00".repeat(SECRET_LEN),
+        };
+        write_frame(&mut s, &serde_json::to_vec(&hello).unwrap()).unwrap();
+        s
+    }
+
+    /// Issue 39, item 6 (silent sockets): a full table of silent handshakes, which an
+    /// attacker refreshes every 5 s, closed every new connection at once, the honest
+    /// peer's too. Now a newcomer displaces the oldest silent one of its address.
+    #[test]
+    fn a_full_table_of_silent_sockets_does_not_lock_out_a_peer() {
+        let (mut a, addr, secret) = acceptor(Duration::from_secs(5));
+        let peer_secret = random_bytes().unwrap();
+        let silent: Vec<TcpStream> = (0..MAX_HANDSHAKES)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        assert!(poll_until(&mut a, |a| a.counts().0 + a.refused as usize
+            == MAX_HANDSHAKES));
+        let mut honest = TcpStream::connect(addr).unwrap();
+        let d = Instant::now() + Duration::from_secs(5);
+        let h = std::thread::spawn(move || {
+            introduce(&mut honest, "prefill", b"comm-id", &peer_secret, &secret, d)
+        });
+        let arrived = poll_until(&mut a, |a| a.counts().1 == 1);
+        let answered = h.join().unwrap();
+        assert!(
+            arrived,
+            "the honest peer's Hello never arrived: {answered:?}"
+        );
+        answered.expect("the honest peer was challenged");
+        let (_, id) = a.take("prefill", &peer_secret).expect("the honest peer");
+        assert_eq!(id, b"comm-id");
+        // The address held its share of silent handshakes; the 48 past it and then one
+        // more, for the honest peer, were displaced (all from 127.0.0.1 here).
+        let share = MAX_HANDSHAKES_PER_PEER;
+        assert_eq!(a.refused, (MAX_HANDSHAKES - share + 1) as u64);
+        assert_eq!(a.counts(), (share - 1, 0));
+        drop(silent);
+    }
+
+    /// Issue 39, item 6 (forged Hellos): the peer connected first and its `Hello`
+    /// waited for our `connect`; well-formed `Hello`s with garbage proofs then pushed it
+    /// out of the 16-slot queue (proofs were checked only at `take`), and pairing failed
+    /// at the deadline. Now the peer's connector sees its connection closed and tries
+    /// again, and while we pair, a `Hello` naming the peer is checked when it arrives.
+    #[test]
+    fn forged_hellos_do_not_keep_a_peer_from_pairing() {
+        let (mut a, addr_a, sa) = acceptor(Duration::from_secs(5));
+        let (mut b, addr_b, sb) = acceptor(Duration::from_secs(5));
+        let d = Instant::now() + Duration::from_secs(5);
+        let peer_b = std::thread::spawn(move || {
+            let p = PairSpec {
+                me: "b",
+                own_secret: &sb,
+                out_id: b"id-b",
+                agent: "a",
+                control: addr_a,
+                peer_secret: &sa,
+            };
+            // The streams are kept until the other side is done, as a transport would.
+            pair(&mut b, &p, d)
+        });
+        assert!(poll_until(&mut a, |a| a.counts().1 == 1), "b's Hello");
+        let forger = std::thread::spawn(move || {
+            (0..2 * MAX_INTRODUCED)
+                .map(|i| forge(addr_a, if i % 2 == 0 { "b" } else { "x" }, d))
+                .collect::<Vec<_>>()
+        });
+        assert!(poll_until(&mut a, |_| forger.is_finished()));
+        let _forged = forger.join().unwrap();
+        assert!(poll_until(&mut a, |a| a.counts().0 == 0));
+        let p = PairSpec {
+            me: "a",
+            own_secret: &sa,
+            out_id: b"id-a",
+            agent: "b",
+            control: addr_b,
+            peer_secret: &sb,
+        };
+        let (_out, _in, id) = pair(&mut a, &p, d).expect("a pairs with b");
+        assert_eq!(id, b"id-b");
+        assert_eq!(peer_b.join().unwrap().expect("b pairs with a").2, b"id-a");
+        // What is left unproven: forgeries naming "x", at most one address's share.
+        assert!(a.counts().1 <= MAX_INTRODUCED_PER_PEER, "{:?}", a.counts());
+    }
+
+    /// While we pair with a peer, a `Hello` naming it is checked as it arrives: a
+    /// forgery is closed at once and takes no slot; the peer's proven connection waits
+    /// apart. Once pairing ends, such `Hello`s wait unproven again.
+    #[test]
+    fn while_pairing_a_forged_hello_for_the_peer_is_refused_on_arrival() {
+        let (mut a, addr, secret) = acceptor(Duration::from_secs(5));
+        let peer_secret = random_bytes().unwrap();
+        let d = Instant::now() + Duration::from_secs(5);
+        a.expect("prefill", &peer_secret);
+        let forger = std::thread::spawn(move || {
+            (0..2 * MAX_INTRODUCED)
+                .map(|_| forge(addr, "prefill", d))
+                .collect::<Vec<_>>()
+        });
+        let forged = 2 * MAX_INTRODUCED as u64;
+        assert!(poll_until(&mut a, |a| a.refused == forged));
+        let _forged = forger.join().unwrap();
+        assert_eq!(a.counts(), (0, 0));
+        let mut honest = TcpStream::connect(addr).unwrap();
+        let h = std::thread::spawn(move || {
+            introduce(&mut honest, "prefill", b"comm-id", &peer_secret, &secret, d)
+        });
+        assert!(poll_until(&mut a, |a| a.counts().1 == 1));
+        h.join().unwrap().unwrap();
+        let (_, id) = a.take("prefill", &peer_secret).expect("the honest peer");
+        assert_eq!(id, b"comm-id");
+        assert_eq!(a.refused, forged);
+        a.expect_nobody();
+        let forger = std::thread::spawn(move || forge(addr, "prefill", d));
+        assert!(poll_until(&mut a, |a| a.counts().1 == 1));
+        let _forged = forger.join().unwrap();
+        assert_eq!(a.refused, forged);
+    }
+
+    /// The choice of whom a newcomer displaces (`t(ms)`: an entry's age).
+    #[test]
+    fn displacement_keeps_a_fair_share_per_address() {
+        let t0 = Instant::now();
+        let t = |ms| t0 + Duration::from_millis(ms);
+        let (a, b, c) = (
+            IpAddr::from([10, 0, 0, 1]),
+            IpAddr::from([10, 0, 0, 2]),
+            IpAddr::from([10, 0, 0, 3]),
+        );
+        // Room, and the newcomer's address under its share: nobody.
+        assert_eq!(displaced(&[], a, 4, 2), None);
+        assert_eq!(displaced(&[(a, t(0)), (b, t(1))], a, 4, 2), None);
+        // The newcomer's address holds its share: its own oldest, though `b`'s is older.
+        let table = [(b, t(0)), (a, t(5)), (a, t(1))];
+        assert_eq!(displaced(&table, a, 4, 2), Some(2));
+        // Full: the oldest of the address holding the most, not `b`'s older entry.
+        let table = [(b, t(0)), (a, t(3)), (a, t(2)), (c, t(1))];
+        assert_eq!(displaced(&table, c, 4, 2), Some(2));
+        assert_eq!(displaced(&table, b, 4, 2), Some(2));
+        // Two addresses hold the most: the one with the oldest entry.
+        let table = [(b, t(4)), (a, t(3)), (b, t(2)), (a, t(1))];
+        assert_eq!(displaced(&table, c, 4, 3), Some(3));
+        // One address holds everything: the newcomer from another takes its oldest.
+        let table = [(a, t(2)), (a, t(1)), (a, t(3))];
+        assert_eq!(displaced(&table, b, 3, 3), Some(1));
+    }
+
     #[test]
     fn floods_are_bounded() {
         let (mut a, addr, _) = acceptor(Duration::from_secs(30));
         let conns: Vec<TcpStream> = (0..MAX_HANDSHAKES + 10)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
-        assert!(poll_until(&mut a, |a| a.refused >= 10));
-        assert_eq!(a.counts().0, MAX_HANDSHAKES);
+        // One address: it holds its share; each newer connection displaced its oldest.
+        let over = (MAX_HANDSHAKES + 10 - MAX_HANDSHAKES_PER_PEER) as u64;
+        assert!(poll_until(&mut a, |a| a.refused == over));
+        assert_eq!(a.counts(), (MAX_HANDSHAKES_PER_PEER, 0));
         drop(conns);
         // A Hello claiming a huge length is refused from its length.
         let (mut a, addr, _) = acceptor(Duration::from_secs(30));
@@ -844,6 +1284,8 @@ mod fuzz {
                 b.set_nonblocking(true).unwrap();
                 let mut h = Handshake {
                     stream: b,
+                    peer: IpAddr::from([127, 0, 0, 1]),
+                    started: Instant::now(),
                     nonce: [0; SECRET_LEN],
                     buf: Vec::new(),
                     deadline: d,
@@ -856,7 +1298,7 @@ mod fuzz {
                 let (_a, mut b) = fed(&bytes);
                 b.set_nonblocking(true).unwrap();
                 let mut buf = Vec::new();
-                while let Ok(None) = read_challenge(&mut b, &mut buf) {
+                while let Ok(Challenged::Partial) = read_challenge(&mut b, &mut buf) {
                     prop_assert!(buf.len() as u64 <= 8 + MAX_HELLO);
                     std::thread::sleep(Duration::from_millis(1));
                 }

@@ -125,8 +125,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::control::{self, Acceptor, SECRET_LEN};
 use dsa_kv_device::transfer::{
-    check_segments, window_for, KvTransport, MemKind, MemRegion, PeerId, TransportError, Window,
-    WriteBatch, WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
+    check_segments, prune_expired, window_for, KvTransport, MemKind, MemRegion, PeerId,
+    TransportError, Window, WriteBatch, WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
 };
 
 const TRANSPORT: &str = "nccl";
@@ -905,16 +905,18 @@ impl ReceiveSide {
                 "{MAX_PENDING_NOTIFICATIONS} notifications wait untaken: the importer is not reading them"
             ));
         }
-        if segments.is_empty() {
-            return Ok(None);
-        }
+        // A write with no segments (its import's blocks were all cached) still needs an
+        // open window of this peer: no notification is filed without one.
         let mut ws = lock_windows(&self.windows);
+        let now = Instant::now();
         let open = ws
             .iter()
             .filter(|(_, w)| !w.closing)
             .map(|(id, w)| (id, &w.window));
-        let id = window_for(open, &self.peer.0, segments.iter().copied(), Instant::now())?;
-        let w = ws.get_mut(&id).expect("found above");
+        let found = window_for(open, &self.peer.0, segments.iter().copied(), now);
+        prune_expired(&mut ws, now, |w| &w.window, |w| w.in_use > 0);
+        let id = found?;
+        let w = ws.get_mut(&id).expect("found above, and open: not pruned");
         w.in_use += 1;
         Ok(Some((id, w.window.deadline)))
     }
@@ -1378,6 +1380,9 @@ impl KvTransport for NcclTransport {
     ) -> Result<(), TransportError> {
         let w = Window::new(peer, ranges, deadline, &self.regions)?;
         let mut ws = lock_windows(&self.windows);
+        // Windows of imports that ended by their lease, never closed: past their
+        // deadline they take no write, and their ids may come again.
+        prune_expired(&mut ws, Instant::now(), |w| &w.window, |w| w.in_use > 0);
         if ws.contains_key(&window) {
             return Err(failed(
                 "open window",

@@ -9,7 +9,55 @@ use dsa_kv_device::transfer::{BlockPages, CacheKind, MemKind, PoolRegion};
 
 use super::SessionError;
 
-/// SHA-256 (hex) of each block of `blocks`: its pages' slots in every pool of their
+/// SHA-256 of one block's pages: 32 bytes, sent as 64 lowercase hex digits. A peer's
+/// digest decodes only from exactly that (an empty or odd string is refused at once).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockDigest(pub [u8; 32]);
+
+impl std::fmt::Display for BlockDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl std::fmt::Debug for BlockDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BlockDigest({self})")
+    }
+}
+
+impl serde::Serialize for BlockDigest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for BlockDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Hex;
+        impl serde::de::Visitor<'_> for Hex {
+            type Value = BlockDigest;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a SHA-256 digest as 64 hex digits")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<BlockDigest, E> {
+                let bad = || E::invalid_value(serde::de::Unexpected::Str(v), &self);
+                if v.len() != 64 {
+                    return Err(bad());
+                }
+                let mut out = [0u8; 32];
+                for (o, pair) in out.iter_mut().zip(v.as_bytes().chunks_exact(2)) {
+                    let pair = std::str::from_utf8(pair).map_err(|_| bad())?;
+                    *o = u8::from_str_radix(pair, 16).map_err(|_| bad())?;
+                }
+                Ok(BlockDigest(out))
+            }
+        }
+        d.deserialize_str(Hex)
+    }
+}
+
+/// SHA-256 of each block of `blocks`: its pages' slots in every pool of their
 /// group, target cache then draft cache, pools in (device, pool) order.
 ///
 /// # Safety
@@ -22,7 +70,7 @@ use super::SessionError;
 pub unsafe fn host_block_digests(
     regions: &[PoolRegion],
     blocks: &[BlockPages],
-) -> Result<Vec<String>, SessionError> {
+) -> Result<Vec<BlockDigest>, SessionError> {
     let mut out = Vec::with_capacity(blocks.len());
     for b in blocks {
         let mut h = Sha256::new();
@@ -71,7 +119,7 @@ pub unsafe fn host_block_digests(
                 h.update(bytes);
             }
         }
-        out.push(format!("{:x}", h.finalize()));
+        out.push(BlockDigest(h.finalize().into()));
     }
     Ok(out)
 }

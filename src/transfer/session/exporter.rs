@@ -8,7 +8,9 @@ use dsa_kv_device::transfer::{
 };
 
 use super::open::{blocking, notification};
-use super::{host_block_digests, ImportOutcome, SessionError, SessionMsg, TransferSession};
+use super::{
+    host_block_digests, BlockDigest, ImportOutcome, SessionError, SessionMsg, TransferSession,
+};
 
 /// What a whole hand-over ([`TransferSession::hand_over`]) came to.
 #[derive(Clone, Debug, PartialEq)]
@@ -159,7 +161,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         &mut self,
         export: &ExportedBlocks,
         ticket: &ImportTicket,
-    ) -> Result<(TransferReport, Option<Vec<String>>), SessionError> {
+    ) -> Result<(TransferReport, Option<Vec<BlockDigest>>), SessionError> {
         let plan = plan_writes(export, &self.local, ticket, &self.remote)?;
         #[cfg(feature = "testing")]
         let plan = match &self.plan_edit {

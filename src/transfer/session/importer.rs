@@ -14,7 +14,9 @@ use dsa_kv_device::transfer::{ExportedBlocks, ImportTicket, TransferReport};
 use super::exporter::unexpected;
 use super::open::{blocking, notification};
 use super::TransferSession;
-use super::{host_block_digests, AbortReason, ImportOutcome, SessionError, SessionMsg};
+use super::{
+    host_block_digests, AbortReason, BlockDigest, ImportOutcome, SessionError, SessionMsg,
+};
 use crate::actors::RuntimeError;
 
 /// The exporter's `Written`: what it says it wrote.
@@ -23,7 +25,7 @@ pub struct Written {
     /// What moved.
     pub report: TransferReport,
     /// The exporter's digest of each written block (when the session checks them).
-    pub digests: Option<Vec<String>>,
+    pub digests: Option<Vec<BlockDigest>>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {

@@ -3,10 +3,18 @@
 use serde::{Deserialize, Serialize};
 
 use dsa_kv_core::ids::RequestId;
-use dsa_kv_device::transfer::{ExportedBlocks, ImportTicket, PoolRegion, TransferReport};
+use dsa_kv_device::transfer::{
+    ExportedBlocks, ImportTicket, PoolRegion, TransferReport, MAX_REGIONS, MAX_TRANSFER_BLOCKS,
+};
+
+use super::BlockDigest;
 
 /// The protocol version in [`SessionMsg::Hello`]; both sides must speak the same.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The most bytes of transport metadata a peer's [`SessionMsg::Hello`] may carry (1 MiB:
+/// a NIXL agent's metadata for thousands of registered pools is a few hundred KiB).
+pub const MAX_METADATA: usize = 1 << 20;
 
 /// One frame of the session protocol. Per transfer, in this order: the exporter's
 /// [`Offer`](Self::Offer); the importer's [`Ticket`](Self::Ticket) (pages reserved, or
@@ -24,9 +32,13 @@ pub enum SessionMsg {
         protocol: u32,
         /// The transport's name (`"local"`, `"nixl/UCX"`): both sides must run the same.
         transport: String,
-        /// The transport's metadata ([`KvTransport::local_metadata`](dsa_kv_device::transfer::KvTransport::local_metadata)).
+        /// The transport's metadata ([`KvTransport::local_metadata`](dsa_kv_device::transfer::KvTransport::local_metadata)),
+        /// at most [`MAX_METADATA`] bytes.
+        #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_METADATA>")]
         metadata: Vec<u8>,
-        /// Every pool of the engine (`Transfers::regions`).
+        /// Every pool of the engine (`Transfers::regions`), at most
+        /// [`MAX_REGIONS`](dsa_kv_device::transfer::MAX_REGIONS).
+        #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_REGIONS>")]
         regions: Vec<PoolRegion>,
         /// Whether this side sends and checks page digests.
         digests: bool,
@@ -55,8 +67,11 @@ pub enum SessionMsg {
         /// What moved.
         report: TransferReport,
         /// SHA-256 of each written block's pages, in ticket order (when both sides check
-        /// digests).
-        digests: Option<Vec<String>>,
+        /// digests); at most [`MAX_TRANSFER_BLOCKS`](dsa_kv_device::transfer::MAX_TRANSFER_BLOCKS).
+        #[serde(
+            deserialize_with = "dsa_kv_core::bounded::option_vec::<_, _, MAX_TRANSFER_BLOCKS>"
+        )]
+        digests: Option<Vec<BlockDigest>>,
     },
     /// The exporter could not write.
     Failed {

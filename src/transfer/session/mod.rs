@@ -53,11 +53,12 @@ mod wire;
 use digests::host_block_digests;
 #[cfg(feature = "testing")]
 pub use digests::host_block_digests;
+pub use digests::BlockDigest;
 pub use error::SessionError;
 pub use exporter::HandOver;
 pub use importer::Written;
-pub use messages::{AbortReason, ImportOutcome, SessionMsg, PROTOCOL_VERSION};
+pub use messages::{AbortReason, ImportOutcome, SessionMsg, MAX_METADATA, PROTOCOL_VERSION};
 #[cfg(feature = "testing")]
 pub use open::link_pair;
 pub use open::{SessionOptions, TransferSession};
-pub use wire::{Wire, WireError, MAX_FRAME};
+pub use wire::{Wire, WireError, MAX_FRAME, MAX_STRING};

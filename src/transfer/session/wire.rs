@@ -2,6 +2,13 @@
 //! that many bytes of JSON) on any async byte stream, bounded: a frame longer than the
 //! limit is refused from its length alone, and a frame's buffer grows only as its bytes
 //! arrive, so a peer that claims a large frame and sends nothing costs nothing.
+//!
+//! What a frame may cost is bounded too, not only its length: the body is kept in
+//! pieces of at most 1 MiB, a string longer than [`MAX_STRING`] refuses the frame as its
+//! bytes arrive, and the messages' lists decode into capped shapes
+//! ([`dsa_kv_core::bounded`]). So no single allocation while a frame is received and
+//! decoded is larger than 4 MiB (the largest list a message may hold, an offer's 1M
+//! tokens), and a frame of `n` bytes holds about `n` bytes plus its decoded value.
 
 use std::time::Duration;
 
@@ -13,6 +20,16 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// prefix (2,048 blocks of a tensor-parallel-8 engine with a draft cache) is well under
 /// 2 MiB of JSON.
 pub const MAX_FRAME: u64 = 16 << 20;
+
+/// The longest string (raw JSON, escapes included) a received frame may hold: 64 KiB.
+/// The protocol's strings are names, fingerprints, digests and error messages.
+pub const MAX_STRING: usize = 64 << 10;
+
+/// A received frame's body is kept in pieces of at most this many bytes.
+const PIECE: usize = 1 << 20;
+
+/// Bytes read from the stream at a time.
+const READ: usize = 16 << 10;
 
 /// Why a frame could not be sent or received.
 #[derive(Debug, thiserror::Error)]
@@ -235,24 +252,131 @@ async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
             max: max_frame,
         });
     }
-    let mut body = Vec::new();
-    (&mut *stream).take(len).read_to_end(&mut body).await?;
-    if (body.len() as u64) < len {
-        return Err(WireError::Truncated {
-            got: body.len() as u64,
-            want: len,
-        });
+    let expected = std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or("message");
+    // The body in pieces, each grown as its bytes arrive; a string past MAX_STRING
+    // refuses the frame, whose remaining bytes are then read and dropped (the wire
+    // stays in step).
+    let mut pieces: Vec<Vec<u8>> = Vec::new();
+    let mut scan = StringScan::default();
+    let mut refused: Option<String> = None;
+    let mut buf = vec![0u8; READ];
+    let mut got = 0u64;
+    while got < len {
+        let want = (len - got).min(READ as u64) as usize;
+        let n = stream.read(&mut buf[..want]).await?;
+        if n == 0 {
+            return Err(WireError::Truncated { got, want: len });
+        }
+        got += n as u64;
+        let bytes = &buf[..n];
+        if refused.is_some() {
+            continue;
+        }
+        if let Err(run) = scan.feed(bytes, MAX_STRING) {
+            refused = Some(format!(
+                "a string of more than {run} bytes (at most {MAX_STRING}): the protocol's \
+                 strings are names, digests and messages"
+            ));
+            pieces = Vec::new();
+            continue;
+        }
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            if pieces.last().is_none_or(|p| p.len() == PIECE) {
+                pieces.push(Vec::new());
+            }
+            let piece = pieces.last_mut().expect("pushed above");
+            let take = rest.len().min(PIECE - piece.len());
+            if piece.len() + take > piece.capacity() {
+                // Doubling, never past a piece.
+                let grow = piece.capacity().max(take).min(PIECE - piece.len());
+                piece.reserve_exact(grow);
+            }
+            piece.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+        }
     }
     // The frame is whole: the next receive starts at a frame's beginning.
     *mid_frame = false;
-    serde_json::from_slice(&body).map_err(|e| WireError::Decode {
+    if let Some(why) = refused {
+        return Err(WireError::Decode { len, expected, why });
+    }
+    serde_json::from_reader(Pieces {
+        pieces: &pieces,
+        at: (0, 0),
+    })
+    .map_err(|e| WireError::Decode {
         len,
-        expected: std::any::type_name::<T>()
-            .rsplit("::")
-            .next()
-            .unwrap_or("message"),
+        expected,
         why: e.to_string(),
     })
+}
+
+/// Where a frame's JSON is inside a string literal, and how long that literal has run
+/// (raw bytes, escapes included: never fewer than the decoded string's).
+#[derive(Default)]
+struct StringScan {
+    in_string: bool,
+    escaped: bool,
+    run: usize,
+}
+
+impl StringScan {
+    /// Follows `bytes`; `Err(run)` when a string passes `max` bytes.
+    fn feed(&mut self, bytes: &[u8], max: usize) -> Result<(), usize> {
+        for &b in bytes {
+            if !self.in_string {
+                if b == b'"' {
+                    self.in_string = true;
+                    self.run = 0;
+                }
+                continue;
+            }
+            if self.escaped {
+                self.escaped = false;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+                continue;
+            }
+            self.run += 1;
+            if self.run > max {
+                return Err(self.run - 1);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The pieces of a frame's body as one reader.
+struct Pieces<'a> {
+    pieces: &'a [Vec<u8>],
+    /// (piece, offset in it).
+    at: (usize, usize),
+}
+
+impl std::io::Read for Pieces<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let (mut i, mut off) = self.at;
+        let mut n = 0;
+        while n < out.len() && i < self.pieces.len() {
+            let p = &self.pieces[i][off..];
+            let k = p.len().min(out.len() - n);
+            out[n..n + k].copy_from_slice(&p[..k]);
+            n += k;
+            off += k;
+            if off == self.pieces[i].len() {
+                i += 1;
+                off = 0;
+            }
+        }
+        self.at = (i, off);
+        Ok(n)
+    }
 }
 
 #[cfg(test)]

@@ -379,30 +379,43 @@ impl EngineConfig {
         })
     }
 
-    /// Parses JSON.
+    /// Parses JSON; an error names the field (`kv_cache.max_tokens: invalid type …`).
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
-        serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+        super::file::json_with_path(text).map_err(|e| ConfigError::Parse {
             source_name: "<json>".into(),
             message: e.to_string(),
         })
     }
 
     /// Parses YAML (the format TensorRT-LLM's `extra_llm_api_options` files use; the
-    /// keys are this crate's, not TensorRT-LLM's).
+    /// keys are this crate's, not TensorRT-LLM's). A document nested deeper than
+    /// [`MAX_YAML_NESTING`](super::file::MAX_YAML_NESTING) is refused before the YAML parser sees it (its time grows
+    /// with the square of the depth).
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
-        serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+        let parse = |message| ConfigError::Parse {
             source_name: "<yaml>".into(),
-            message: e.to_string(),
-        })
+            message,
+        };
+        use super::file::{yaml_too_deep, MAX_YAML_NESTING};
+        if let Some((line, depth)) = yaml_too_deep(text, MAX_YAML_NESTING) {
+            return Err(parse(format!(
+                "nested too deeply at line {line}: indentation, entries and brackets count \
+                 {depth}, past the limit of {MAX_YAML_NESTING} (an engine configuration is \
+                 three levels deep)"
+            )));
+        }
+        serde_yaml_ng::from_str(text).map_err(|e| parse(e.to_string()))
     }
 
-    /// Reads a `.toml`, `.json`, `.yaml` or `.yml` file.
+    /// Reads a `.toml`, `.json`, `.yaml` or `.yml` file: a regular file of at most
+    /// [`MAX_CONFIG_FILE_BYTES`](super::file::MAX_CONFIG_FILE_BYTES).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+        let text = super::file::read_regular_text(path, super::file::MAX_CONFIG_FILE_BYTES)
+            .map_err(|e| ConfigError::Io {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?;
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         let parsed = match ext {
             "toml" => Self::from_toml_str(&text),

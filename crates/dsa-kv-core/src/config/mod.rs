@@ -14,6 +14,7 @@
 //! * Unknown fields and bad values are errors naming the field.
 
 mod engine;
+pub mod file;
 mod model;
 mod v4;
 

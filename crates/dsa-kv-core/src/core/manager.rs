@@ -321,8 +321,18 @@ impl KvCacheManager {
                 "give one non-zero slot count per pool group, or none for no host tier",
             );
         }
-        for &n in slots.gpu.iter().chain(&slots.host) {
+        for &n in &slots.gpu {
             plan.check_page_index_range(u64::from(n))?;
+        }
+        if let Some(&n) = slots.host.iter().max() {
+            if plan.check_page_index_range(u64::from(n)).is_err() {
+                return bad(
+                    "host_slots",
+                    format!("{:?}", slots.host),
+                    "the host tier's pages are numbered like the GPU's, in the kernels' int32 \
+                     page indices: lower host_cache_size (the host tier's budget)",
+                );
+            }
         }
         let n_lc = plan.num_life_cycles();
         let lc_group = (0..n_lc)

@@ -44,7 +44,7 @@ pub use pages::PageStatus;
 pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
-pub use transfer::{BlockLoc, Import, PageLoc};
+pub use transfer::{BlockLoc, Import, PageLoc, MAX_BLOCK_PAGES};
 pub use v4::scheduler::{
     V4Failed, V4Finished, V4Limits, V4Outcome, V4Planned, V4SchedError, V4SchedStats, V4Scheduler,
     V4StepPlan, V4Work,

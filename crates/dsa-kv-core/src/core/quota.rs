@@ -259,6 +259,22 @@ pub enum QuotaError {
     /// Page indices would overflow.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The host tier asked for more slots than page indices can address.
+    #[error(
+        "host_cache_size = {host_cache_size} B would make {slots} host-tier slots per pool \
+         group, past the {max_slots} that the kernels' int32 page indices address (the host \
+         tier's pages are numbered like the GPU's): set host_cache_size to at most {max_bytes} B"
+    )]
+    HostTierTooLarge {
+        /// The configured host budget.
+        host_cache_size: u64,
+        /// Slots it would make.
+        slots: u64,
+        /// The most slots page indices address.
+        max_slots: u64,
+        /// The bytes those take: the largest host budget that works.
+        max_bytes: u64,
+    },
     /// DeepSeek-V4: the window life cycles alone take the budget, or leave no room for
     /// one block.
     #[error(
@@ -409,10 +425,22 @@ impl CapacityPlan {
                 max_util_for_resume: kv.max_util_for_resume,
             },
         )?;
-        let host_slots = kv
-            .host_cache_size
-            .map_or(0, |b| slots_for_budget(plans, b))
+        let host_slots = kv.host_cache_size.map_or(0, |b| slots_for_budget(plans, b));
+        // The host tier's pages are numbered like the GPU's: the same int32 bound.
+        let max_slots = plans
+            .plans()
+            .map(|p| (i32::MAX as u64 + 1) / p.max_pages_per_slot().max(1))
+            .min()
+            .unwrap_or(u64::from(u32::MAX))
             .min(u64::from(u32::MAX));
+        if host_slots > max_slots {
+            return Err(QuotaError::HostTierTooLarge {
+                host_cache_size: kv.host_cache_size.unwrap_or(0),
+                slots: host_slots,
+                max_slots,
+                max_bytes: bytes_for_slots(plans, max_slots),
+            });
+        }
         let host_bytes = bytes_for_slots(plans, host_slots);
         Ok(CapacityPlan {
             target,

@@ -33,12 +33,17 @@ pub struct PageLoc {
     pub slot: SlotId,
 }
 
+/// The most pages a block may list per cache when decoded from a peer: one per life
+/// cycle, and layouts have a handful.
+pub const MAX_BLOCK_PAGES: usize = 256;
+
 /// A full block: its chained reuse key and its pages, one per life cycle.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockLoc {
     /// The chained reuse key.
     pub key: BlockKey,
     /// One page per life cycle.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, MAX_BLOCK_PAGES>")]
     pub pages: Vec<PageLoc>,
 }
 

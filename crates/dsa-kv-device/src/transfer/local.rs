@@ -170,14 +170,15 @@ impl KvTransport for LocalTransport {
         let target = agents
             .get_mut(&peer.0)
             .ok_or_else(|| TransportError::UnknownPeer(peer.0.clone()))?;
-        // The receiving side's rule: only the pages of one of our open windows there.
+        // The receiving side's rule: only the pages of one of our open windows there
+        // (and a write with nothing to copy only while one is open).
         let dsts = batches
             .iter()
             .flat_map(|b| b.segments.iter().map(move |s| (b.dst_mem, s.dst, s.len)));
-        if dsts.clone().next().is_some() {
-            super::window_for(&target.windows, &self.name, dsts, Instant::now())
-                .map_err(|why| failed("write", format!("{} refused the write: {why}", peer.0)))?;
-        }
+        let now = Instant::now();
+        let found = super::window_for(&target.windows, &self.name, dsts, now);
+        super::prune_expired(&mut target.windows, now, |w| w, |_| false);
+        found.map_err(|why| failed("write", format!("{} refused the write: {why}", peer.0)))?;
         if target.inbox.len() >= MAX_PENDING_NOTIFICATIONS {
             return Err(failed(
                 "write",
@@ -230,6 +231,7 @@ impl KvTransport for LocalTransport {
         let me = agents
             .get_mut(&self.name)
             .expect("invariant: an agent is registered while its transport lives");
+        super::prune_expired(&mut me.windows, Instant::now(), |w| w, |_| false);
         if me.windows.contains_key(&window) {
             return Err(failed(
                 "open window",
@@ -356,11 +358,78 @@ mod tests {
         b.close_window(8).unwrap();
     }
 
+    /// A write with nothing to copy files a notification only while the writer has an
+    /// open window here (before: any connected peer filed notifications at will).
+    #[test]
+    fn a_write_with_nothing_to_copy_needs_an_open_window() {
+        let (mut a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
+        // SAFETY: nothing is registered; notifications only.
+        let peer = unsafe { a.connect(&b.local_metadata().unwrap()).unwrap() };
+        let e = a.write(&peer, &[], b"forged").unwrap_err();
+        assert!(e.to_string().contains("needs an import's window"), "{e}");
+        assert!(b.take_notifications().unwrap().is_empty());
+        // An import whose blocks were all cached opens a window over no pages: the
+        // exporter's notification is then admitted.
+        let writer = PeerId(a.name.clone());
+        let soon = Instant::now() + Duration::from_secs(60);
+        // SAFETY: the window covers nothing.
+        unsafe { b.open_window(&writer, 3, &[], soon).unwrap() };
+        a.write(&peer, &[], b"done").unwrap();
+        assert_eq!(b.take_notifications().unwrap()[0].1, b"done");
+        // Another peer still cannot.
+        let mut c = LocalTransport::new("c");
+        // SAFETY: as above.
+        let cpeer = unsafe { c.connect(&b.local_metadata().unwrap()).unwrap() };
+        assert!(c.write(&cpeer, &[], b"forged").is_err());
+        b.close_window(3).unwrap();
+        assert!(a.write(&peer, &[], b"late").is_err());
+        assert!(b.take_notifications().unwrap().is_empty());
+    }
+
+    /// A window its import never closed (the import ended by its lease) is removed once
+    /// past its deadline: the map does not grow with every such import, and the id can
+    /// open a window again (before: "window 9 is open already" forever).
+    #[test]
+    fn expired_windows_are_removed_and_their_ids_open_again() {
+        let dst = vec![0u8; 64];
+        let (a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
+        // SAFETY: `dst` outlives `b`; nothing writes it.
+        unsafe { b.register(&[host(&dst)]).unwrap() };
+        let writer = PeerId(a.name.clone());
+        let windows = |b: &LocalTransport| lock().get(&b.name).map_or(0, |g| g.windows.len());
+        for id in 0..100 {
+            // SAFETY: as above.
+            unsafe {
+                b.open_window(&writer, id, &[host(&dst)], Instant::now())
+                    .unwrap()
+            };
+        }
+        assert!(windows(&b) <= 1, "{} windows kept", windows(&b));
+        // SAFETY: as above.
+        unsafe {
+            b.open_window(&writer, 9, &[host(&dst)], Instant::now())
+                .unwrap()
+        };
+        // A live window stays.
+        let later = Instant::now() + Duration::from_secs(60);
+        // SAFETY: as above.
+        unsafe { b.open_window(&writer, 10, &[host(&dst)], later).unwrap() };
+        // SAFETY: as above.
+        unsafe { b.open_window(&writer, 11, &[host(&dst)], later).unwrap() };
+        assert_eq!(windows(&b), 2);
+    }
+
     #[test]
     fn untaken_notifications_are_bounded() {
         let (mut a, mut b) = (LocalTransport::new("a"), LocalTransport::new("b"));
         // SAFETY: nothing is registered; notifications only.
         let peer = unsafe { a.connect(&b.local_metadata().unwrap()).unwrap() };
+        let writer = PeerId(a.name.clone());
+        // SAFETY: the window covers nothing.
+        unsafe {
+            b.open_window(&writer, 1, &[], Instant::now() + Duration::from_secs(60))
+                .unwrap()
+        };
         for _ in 0..MAX_PENDING_NOTIFICATIONS {
             a.write(&peer, &[], b"n").unwrap();
         }

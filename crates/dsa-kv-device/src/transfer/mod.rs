@@ -39,10 +39,11 @@ pub use local::LocalTransport;
 pub use memory::{check_segments, MemKind, MemRegion, Segment, WriteBatch};
 pub use plan::{
     plan_writes, BlockPages, CacheKind, ExportedBlocks, ImportTicket, PageLoc, PlanError, PoolRef,
-    PoolRegion, WritePlan,
+    PoolRegion, WritePlan, MAX_POOLS, MAX_POOL_ROLES, MAX_REGIONS, MAX_TRANSFER_BLOCKS,
+    MAX_TRANSFER_TOKENS,
 };
 pub use push::{push, push_plan, PushError, TransferReport};
 pub use transport::{
     KvTransport, PeerId, TransportError, WriteReport, MAX_NOTIFICATION, MAX_PENDING_NOTIFICATIONS,
 };
-pub use window::{window_for, Window};
+pub use window::{prune_expired, window_for, Window};

@@ -19,6 +19,25 @@ use dsa_kv_core::core::ReuseScope;
 use dsa_kv_core::ids::{PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use dsa_kv_core::layout::Role;
 
+/// The most blocks one transfer moves: a 1M-token prefix of 64-token blocks. An offer,
+/// a ticket or a digest list from a peer with more is refused while it is decoded.
+pub const MAX_TRANSFER_BLOCKS: usize = 1 << 14;
+
+/// The most tokens an offer from a peer may carry (the longest context any preset
+/// serves: 1M tokens).
+pub const MAX_TRANSFER_TOKENS: usize = 1 << 20;
+
+/// The most pools a layout may list in a peer's message (V1 layouts have a few per
+/// layer, V2 layouts a few in all).
+pub const MAX_POOLS: usize = 4096;
+
+/// The most pool regions an engine may announce to a peer (pools × caches × tiers ×
+/// devices).
+pub const MAX_REGIONS: usize = 1 << 14;
+
+/// The most roles one pool may hold (a pool's buffers: MLA key, scales, indexer key).
+pub const MAX_POOL_ROLES: usize = 16;
+
 /// Which cache a page belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -47,6 +66,7 @@ pub struct PoolRegion {
     /// Slots.
     pub slots: u32,
     /// The roles of the buffers in this pool (MLA key, scales, indexer key).
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_POOL_ROLES>")]
     pub roles: Vec<Role>,
     /// The memory: `slots × slot_bytes` bytes, slot `s` at `addr + s × slot_bytes`.
     pub region: MemRegion,
@@ -93,14 +113,17 @@ pub struct ExportedBlocks {
     /// The reuse scope (LoRA, salt) the keys chain from.
     pub scope: ReuseScope,
     /// Tokens of the exported blocks (`blocks.len() × tokens_per_block`).
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TRANSFER_TOKENS>")]
     pub tokens: Vec<TokenId>,
     /// Tokens per block.
     pub tokens_per_block: u32,
     /// The engine's layout fingerprint: both sides must agree.
     pub layout: String,
     /// Every pool of the layout (both caches): a plan must cover each of them.
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_POOLS>")]
     pub pools: Vec<PoolRef>,
     /// The blocks, in prefix order.
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TRANSFER_BLOCKS>")]
     pub blocks: Vec<BlockPages>,
 }
 
@@ -116,8 +139,10 @@ pub struct ImportTicket {
     /// The importer's layout fingerprint.
     pub layout: String,
     /// Every pool of the importer's layout (both caches).
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_POOLS>")]
     pub pools: Vec<PoolRef>,
     /// Pages reserved for blocks `skipped..`, in prefix order.
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TRANSFER_BLOCKS>")]
     pub blocks: Vec<BlockPages>,
     /// Milliseconds from the ticket's issue within which every byte must have landed
     /// (the importer's window closes then; its lease ends a drain margin later).

@@ -70,7 +70,9 @@ impl Window {
 }
 
 /// Finds the window of `peer` that covers every destination of `dsts` (`(memory,
-/// address, length)`), open at `now`: its id, or why the write is refused.
+/// address, length)`), open at `now`: its id, or why the write is refused. A write with
+/// no destination (nothing to copy, only its notification) still needs an open window
+/// of its peer: a peer without one files no notification.
 pub fn window_for<'w>(
     windows: impl IntoIterator<Item = (&'w u64, &'w Window)>,
     peer: &str,
@@ -91,12 +93,29 @@ pub fn window_for<'w>(
     }
     Err(if expired {
         "the import's window has passed its deadline".into()
+    } else if dsts.clone().next().is_none() {
+        "no open window of this peer: a write, even one with nothing to copy, needs an \
+         import's window"
+            .into()
     } else {
         let first = dsts.clone().next();
         format!(
             "no open window of this peer covers the write (first destination {first:?}): only pages an import reserved for it may be written"
         )
     })
+}
+
+/// Removes the windows whose deadline has passed at `now` and that `busy` does not
+/// hold: they accept no write any more ([`window_for`]), so an import that ended
+/// without closing its window (its lease ran out) leaves nothing behind, and its id
+/// can open a window again.
+pub fn prune_expired<W>(
+    windows: &mut std::collections::HashMap<u64, W>,
+    now: Instant,
+    window: impl Fn(&W) -> &Window,
+    busy: impl Fn(&W) -> bool,
+) {
+    windows.retain(|_, w| now < window(w).deadline || busy(w));
 }
 
 #[cfg(test)]
@@ -107,6 +126,39 @@ mod tests {
     use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
     use std::collections::HashMap;
     use std::time::Duration;
+
+    /// A write with no destination is admitted by an open window of its peer only;
+    /// `prune_expired` keeps open and busy windows and drops the rest.
+    #[test]
+    fn empty_writes_need_a_window_and_expired_ones_are_pruned() {
+        let now = Instant::now();
+        let w = |peer: &str, deadline| Window {
+            peer: peer.into(),
+            ranges: Vec::new(),
+            deadline,
+        };
+        let later = now + Duration::from_secs(1);
+        let none = std::iter::empty::<(MemKind, u64, u64)>();
+        let mut ws: HashMap<u64, Window> = HashMap::new();
+        let e = window_for(&ws, "p", none.clone(), now).unwrap_err();
+        assert!(e.contains("needs an import's window"), "{e}");
+        ws.insert(1, w("q", later));
+        assert!(window_for(&ws, "p", none.clone(), now).is_err());
+        ws.insert(2, w("p", now));
+        let e = window_for(&ws, "p", none.clone(), now).unwrap_err();
+        assert!(e.contains("passed its deadline"), "{e}");
+        ws.insert(3, w("p", later));
+        assert_eq!(window_for(&ws, "p", none, now), Ok(3));
+        ws.insert(4, w("p", now));
+        prune_expired(&mut ws, now, |w| w, |_| false);
+        let mut kept: Vec<u64> = ws.keys().copied().collect();
+        kept.sort_unstable();
+        assert_eq!(kept, [1, 3]);
+        let mut busy: HashMap<u64, (Window, bool)> =
+            [(5, (w("p", now), true)), (6, (w("p", now), false))].into();
+        prune_expired(&mut busy, now, |(w, _)| w, |&(_, b)| b);
+        assert_eq!(busy.keys().copied().collect::<Vec<_>>(), [5]);
+    }
 
     /// `Window::covers` (a binary search) against a plain scan, and `window_for`'s
     /// rules, on random windows and writes.

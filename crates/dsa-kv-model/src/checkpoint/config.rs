@@ -3,6 +3,7 @@
 //! their defaults, checked against what our cache stores (latent 512, RoPE 64, indexer
 //! key 128).
 
+use dsa_kv_core::config::file::json_with_path;
 use serde::Deserialize;
 
 use super::CheckpointError;
@@ -177,6 +178,21 @@ struct RawRope {
 /// The largest size a configuration may give (2^24; products of two stay below 2^48).
 const MAX_SIZE: usize = 1 << 24;
 
+/// The most layers a configuration may give: the per-layer lists the parser builds stay
+/// small whatever a file claims (the published models have fewer than 100).
+pub(super) const MAX_LAYERS: usize = 4096;
+
+/// Refuses a layer count past [`MAX_LAYERS`].
+pub(super) fn check_layers(layers: usize) -> Result<(), CheckpointError> {
+    if layers > MAX_LAYERS {
+        return Err(bad(
+            "num_hidden_layers",
+            format!("{layers}: at most {MAX_LAYERS} (the published models have fewer than 100)"),
+        ));
+    }
+    Ok(())
+}
+
 fn bad(key: &str, what: String) -> CheckpointError {
     CheckpointError::Config {
         key: key.to_string(),
@@ -187,9 +203,9 @@ fn bad(key: &str, what: String) -> CheckpointError {
 impl HfConfig {
     /// Parses and checks `config.json`.
     pub fn parse(json: &str) -> Result<HfConfig, CheckpointError> {
-        let r: Raw = serde_json::from_str(json).map_err(|e| CheckpointError::Config {
-            key: "config.json".into(),
-            what: format!("not a DSA checkpoint configuration: {e}"),
+        let r: Raw = json_with_path(json).map_err(|e| CheckpointError::Config {
+            key: e.path.unwrap_or_else(|| "config.json".into()),
+            what: format!("not a DSA checkpoint configuration: {}", e.message),
         })?;
         let family = match r.model_type.as_str() {
             "deepseek_v32" => Family::DeepseekV32,
@@ -220,6 +236,7 @@ impl HfConfig {
                 "missing: the DSA implementations need it (the indexer reads the q latent)".into(),
             )
         })?;
+        check_layers(r.num_hidden_layers)?;
         let positive = [
             ("vocab_size", r.vocab_size),
             ("hidden_size", r.hidden_size),

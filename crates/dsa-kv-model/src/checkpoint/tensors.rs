@@ -4,6 +4,7 @@
 //! tensors (I64, I32: DeepSeek-V4's token → expert tables) kept as integers. Each tensor
 //! is taken once, with its shape checked; what no layer took is reported.
 
+use dsa_kv_core::config::file::{json_with_path, read_regular, read_regular_text};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
@@ -11,6 +12,14 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
 use super::CheckpointError;
+
+/// The largest `model.safetensors.index.json` read (DeepSeek-V3.2's is under 10 MiB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+/// The largest safetensors file read: every tensor is held widened to f32, so this
+/// loader is for checkpoints that fit in host memory several times over (the published
+/// models' shards are about 5 GB).
+const MAX_SHARD_BYTES: u64 = 16 << 30;
 
 /// The tensors of a checkpoint, by name.
 pub(crate) struct Tensors {
@@ -34,8 +43,8 @@ impl Tensors {
             struct Index {
                 weight_map: BTreeMap<String, String>,
             }
-            let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
-            let ix: Index = serde_json::from_str(&text).map_err(|e| io(&index, e))?;
+            let text = read_regular_text(&index, MAX_INDEX_BYTES).map_err(|e| io(&index, e))?;
+            let ix: Index = json_with_path(&text).map_err(|e| io(&index, e))?;
             let shards: BTreeSet<String> = ix.weight_map.into_values().collect();
             for s in &shards {
                 // A shard is a file of this folder, never a path elsewhere.
@@ -51,7 +60,7 @@ impl Tensors {
         let mut ints = HashMap::new();
         for f in files {
             let path = dir.join(&f);
-            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+            let bytes = read_regular(&path, MAX_SHARD_BYTES).map_err(|e| io(&path, e))?;
             let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&path, e))?;
             for (name, view) in st.tensors() {
                 if let Some(v) = integers(view.dtype(), view.data()) {
@@ -137,6 +146,15 @@ impl Tensors {
         shape: &[usize],
     ) -> Result<Option<Vec<f32>>, CheckpointError> {
         let Some((got, data)) = self.map.remove(name) else {
+            if let Some((got, _)) = self.ints.get(name) {
+                return Err(CheckpointError::Tensor {
+                    name: name.into(),
+                    what: format!(
+                        "stored as integers (I64 or I32, shape {got:?}): a floating-point \
+                         tensor (F32, BF16 or F16) of shape {shape:?} was expected"
+                    ),
+                });
+            }
             return Ok(None);
         };
         if got != shape {

@@ -32,7 +32,18 @@ fn key_of(e: CheckpointError) -> String {
 #[test]
 fn configurations_it_cannot_run_name_their_key() {
     config_with(|_| {}).unwrap();
-    let cases: [(&str, Edit); 10] = [
+    let cases: [(&str, Edit); 13] = [
+        // A value of the wrong type is named by its key (before: "config.json").
+        ("num_hidden_layers", |v| {
+            v["num_hidden_layers"] = "three".into()
+        }),
+        ("rope_parameters.factor", |v| {
+            v["rope_parameters"]["factor"] = "large".into()
+        }),
+        // Past the layers the parser admits: refused before any per-layer list.
+        ("num_hidden_layers", |v| {
+            v["num_hidden_layers"] = (1u64 << 24).into()
+        }),
         ("num_attention_heads", |v| {
             v["num_attention_heads"] = (1u64 << 40).into()
         }),

@@ -9,6 +9,7 @@
 //! DeepSeek-V4's hybrid caches", item 7). transformers builds no MTP layer
 //! (`num_nextn_predict_layers` is kept for information).
 
+use dsa_kv_core::config::file::json_with_path;
 use dsa_kv_core::config::{IndexerDtype, V4Spec};
 use serde::Deserialize;
 use serde_json::Value;
@@ -260,9 +261,9 @@ const SLIDING: &str = "sliding_attention";
 impl HfV4Config {
     /// Parses and checks `config.json`.
     pub fn parse(json: &str) -> Result<HfV4Config, CheckpointError> {
-        let r: Raw = serde_json::from_str(json).map_err(|e| CheckpointError::Config {
-            key: "config.json".into(),
-            what: format!("not a DeepSeek-V4 checkpoint configuration: {e}"),
+        let r: Raw = json_with_path(json).map_err(|e| CheckpointError::Config {
+            key: e.path.unwrap_or_else(|| "config.json".into()),
+            what: format!("not a DeepSeek-V4 checkpoint configuration: {}", e.message),
         })?;
         if r.model_type != "deepseek_v4" {
             return Err(bad(
@@ -304,6 +305,7 @@ impl HfV4Config {
                 return Err(bad(key, "true: DeepSeek-V4 has no biases there".into()));
             }
         }
+        super::config::check_layers(r.num_hidden_layers)?;
         let sizes = [
             ("vocab_size", r.vocab_size),
             ("hidden_size", r.hidden_size),

@@ -4,6 +4,7 @@
 //! refused (but the MTP layer's `mtp.*`, which transformers ignores too), and the two
 //! RoPE tables the configuration asks for. `v4_forward.rs` runs them.
 
+use dsa_kv_core::config::file::{read_regular_text, MAX_CONFIG_FILE_BYTES};
 use std::path::Path;
 
 use super::tensors::Tensors;
@@ -215,10 +216,11 @@ impl HfV4Model {
     /// Reads the checkpoint in `dir` (`config.json` and its safetensors).
     pub(crate) fn load(dir: &Path) -> Result<HfV4Model, CheckpointError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io {
-            path: path.display().to_string(),
-            what: e.to_string(),
-        })?;
+        let text =
+            read_regular_text(&path, MAX_CONFIG_FILE_BYTES).map_err(|e| CheckpointError::Io {
+                path: path.display().to_string(),
+                what: e.to_string(),
+            })?;
         let cfg = HfV4Config::parse(&text)?;
         let mut t = Tensors::load(dir)?;
         let m = Self::from_tensors(cfg, &mut t)?;
@@ -241,7 +243,9 @@ impl HfV4Model {
         let (d, h, n) = (cfg.hidden, cfg.heads, cfg.hc_mult);
         let hc_outs = (2 + n) * n;
         let embed = mat(t, "model.embed_tokens.weight", cfg.vocab, d)?;
-        let mut layers = Vec::with_capacity(cfg.layers());
+        // Grown as layers load: the configuration's count is not trusted with a
+        // reservation (2^24 layers would reserve gigabytes before the first tensor).
+        let mut layers = Vec::new();
         for (l, &ratio) in cfg.ratios.iter().enumerate() {
             let p = format!("model.layers.{l}.");
             let a = format!("{p}{}", nm.pick("attn.", "self_attn."));
@@ -637,5 +641,32 @@ pub(super) mod tests {
             }
             std::fs::remove_dir_all(&d).unwrap();
         }
+    }
+    /// A float tensor stored as integers is reported as such (before: "missing"), and
+    /// `V4Model::from_checkpoint` passes the loader's typed error on (before: flattened
+    /// into `ModelError::Cache(String)`).
+    #[test]
+    fn an_integer_tensor_where_floats_belong_is_named_and_typed() {
+        let json = tiny_config();
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        let mut t = tensors(&cfg, &mut SplitMix64(3));
+        let name = "model.layers.1.self_attn.sinks";
+        let (shape, bytes, _) = t[name].clone();
+        let ints: Vec<u8> = bytes
+            .chunks_exact(4)
+            .flat_map(|_| 1i64.to_le_bytes())
+            .collect();
+        t.insert(name.into(), (shape, ints, Dtype::I64));
+        let d = dir("ints");
+        write(&d, &json, &t);
+        match crate::v4::V4Model::from_checkpoint(&d) {
+            Err(crate::ModelError::Checkpoint(CheckpointError::Tensor { name: got, what })) => {
+                assert_eq!(got, name);
+                assert!(what.contains("stored as integers"), "{what}");
+            }
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("loaded"),
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -2,6 +2,7 @@
 //! `….mlp.*`), shapes checked against the configuration, and the RoPE tables the
 //! configuration asks for.
 
+use dsa_kv_core::config::file::{read_regular_text, MAX_CONFIG_FILE_BYTES};
 use std::path::Path;
 
 use super::config::{yarn_mscale, HfConfig, MlpKind, RopeConfig};
@@ -238,16 +239,19 @@ impl HfModel {
     /// Reads the checkpoint in `dir` (`config.json` and its safetensors).
     pub(crate) fn load(dir: &Path) -> Result<HfModel, CheckpointError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io {
-            path: path.display().to_string(),
-            what: e.to_string(),
-        })?;
+        let text =
+            read_regular_text(&path, MAX_CONFIG_FILE_BYTES).map_err(|e| CheckpointError::Io {
+                path: path.display().to_string(),
+                what: e.to_string(),
+            })?;
         let cfg = HfConfig::parse(&text)?;
         let mut t = Tensors::load(dir)?;
         let (d, h) = (cfg.hidden, cfg.heads);
         let (dn, dv) = (cfg.nope_dim, cfg.v_dim);
         let embed = mat(&mut t, "model.embed_tokens.weight", cfg.vocab, d)?;
-        let mut layers = Vec::with_capacity(cfg.layers);
+        // Grown as layers load: the configuration's count is not trusted with a
+        // reservation (2^24 layers would reserve gigabytes before the first tensor).
+        let mut layers = Vec::new();
         for l in 0..cfg.layers {
             let p = format!("model.layers.{l}.");
             let a = format!("{p}self_attn.");

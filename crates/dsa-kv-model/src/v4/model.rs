@@ -334,7 +334,7 @@ impl V4Model {
     /// reports the checkpoint's dimensions (`mlp` is the experts' width, `seed` 0); it
     /// has no MTP layer (transformers builds none), so it serves without drafts.
     pub fn from_checkpoint(dir: &std::path::Path) -> Result<V4Model, ModelError> {
-        let hf = HfV4Model::load(dir).map_err(|e| ModelError::Cache(e.to_string()))?;
+        let hf = HfV4Model::load(dir)?;
         let c = &hf.cfg;
         let cfg = V4ModelConfig {
             ratios: c.ratios.clone(),

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::{SchedError, Scheduler};
 use crate::core::manager::SeqHandle;
-use crate::core::transfer::BlockLoc;
+use crate::core::transfer::{BlockLoc, MAX_BLOCK_PAGES};
 use crate::core::{BlockKey, KvCacheManager, KvError, PageLoc, ReuseScope};
 use crate::ids::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
@@ -29,8 +29,10 @@ pub struct BlockPages {
     /// The chained reuse key.
     pub key: BlockKey,
     /// Target cache: one page per life cycle.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, MAX_BLOCK_PAGES>")]
     pub target: Vec<PageLoc>,
     /// Draft cache: one page per life cycle (empty without a separate draft cache).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, MAX_BLOCK_PAGES>")]
     pub draft: Vec<PageLoc>,
 }
 
