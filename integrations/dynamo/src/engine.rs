@@ -8,6 +8,10 @@
 //!   stream ends with exactly one terminal chunk (length, stop, end-of-sequence, or
 //!   cancelled) carrying the usage, or with a typed error. A client that stops
 //!   (`ctx.stopped()`) or drops the stream cancels the request in the runtime.
+//! * `abort` cancels the requests of the context object it is given, the one Dynamo
+//!   passed to `generate`: requests are found by that object's identity, never by its
+//!   id, which a client may choose (another client's request with the same id is not
+//!   touched).
 //! * `kv_event_sources` advertises the publisher (`KvEventSource::Zmq`), so Dynamo's
 //!   listener and KV router consume the runtime's own events; `setup_metrics` takes the
 //!   snapshot publisher the loop feeds from the runtime's stats.
@@ -133,8 +137,8 @@ pub struct DsaKvEngine {
     snapshots: Arc<OnceLock<Arc<SnapshotPublisher>>>,
     counts: Arc<Mutex<Counts>>,
     next_id: AtomicU64,
-    /// The request of each live stream, by its Dynamo context id (for `abort`).
-    contexts: Arc<Mutex<HashMap<String, RequestId>>>,
+    /// The requests of each live stream, by its Dynamo context object (for `abort`).
+    contexts: Arc<Mutex<Owners>>,
     /// The report, once `cleanup` wrote it.
     report: Mutex<Option<serde_json::Value>>,
 }
@@ -351,38 +355,28 @@ impl LLMEngine for DsaKvEngine {
     ) -> Result<BoxStream<'static, Result<LLMEngineOutput, DynamoError>>, DynamoError> {
         let commands = self.sender()?;
         let (prompt, max_new) = self.admit(&request)?;
+        let rule = StopRule::of(&request).map_err(|e| invalid(e.to_string()))?;
         let prompt_tokens = prompt.len() as u32;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let context = ctx.id().to_string();
-        self.contexts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(context.clone(), id);
-        let contexts = self.contexts.clone();
+        // Registered before the loop sees the request, so an abort finds it at once.
+        // Cancels the request if the stream is dropped before its end, read or not (the
+        // stream's body first runs when it is first polled); forgets its context either way.
+        let mut guard =
+            CancelOnDrop::register(id, commands.clone(), self.contexts.clone(), ctx.inner_arc());
         let (events, mut rx) = mpsc::unbounded_channel();
-        commands
+        if commands
             .send(Command::Submit {
                 id,
                 prompt,
                 max_new,
-                rule: StopRule::of(&request),
+                rule,
                 events,
             })
-            .map_err(|_| {
-                self.contexts
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&context);
-                engine_shutdown("the engine loop stopped")
-            })?;
-        // Cancels the request if the stream is dropped before its end, read or not (the
-        // stream's body first runs when it is first polled); forgets its context either way.
-        let mut guard = CancelOnDrop {
-            id,
-            commands: Some(commands),
-            contexts,
-            context,
-        };
+            .is_err()
+        {
+            guard.disarm();
+            return Err(engine_shutdown("the engine loop stopped"));
+        }
         let stream = async_stream::stream! {
             let mut returned = 0u32;
             let mut stopping = false;
@@ -465,17 +459,22 @@ impl LLMEngine for DsaKvEngine {
         Ok(())
     }
 
-    /// Dynamo calls this when a request's client stops or the operator kills it; the
-    /// stream notices `ctx.stopped()` too, and whichever comes first cancels it.
+    /// Dynamo calls this when a request's client stops or the operator kills it, with
+    /// the context object it passed to `generate`; the stream notices `ctx.stopped()`
+    /// too, and whichever comes first cancels it. Only the requests generated with this
+    /// very object are cancelled: another context with the same id owns none of them.
     async fn abort(&self, ctx: Arc<dyn AsyncEngineContext>) {
-        let id = self
+        let ids = self
             .contexts
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(ctx.id())
-            .copied();
-        if let (Some(id), Ok(commands)) = (id, self.sender()) {
-            let _ = commands.send(Command::Cancel(id));
+            .get(&ContextKey::of(&ctx))
+            .cloned()
+            .unwrap_or_default();
+        if let Ok(commands) = self.sender() {
+            for id in ids {
+                let _ = commands.send(Command::Cancel(id));
+            }
         }
     }
 
@@ -505,16 +504,54 @@ impl LLMEngine for DsaKvEngine {
     }
 }
 
-/// Sends a cancellation for its request when dropped armed; forgets its context id when
-/// dropped.
+/// A Dynamo context object's identity: its address. Unforgeable by a client (unlike
+/// the context's id, which it may choose), and unique among the keys of [`Owners`]:
+/// every entry's [`CancelOnDrop`] holds its context's `Arc`, so no other object can be
+/// allocated there before the entry is removed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ContextKey(usize);
+
+impl ContextKey {
+    fn of(ctx: &Arc<dyn AsyncEngineContext>) -> ContextKey {
+        ContextKey(Arc::as_ptr(ctx) as *const () as usize)
+    }
+}
+
+/// The live requests generated with each context object (usually one; Dynamo may reuse
+/// an object, and then `abort` cancels them all). Its size follows the live streams.
+type Owners = HashMap<ContextKey, Vec<RequestId>>;
+
+/// Registers its request under its context object; sends a cancellation for the
+/// request when dropped armed; removes the registration when dropped.
 struct CancelOnDrop {
     id: RequestId,
     commands: Option<mpsc::UnboundedSender<Command>>,
-    contexts: Arc<Mutex<HashMap<String, RequestId>>>,
-    context: String,
+    contexts: Arc<Mutex<Owners>>,
+    /// Held so that the key stays this object's until the entry is gone.
+    context: Arc<dyn AsyncEngineContext>,
 }
 
 impl CancelOnDrop {
+    fn register(
+        id: RequestId,
+        commands: mpsc::UnboundedSender<Command>,
+        contexts: Arc<Mutex<Owners>>,
+        context: Arc<dyn AsyncEngineContext>,
+    ) -> CancelOnDrop {
+        contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(ContextKey::of(&context))
+            .or_default()
+            .push(id);
+        CancelOnDrop {
+            id,
+            commands: Some(commands),
+            contexts,
+            context,
+        }
+    }
+
     fn cancel(&mut self) {
         if let Some(c) = self.commands.take() {
             let _ = c.send(Command::Cancel(self.id));
@@ -530,9 +567,13 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.cancel();
         let mut contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
-        // Only its own entry (a context id used again maps to the newer request).
-        if contexts.get(&self.context) == Some(&self.id) {
-            contexts.remove(&self.context);
+        let key = ContextKey::of(&self.context);
+        // Only its own request (a context object used again holds the others too).
+        if let Some(ids) = contexts.get_mut(&key) {
+            ids.retain(|&id| id != self.id);
+            if ids.is_empty() {
+                contexts.remove(&key);
+            }
         }
     }
 }

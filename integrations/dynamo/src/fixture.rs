@@ -15,8 +15,17 @@
 //! * id 256 is `<|eos|>`, a special token the model cannot produce: the end-of-sequence
 //!   id the frontend sends with each request. A request stops on it only when it is in
 //!   the model's vocabulary, which it is not here; requests end at `max_tokens`.
+//!
+//! The frontend trusts what it reads there (the chat template is a program it runs), so
+//! the directory must be private: [`write`] creates it `0700` and refuses one that is a
+//! symbolic link, that another user owns or that its group or others may write; each file
+//! is written under a random name of its own (created exclusively) and renamed into
+//! place. The default, [`default_dir`], is one per user.
 
-use std::path::Path;
+use std::fs::{DirBuilder, Permissions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
@@ -111,11 +120,116 @@ pub fn tokenizer_config_json(context_length: u32) -> Value {
     })
 }
 
+/// Why the model directory was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelDirError {
+    /// The path is a symbolic link.
+    #[error(
+        "the model directory {0} is a symbolic link: give the directory itself (a link can \
+         be pointed elsewhere after it is checked)"
+    )]
+    Symlink(PathBuf),
+    /// The path is not a directory.
+    #[error("the model directory {0} exists and is not a directory: give another --model-dir")]
+    NotADirectory(PathBuf),
+    /// Another user owns the directory.
+    #[error(
+        "the model directory {path} is owned by uid {owner}, not by this user (uid {uid}): \
+         that user could change what the frontend reads; give a directory of your own \
+         (--model-dir)"
+    )]
+    NotOurs {
+        /// The directory.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// This process's effective user id.
+        uid: u32,
+    },
+    /// The directory's group or others may write it.
+    #[error(
+        "the model directory {path} is writable by its group or others (mode {mode:o}): \
+         anyone could replace the tokenizer or the chat template the frontend reads; \
+         `chmod go-w` it or give another --model-dir"
+    )]
+    Writable {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// A file-system call failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// To which path.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// The model directory when none is given: `dsa-kv-dynamo-model-<uid>` in the temporary
+/// directory (`$TMPDIR`, else `/tmp`), one per user, so no other user's worker shares
+/// it ([`write`] creates it private).
+pub fn default_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("dsa-kv-dynamo-model-{}", effective_uid()))
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: `geteuid` takes nothing, touches no memory of ours and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Creates `dir` (`0700`, its missing parents as the umask says) unless it exists, and
+/// checks that it is a directory of this user's that nobody else may write, not a link.
+fn private_dir(dir: &Path) -> Result<(), ModelDirError> {
+    let io = |what, source| ModelDirError::Io {
+        what,
+        path: dir.to_path_buf(),
+        source,
+    };
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| io("creating the parents of", e))?;
+    }
+    match DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(io("creating", e));
+        }
+        // Created, or there already (made by anyone): checked the same way.
+        _ => {}
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| io("reading", e))?;
+    let path = dir.to_path_buf();
+    if meta.file_type().is_symlink() {
+        return Err(ModelDirError::Symlink(path));
+    }
+    if !meta.is_dir() {
+        return Err(ModelDirError::NotADirectory(path));
+    }
+    let uid = effective_uid();
+    if meta.uid() != uid {
+        return Err(ModelDirError::NotOurs {
+            path,
+            owner: meta.uid(),
+            uid,
+        });
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(ModelDirError::Writable { path, mode });
+    }
+    Ok(())
+}
+
 /// Writes `tokenizer.json`, `tokenizer_config.json` and `config.json` into `dir`
-/// (created if missing). Each file is written under a name of its own and renamed into
-/// place, so workers sharing the directory never expose a half-written file.
-pub fn write(dir: &Path, context_length: u32) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
+/// (created `0700` if missing; refused if it is a link, another user's, or writable by
+/// its group or others). Each file is written under a random name of its own, created
+/// exclusively, and renamed into place, so workers sharing the directory never expose a
+/// half-written file and nothing planted under a guessed name is written through.
+pub fn write(dir: &Path, context_length: u32) -> Result<(), ModelDirError> {
+    private_dir(dir)?;
     for (name, value) in [
         ("tokenizer.json", tokenizer_json()),
         (
@@ -124,10 +238,23 @@ pub fn write(dir: &Path, context_length: u32) -> std::io::Result<()> {
         ),
         ("config.json", config_json(context_length)),
     ] {
-        let text = serde_json::to_string_pretty(&value).map_err(std::io::Error::other)?;
-        let part = dir.join(format!(".{name}.{}", std::process::id()));
-        std::fs::write(&part, text + "\n")?;
-        std::fs::rename(&part, dir.join(name))?;
+        let path = dir.join(name);
+        let io = |what, source| ModelDirError::Io {
+            what,
+            path: path.clone(),
+            source,
+        };
+        let text = serde_json::to_string_pretty(&value).expect("invariant: a JSON value prints");
+        // Readable as the files were before (the directory decides who may reach them).
+        let mut part = tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .permissions(Permissions::from_mode(0o644))
+            .tempfile_in(dir)
+            .map_err(|e| io("creating a temporary file for", e))?;
+        part.write_all((text + "\n").as_bytes())
+            .map_err(|e| io("writing", e))?;
+        part.persist(&path)
+            .map_err(|e| io("renaming into place", e.error))?;
     }
     Ok(())
 }

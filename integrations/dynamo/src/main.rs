@@ -18,8 +18,10 @@ struct Args {
     common: CommonArgs,
     /// The model directory: the worker writes its tokenizer, `config.json` and chat
     /// template here (identical each time, replaced atomically) and registers it with
-    /// Dynamo, whose frontend reads it.
-    #[arg(long, default_value = "/tmp/dsa-kv-dynamo-model")]
+    /// Dynamo, whose frontend reads it. Created private (`0700`) if missing; refused if it
+    /// is a symbolic link, another user's, or writable by its group or others. The
+    /// default is this user's own under the temporary directory.
+    #[arg(long, default_value_os_t = fixture::default_dir())]
     model_dir: PathBuf,
     /// The model name clients ask for.
     #[arg(long, default_value = "dsa-kv-reference")]
@@ -61,9 +63,8 @@ fn main() -> anyhow::Result<()> {
             a.kv_tokens
         );
     }
-    fixture::write(&a.model_dir, a.context_length).map_err(|e| {
-        anyhow::anyhow!("writing the model directory {}: {e}", a.model_dir.display())
-    })?;
+    // Its errors name the directory and what to do.
+    fixture::write(&a.model_dir, a.context_length)?;
     let engine = DsaKvEngine::new(Settings {
         served_model_name: a.served_model_name.clone(),
         kv_tokens: a.kv_tokens,

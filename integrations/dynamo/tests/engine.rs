@@ -1,7 +1,8 @@
 //! The engine as Dynamo's worker drives it, without the network: Dynamo's own
 //! conformance kit, tokens bit-exact against the unpaged model, prefix reuse in the
-//! usage, each way a request ends, cancellation releasing the request's pages, and bad
-//! requests refused with typed errors.
+//! usage, each way a request ends, cancellation releasing the request's pages, an abort
+//! reaching only its own context's request, and bad requests (stop-id lists past the
+//! limit among them) refused with typed errors.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,7 @@ use dynamo_backend_common::{
     LLMEngineOutput, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions,
 };
 use dynamo_runtime::engine::AsyncEngineContext;
+use dynamo_runtime::pipeline::context::Controller;
 use futures::StreamExt;
 
 fn settings() -> Settings {
@@ -465,5 +467,123 @@ async fn requests_past_the_limit_are_refused_with_an_error() {
     assert_eq!(e.counts().refused, 1);
     drop(first);
     assert_eq!(settled(&e).await.live, 0);
+    e.cleanup().await.expect("cleanup");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_id_lists_past_256_ids_are_refused_naming_the_limit() {
+    let e = started().await;
+    let many: Vec<u32> = (0..257).collect();
+    let cases = vec![
+        (
+            "stop_token_ids",
+            StopConditions {
+                stop_token_ids: Some(many.clone()),
+                ..max_tokens(4)
+            },
+            vec![],
+        ),
+        (
+            "stop_token_ids_hidden",
+            StopConditions {
+                stop_token_ids_hidden: Some(many.clone()),
+                ..max_tokens(4)
+            },
+            vec![],
+        ),
+        (
+            "stop_token_ids_visible",
+            StopConditions {
+                stop_token_ids_visible: Some(many.clone()),
+                ..max_tokens(4)
+            },
+            vec![],
+        ),
+        ("eos_token_ids", max_tokens(4), many.clone()),
+    ];
+    for (field, stop, eos) in cases {
+        let err = match e
+            .generate(
+                request(prompt(1, 10), stop, eos),
+                GenerateContext::new(mock_context(), None),
+            )
+            .await
+        {
+            Ok(_) => panic!("accepted {field} with 257 ids"),
+            Err(err) => invalid(err),
+        };
+        assert!(
+            err.contains(field) && err.contains("257") && err.contains("256"),
+            "{err} should name {field}, its length and the limit"
+        );
+    }
+    // 256 ids, unsorted, is at the limit: served, and the one the model produces stops it.
+    let p = prompt(11, 80);
+    let want = reference(&p, 12);
+    let first = want.iter().position(|&t| t == want[3]).expect("present");
+    let mut ids: Vec<u32> = (300..555).rev().collect();
+    ids.insert(100, want[3]);
+    assert_eq!(ids.len(), 256);
+    let hidden = StopConditions {
+        max_tokens: Some(12),
+        stop_token_ids_hidden: Some(ids),
+        ..Default::default()
+    };
+    let (tokens, reason, _) =
+        tokens_of(&collect(&e, request(p.clone(), hidden, vec![]), mock_context()).await);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(tokens, want[..first]);
+    assert_eq!(e.counts().refused, 0, "refused before the loop");
+    e.cleanup().await.expect("cleanup");
+}
+
+/// A context with an id of the client's choosing (Dynamo's request plane takes the id a
+/// client sends).
+fn context_with_id(id: &str) -> Arc<dyn AsyncEngineContext> {
+    Arc::new(Controller::new(id.to_string()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_cancels_only_its_own_contexts_request() {
+    let e = started().await;
+    // One client's long request, then another's with the same context id.
+    let attacker = context_with_id("chosen-id");
+    let mut theirs = e
+        .generate(
+            request(prompt(12, 100), max_tokens(1500), vec![]),
+            GenerateContext::new(attacker.clone(), None),
+        )
+        .await
+        .expect("generate");
+    theirs.next().await.expect("a chunk").expect("no error");
+    let p = prompt(13, 90);
+    let n = 64;
+    let mut ours = e
+        .generate(
+            request(p.clone(), max_tokens(n), vec![]),
+            GenerateContext::new(context_with_id("chosen-id"), None),
+        )
+        .await
+        .expect("generate");
+    let mut items = vec![ours.next().await.expect("a chunk")];
+    // An abort from a context that sent nothing here, and one from the first client's:
+    // neither reaches the second client's request.
+    e.abort(context_with_id("chosen-id")).await;
+    e.abort(attacker).await;
+    items.extend(ours.collect::<Vec<_>>().await);
+    let (tokens, reason, _) = tokens_of(&items);
+    assert_eq!(
+        reason,
+        FinishReason::Length,
+        "not cancelled by another's abort"
+    );
+    assert_eq!(tokens, reference(&p, n));
+    // The first client's own request was cancelled by its abort.
+    let rest: Vec<_> = theirs.collect().await;
+    let last = rest.last().expect("a terminal").as_ref().expect("no error");
+    assert_eq!(last.finish_reason, Some(FinishReason::Cancelled));
+    let load = settled(&e).await;
+    assert_eq!((load.in_use, load.live), (0, 0), "{load:?}");
+    assert_eq!((e.counts().cancelled, e.counts().length), (1, 1));
     e.cleanup().await.expect("cleanup");
 }
