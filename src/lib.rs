@@ -29,8 +29,10 @@
 //! loop {
 //!     let report = kv.step(Drafts::none()).await?; // plan, run on every device
 //!     steps += 1;
-//!     // The model sampled a token for each request that produces one: commit them.
-//!     let commit = kv.commit(report.outcomes(|_| TokenId(7))).await?;
+//!     // The default forward (the synthetic writer) samples nothing: the engine commits
+//!     // a token for each request that produces one. A forward that samples returns
+//!     // `Sampling::Sampled` and the runtime commits it (`report.committed`).
+//!     let commit = kv.commit(report.outcomes_from(|_| TokenId(7))).await?;
 //!     if !commit.finished.is_empty() {
 //!         break;
 //!     }

@@ -148,7 +148,10 @@ async fn mtp_with_a_byte_budget_starts_and_serves() {
     let mut finished = false;
     for _ in 0..100 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let commit = kv.commit(report.outcomes(|_| TokenId(7))).await.unwrap();
+        let commit = kv
+            .commit(report.outcomes_from(|_| TokenId(7)))
+            .await
+            .unwrap();
         if !commit.finished.is_empty() {
             assert!(commit
                 .finished

@@ -182,8 +182,7 @@ async fn run_with(
         };
         let c = rep.committed.as_ref().expect("the forward samples");
         assert_eq!(rep.outcomes.len(), rep.scheduled.len());
-        let mut proposed: HashMap<RequestId, &Vec<TokenId>> = rep
-            .devices[0]
+        let mut proposed: HashMap<RequestId, &Vec<TokenId>> = rep.devices[0]
             .sampled()
             .map(|s| s.drafts.iter().map(|(id, d)| (*id, d)).collect())
             .unwrap_or_default();
@@ -429,7 +428,10 @@ async fn a_one_slot_block_table_error_changes_the_result() {
 /// 0 differ from the reference).
 fn assert_drill_caught(model: &Model, kv_dtype: KvDtype, run: &Run) {
     if let Some(e) = &run.step_error {
-        assert!(e.contains("returned other sampled outcomes than device 0"), "{e}");
+        assert!(
+            e.contains("returned other sampled outcomes than device 0"),
+            "{e}"
+        );
         return;
     }
     let bad = compare(model, kv_dtype, 0, run);

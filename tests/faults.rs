@@ -74,7 +74,7 @@ async fn engine(kv: KvCacheHandle, stop: Arc<AtomicBool>) -> (u64, u64) {
 
 /// What the model "sampled" for a step: no draft accepted, token 7 where one is due.
 fn outcomes(r: &StepReport) -> Vec<RequestOutcome> {
-    r.outcomes(|_| TokenId(7))
+    r.outcomes_from(|_| TokenId(7))
 }
 
 /// A runtime on `devices` host devices.

@@ -57,7 +57,7 @@ async fn published_metrics_equal_the_runtime_stats() {
     while done < N {
         let rep = kv.step(HashMap::new()).await.unwrap();
         steps += 1;
-        let c = kv.commit(rep.outcomes(|_| TokenId(7))).await.unwrap();
+        let c = kv.commit(rep.outcomes_from(|_| TokenId(7))).await.unwrap();
         done += c.finished.len() as u64;
         assert!(steps < 5000);
     }

@@ -248,7 +248,7 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
             r.devices[0].metadata_digest, r.devices[1].metadata_digest,
             "identical page tables on every rank"
         );
-        kv.commit(r.outcomes(|_| TokenId(1))).await.unwrap();
+        kv.commit(r.outcomes_from(|_| TokenId(1))).await.unwrap();
     }
     kv.kill_device(1).await.unwrap();
     // The coordinator learns of the death and fails every request holding pages there.
@@ -288,7 +288,7 @@ async fn run_until_finished(kv: &KvCacheHandle, n: usize) -> Vec<FinishedReport>
     let mut finished = Vec::new();
     for _ in 0..200 {
         let report = kv.step(HashMap::new()).await.unwrap();
-        let outcomes = report.outcomes(|_| TokenId(7));
+        let outcomes = report.outcomes_from(|_| TokenId(7));
         if !outcomes.is_empty() {
             finished.extend(kv.commit(outcomes).await.unwrap().finished);
         }
@@ -724,7 +724,7 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
     assert_eq!(kv.stats().await.unwrap().scheduler.steps, 1, "no step ran");
     // The step in flight commits, and the next one runs, in one call.
     let r = kv
-        .commit_and_step(step.outcomes(|_| TokenId(7)), HashMap::new())
+        .commit_and_step(step.outcomes_from(|_| TokenId(7)), HashMap::new())
         .await
         .unwrap();
     assert!(r.commit.finished.is_empty());
@@ -733,7 +733,7 @@ async fn commit_and_step_refuses_a_bad_commit_and_runs_no_step() {
     assert_eq!(kv.pending_step().await.unwrap(), Some(next.clone()));
     // The last token: the request finishes in the commit, and the step after it is empty.
     let r = kv
-        .commit_and_step(next.outcomes(|_| TokenId(7)), HashMap::new())
+        .commit_and_step(next.outcomes_from(|_| TokenId(7)), HashMap::new())
         .await
         .unwrap();
     assert_eq!(r.commit.finished.len(), 1);
@@ -789,7 +789,7 @@ async fn steps_report_their_timing_and_a_polling_runtime_serves_the_same_steps()
         loop {
             let t0 = Instant::now();
             let r = kv
-                .commit_and_step(step.outcomes(|_| TokenId(7)), HashMap::new())
+                .commit_and_step(step.outcomes_from(|_| TokenId(7)), HashMap::new())
                 .await
                 .unwrap();
             let waited = t0.elapsed().as_nanos() as u64;
@@ -810,7 +810,7 @@ async fn steps_report_their_timing_and_a_polling_runtime_serves_the_same_steps()
 
 /// A committed step's plan goes back to the scheduler (whose next plans reuse its
 /// buffers) also when the engine loop still holds the step's report during the commit,
-/// as loops do (`kv.commit(report.outcomes(..))`, or `commit_and_step` with the report of
+/// as loops do (`kv.commit(report.outcomes_from(..))`, or `commit_and_step` with the report of
 /// the step being committed): it is recycled once the report is dropped. Before, it was
 /// recycled only when nothing else held it at the commit: in such loops never
 /// (`plans_recycled` stayed 0), and every step allocated its plan afresh.
@@ -831,7 +831,7 @@ async fn plans_are_recycled_while_engine_loops_hold_their_reports() {
         let mut report = kv.step(dsa_kv::actors::Drafts::none()).await.unwrap();
         loop {
             steps += 1;
-            let outs = report.outcomes(|s| TokenId(s.id.0 as u32 + 7));
+            let outs = report.outcomes_from(|s| TokenId(s.id.0 as u32 + 7));
             if fused {
                 // The report of the step being committed is alive during the call.
                 let next = kv

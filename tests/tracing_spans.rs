@@ -148,7 +148,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
         let rep = kv.step(HashMap::new()).await.unwrap();
         steps += 1;
         finished += kv
-            .commit(rep.outcomes(|_| TokenId(7)))
+            .commit(rep.outcomes_from(|_| TokenId(7)))
             .await
             .unwrap()
             .finished
@@ -246,7 +246,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
     let mut finished = 0;
     for _ in 0..5000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
-        let c = kv.commit(rep.outcomes(|_| TokenId(7))).await.unwrap();
+        let c = kv.commit(rep.outcomes_from(|_| TokenId(7))).await.unwrap();
         finished += c.finished.len() as u64;
         if finished == N {
             break;

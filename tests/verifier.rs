@@ -91,7 +91,7 @@ async fn run(
     for _ in 0..10_000 {
         let report = kv.step(HashMap::new()).await.expect("step");
         let next = |r: &PlannedRequest| TokenId(5000 + r.num_cached);
-        let commit = kv.commit(report.outcomes(next)).await.expect("commit");
+        let commit = kv.commit(report.outcomes_from(next)).await.expect("commit");
         for f in commit.finished {
             done.insert(f.finished.id, f);
         }
@@ -283,7 +283,9 @@ async fn out_of_range_write(backend: Option<BackendFactory>) -> String {
                 return e.to_string();
             }
         };
-        kv.commit(report.outcomes(|_| TokenId(7))).await.unwrap();
+        kv.commit(report.outcomes_from(|_| TokenId(7)))
+            .await
+            .unwrap();
         if !injected {
             injected = true;
             let m = Misdirect {

@@ -176,7 +176,7 @@ impl Engine {
                     }
                     while kv.counters().in_flight > 0 {
                         let r = kv.step(HashMap::new()).await.unwrap();
-                        let outs = r.outcomes(|_| TokenId(7));
+                        let outs = r.outcomes_from(|_| TokenId(7));
                         if !outs.is_empty() {
                             kv.commit(outs).await.unwrap();
                         }

@@ -139,7 +139,7 @@ fn dtod(backend: &str, gpu: usize, bytes: u64) -> Result<Option<f64>, BoxError> 
 /// token gets token 7. Whether requests are still in flight after it.
 async fn step_synthetic(kv: &KvCacheHandle) -> Result<bool, BoxError> {
     let report = kv.step(HashMap::new()).await?;
-    let outs = report.outcomes(|_| TokenId(7));
+    let outs = report.outcomes_from(|_| TokenId(7));
     if !outs.is_empty() {
         kv.commit(outs).await?;
     }

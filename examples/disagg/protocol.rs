@@ -247,11 +247,8 @@ impl Engine {
                     continue;
                 };
                 let used = &r.tokens[r.tokens.len() - r.num_drafts as usize..];
-                g.tokens.extend(
-                    used[..o.accepted_drafts as usize]
-                        .iter()
-                        .map(|t| t.0),
-                );
+                g.tokens
+                    .extend(used[..o.accepted_drafts as usize].iter().map(|t| t.0));
                 g.tokens.push(next.0);
                 if self.drafts > 0 {
                     if let Some(d) = proposed.get(&r.id) {

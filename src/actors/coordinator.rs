@@ -112,11 +112,12 @@ pub struct StepReport {
 }
 
 impl StepReport {
-    /// The outcome of every scheduled request with no draft accepted: `next(r)` is the
-    /// token the model sampled for `r` where the step produces one (the last chunk of a
-    /// prompt, a decode), and none elsewhere. An engine with drafts sets
-    /// `accepted_drafts` on the result.
-    pub fn outcomes(
+    /// For an engine that samples itself ([`Sampling::ByEngine`](crate::device::forward::Sampling::ByEngine)): the outcome of every
+    /// scheduled request with no draft accepted, `next(r)` the token the engine sampled
+    /// for `r` where the step produces one (the last chunk of a prompt, a decode), none
+    /// elsewhere, to pass to [`commit`](super::KvCacheHandle::commit). An engine with
+    /// drafts sets `accepted_drafts` on the result.
+    pub fn outcomes_from(
         &self,
         mut next: impl FnMut(&PlannedRequest) -> TokenId,
     ) -> Vec<RequestOutcome> {

@@ -36,7 +36,8 @@ async fn step_with(kv: &KvCacheHandle, each: &mut impl FnMut()) -> Result<bool, 
         .await
         .map_err(|e| format!("step: {e}"))?;
     each();
-    let outs = report.outcomes(|s| TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000));
+    let outs =
+        report.outcomes_from(|s| TokenId((s.id.0 * 31 + u64::from(s.num_cached)) as u32 % 1000));
     if !outs.is_empty() {
         match kv.commit(outs).await {
             Ok(_) | Err(RuntimeError::Scheduler(SchedError::NothingToCommit)) => {}

@@ -41,8 +41,11 @@ pub trait StepHooks: Send + 'static {
     fn layouts(&self) -> (MetadataLayout, Option<MetadataLayout>);
     /// Runs the forward of `phase` over the bound metadata; returns the batch's tokens
     /// and what the forward sampled ([`Batch::run`](crate::Batch::run)).
-    fn run_forward(&mut self, phase: Phase, plan: &StepPlan)
-        -> Result<(u64, Sampling), DeviceError>;
+    fn run_forward(
+        &mut self,
+        phase: Phase,
+        plan: &StepPlan,
+    ) -> Result<(u64, Sampling), DeviceError>;
     /// See [`DeviceBackend::cache_digest`].
     fn cache_digest(&mut self) -> Result<String, DeviceError>;
     /// See [`DeviceBackend::synchronize`].

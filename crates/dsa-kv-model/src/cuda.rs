@@ -28,10 +28,10 @@ use super::paged::{check_setup, verdict, ForwardOptions, Mtp, Outputs};
 use super::weights::Layer;
 use super::{Model, ModelError, INDEX_DIM, LATENT, ROPE};
 use dsa_kv_core::config::KvDtype;
-use dsa_kv_cuda::kernels::{DevRows, MlaEncoding};
-use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
 use dsa_kv_core::core::scheduler::RequestOutcome;
 use dsa_kv_core::ids::TokenId;
+use dsa_kv_cuda::kernels::{DevRows, MlaEncoding};
+use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, KERNEL_SOURCES};
 use dsa_kv_device::forward::{
     Batch, Forward, ForwardError, ForwardFactory, ForwardSetup, LayerCache, MetadataView,
     Proposals, Sampled, Sampling,
@@ -1257,9 +1257,7 @@ impl Forward for CudaModelForward {
             outcomes.push(RequestOutcome {
                 id: req.id,
                 accepted_drafts: accepted,
-                next_token: req
-                    .produces_token
-                    .then_some(TokenId(outs[keep].greedy)),
+                next_token: req.produces_token.then_some(TokenId(outs[keep].greedy)),
             });
             if self.record.is_some() {
                 kept.push((req.id, outs[..=keep].to_vec()));
@@ -1281,7 +1279,9 @@ impl Forward for CudaModelForward {
                 drafts = self.propose(batch, &l)?;
             }
         }
-        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(drafts)))
+        Ok(Sampling::Sampled(
+            Sampled::new(outcomes).with_drafts(drafts),
+        ))
     }
 
     fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {

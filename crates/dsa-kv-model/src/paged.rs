@@ -390,7 +390,9 @@ impl Forward for ModelForward {
             Mtp::Combined { layer, indexer } => self.draft(batch, DraftCache { layer, indexer })?,
             _ => Proposals::new(),
         };
-        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(drafts)))
+        Ok(Sampling::Sampled(
+            Sampled::new(outcomes).with_drafts(drafts),
+        ))
     }
 
     fn draft_forward(&mut self, batch: &mut Batch<'_>) -> Result<Proposals, ForwardError> {

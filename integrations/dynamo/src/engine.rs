@@ -27,7 +27,7 @@ use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig as KvConfig, KvDtype};
 use dsa_kv::ids::RequestId;
 use dsa_kv::publish::{PublisherReport, ZmqPublisher, ZmqPublisherConfig};
-use dsa_kv_model::paged::{ModelForward, Outputs};
+use dsa_kv_model::paged::{ForwardOptions, ModelForward};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 use dynamo_backend_common::{
     chunk, usage, AsyncEngineContext, BackendError, CompletionUsage, DynamoError, EngineConfig,
@@ -277,10 +277,9 @@ impl LLMEngine for DsaKvEngine {
         } else {
             Verifier::off()
         };
-        let outputs = Arc::new(Mutex::new(Outputs::default()));
         let kv = KvCacheBuilder::new()
             .config(config)
-            .forward(ModelForward::factory(model, outputs.clone()))
+            .forward(ModelForward::factory(model, ForwardOptions::default()))
             .start()
             .await
             .map_err(|e| engine_shutdown(format!("the dsa-kv runtime did not start: {e}")))?;
@@ -311,7 +310,6 @@ impl LLMEngine for DsaKvEngine {
         let (tx, rx) = mpsc::unbounded_channel();
         let serving = Serving::new(
             kv,
-            outputs,
             rx,
             self.settings.max_live,
             verifier,

@@ -1,22 +1,20 @@
 //! The engine loop: one task owns the dsa-kv runtime, admits requests, runs steps of the
 //! reference model, and sends each request's tokens to its stream.
 //!
-//! Each round: the step in flight has run; its tokens are read from the model's outputs;
-//! each token gets its request's stop verdict. When no request has to end early, the
-//! tokens are committed and the next step is planned and run in one call
-//! (`commit_and_step`). When one does (a stop id, end-of-sequence, a client that went
-//! away), the tokens are committed alone, those requests are cancelled (the runtime
-//! cancels only requests outside a step in flight), and the next step follows. The pages
-//! a cancellation releases are checked: the slots in use never grow across it.
+//! Each round is one call to the runtime: a step, planned, run and committed (the model's
+//! forward samples each request's token and the runtime commits what every device
+//! sampled). Each token then gets its request's stop verdict. Requests that end early (a
+//! stop id, end-of-sequence, a client that went away) are cancelled before the next step
+//! (no step is in flight then); the pages a cancellation releases are checked: the slots
+//! in use never grow across it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dsa_kv::actors::{Drafts, KvCacheHandle, RuntimeStats, StepReport};
-use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
+use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::ids::{RequestId, Tier, TokenId};
-use dsa_kv_model::paged::Outputs;
 use dynamo_backend_common::{ComponentSnapshot, FinishReason, SnapshotPublisher};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -111,8 +109,6 @@ pub struct Counts {
     pub cached_tokens: u64,
     /// Steps run.
     pub steps: u64,
-    /// Steps that went through `commit_and_step` (the rest: commit, cancel, step).
-    pub fused_steps: u64,
     /// Cancellation rounds, with the GPU-tier slots in use before and after.
     pub cancel_rounds: u64,
     /// Slots released by those rounds in total.
@@ -137,7 +133,6 @@ struct Live {
 /// The loop's state (owned by its task).
 pub struct Serving {
     kv: KvCacheHandle,
-    outputs: Arc<Mutex<Outputs>>,
     commands: mpsc::UnboundedReceiver<Command>,
     live: HashMap<RequestId, Live>,
     /// Requests admitted at most (running and waiting): what clients can make it hold.
@@ -163,11 +158,10 @@ pub struct Stopped {
 }
 
 impl Serving {
-    /// A loop over `kv` whose forward records into `outputs`, holding at most
+    /// A loop over `kv` (whose forward samples each step's tokens), holding at most
     /// `max_live` requests.
     pub fn new(
         kv: KvCacheHandle,
-        outputs: Arc<Mutex<Outputs>>,
         commands: mpsc::UnboundedReceiver<Command>,
         max_live: usize,
         verifier: Verifier,
@@ -176,7 +170,6 @@ impl Serving {
     ) -> Serving {
         Serving {
             kv,
-            outputs,
             commands,
             live: HashMap::new(),
             max_live,
@@ -212,10 +205,9 @@ impl Serving {
     }
 
     async fn serve(&mut self) -> Result<(), String> {
-        let mut pending: Option<StepReport> = None;
         loop {
-            // Wait for work only when nothing runs.
-            if pending.is_none() && self.live.is_empty() {
+            // Wait for work only when nothing is live.
+            if self.live.is_empty() {
                 self.publish_snapshot(true).await;
                 match self.commands.recv().await {
                     Some(Command::Shutdown) | None => return Ok(()),
@@ -224,44 +216,37 @@ impl Serving {
             }
             loop {
                 match self.commands.try_recv() {
-                    Ok(Command::Shutdown) => return Ok(()),
+                    Ok(Command::Shutdown) | Err(mpsc::error::TryRecvError::Disconnected) => {
+                        return Ok(())
+                    }
                     Ok(c) => self.take(c).await,
                     Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        if pending.is_none() {
-                            return Ok(());
-                        }
-                        break;
-                    }
                 }
             }
-            pending = match pending.take() {
-                None if self.live.is_empty() => None,
-                None => {
-                    let report = self
-                        .kv
-                        .step(Drafts::none())
-                        .await
-                        .map_err(|e| format!("step: {e}"))?;
-                    self.stepped(&report);
-                    Some(report)
-                }
-                Some(report) => self.finish_step(report).await?,
-            };
-            // A step that scheduled nothing has nothing to commit.
-            if pending.as_ref().is_some_and(|r| r.scheduled.is_empty()) {
-                pending = None;
-                // No step is in flight: requests whose clients went away end now.
-                let gone = self.flagged();
-                if !gone.is_empty() {
-                    self.cancel(gone).await?;
-                }
+            // No step is in flight between rounds: requests whose clients went away end
+            // before the next one.
+            let gone = self.flagged();
+            if !gone.is_empty() {
+                self.cancel(gone).await?;
+            }
+            if self.live.is_empty() {
+                continue;
+            }
+            let report = self
+                .kv
+                .step(Drafts::none())
+                .await
+                .map_err(|e| format!("step: {e}"))?;
+            self.stepped(&report);
+            if report.scheduled.is_empty() {
+                // Live requests the scheduler could not place now (none running frees
+                // room by itself): poll again shortly instead of spinning.
                 if !self.live.is_empty() {
-                    // Live requests the scheduler could not place now (none running
-                    // frees room by itself): poll again shortly instead of spinning.
                     tokio::time::sleep(IDLE_RETRY).await;
                 }
+                continue;
             }
+            self.finish_step(report).await?;
         }
     }
 
@@ -342,38 +327,37 @@ impl Serving {
             if let Some(r) = self.live.remove(id) {
                 bump(&self.counts, |c| c.failed += 1);
                 let _ = r.events.send(Event::Failed(why.clone()));
-                self.forget(*id);
             }
         }
     }
 
-    /// Commits the step in flight and starts the next one; returns it (`None` when the
-    /// next step is left to the next round).
-    async fn finish_step(&mut self, report: StepReport) -> Result<Option<StepReport>, String> {
-        let mut outcomes = Vec::with_capacity(report.scheduled.len());
-        // (request, token, verdict) of each token sampled this step.
+    /// Sends the tokens a committed step sampled to their streams, ends the requests that
+    /// finished or stop now, and cancels those that end before reaching `max_tokens`.
+    async fn finish_step(&mut self, mut report: StepReport) -> Result<(), String> {
+        let Some(commit) = report.committed.take() else {
+            return Err(format!(
+                "step {}: the model's forward sampled nothing (the runtime committed no \
+                 tokens)",
+                report.step
+            ));
+        };
+        let sampled_by: HashMap<RequestId, TokenId> = report
+            .outcomes
+            .iter()
+            .filter_map(|o| Some((o.id, o.next_token?)))
+            .collect();
+        // (request, token, verdict, whether it is the last) of each token sampled.
         let mut sampled = Vec::new();
-        {
-            let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-            for r in report.scheduled.iter() {
-                let token = match r.produces_token {
-                    true => Some(o.next.remove(&(0, r.id)).ok_or_else(|| {
-                        format!(
-                            "step {}: the model computed no token for request {}",
-                            report.step, r.id
-                        )
-                    })?),
-                    false => None,
-                };
-                outcomes.push(RequestOutcome {
-                    id: r.id,
-                    accepted_drafts: 0,
-                    next_token: token.map(TokenId),
-                });
-                if let (Some(t), Some(l)) = (token, self.live.get(&r.id)) {
-                    let n = l.generated.len() as u32 + 1;
-                    sampled.push((r.id, t, l.rule.verdict(t, n), n == l.max_new));
-                }
+        for r in report.scheduled.iter().filter(|r| r.produces_token) {
+            let token = sampled_by.get(&r.id).ok_or_else(|| {
+                format!(
+                    "step {}: the model computed no token for request {}",
+                    report.step, r.id
+                )
+            })?;
+            if let Some(l) = self.live.get(&r.id) {
+                let n = l.generated.len() as u32 + 1;
+                sampled.push((r.id, token.0, l.rule.verdict(token.0, n), n == l.max_new));
             }
         }
         // Requests that end now without reaching `max_tokens`: cancelled after the commit.
@@ -383,22 +367,6 @@ impl Serving {
                 ending.insert(*id);
             }
         }
-        let (commit, next) = if ending.is_empty() {
-            let r = self
-                .kv
-                .commit_and_step(outcomes, Drafts::none())
-                .await
-                .map_err(|e| format!("commit: {e}"))?;
-            bump(&self.counts, |c| c.fused_steps += 1);
-            (r.commit, Some(r.step.map_err(|e| format!("step: {e}"))?))
-        } else {
-            let c = self
-                .kv
-                .commit(outcomes)
-                .await
-                .map_err(|e| format!("commit: {e}"))?;
-            (c, None)
-        };
         let finished: HashMap<RequestId, u64> = commit
             .finished
             .iter()
@@ -440,11 +408,8 @@ impl Serving {
         if !ending.is_empty() {
             self.cancel(ending).await?;
         }
-        if let Some(next) = &next {
-            self.stepped(next);
-        }
         self.publish_snapshot(false).await;
-        Ok(next)
+        Ok(())
     }
 
     /// Cancels requests outside any step (none of them finished): the client ones end
@@ -503,7 +468,6 @@ impl Serving {
             cached_tokens: cached,
         });
         self.verifier.submit(id.0, l.prompt, l.generated);
-        self.forget(id);
     }
 
     /// The live requests whose clients stopped or went away.
@@ -513,15 +477,6 @@ impl Serving {
             .filter(|(_, l)| l.cancel)
             .map(|(id, _)| *id)
             .collect()
-    }
-
-    /// Drops what the model recorded for a request (its positions' outputs).
-    fn forget(&self, id: RequestId) {
-        let mut o = self.outputs.lock().unwrap_or_else(|e| e.into_inner());
-        o.tokens.remove(&(0, id));
-        o.next.remove(&(0, id));
-        o.accepted.remove(&(0, id));
-        o.drafts.remove(&(0, id));
     }
 
     /// GPU-tier slots held by requests (neither free nor evictable).
