@@ -703,7 +703,7 @@ impl Engine {
 
     /// One `commit_and_step`, timed into `w`, then the window's counts and arrivals.
     async fn step(&mut self, w: &mut Window) -> Result<(), BenchError> {
-        let outcomes = self.outcomes_from();
+        let outcomes = self.outcomes();
         let drafts = Drafts::from(self.drafts.clone());
         // A step that scheduled nothing left nothing to commit: a plain `step` then.
         let idle = !self.in_flight || self.rep.scheduled.is_empty();
@@ -774,7 +774,7 @@ impl Engine {
     async fn drain(&mut self) -> Result<(), BenchError> {
         self.batch = 0;
         if self.in_flight && !self.rep.scheduled.is_empty() {
-            self.kv.commit(self.outcomes_from()).await?;
+            self.kv.commit(self.outcomes()).await?;
             self.in_flight = false;
         }
         let ids: Vec<RequestId> = self.live.keys().copied().collect();
