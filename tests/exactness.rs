@@ -98,6 +98,7 @@ struct Run {
     stats: RuntimeStats,
     devices: usize,
     /// The step that failed (the misdirection drill: devices that sampled differently).
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     step_error: Option<String>,
     /// Steps run as a CUDA graph.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -426,6 +427,7 @@ async fn a_one_slot_block_table_error_changes_the_result() {
 /// The misdirection drill was caught: by the runtime (device 0 sampled another token
 /// than device 1: the step failed) or by the comparison (request 3's outputs on device
 /// 0 differ from the reference).
+#[cfg(feature = "fault-injection")]
 fn assert_drill_caught(model: &Model, kv_dtype: KvDtype, run: &Run) {
     if let Some(e) = &run.step_error {
         assert!(
