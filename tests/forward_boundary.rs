@@ -1075,3 +1075,211 @@ extern "C" __global__ void hold(volatile unsigned int* gate, volatile unsigned i
         kv.shutdown().await;
     }
 }
+
+// ---- the forward contract: a forward that samples is committed by the runtime -----------
+
+/// How the sampling forward on device 1 differs from device 0's.
+#[derive(Clone, Copy, PartialEq)]
+enum Device1 {
+    Same,
+    /// Samples another token for every request from step `.0` on.
+    OtherToken(u64),
+    /// Leaves sampling to the engine (device 0 samples).
+    ByEngine,
+}
+
+/// Samples `token(request, step)` for every request that produces a token, accepts no
+/// draft, and proposes `[proposal(request, step)]` for each request's next step.
+struct Sampler {
+    device: usize,
+    device1: Device1,
+    /// The drafts each step's batch carried, per request (device 0 only).
+    seen_drafts: Arc<Mutex<Vec<(u64, RequestId, u32)>>>,
+}
+
+fn token(id: RequestId, step: u64) -> TokenId {
+    TokenId(1_000 + (id.0 as u32 * 7 + step as u32) % 100)
+}
+
+impl Forward for Sampler {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        if self.device == 1 && self.device1 == Device1::ByEngine {
+            return Ok(Sampling::ByEngine);
+        }
+        let other =
+            matches!(self.device1, Device1::OtherToken(s) if self.device == 1 && batch.step >= s);
+        if self.device == 0 {
+            let mut seen = self.seen_drafts.lock().unwrap();
+            seen.extend(
+                batch
+                    .requests
+                    .iter()
+                    .map(|r| (batch.step, r.id, r.num_drafts)),
+            );
+        }
+        let outcomes = batch
+            .requests
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id,
+                accepted_drafts: 0,
+                next_token: r
+                    .produces_token
+                    .then(|| TokenId(token(r.id, batch.step).0 + u32::from(other))),
+            })
+            .collect();
+        let proposals = batch
+            .requests
+            .iter()
+            .map(|r| (r.id, vec![TokenId(5)]))
+            .collect();
+        Ok(Sampling::Sampled(
+            Sampled::new(outcomes).with_drafts(proposals),
+        ))
+    }
+}
+
+struct Contract {
+    kv: KvCacheHandle,
+    seen_drafts: Arc<Mutex<Vec<(u64, RequestId, u32)>>>,
+}
+
+async fn contract(devices: usize, device1: Device1, draft_tokens: u32) -> Contract {
+    let seen_drafts = Arc::new(Mutex::new(Vec::new()));
+    let seen = seen_drafts.clone();
+    let mut c = EngineConfig::default();
+    c.model.num_layers = Some(2);
+    c.kv_cache.max_tokens = Some(1024);
+    if draft_tokens > 0 {
+        // MTP with the draft layer in the target's cache: no draft replay, the forward
+        // proposes.
+        c.model.num_mtp_layers = Some(1);
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = draft_tokens;
+        c.spec_decode.separate_draft_cache = false;
+    }
+    let kv = KvCacheBuilder::new()
+        .config(c)
+        .host_devices(devices)
+        .forward(Arc::new(move |s: &ForwardSetup<'_>| {
+            Ok(Box::new(Sampler {
+                device: s.device,
+                device1,
+                seen_drafts: seen.clone(),
+            }) as Box<dyn Forward>)
+        }))
+        .start()
+        .await
+        .unwrap();
+    Contract { kv, seen_drafts }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sampling_forward_is_committed_by_the_runtime_when_the_devices_agree() {
+    let Contract { kv, .. } = contract(2, Device1::Same, 0).await;
+    // A step with nothing scheduled commits nothing and is no error.
+    let empty = kv.step(Drafts::none()).await.unwrap();
+    assert!(empty.scheduled.is_empty() && empty.committed.is_none());
+    kv.submit(SubmitRequest::new(
+        RequestId(3),
+        (0..100).map(TokenId).collect(),
+        3,
+    ))
+    .await
+    .unwrap();
+    let mut generated = Vec::new();
+    let mut finished = None;
+    for _ in 0..10 {
+        let rep = kv.step(Drafts::none()).await.unwrap();
+        let commit = rep
+            .committed
+            .clone()
+            .expect("a sampling forward's step is committed");
+        assert_eq!(rep.outcomes.len(), rep.scheduled.len());
+        for o in &rep.outcomes {
+            assert_eq!(o.next_token, Some(token(o.id, rep.step)));
+            generated.extend(o.next_token);
+        }
+        // Nothing is left to commit: a commit now is refused, and changes nothing.
+        let e = kv
+            .commit(rep.outcomes.clone())
+            .await
+            .expect_err("committed already");
+        assert!(e.to_string().contains("no step to commit"), "{e}");
+        if let Some(f) = commit.finished.first() {
+            finished = Some(f.finished.clone());
+            break;
+        }
+    }
+    let f = finished.expect("the request finished");
+    assert_eq!(f.generated, 3);
+    assert_eq!(generated.len(), 3);
+    let st = kv.stats().await.unwrap();
+    assert_eq!(st.scheduler.finished, 1);
+    kv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_that_sample_differently_fail_the_step_with_a_typed_error() {
+    for (device1, what) in [
+        (Device1::OtherToken(2), "sampled outcomes"),
+        (Device1::ByEngine, "some devices sampled"),
+    ] {
+        let Contract { kv, .. } = contract(2, device1, 0).await;
+        kv.submit(SubmitRequest::new(
+            RequestId(1),
+            (0..100).map(TokenId).collect(),
+            8,
+        ))
+        .await
+        .unwrap();
+        let mut err = None;
+        for _ in 0..5 {
+            match kv.step(Drafts::none()).await {
+                Ok(rep) => assert!(rep.committed.is_some()),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        let e = err.expect("the disagreement is caught");
+        assert!(
+            matches!(e, RuntimeError::DevicesDisagree { device: 1, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains(what), "{e}");
+        // Nothing of the step was committed: its request failed, no page is held.
+        let st = kv.stats().await.unwrap();
+        assert_eq!((st.scheduler.finished, st.scheduler.failed), (0, 1));
+        kv.check_invariants().await.unwrap();
+        kv.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proposals_become_the_next_steps_drafts_unless_the_engine_gives_its_own() {
+    let Contract { kv, seen_drafts } = contract(1, Device1::Same, 1).await;
+    kv.submit(SubmitRequest::new(
+        RequestId(1),
+        (0..100).map(TokenId).collect(),
+        6,
+    ))
+    .await
+    .unwrap();
+    // Prefill, then a decode that carries the forward's proposal (one draft).
+    kv.step(Drafts::none()).await.unwrap();
+    let rep = kv.step(Drafts::none()).await.unwrap();
+    assert_eq!(rep.scheduled[0].num_drafts, 1, "the proposal was used");
+    // The engine's own drafts win (none: an empty list for the request).
+    let own: HashMap<RequestId, Vec<TokenId>> = [(RequestId(1), vec![])].into();
+    let rep = kv.step(own).await.unwrap();
+    assert_eq!(rep.scheduled[0].num_drafts, 0, "the engine's drafts win");
+    let seen = seen_drafts.lock().unwrap().clone();
+    assert_eq!(
+        seen.iter().map(|s| s.2).collect::<Vec<_>>(),
+        vec![0, 1, 0],
+        "{seen:?}"
+    );
+    kv.shutdown().await;
+}

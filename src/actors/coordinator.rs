@@ -945,7 +945,9 @@ impl Coordinator {
         // A forward that sampled: the step is committed here, its proposals kept for
         // the next step.
         let sampled = agreed_sampling(pending.plan.step, &pending.devices)?.cloned();
-        if let Some(sampled) = sampled {
+        // A step that scheduled nothing leaves nothing to commit.
+        let to_commit = self.sched.pending_step() == Some(pending.plan.step);
+        if let Some(sampled) = sampled.filter(|_| to_commit) {
             let t3 = Instant::now();
             let replay = pending.draft.as_ref().map(|d| d.proposals.clone());
             self.proposed = sampled
