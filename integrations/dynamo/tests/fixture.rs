@@ -66,13 +66,11 @@ fn scratch(name: &str) -> PathBuf {
     p
 }
 
-/// This process's effective user id (the owner of a file it creates).
+/// This process's effective user id: the owner of a file it creates (a file of its own,
+/// with a random name: the tests run in parallel threads of one process).
 fn our_uid() -> u32 {
-    let p = scratch("uid");
-    std::fs::write(&p, "").expect("write");
-    let uid = std::fs::metadata(&p).expect("metadata").uid();
-    std::fs::remove_file(&p).expect("clean up");
-    uid
+    let f = tempfile::NamedTempFile::new().expect("a temporary file");
+    f.as_file().metadata().expect("metadata").uid()
 }
 
 fn mode(p: &std::path::Path) -> u32 {
