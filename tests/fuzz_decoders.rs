@@ -737,17 +737,18 @@ fn checkpoint_files_cannot_make_the_loaders_reserve_or_hang() {
     assert!(largest < BOUND, "an allocation of {largest} bytes ({e})");
     assert!(e.to_string().contains("model.layers."), "{e}");
     // Files that are not regular files.
+    let refusal = |dir: &std::path::Path| match dir == v32.as_path() {
+        true => Model::from_checkpoint(dir, format.clone())
+            .err()
+            .unwrap()
+            .to_string(),
+        false => V4Model::from_checkpoint(dir).err().unwrap().to_string(),
+    };
     for dir in [&v32, &v4] {
         let cfg = dir.join("config.json");
         std::fs::remove_file(&cfg).unwrap();
         std::os::unix::fs::symlink("/dev/zero", &cfg).unwrap();
-        let e = match dir == &v32 {
-            true => Model::from_checkpoint(dir, format.clone())
-                .err()
-                .unwrap()
-                .to_string(),
-            false => V4Model::from_checkpoint(dir).err().unwrap().to_string(),
-        };
+        let e = refusal(dir);
         assert!(e.contains("not a regular file (a character device)"), "{e}");
         std::fs::remove_file(&cfg).unwrap();
         assert!(std::process::Command::new("mkfifo")
@@ -755,13 +756,7 @@ fn checkpoint_files_cannot_make_the_loaders_reserve_or_hang() {
             .status()
             .unwrap()
             .success());
-        let e = match dir == &v32 {
-            true => Model::from_checkpoint(dir, format.clone())
-                .err()
-                .unwrap()
-                .to_string(),
-            false => V4Model::from_checkpoint(dir).err().unwrap().to_string(),
-        };
+        let e = refusal(dir);
         assert!(e.contains("not a regular file (a FIFO)"), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -889,9 +889,12 @@ impl Coordinator {
             },
             _ => None,
         };
+        // What the devices sampled, checked once: a disagreement fails the step below.
+        let mut sampled = None;
         if first_err.is_none() {
-            if let Err(e) = agreed_sampling(plan.step, &reports) {
-                first_err = Some(e);
+            match agreed_sampling(plan.step, &reports) {
+                Ok(s) => sampled = s.cloned(),
+                Err(e) => first_err = Some(e),
             }
         }
         if let Some(e) = first_err {
@@ -944,7 +947,6 @@ impl Coordinator {
         let mut report = pending.report();
         // A forward that sampled: the step is committed here, its proposals kept for
         // the next step.
-        let sampled = agreed_sampling(pending.plan.step, &pending.devices)?.cloned();
         // A step that scheduled nothing leaves nothing to commit.
         let to_commit = self.sched.pending_step() == Some(pending.plan.step);
         if let Some(sampled) = sampled.filter(|_| to_commit) {
