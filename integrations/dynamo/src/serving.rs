@@ -341,23 +341,13 @@ impl Serving {
                 report.step
             ));
         };
-        let sampled_by: HashMap<RequestId, TokenId> = report
-            .outcomes
-            .iter()
-            .filter_map(|o| Some((o.id, o.next_token?)))
-            .collect();
-        // (request, token, verdict, whether it is the last) of each token sampled.
+        // (request, token, verdict, whether it is the last) of each token sampled (the
+        // runtime's commit checked that every request producing one has it).
         let mut sampled = Vec::new();
-        for r in report.scheduled.iter().filter(|r| r.produces_token) {
-            let token = sampled_by.get(&r.id).ok_or_else(|| {
-                format!(
-                    "step {}: the model computed no token for request {}",
-                    report.step, r.id
-                )
-            })?;
-            if let Some(l) = self.live.get(&r.id) {
+        for o in &report.outcomes {
+            if let (Some(token), Some(l)) = (o.next_token, self.live.get(&o.id)) {
                 let n = l.generated.len() as u32 + 1;
-                sampled.push((r.id, token.0, l.rule.verdict(token.0, n), n == l.max_new));
+                sampled.push((o.id, token.0, l.rule.verdict(token.0, n), n == l.max_new));
             }
         }
         // Requests that end now without reaching `max_tokens`: cancelled after the commit.
