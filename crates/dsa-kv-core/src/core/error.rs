@@ -1,6 +1,7 @@
 //! Errors of the core manager. Every message names the value and what to do.
 
 use crate::ids::{Fence, PoolGroupId, RequestId};
+use super::window::WindowError;
 use crate::layout::LayoutError;
 
 /// What a sequence is doing.
@@ -159,4 +160,16 @@ pub enum KvError {
     /// A layout query failed.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The sliding-window kind refused (see [`WindowError`]).
+    #[error(transparent)]
+    Window(#[from] WindowError),
+    /// A suspend of a sequence whose model has sliding windows.
+    #[error(
+        "request {id}: a sequence with sliding windows cannot be suspended (its windows live \
+         on the GPU only); preempt it by recompute: close it and create it again"
+    )]
+    NoSuspend {
+        /// The request.
+        id: RequestId,
+    },
 }

@@ -13,6 +13,7 @@ mod eviction;
 mod fence;
 mod invariants;
 mod manager;
+mod model_cache;
 mod pages;
 pub mod quota;
 mod radix;
@@ -28,7 +29,6 @@ mod sequence_ops;
 #[cfg_attr(not(any(test, feature = "testing")), allow(unreachable_pub, dead_code))]
 mod slot_allocator;
 mod transfer;
-mod v4;
 mod window;
 
 pub use block_row::{BlockRow, RowStamp};
@@ -45,12 +45,7 @@ pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc, MAX_BLOCK_PAGES};
-pub use v4::scheduler::{
-    V4Failed, V4Finished, V4Limits, V4Outcome, V4Planned, V4SchedError, V4SchedStats, V4Scheduler,
-    V4StepPlan, V4Work,
-};
-pub use v4::transfer::V4TransferPages;
-pub use v4::{V4CacheManager, V4Created, V4Error, V4Options, V4Slots, V4Stats};
+pub use model_cache::{ModelCache, PrefixPages, WindowKindStats, WindowedSlots};
 pub use window::{WindowCache, WindowError, WindowSpec, WindowStats};
 
 // Feature `testing`: the raw allocator and fence clock the manager is built from, and the
@@ -70,6 +65,9 @@ mod router_events_tests;
 
 #[cfg(test)]
 mod scheduler_tests;
+
+#[cfg(test)]
+mod scheduler_window_tests;
 
 #[cfg(test)]
 mod transfer_tests;

@@ -20,9 +20,10 @@ use serde::Serialize;
 use super::block_row::{BlockRow, KeptRow};
 use super::error::{KvError, SeqStatus};
 use super::manager::{KvCacheManager, SeqHandle, SeqOptions};
+use super::model_cache::ModelCache;
 use super::reset::ResetReport;
 use super::reuse_key::{PrefixHash, ReuseScope};
-use crate::ids::{Fence, LifeCycleId, RequestId, Tier, TokenId};
+use crate::ids::{Fence, LifeCycleId, RequestId, SlotId, Tier, TokenId};
 use crate::ops::CopyPlan;
 
 /// Scheduler limits.
@@ -117,6 +118,14 @@ pub struct PlannedRequest {
     /// The step ends with a sampled token for this request (a decode step, or the last
     /// chunk of its prompt): its outcome needs `next_token`.
     pub produces_token: bool,
+    /// Draft tokens the next step may carry for this request (a forward that proposes
+    /// drafts proposes at most this many): the configured count, fewer near the end of
+    /// the request's output, 0 when the step samples nothing.
+    pub next_drafts: u32,
+    /// Per window life cycle of a model with sliding windows (DeepSeek-V4): the first
+    /// position its ring holds and the ring's slots, in position order. Empty for a model
+    /// without windows.
+    pub window_tables: Vec<(u64, Vec<SlotId>)>,
 }
 
 /// Everything the devices need for one step.
@@ -389,7 +398,7 @@ impl Req {
 
 /// The scheduler. See the module docs.
 pub struct Scheduler {
-    target: KvCacheManager,
+    target: ModelCache,
     draft: Option<KvCacheManager>,
     limits: SchedulerLimits,
     reqs: Vec<Req>,
@@ -449,13 +458,15 @@ impl Spare {
 }
 
 impl Scheduler {
-    /// A scheduler over a target manager and an optional draft manager (same slot
-    /// counts, MTP layers only).
+    /// A scheduler over a target cache (a [`KvCacheManager`], or a [`ModelCache`] with
+    /// more attention kinds) and an optional draft manager (same slot counts, MTP layers
+    /// only; not with sliding windows).
     pub fn new(
-        target: KvCacheManager,
+        target: impl Into<ModelCache>,
         draft: Option<KvCacheManager>,
         limits: SchedulerLimits,
     ) -> Self {
+        let target = target.into();
         let cap = 2 * limits.max_num_sequences as usize + 8;
         Scheduler {
             target,
@@ -518,8 +529,8 @@ impl Scheduler {
         (self.spare.tokens.len(), self.spare.cap)
     }
 
-    /// The target manager.
-    pub fn target(&self) -> &KvCacheManager {
+    /// The target cache (it dereferences to its block manager).
+    pub fn target(&self) -> &ModelCache {
         &self.target
     }
 
@@ -650,19 +661,19 @@ impl Scheduler {
         Ok(probe)
     }
 
-    /// Applies `f` to the request's target sequence and its draft mirror.
-    fn both<T>(
+    /// Applies `f` to the request's target sequence, then `g` to its draft mirror.
+    fn both(
         &mut self,
         i: usize,
-        mut f: impl FnMut(&mut KvCacheManager, &SeqHandle) -> Result<T, KvError>,
-    ) -> Result<(T, Option<T>), KvError> {
+        f: impl FnOnce(&mut ModelCache, &SeqHandle) -> Result<(), KvError>,
+        g: impl FnOnce(&mut KvCacheManager, &SeqHandle) -> Result<(), KvError>,
+    ) -> Result<(), KvError> {
         let s = self.reqs[i].seqs();
-        let t = f(&mut self.target, &s.target)?;
-        let d = match (&mut self.draft, &s.draft) {
-            (Some(m), Some(h)) => Some(f(m, h)?),
-            _ => None,
-        };
-        Ok((t, d))
+        f(&mut self.target, &s.target)?;
+        if let (Some(m), Some(h)) = (&mut self.draft, &s.draft) {
+            g(m, h)?;
+        }
+        Ok(())
     }
 
     /// Opens the request's sequences (with reuse) if needed and resumes them; `false`
@@ -736,7 +747,7 @@ impl Scheduler {
         self.reqs[i].preemptions += 1;
         self.stats.preemptions += 1;
         if self.host_can_take(i)? {
-            self.both(i, |m, h| m.suspend(h))?;
+            self.both(i, |m, h| m.suspend(h), |m, h| m.suspend(h))?;
             let r = &mut self.reqs[i];
             r.suspended = true;
             r.verify = true;
@@ -749,7 +760,7 @@ impl Scheduler {
     /// Whether suspending request `i` can free GPU memory: its pages must be able to
     /// move to the host tier (free or evictable host slots for all of them).
     fn host_can_take(&self, i: usize) -> Result<bool, KvError> {
-        if !self.target.has_host_tier() {
+        if !self.target.has_host_tier() || !self.target.can_suspend() {
             return Ok(false);
         }
         let Some(s) = &self.reqs[i].seq else {
@@ -947,9 +958,11 @@ impl Scheduler {
             let mut t = self.spare.tokens();
             let r = &self.reqs[i];
             let (kind, new, num_drafts) = match r.phase {
-                Phase::Decode { next, .. } => {
+                Phase::Decode { next, generated } => {
                     let d = drafts.get(&id).map_or(&[][..], |v| v.as_slice());
-                    let d = &d[..d.len().min(self.limits.draft_tokens as usize)];
+                    // No draft past the request's last output token.
+                    let room = r.max_new_tokens.saturating_sub(generated + 1);
+                    let d = &d[..d.len().min(self.limits.draft_tokens.min(room) as usize)];
                     t.push(next);
                     t.extend_from_slice(d);
                     (RequestKind::Generation, t, d.len() as u32)
@@ -1032,7 +1045,7 @@ impl Scheduler {
                 .seq
                 .as_ref()
                 .expect("invariant: a scheduled request has open sequences");
-            let block_slots = r.row.publish(&mut self.target, &open.target)?;
+            let block_slots = r.row.publish(self.target.blocks_for_rows(), &open.target)?;
             let draft_block_slots = match (&mut self.draft, &open.draft) {
                 (Some(d), Some(h)) => Some(r.draft_row.publish(d, h)?),
                 _ => None,
@@ -1044,6 +1057,20 @@ impl Scheduler {
                 RequestKind::Generation => true,
                 RequestKind::Context => r.resume_decode.is_none() && cached + n == r.prefill_len,
             };
+            // Output tokens out once this step sampled (at least one more).
+            let out_after = match r.phase {
+                Phase::Decode { generated, .. } => generated + 1,
+                Phase::Prefill { .. } => 1,
+            };
+            let next_drafts = if produces_token {
+                self.limits
+                    .draft_tokens
+                    .min(r.max_new_tokens.saturating_sub(out_after + 1))
+            } else {
+                0
+            };
+            let mut window_tables = Vec::new();
+            self.target.window_tables_into(id, &mut window_tables)?;
             plan.requests.push(PlannedRequest {
                 id,
                 kind,
@@ -1056,6 +1083,8 @@ impl Scheduler {
                 scope: r.scope,
                 prefix,
                 produces_token,
+                next_drafts,
+                window_tables,
             });
             let r = &mut self.reqs[i];
             r.verify = false;
@@ -1190,7 +1219,7 @@ impl Scheduler {
             };
             match p.kind {
                 RequestKind::Context => {
-                    self.both(i, |m, h| m.commit(h, &p.tokens))?;
+                    self.both(i, |m, h| m.commit(h, &p.tokens), |m, h| m.commit(h, &p.tokens))?;
                     self.stats.prefill_tokens += p.tokens.len() as u64;
                     let r = &mut self.reqs[i];
                     let Phase::Prefill { done } = r.phase else {
@@ -1213,7 +1242,11 @@ impl Scheduler {
                 RequestKind::Generation => {
                     let k = o.map_or(0, |o| o.accepted_drafts) as usize;
                     let accepted = &p.tokens[..1 + k];
-                    self.both(i, |m, h| m.accept_tokens(h, accepted))?;
+                    self.both(
+                        i,
+                        |m, h| m.accept_tokens(h, accepted),
+                        |m, h| m.accept_tokens(h, accepted),
+                    )?;
                     self.stats.decode_tokens += p.tokens.len() as u64;
                     self.stats.drafts_proposed += u64::from(p.num_drafts);
                     self.stats.drafts_accepted += k as u64;
@@ -1465,7 +1498,7 @@ impl Scheduler {
         if let Some(d) = &mut self.draft {
             d.close_dropped();
         }
-        for m in std::iter::once(&self.target).chain(&self.draft) {
+        for m in std::iter::once(self.target.blocks()).chain(&self.draft) {
             let sequences = m.sequences_holding_pages();
             if sequences > 0 {
                 return Err(KvError::PrefixCacheInUse { sequences }.into());

@@ -255,7 +255,10 @@ impl Scheduler {
     ) -> Result<Vec<BlockPages>, SchedError> {
         self.expire_transfers(now)?;
         self.check_free_id(id)?;
-        let (mut th, tb) = self.target.export_blocks(id, scope, tokens)?;
+        let (mut th, tb) = self
+            .target
+            .blocks_for_transfer(id)?
+            .export_blocks(id, scope, tokens)?;
         let draft = match &mut self.draft {
             Some(d) => match d.export_blocks(id, scope, tokens) {
                 Ok((dh, db)) => Some((dh, db)),
@@ -331,7 +334,10 @@ impl Scheduler {
         }
         // Both caches make the same calls whatever the target decides, so the draft cache
         // mirrors every eviction the target's attempt made (it decides the same way).
-        let t = self.target.begin_import(id, scope, tokens);
+        let t = self
+            .target
+            .blocks_for_transfer(id)?
+            .begin_import(id, scope, tokens);
         let d = self
             .draft
             .as_mut()
@@ -427,7 +433,10 @@ impl Scheduler {
             });
         }
         let before = self.target.info_of(&t.target)?.committed;
-        let mut res = self.target.commit_import(&mut t.target, &tokens);
+        let mut res = self
+            .target
+            .blocks_for_transfer(id)?
+            .commit_import(&mut t.target, &tokens);
         if let (Ok(()), Some(d), Some(h)) = (&res, &mut self.draft, &mut t.draft) {
             res = d.commit_import(h, &tokens);
         }

@@ -193,7 +193,7 @@ struct Tail {
 }
 
 /// Counters.
-#[derive(Clone, Copy, Default, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct WindowStats {
     /// Tails linked.
     pub tails_linked: u64,

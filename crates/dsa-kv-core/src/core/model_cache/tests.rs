@@ -2,16 +2,203 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::config::V4Spec;
+use crate::core::manager::SequenceInfo;
+use crate::core::reuse_key::KeyHasher;
+use crate::core::window::{WindowError, WindowSpec};
+use crate::ids::{Fence, LifeCycleId};
 use crate::metadata::v4 as meta;
 
 const T: u64 = 256;
 
 use crate::rng::SplitMix64 as Rng;
 
-fn manager(blocks: u32, windows: [u32; 3], opts: V4Options) -> V4CacheManager {
-    V4CacheManager::new(
+/// The settings of a windowed cache in these tests.
+#[derive(Clone, Debug)]
+struct Opts {
+    blocks: ManagerOptions,
+    tail_interval: u32,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            blocks: ManagerOptions {
+                enable_partial_reuse: false,
+                ..ManagerOptions::default()
+            },
+            tail_interval: 16,
+        }
+    }
+}
+
+/// What a create served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Hit {
+    reused_tokens: u64,
+    backed_off_blocks: u64,
+}
+
+/// The tests' way in: a windowed [`ModelCache`] driven by request id (the scheduler
+/// keeps the handles; here the harness does).
+struct Harness {
+    c: ModelCache,
+    h: HashMap<RequestId, SeqHandle>,
+}
+
+impl Harness {
+    fn new(plan: V4Plan, slots: WindowedSlots, opts: Opts) -> Result<Self, KvError> {
+        Ok(Harness {
+            c: ModelCache::windowed(&plan, slots, opts.blocks, opts.tail_interval)?,
+            h: HashMap::new(),
+        })
+    }
+
+    fn handle(&self, id: RequestId) -> Result<&SeqHandle, KvError> {
+        self.h.get(&id).ok_or(KvError::UnknownRequest { id })
+    }
+
+    fn create(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        prompt: &[TokenId],
+        opts: SeqOptions,
+    ) -> Result<Hit, KvError> {
+        let before = self.stats().backed_off_blocks;
+        let c = self.c.create(id, scope, prompt, opts)?;
+        self.h.insert(id, c.handle);
+        Ok(Hit {
+            reused_tokens: c.reused_tokens,
+            backed_off_blocks: self.stats().backed_off_blocks - before,
+        })
+    }
+
+    fn resume(&mut self, id: RequestId) -> Result<bool, KvError> {
+        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
+        self.c.resume(h)
+    }
+
+    fn suspend(&mut self, id: RequestId) -> Result<(), KvError> {
+        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
+        self.c.suspend(h)
+    }
+
+    fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, KvError> {
+        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
+        self.c.resize(h, capacity, history)
+    }
+
+    fn commit(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
+        self.c.commit(h, tokens)
+    }
+
+    fn close(&mut self, id: RequestId) -> Result<(), KvError> {
+        let mut h = self.h.remove(&id).ok_or(KvError::UnknownRequest { id })?;
+        self.c.close(&mut h)
+    }
+
+    fn info(&self, id: RequestId) -> Result<SequenceInfo, KvError> {
+        self.c.info_of(self.handle(id)?)
+    }
+
+    fn committed(&self, id: RequestId) -> Result<u64, KvError> {
+        Ok(self.info(id)?.committed)
+    }
+
+    fn block_slots(&self, id: RequestId) -> Result<Vec<SlotId>, KvError> {
+        self.c.block_slots(self.handle(id)?, LifeCycleId(0))
+    }
+
+    fn window_table(&self, id: RequestId, lc: usize) -> Result<(u64, Vec<SlotId>), KvError> {
+        self.handle(id)?;
+        Ok(self.windows().page_table(id, lc)?)
+    }
+
+    fn windows(&self) -> &WindowCache {
+        self.c.windows().expect("a windowed cache")
+    }
+
+    fn windows_mut(&mut self) -> &mut WindowCache {
+        &mut self.c.window.as_mut().expect("a windowed cache").cache
+    }
+
+    fn blocks(&self) -> &KvCacheManager {
+        self.c.blocks()
+    }
+
+    fn stats(&self) -> WindowKindStats {
+        self.c.window_stats().expect("a windowed cache")
+    }
+
+    fn window_stats(&self) -> crate::core::WindowStats {
+        self.stats().windows
+    }
+
+    fn issue_fence(&mut self) -> Fence {
+        self.c.issue_fence()
+    }
+
+    fn complete_fences(&mut self, f: Fence) -> Result<(), KvError> {
+        self.c.complete_fences(f)
+    }
+
+    fn take_copy_plans(&mut self) -> Vec<crate::ops::CopyPlan> {
+        self.c.take_copy_plans()
+    }
+
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.c.take_events()
+    }
+
+    fn reset_prefix_cache(&mut self) -> Result<ResetReport, KvError> {
+        self.c.reset_prefix_cache()
+    }
+
+    fn check_invariants(&self) {
+        self.c.check_invariants();
+        assert_eq!(
+            self.h.len(),
+            self.c.num_sequences() - self.c.window.as_ref().map_or(0, |w| w.transfers.len()),
+            "the harness holds every sequence's handle"
+        );
+    }
+
+    fn export(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Option<PrefixPages>, KvError> {
+        self.c.export_prefix(id, scope, tokens)
+    }
+
+    fn close_export(&mut self, id: RequestId) -> Result<(), KvError> {
+        self.c.close_prefix_export(id)
+    }
+
+    fn begin_import(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Option<PrefixPages>, KvError> {
+        self.c.begin_prefix_import(id, scope, tokens)
+    }
+
+    fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        self.c.commit_prefix_import(id, tokens)
+    }
+
+    fn abort_import(&mut self, id: RequestId) -> Result<(), KvError> {
+        self.c.abort_prefix_import(id)
+    }
+}
+
+fn manager(blocks: u32, windows: [u32; 3], opts: Opts) -> Harness {
+    Harness::new(
         V4Plan::new(&V4Spec::flash()).unwrap(),
-        V4Slots {
+        WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![blocks],
                 host: vec![],
@@ -24,7 +211,7 @@ fn manager(blocks: u32, windows: [u32; 3], opts: V4Options) -> V4CacheManager {
 }
 
 /// Creates `id` for `prompt` in the shared scope (every test's way in).
-fn create(m: &mut V4CacheManager, id: RequestId, prompt: &[TokenId]) -> V4Created {
+fn create(m: &mut Harness, id: RequestId, prompt: &[TokenId]) -> Hit {
     m.create(id, ReuseScope::SHARED, prompt, SeqOptions::default())
         .unwrap()
 }
@@ -37,7 +224,7 @@ fn toks(range: impl IntoIterator<Item = u32>) -> Vec<TokenId> {
 /// `generate` tokens in MTP steps (1 token + `drafts` drafts written, a seeded number
 /// accepted), completing every step's fence. Returns every committed token.
 fn run(
-    m: &mut V4CacheManager,
+    m: &mut Harness,
     id: RequestId,
     prompt: &[TokenId],
     generate: u64,
@@ -80,44 +267,44 @@ fn run(
 #[test]
 fn partial_reuse_window_only_models_and_suspends_are_refused() {
     let plan = V4Plan::new(&V4Spec::flash()).unwrap();
-    let slots = V4Slots {
+    let slots = WindowedSlots {
         blocks: TierSlots {
             gpu: vec![8],
             host: vec![],
         },
         windows: vec![8, 200, 100],
     };
-    let partial = V4Options {
+    let partial = Opts {
         blocks: ManagerOptions::default(),
-        ..V4Options::default()
+        ..Opts::default()
     };
     assert!(matches!(
-        V4CacheManager::new(plan.clone(), slots.clone(), partial),
-        Err(V4Error::PartialReuse)
+        Harness::new(plan.clone(), slots.clone(), partial),
+        Err(KvError::InvalidOption { field: "enable_partial_reuse", .. })
     ));
     let window_only = V4Spec {
         compress_ratios: vec![0, 0],
         ..V4Spec::flash()
     };
     assert!(matches!(
-        V4CacheManager::new(
+        Harness::new(
             V4Plan::new(&window_only).unwrap(),
             slots.clone(),
-            V4Options::default()
+            Opts::default()
         ),
-        Err(V4Error::NoBlocks { .. })
+        Err(KvError::InvalidOption { field: "model", .. })
     ));
-    let mut m = V4CacheManager::new(plan, slots, V4Options::default()).unwrap();
+    let mut m = Harness::new(plan, slots, Opts::default()).unwrap();
     let id = RequestId(1);
     assert!(matches!(
         m.create(id, ReuseScope::SHARED, &[], SeqOptions::default()),
-        Err(V4Error::EmptyPrompt { .. })
+        Err(KvError::InvalidOption { field: "prompt", .. })
     ));
     create(&mut m, id, &toks(0..10));
-    assert!(matches!(m.suspend(id), Err(V4Error::NoSuspend { .. })));
+    assert!(matches!(m.suspend(id), Err(KvError::NoSuspend { .. })));
     assert!(matches!(
         m.create(id, ReuseScope::SHARED, &toks(0..10), SeqOptions::default()),
-        Err(V4Error::Blocks(KvError::DuplicateRequest { .. }))
+        Err(KvError::DuplicateRequest { .. })
     ));
     m.close(id).unwrap();
     m.check_invariants();
@@ -126,13 +313,13 @@ fn partial_reuse_window_only_models_and_suspends_are_refused() {
 /// When the windows have no room, the blocks do not grow either.
 #[test]
 fn a_resize_grows_both_halves_or_neither() {
-    let mut m = manager(64, [4, 200, 100], V4Options::default());
+    let mut m = manager(64, [4, 200, 100], Opts::default());
     let id = RequestId(1);
     create(&mut m, id, &toks(0..1000));
     assert!(m.resume(id).unwrap());
     // 300 positions need 5 window pages of 64: only 4 exist.
     assert!(!m.resize(id, 300, 0).unwrap());
-    assert_eq!(m.blocks().info_of(&m.seqs[&id].handle).unwrap().capacity, 0);
+    assert_eq!(m.blocks().info_of(m.handle(id).unwrap()).unwrap().capacity, 0);
     assert_eq!(m.windows().used_slots(), [0, 0, 0]);
     assert!(m.resize(id, 250, 0).unwrap());
     assert_eq!(m.windows().used_slots(), [4, 63, 32]);
@@ -157,7 +344,7 @@ fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
         // 14 window slots: a 300-token chunk's ring takes up to 7, each tail 2, so the
         // boundaries a long answer crosses evict tails; the retention policy decides
         // which.
-        let mut m = manager(256, [14, 2_000, 1_000], V4Options::default());
+        let mut m = manager(256, [14, 2_000, 1_000], Opts::default());
         let base = 1_000 * i as u32;
         let prompt = toks(base * 10..base * 10 + len);
         let a = RequestId(1);
@@ -207,9 +394,9 @@ fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
 #[test]
 fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
     let mut rng = Rng(7);
-    let opts = V4Options {
+    let opts = Opts {
         tail_interval: 2,
-        ..V4Options::default()
+        ..Opts::default()
     };
     let mut m = manager(256, [32, 2_000, 1_000], opts);
     let prompt = toks(0..2_000);
@@ -233,7 +420,7 @@ fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
         k
     };
     let f = m.blocks().issued_fence();
-    assert!(m.windows.drop_tail(&key(1_280), f));
+    assert!(m.windows_mut().drop_tail(&key(1_280), f));
     let c = RequestId(3);
     let hit = create(&mut m, c, &toks(0..1_300));
     assert_eq!((hit.reused_tokens, hit.backed_off_blocks), (1_024, 1));
@@ -248,7 +435,7 @@ fn hits_back_off_to_the_deepest_boundary_with_a_tail() {
 fn tails_follow_their_blocks_out_of_the_tree() {
     let mut rng = Rng(3);
     // 12 blocks: a second long prompt must evict the first one's blocks.
-    let mut m = manager(12, [40, 2_000, 1_000], V4Options::default());
+    let mut m = manager(12, [40, 2_000, 1_000], Opts::default());
     for (i, start) in [0u32, 100_000].into_iter().enumerate() {
         let prompt = toks(start..start + 2_600);
         let id = RequestId(i as u64);
@@ -299,9 +486,9 @@ fn model(seed: u64) {
     let mut m = manager(
         24 + rng.below(40) as u32,
         [12 + rng.below(20) as u32, 300, 200],
-        V4Options {
+        Opts {
             tail_interval: rng.below(4) as u32,
-            ..V4Options::default()
+            ..Opts::default()
         },
     );
     let specs: Vec<WindowSpec> = m.windows().specs().to_vec();
@@ -357,7 +544,7 @@ fn model(seed: u64) {
 }
 
 fn step(
-    m: &mut V4CacheManager,
+    m: &mut Harness,
     mem: &mut Memory,
     specs: &[WindowSpec],
     s: &mut Live,
@@ -518,16 +705,16 @@ fn step(
 #[test]
 fn offloaded_blocks_come_back_with_their_tail_in_place() {
     let mut rng = Rng(11);
-    let mut m = V4CacheManager::new(
+    let mut m = Harness::new(
         V4Plan::new(&V4Spec::flash()).unwrap(),
-        V4Slots {
+        WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![8],
                 host: vec![16],
             },
             windows: vec![32, 2_000, 1_000],
         },
-        V4Options::default(),
+        Opts::default(),
     )
     .unwrap();
     let first = toks(0..1_100);
@@ -575,19 +762,19 @@ fn offloaded_blocks_come_back_with_their_tail_in_place() {
 /// changed, and a commit the windows would refuse changes nothing either.
 #[test]
 fn a_refused_resize_with_a_raised_history_changes_nothing() {
-    let mut m = manager(64, [4, 200, 100], V4Options::default());
+    let mut m = manager(64, [4, 200, 100], Opts::default());
     let id = RequestId(1);
     create(&mut m, id, &toks(0..1000));
     assert!(m.resume(id).unwrap());
     assert!(!m.resize(id, 300, 10).unwrap());
-    let info = m.blocks().info_of(&m.seqs[&id].handle).unwrap();
+    let info = m.blocks().info_of(m.handle(id).unwrap()).unwrap();
     assert_eq!((info.capacity, info.history), (0, 0));
     assert_eq!(m.windows().used_slots(), [0, 0, 0]);
     // Beyond the capacity: the block manager refuses, nothing committed anywhere.
     assert!(m.commit(id, &toks(0..260)).is_err());
     assert_eq!(m.committed(id).unwrap(), 0);
     assert_eq!(
-        m.blocks().info_of(&m.seqs[&id].handle).unwrap().committed,
+        m.blocks().info_of(m.handle(id).unwrap()).unwrap().committed,
         0
     );
     m.check_invariants();
@@ -599,7 +786,7 @@ fn a_refused_resize_with_a_raised_history_changes_nothing() {
 #[test]
 fn a_resize_the_windows_refuse_evicts_nothing() {
     let mut rng = Rng(1);
-    let mut m = manager(4, [8, 200, 100], V4Options::default());
+    let mut m = manager(4, [8, 200, 100], Opts::default());
     let a = RequestId(1);
     let prompt = toks(0..600);
     create(&mut m, a, &prompt);
@@ -620,13 +807,13 @@ fn a_resize_the_windows_refuse_evicts_nothing() {
 #[test]
 fn without_reuse_no_tail_is_kept() {
     let mut rng = Rng(2);
-    let opts = V4Options {
+    let opts = Opts {
         blocks: ManagerOptions {
             enable_block_reuse: false,
             enable_partial_reuse: false,
             ..ManagerOptions::default()
         },
-        ..V4Options::default()
+        ..Opts::default()
     };
     let mut m = manager(64, [40, 200, 100], opts);
     let a = RequestId(1);
@@ -642,12 +829,12 @@ fn without_reuse_no_tail_is_kept() {
 /// Found by review: a window life cycle index past the specs panicked.
 #[test]
 fn a_window_index_past_the_specs_is_a_typed_error() {
-    let mut m = manager(64, [40, 200, 100], V4Options::default());
+    let mut m = manager(64, [40, 200, 100], Opts::default());
     let a = RequestId(1);
     create(&mut m, a, &toks(0..10));
     assert!(matches!(
         m.window_table(a, 3),
-        Err(V4Error::Windows(WindowError::NoLifeCycle {
+        Err(KvError::Window(WindowError::NoLifeCycle {
             lc: 3,
             count: 3
         }))
@@ -661,8 +848,8 @@ fn a_window_index_past_the_specs_is_a_typed_error() {
 #[test]
 fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
     let mut rng = Rng(5);
-    let mut pre = manager(16, [24, 200, 100], V4Options::default());
-    let mut dec = manager(16, [24, 200, 100], V4Options::default());
+    let mut pre = manager(16, [24, 200, 100], Opts::default());
+    let mut dec = manager(16, [24, 200, 100], Opts::default());
     let prompt = toks(0..700);
     let id = RequestId(1);
     create(&mut pre, id, &prompt);
@@ -682,7 +869,7 @@ fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
     assert_eq!(spans, vec![(384, 2), (508, 1), (512, 0)]);
     assert!(matches!(
         pre.export(RequestId(7), s, &prompt),
-        Err(V4Error::Blocks(KvError::DuplicateRequest { .. }))
+        Err(KvError::DuplicateRequest { .. })
     ));
     assert!(
         pre.abort_import(RequestId(7)).is_err(),
@@ -725,7 +912,7 @@ fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
     dec.abort_import(RequestId(10)).unwrap();
     dec.check_invariants();
     // An aborted fresh import gives every page back.
-    let mut other = manager(16, [24, 200, 100], V4Options::default());
+    let mut other = manager(16, [24, 200, 100], Opts::default());
     let before = other.windows().used_slots();
     other
         .begin_import(RequestId(11), s, &prompt[..256])
@@ -742,7 +929,7 @@ fn export_and_import_move_blocks_and_the_tail_at_their_boundary() {
 /// block half refuses them: the import fits after that step completed.
 #[test]
 fn an_import_refuses_tail_pages_a_step_in_flight_may_read() {
-    let mut m = manager(16, [4, 60, 40], V4Options::default());
+    let mut m = manager(16, [4, 60, 40], Opts::default());
     let a = RequestId(1);
     create(&mut m, a, &toks(0..200));
     assert!(m.resume(a).unwrap());
@@ -750,7 +937,7 @@ fn an_import_refuses_tail_pages_a_step_in_flight_may_read() {
     let f = m.issue_fence(); // the step writing and reading A's rows: in flight
     m.commit(a, &toks(0..200)).unwrap();
     m.close(a).unwrap(); // A's 4 raw-window pages released behind f
-    assert!(m.blocks.completed_fence() < f);
+    assert!(m.blocks().completed_fence() < f);
     let y = RequestId(2);
     assert_eq!(
         m.begin_import(y, ReuseScope::SHARED, &toks(1000..1256))
@@ -764,7 +951,7 @@ fn an_import_refuses_tail_pages_a_step_in_flight_may_read() {
         .begin_import(y, ReuseScope::SHARED, &toks(1000..1256))
         .unwrap()
         .expect("room once the step completed");
-    assert!(m.windows.wait_for(y).unwrap() <= m.blocks.completed_fence());
+    assert!(m.windows().wait_for(y).unwrap() <= m.blocks().completed_fence());
     assert_eq!(inp.tails[0].1.len(), 2);
     m.abort_import(y).unwrap();
     m.check_invariants();
@@ -775,13 +962,13 @@ fn an_import_refuses_tail_pages_a_step_in_flight_may_read() {
 #[test]
 fn an_import_holding_a_tail_links_it_again_if_it_was_evicted() {
     let mut rng = Rng(3);
-    let mut m = manager(16, [24, 400, 200], V4Options::default());
+    let mut m = manager(16, [24, 400, 200], Opts::default());
     let s = ReuseScope::SHARED;
     let p = toks(0..700);
     create(&mut m, RequestId(1), &p);
     run(&mut m, RequestId(1), &p, 0, 0, &mut rng);
     m.close(RequestId(1)).unwrap();
-    let key = m.blocks.block_keys(s, &p[..512])[1];
+    let key = m.c.block_keys(s, &p[..512])[1];
     assert!(m.windows().has_tail(&key));
     let y = RequestId(2);
     let inp = m.begin_import(y, s, &p[..512]).unwrap().unwrap();

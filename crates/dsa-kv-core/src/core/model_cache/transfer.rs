@@ -1,4 +1,4 @@
-//! Moving a DeepSeek-V4 prefix between engines (P/D disaggregation), by role:
+//! Moving a windowed model's prefix between engines (P/D disaggregation), by role:
 //!
 //! * **Moved:** the compressed life cycle's whole blocks (compressed KV and indexer keys
 //!   of every layer, with their chained keys), and at the last moved block boundary `E`
@@ -11,17 +11,19 @@
 //!   depend on every earlier position through attention), so it is moved, never
 //!   recomputed.
 //!
-//! The exporter pins what it offers ([`export`](V4CacheManager::export): the block
+//! The exporter pins what it offers ([`export_prefix`](ModelCache::export_prefix): the block
 //! manager's export pins the blocks, and a ring adopting the tail holds its pages) until
-//! [`close_export`](V4CacheManager::close_export). The importer reserves fresh block
-//! pages and fresh tail pages ([`begin_import`](V4CacheManager::begin_import)); the
-//! transport writes them; [`commit_import`](V4CacheManager::commit_import) links the
+//! [`close_prefix_export`](ModelCache::close_prefix_export). The importer reserves fresh block
+//! pages and fresh tail pages ([`begin_prefix_import`](ModelCache::begin_prefix_import)); the
+//! transport writes them; [`commit_prefix_import`](ModelCache::commit_prefix_import) links the
 //! blocks into the prefix tree and the tail at `E` (a later request for the prompt then
-//! resumes at `E`), or [`abort_import`](V4CacheManager::abort_import) frees them with
+//! resumes at `E`), or [`abort_prefix_import`](ModelCache::abort_prefix_import) frees them with
 //! nothing linked. Both sides' slots are valid only after the steps that wrote them
 //! completed (the exporter offers only blocks whose bytes are in place).
 
-use super::{V4CacheManager, V4Error};
+use super::window::WindowKind;
+use super::ModelCache;
+use crate::core::manager::KvCacheManager;
 use crate::core::manager::SeqHandle;
 use crate::core::transfer::BlockLoc;
 use crate::core::{BlockKey, KvError, ReuseScope};
@@ -29,7 +31,7 @@ use crate::ids::{RequestId, SlotId, TokenId};
 
 /// What moves: whole blocks and, at their last boundary, the windows' tail.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct V4TransferPages {
+pub struct PrefixPages {
     /// Leading blocks the importer already holds (not moved; 0 on an export).
     pub skipped: u32,
     /// The blocks to move (pages of the compressed life cycle), in prefix order, after
@@ -45,7 +47,7 @@ pub struct V4TransferPages {
 
 /// An export or import in flight.
 #[derive(Debug)]
-pub(super) enum Transfer {
+pub(crate) enum Transfer {
     Export {
         handle: SeqHandle,
     },
@@ -56,109 +58,118 @@ pub(super) enum Transfer {
     },
 }
 
-impl V4CacheManager {
-    fn transfer_error(id: RequestId, why: impl Into<String>) -> V4Error {
-        V4Error::Blocks(KvError::Transfer {
+impl ModelCache {
+    fn transfer_error(id: RequestId, why: impl Into<String>) -> KvError {
+        KvError::Transfer {
             id,
             why: why.into(),
-        })
-    }
-
-    fn check_new_transfer(&self, id: RequestId) -> Result<(), V4Error> {
-        if self.seqs.contains_key(&id) || self.transfers.contains_key(&id) {
-            return Err(KvError::DuplicateRequest { id }.into());
         }
-        Ok(())
     }
 
-    fn window_tables(&self, id: RequestId) -> Result<Vec<(u64, Vec<SlotId>)>, V4Error> {
-        (0..self.windows.specs().len())
-            .map(|lc| Ok(self.windows.page_table(id, lc)?))
-            .collect()
+    /// The block manager and the window kind, for a transfer `id` (refused without
+    /// windows: a model without them moves blocks through the scheduler's transfers).
+    fn window_parts(&mut self, id: RequestId) -> Result<(&mut KvCacheManager, &mut WindowKind), KvError> {
+        match self.window.as_deref_mut() {
+            Some(w) => Ok((&mut self.blocks, w)),
+            None => Err(Self::transfer_error(
+                id,
+                "prefix transfers with window tails need a model with sliding windows: \
+                 move blocks through the scheduler's transfers",
+            )),
+        }
+    }
+
+    fn window_tables(w: &WindowKind, id: RequestId) -> Result<Vec<(u64, Vec<SlotId>)>, KvError> {
+        let mut out = Vec::new();
+        w.tables_into(id, &mut out)?;
+        Ok(out)
     }
 
     /// Offers the prefix of `tokens` this engine can move: its cached whole blocks up to
     /// the deepest boundary that keeps a tail, pinned with that tail until
-    /// [`close_export`](Self::close_export). `Ok(None)` (nothing pinned) when no such
+    /// [`close_prefix_export`](Self::close_prefix_export). `Ok(None)` (nothing pinned) when no such
     /// boundary is cached: the importer prefills the prompt itself.
-    pub fn export(
+    pub fn export_prefix(
         &mut self,
         id: RequestId,
         scope: ReuseScope,
         tokens: &[TokenId],
-    ) -> Result<Option<V4TransferPages>, V4Error> {
-        self.check_new_transfer(id)?;
-        let t = self.block_tokens() as usize;
+    ) -> Result<Option<PrefixPages>, KvError> {
+        let (blocks, w) = self.window_parts(id)?;
+        if w.taken(id) {
+            return Err(KvError::DuplicateRequest { id });
+        }
+        let t = w.block_tokens() as usize;
         let whole = tokens.len() / t * t;
         if whole == 0 {
             return Ok(None);
         }
         // Only the blocks up to the deepest boundary with a tail are pinned.
-        let keys = self.blocks.block_keys(scope, &tokens[..whole]);
+        let keys = blocks.block_keys(scope, &tokens[..whole]);
         let Some(deepest) = (1..=keys.len())
             .rev()
-            .find(|&j| self.windows.has_tail(&keys[j - 1]))
+            .find(|&j| w.cache.has_tail(&keys[j - 1]))
         else {
             return Ok(None);
         };
-        let (mut handle, blocks) = self
-            .blocks
-            .export_blocks(id, scope, &tokens[..deepest * t])?;
+        let (mut handle, locs) = blocks.export_blocks(id, scope, &tokens[..deepest * t])?;
         // Fewer may be in place (a block still to be copied between tiers).
-        let hit = (1..=blocks.len())
+        let hit = (1..=locs.len())
             .rev()
-            .find(|&j| self.windows.has_tail(&blocks[j - 1].key))
+            .find(|&j| w.cache.has_tail(&locs[j - 1].key))
             .unwrap_or(0);
         if hit == 0 {
-            self.blocks.close(&mut handle)?;
-            self.sync_events();
+            blocks.close(&mut handle)?;
+            w.sync(blocks);
             return Ok(None);
         }
         // A ring adopting the tail holds its pages while the transfer reads them.
-        if let Err(e) = self.windows.open(id, Some(&blocks[hit - 1].key)) {
-            self.blocks.close(&mut handle)?;
+        if let Err(e) = w.cache.open(id, Some(&locs[hit - 1].key)) {
+            blocks.close(&mut handle)?;
             return Err(e.into());
         }
-        let tails = self.window_tables(id)?;
-        self.transfers.insert(id, Transfer::Export { handle });
-        self.sync_events();
-        Ok(Some(V4TransferPages {
+        let tails = Self::window_tables(w, id)?;
+        w.transfers.insert(id, Transfer::Export { handle });
+        w.sync(blocks);
+        Ok(Some(PrefixPages {
             skipped: 0,
-            blocks: blocks[..hit].to_vec(),
+            blocks: locs[..hit].to_vec(),
             boundary: (hit * t) as u64,
             tails,
         }))
     }
 
     /// Releases an export's pins.
-    pub fn close_export(&mut self, id: RequestId) -> Result<(), V4Error> {
+    pub fn close_prefix_export(&mut self, id: RequestId) -> Result<(), KvError> {
         self.end_transfer(id, true)
     }
 
     /// Closes transfer `id` (an export when `export`, else an import) with nothing
     /// linked: its rings and its block sequence go, and with them its pins or its
     /// reserved pages. The other kind is refused, and stays open.
-    fn end_transfer(&mut self, id: RequestId, export: bool) -> Result<(), V4Error> {
-        let mut handle = match self.transfers.remove(&id) {
+    fn end_transfer(&mut self, id: RequestId, export: bool) -> Result<(), KvError> {
+        let (blocks, w) = self.window_parts(id)?;
+        let mut handle = match w.transfers.remove(&id) {
             Some(Transfer::Export { handle }) if export => handle,
             Some(Transfer::Import { handle, .. }) if !export => handle,
             Some(other) => {
-                self.transfers.insert(id, other);
+                w.transfers.insert(id, other);
                 return Err(Self::transfer_error(
                     id,
                     if export {
-                        "close_export on an import: use commit_import or abort_import"
+                        "close_prefix_export on an import: use commit_prefix_import or \
+                         abort_prefix_import"
                     } else {
-                        "abort_import on an export: use close_export"
+                        "abort_prefix_import on an export: use close_prefix_export"
                     },
                 ));
             }
-            None => return Err(KvError::UnknownRequest { id }.into()),
+            None => return Err(KvError::UnknownRequest { id }),
         };
-        let issued = self.blocks.issued_fence();
-        self.windows.close(id, issued)?;
-        self.blocks.close(&mut handle)?;
-        self.sync_events();
+        let issued = blocks.issued_fence();
+        w.cache.close(id, issued)?;
+        blocks.close(&mut handle)?;
+        w.sync(blocks);
         Ok(())
     }
 
@@ -167,60 +178,62 @@ impl V4CacheManager {
     /// skipped, the others get fresh GPU pages; the tail gets fresh window pages unless a
     /// tail is kept here at the boundary already. `Ok(None)`, nothing reserved, when the
     /// GPU or the windows have no room now.
-    pub fn begin_import(
+    pub fn begin_prefix_import(
         &mut self,
         id: RequestId,
         scope: ReuseScope,
         tokens: &[TokenId],
-    ) -> Result<Option<V4TransferPages>, V4Error> {
-        self.check_new_transfer(id)?;
+    ) -> Result<Option<PrefixPages>, KvError> {
+        let (blocks, w) = self.window_parts(id)?;
+        if w.taken(id) {
+            return Err(KvError::DuplicateRequest { id });
+        }
         let boundary = tokens.len() as u64;
-        let Some(mut imp) = self.blocks.begin_import(id, scope, tokens)? else {
-            self.sync_events();
+        let Some(mut imp) = blocks.begin_import(id, scope, tokens)? else {
+            w.sync(blocks);
             return Ok(None);
         };
-        let key = *self
-            .blocks
+        let key = *blocks
             .block_keys(scope, tokens)
             .last()
             .expect("invariant: begin_import took at least one whole block");
-        let fresh_tail = !self.windows.has_tail(&key);
-        let (completed, issued) = (self.blocks.completed_fence(), self.blocks.issued_fence());
+        let fresh_tail = !w.cache.has_tail(&key);
+        let (completed, issued) = (blocks.completed_fence(), blocks.issued_fence());
         let opened = if fresh_tail {
-            self.windows.open_at(id, boundary).and_then(|()| {
+            w.cache.open_at(id, boundary).and_then(|()| {
                 // Fresh pages must be writable at once: slots a step in flight may still
                 // read (released behind a fence not yet completed) are refused, as the
                 // block half refuses them; it fits after that step completed.
-                let ok = self.windows.ensure(id, boundary, completed, issued)?
-                    && self.windows.wait_for(id)? <= completed;
+                let ok = w.cache.ensure(id, boundary, completed, issued)?
+                    && w.cache.wait_for(id)? <= completed;
                 if !ok {
-                    self.windows.close(id, issued)?;
+                    w.cache.close(id, issued)?;
                 }
                 Ok(ok)
             })
         } else {
             // Held while the import lasts; nothing of the windows moves.
-            self.windows.open(id, Some(&key)).map(|_| true)
+            w.cache.open(id, Some(&key)).map(|_| true)
         };
         match opened {
             Ok(true) => {}
             Ok(false) => {
-                self.blocks.close(&mut imp.handle)?;
-                self.sync_events();
+                blocks.close(&mut imp.handle)?;
+                w.sync(blocks);
                 return Ok(None);
             }
             Err(e) => {
-                self.blocks.close(&mut imp.handle)?;
-                self.sync_events();
+                blocks.close(&mut imp.handle)?;
+                w.sync(blocks);
                 return Err(e.into());
             }
         }
         let tails = if fresh_tail {
-            self.window_tables(id)?
+            Self::window_tables(w, id)?
         } else {
             Vec::new()
         };
-        self.transfers.insert(
+        w.transfers.insert(
             id,
             Transfer::Import {
                 handle: imp.handle,
@@ -228,8 +241,8 @@ impl V4CacheManager {
                 key,
             },
         );
-        self.sync_events();
-        Ok(Some(V4TransferPages {
+        w.sync(blocks);
+        Ok(Some(PrefixPages {
             skipped: imp.skipped,
             blocks: imp.blocks,
             boundary,
@@ -239,38 +252,39 @@ impl V4CacheManager {
 
     /// Links an import whose bytes have landed: its blocks enter the prefix tree, its
     /// tail is kept at the boundary, and the reservation closes. `tokens`: those given
-    /// to [`begin_import`](Self::begin_import) (the block manager refuses others, and the
+    /// to [`begin_prefix_import`](Self::begin_prefix_import) (the block manager refuses others, and the
     /// import stays open).
-    pub fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), V4Error> {
-        let t = self.block_tokens();
+    pub fn commit_prefix_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        let (blocks, w) = self.window_parts(id)?;
+        let t = w.block_tokens();
         let Some(Transfer::Import {
             handle,
             boundary,
             key,
-        }) = self.transfers.get_mut(&id)
+        }) = w.transfers.get_mut(&id)
         else {
             return Err(Self::transfer_error(
                 id,
-                "commit_import without an import in flight",
+                "commit_prefix_import without an import in flight",
             ));
         };
         // Linked in either case: a tail kept here is only touched; one evicted while the
         // import held its pages is linked again from them.
         let links = [(*boundary, *key)];
         // What the windows would refuse is refused before the blocks change.
-        self.windows.check_commit(id, *boundary, &links, t)?;
-        self.blocks.commit_import(handle, tokens)?;
-        self.transfers.remove(&id);
-        let issued = self.blocks.issued_fence();
-        self.windows.commit(id, links[0].0, &links, t, issued)?;
-        self.windows.close(id, issued)?;
-        self.sync_events();
+        w.cache.check_commit(id, *boundary, &links, t)?;
+        blocks.commit_import(handle, tokens)?;
+        w.transfers.remove(&id);
+        let issued = blocks.issued_fence();
+        w.cache.commit(id, links[0].0, &links, t, issued)?;
+        w.cache.close(id, issued)?;
+        w.sync(blocks);
         Ok(())
     }
 
     /// Gives an import's pages back with nothing linked (a failed or cancelled
     /// transfer).
-    pub fn abort_import(&mut self, id: RequestId) -> Result<(), V4Error> {
+    pub fn abort_prefix_import(&mut self, id: RequestId) -> Result<(), KvError> {
         self.end_transfer(id, false)
     }
 }
