@@ -81,6 +81,23 @@ pub enum DeviceError {
         /// Device index.
         device: usize,
     },
+    /// A windowed model's pools could not be built, or a copy fell outside them.
+    #[error("device {device}: {source}")]
+    Pools {
+        /// Device index.
+        device: usize,
+        /// The failure.
+        #[source]
+        source: crate::windowed::PoolError,
+    },
+    /// An operation this device does not support.
+    #[error("device {device}: not supported: {what}")]
+    Unsupported {
+        /// Device index.
+        device: usize,
+        /// What, and what to do instead.
+        what: &'static str,
+    },
 }
 
 impl DeviceError {

@@ -298,10 +298,13 @@ pub struct LayerCache {
 /// A whole cache (target or draft): every layer, in layer order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheView {
-    /// Layers, ascending.
+    /// Layers, ascending (a DSA model's; empty for a model with sliding windows).
     pub layers: Vec<LayerCache>,
-    /// Tokens per block (64).
+    /// Tokens per block (64; 256 for a model with sliding windows).
     pub tokens_per_block: u32,
+    /// A model with sliding windows (DeepSeek-V4): its plan and where each life cycle's
+    /// pools are. `None` for a DSA model.
+    pub windowed: Option<crate::windowed::WindowedView>,
 }
 
 impl CacheView {
@@ -409,6 +412,7 @@ impl CacheView {
         Ok(CacheView {
             layers,
             tokens_per_block: t,
+            windowed: None,
         })
     }
 

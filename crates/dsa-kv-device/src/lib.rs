@@ -14,9 +14,10 @@ pub mod forward;
 mod host;
 mod kv_source;
 mod step;
+pub mod sync_loop;
 pub mod synthetic;
 pub mod transfer;
-pub mod v4;
+pub mod windowed;
 
 pub use backend::{
     BackendFactory, DeviceBackend, DeviceError, DeviceSetup, DeviceStepReport, Mismatch,

@@ -1,20 +1,131 @@
 //! The V4 exactness test on the host: the tiny V4 model (`[0, 4, 128]` and an MTP layer)
-//! run through the V4 cache manager's tables over the pools its plan lays out must give
+//! run through the model cache's tables over the pools its plan lays out must give
 //! the bits of the same model run on a contiguous cache, one request alone, with prefix
 //! hits resumed at a window tail, prefill chunks of every size (straddling the 4- and
 //! 128-token groups and the 256-token blocks), MTP steps with 3 drafts accepted and
 //! rejected, preemption by recompute, and compressed blocks offloaded to the host tier
 //! and brought back.
 
+use std::collections::HashMap;
+
 use dsa_kv_core::core::{
-    ManagerOptions, ReuseScope, SeqOptions, TierSlots, V4CacheManager, V4Options, V4Slots,
+    KvError, ManagerOptions, ModelCache, PrefixPages, ReuseScope, SeqHandle, SeqOptions,
+    TierSlots, WindowedSlots,
 };
+use dsa_kv_core::ids::LifeCycleId;
+use dsa_kv_core::ops::CopyPlan;
 use dsa_kv_core::ids::{LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{Retention, Role, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::entry_row;
 use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Paged, V4Pools, V4Store};
 use dsa_kv_model::TokenOut;
+
+/// A windowed [`ModelCache`] driven by request id (the scheduler keeps the handles; this
+/// test drives the cache by hand).
+struct Cache {
+    c: ModelCache,
+    h: HashMap<RequestId, SeqHandle>,
+    plan: V4Plan,
+}
+
+impl Cache {
+    fn new(plan: V4Plan, slots: WindowedSlots) -> Cache {
+        let opts = ManagerOptions {
+            enable_partial_reuse: false,
+            ..ManagerOptions::default()
+        };
+        Cache {
+            c: ModelCache::windowed(&plan, slots, opts, 16).unwrap(),
+            h: HashMap::new(),
+            plan,
+        }
+    }
+
+    fn handle(&self, id: RequestId) -> &SeqHandle {
+        &self.h[&id]
+    }
+
+    fn plan(&self) -> &V4Plan {
+        &self.plan
+    }
+
+    fn create(&mut self, id: RequestId, prompt: &[TokenId]) -> u64 {
+        let c = self
+            .c
+            .create(id, ReuseScope::SHARED, prompt, SeqOptions::default())
+            .unwrap();
+        self.h.insert(id, c.handle);
+        c.reused_tokens
+    }
+
+    fn resume(&mut self, id: RequestId) -> Result<bool, KvError> {
+        self.c.resume(&self.h[&id])
+    }
+
+    fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, KvError> {
+        self.c.resize(&self.h[&id], capacity, history)
+    }
+
+    fn commit(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        self.c.commit(&self.h[&id], tokens)
+    }
+
+    fn close(&mut self, id: RequestId) -> Result<(), KvError> {
+        let mut h = self.h.remove(&id).expect("a live request");
+        self.c.close(&mut h)
+    }
+
+    fn block_slots(&self, id: RequestId) -> Result<Vec<dsa_kv_core::ids::SlotId>, KvError> {
+        self.c.block_slots(&self.h[&id], LifeCycleId(0))
+    }
+
+    fn take_copy_plans(&mut self) -> Vec<CopyPlan> {
+        self.c.take_copy_plans()
+    }
+
+    fn issue_fence(&mut self) -> dsa_kv_core::ids::Fence {
+        self.c.issue_fence()
+    }
+
+    fn complete_fences(&mut self, f: dsa_kv_core::ids::Fence) -> Result<(), KvError> {
+        self.c.complete_fences(f)
+    }
+
+    fn check_invariants(&self) {
+        self.c.check_invariants();
+    }
+
+    fn stats(&self) -> dsa_kv_core::core::WindowKindStats {
+        self.c.window_stats().unwrap()
+    }
+
+    fn export(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Option<PrefixPages>, KvError> {
+        self.c.export_prefix(id, scope, tokens)
+    }
+
+    fn close_export(&mut self, id: RequestId) -> Result<(), KvError> {
+        self.c.close_prefix_export(id)
+    }
+
+    fn begin_import(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+    ) -> Result<Option<PrefixPages>, KvError> {
+        self.c.begin_prefix_import(id, scope, tokens)
+    }
+
+    fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+        self.c.commit_prefix_import(id, tokens)
+    }
+}
 
 const DRAFTS: usize = 3;
 
@@ -94,7 +205,7 @@ struct Counts {
 
 struct Engine {
     model: V4Model,
-    m: V4CacheManager,
+    m: Cache,
     pools: V4Pools,
     rng: SplitMix64,
     counts: Counts,
@@ -104,7 +215,7 @@ impl Engine {
     fn new(seed: u64) -> Engine {
         let model = V4Model::new(V4ModelConfig::tiny(seed)).unwrap();
         let plan = V4Plan::new(&model.config().spec().unwrap()).unwrap();
-        let slots = V4Slots {
+        let slots = WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![12],
                 host: vec![40],
@@ -112,18 +223,7 @@ impl Engine {
             windows: vec![64, 600, 300],
         };
         let pools = V4Pools::new(&plan, &slots).unwrap();
-        let m = V4CacheManager::new(
-            plan,
-            slots,
-            V4Options {
-                blocks: ManagerOptions {
-                    enable_partial_reuse: false,
-                    ..ManagerOptions::default()
-                },
-                ..V4Options::default()
-            },
-        )
-        .unwrap();
+        let m = Cache::new(plan, slots);
         Engine {
             model,
             m,
@@ -152,14 +252,11 @@ impl Engine {
     /// Creates `id` for `tokens[..prefill]` (a hit resumes at a tail).
     fn create(&mut self, id: RequestId, tokens: &[u32]) -> usize {
         let prompt: Vec<TokenId> = tokens.iter().map(|&t| TokenId(t)).collect();
-        let c = self
-            .m
-            .create(id, ReuseScope::SHARED, &prompt, SeqOptions::default())
-            .unwrap();
+        let reused = self.m.create(id, &prompt);
         assert!(self.m.resume(id).unwrap(), "room to resume {id}");
         self.copies();
-        self.counts.reused_tokens += c.reused_tokens;
-        c.reused_tokens as usize
+        self.counts.reused_tokens += reused;
+        reused as usize
     }
 
     fn start(&mut self, id: u64, prompt: &[u32], len: usize, preempt_at: Option<usize>) -> Live {
@@ -230,7 +327,7 @@ impl Engine {
             r.id
         );
         self.copies();
-        let mut kv = V4Paged::from_manager(&mut self.pools, &self.m, r.id).unwrap();
+        let mut kv = V4Paged::from_cache(&mut self.pools, &self.m.c, self.m.handle(r.id)).unwrap();
         let (outs, hidden) = self.model.run_hidden(&mut kv, c as u32, &tokens).unwrap();
         // Drafts accepted: each that the target's greedy token before it agrees with.
         let accepted = if c < r.prefill {
@@ -257,7 +354,7 @@ impl Engine {
         r.committed = done;
         if done >= r.prefill && done < len {
             r.next = outs[accepted].greedy;
-            let kv = V4Paged::from_manager(&mut self.pools, &self.m, r.id).unwrap();
+            let kv = V4Paged::from_cache(&mut self.pools, &self.m.c, self.m.handle(r.id)).unwrap();
             r.drafts = self
                 .model
                 .propose(&kv, (done - 1) as u32, &hidden[accepted], r.next, DRAFTS)
@@ -347,14 +444,14 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     let reference = Reference::new(&e.model, &a, 600);
     // A window write at a reused (committed) position is refused.
     {
-        let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
+        let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
         let row = kv.window(0, 500).unwrap();
         let err = kv.write_window(0, 500, &row).unwrap_err().to_string();
         assert!(err.contains("not writable"), "{err}");
     }
     // Flip one bit of entry 0 of the ratio-128 layer (layer 2) in the pool.
     {
-        let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
+        let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
         let mut row = kv.entry(2, 0).unwrap();
         row.data[3] ^= 0x10;
         // Written through the pools' bytes, as a fault would: not through the store,
@@ -377,7 +474,7 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     }
     assert!(e.m.resize(r, 600, 512).unwrap());
     e.copies();
-    let mut kv = V4Paged::from_manager(&mut e.pools, &e.m, r).unwrap();
+    let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
     let outs = e.model.run(&mut kv, 512, &a[512..]).unwrap();
     assert_ne!(
         outs[..],
@@ -471,7 +568,7 @@ fn pd_transfer_moves_blocks_and_tail_and_decoding_stays_exact() {
         assert_eq!(dec.create(r, &prompt), 512);
         assert!(dec.m.resize(r, 700, 512).unwrap());
         dec.copies();
-        let mut kv = V4Paged::from_manager(&mut dec.pools, &dec.m, r).unwrap();
+        let mut kv = V4Paged::from_cache(&mut dec.pools, &dec.m.c, dec.m.handle(r)).unwrap();
         let outs = dec.model.run(&mut kv, 512, &prompt[512..]).unwrap();
         let differ = outs
             .iter()
@@ -489,40 +586,43 @@ fn pd_transfer_moves_blocks_and_tail_and_decoding_stays_exact() {
 /// out fails the step with a typed error naming the cause, not an out-of-bounds panic.
 #[test]
 fn a_device_with_fewer_slots_than_the_manager_fails_typed() {
-    use dsa_kv_core::core::scheduler::SubmitRequest;
-    use dsa_kv_core::core::{V4Limits, V4Scheduler};
-    use dsa_kv_device::v4::V4HostDevice;
+    use dsa_kv_core::core::scheduler::{Scheduler, SchedulerLimits, SubmitRequest};
+    use dsa_kv_device::windowed::WindowedHostDevice;
+    use dsa_kv_device::DeviceBackend;
     use dsa_kv_model::v4::{V4ModelForward, V4Outputs};
     use std::sync::{Arc, Mutex};
     let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7)).unwrap());
     let plan = V4Plan::new(&model.config().spec().unwrap()).unwrap();
-    let slots = V4Slots {
+    let slots = WindowedSlots {
         blocks: TierSlots {
             gpu: vec![8],
             host: vec![],
         },
         windows: vec![16, 200, 100],
     };
-    let opts = V4Options {
-        blocks: ManagerOptions {
-            enable_partial_reuse: false,
-            ..ManagerOptions::default()
-        },
-        ..V4Options::default()
+    let cache = Cache::new(plan.clone(), slots.clone()).c;
+    let limits = SchedulerLimits {
+        max_num_sequences: 4,
+        max_num_tokens: 512,
+        max_prefill_chunk: 256,
+        max_seq_len: 2048,
+        draft_tokens: 0,
+        livelock_steps: 8,
+        max_context_kv_tokens: 1 << 20,
+        transfer_lease: std::time::Duration::from_secs(60),
     };
-    let m = V4CacheManager::new(plan.clone(), slots.clone(), opts).unwrap();
-    let mut s = V4Scheduler::new(m, V4Limits::default()).unwrap();
-    let small = V4Slots {
+    let mut s = Scheduler::new(cache, None, limits);
+    let small = WindowedSlots {
         windows: vec![1, 200, 100],
         ..slots
     };
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
     let forward = Box::new(V4ModelForward::new(model, outputs));
-    let mut dev = V4HostDevice::new(0, &plan, &small, forward).unwrap();
+    let mut dev = WindowedHostDevice::new(0, &plan, &small, forward).unwrap();
     let prompt = (0..200).map(TokenId).collect();
     s.submit(SubmitRequest::new(RequestId(1), prompt, 2))
         .unwrap();
-    let p = s.schedule().unwrap().unwrap();
-    let e = dev.execute(&p).unwrap_err().to_string();
+    let p = s.schedule(&HashMap::new()).unwrap();
+    let e = dev.execute_step(&p).unwrap_err().to_string();
     assert!(e.contains("fewer slots than the manager"), "{e}");
 }

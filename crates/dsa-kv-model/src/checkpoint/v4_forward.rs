@@ -598,14 +598,13 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
-    use dsa_kv_core::core::scheduler::SubmitRequest;
-    use dsa_kv_core::core::{
-        ManagerOptions, TierSlots, V4CacheManager, V4Limits, V4Options, V4Scheduler, V4Slots,
-    };
+    use dsa_kv_core::core::scheduler::{Scheduler, SchedulerLimits, SubmitRequest};
+    use dsa_kv_core::core::{ManagerOptions, ModelCache, TierSlots, WindowedSlots};
     use dsa_kv_core::ids::{RequestId, TokenId};
     use dsa_kv_core::layout::V4Plan;
     use dsa_kv_core::rng::SplitMix64;
-    use dsa_kv_device::v4::V4HostDevice;
+    use dsa_kv_device::sync_loop::SyncLoop;
+    use dsa_kv_device::windowed::WindowedHostDevice;
 
     use super::super::v4_weights::tests::{dir, tensors, tiny_config, write};
     use super::super::HfV4Config;
@@ -654,33 +653,32 @@ mod tests {
     fn a_checkpoint_model_runs_paged_as_unpaged() {
         let (d, m) = model("paged", 5);
         let plan = V4Plan::new(&m.config().spec().unwrap()).unwrap();
-        let slots = V4Slots {
+        let slots = WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![10],
                 host: vec![],
             },
             windows: vec![16, 300, 200],
         };
-        let opts = V4Options {
-            blocks: ManagerOptions {
-                enable_partial_reuse: false,
-                ..ManagerOptions::default()
-            },
-            ..V4Options::default()
+        let opts = ManagerOptions {
+            enable_partial_reuse: false,
+            ..ManagerOptions::default()
         };
-        let mgr = V4CacheManager::new(plan.clone(), slots.clone(), opts).unwrap();
-        let limits = V4Limits {
+        let cache = ModelCache::windowed(&plan, slots.clone(), opts, 16).unwrap();
+        let limits = SchedulerLimits {
             max_num_sequences: 2,
             max_num_tokens: 256,
             max_prefill_chunk: 150,
             max_seq_len: 2048,
             draft_tokens: 0,
             livelock_steps: 8,
+            max_context_kv_tokens: 1 << 20,
+            transfer_lease: std::time::Duration::from_secs(60),
         };
-        let mut s = V4Scheduler::new(mgr, limits).unwrap();
+        let mut s = Scheduler::new(cache, None, limits);
         let outputs = Arc::new(Mutex::new(V4Outputs::default()));
         let forward = Box::new(V4ModelForward::new(m.clone(), outputs.clone()));
-        let mut dev = V4HostDevice::new(0, &plan, &slots, forward).unwrap();
+        let mut dev = WindowedHostDevice::new(0, &plan, &slots, forward).unwrap();
         let mut rng = SplitMix64(6);
         let system: Vec<u32> = (0..520).map(|_| rng.below(32) as u32).collect();
         let mut prompts = HashMap::new();
@@ -694,12 +692,13 @@ mod tests {
         }
         let mut got = HashMap::new();
         let mut reused = 0;
-        while let Some(p) = s.schedule().unwrap() {
-            assert!(p.failed.is_empty(), "{:?}", p.failed);
-            let o = dev.execute(&p).unwrap();
-            for f in s.commit(&o).unwrap() {
+        let mut run = SyncLoop::new();
+        while let Some(step) = run.step(&mut s, &mut [&mut dev]).unwrap() {
+            assert!(step.plan.failed.is_empty(), "{:?}", step.plan.failed);
+            for f in step.finished {
                 reused += f.reused_tokens;
-                got.insert(f.id, f.output.iter().map(|t| t.0).collect::<Vec<u32>>());
+                let out = run.output(f.id).iter().map(|t| t.0).collect::<Vec<u32>>();
+                got.insert(f.id, out);
             }
         }
         let out = outputs.lock().unwrap();

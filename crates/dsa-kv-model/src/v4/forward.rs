@@ -1,15 +1,17 @@
-//! The V4 model as a device's [`V4Forward`]: every planned request runs through its own
-//! tables ([`V4Paged::of_step`]); a decode step accepts each draft the target's greedy
-//! token before it agrees with, the MTP layer's rows are written for the tokens kept,
-//! the greedy token is sampled and the MTP layer proposes the next step's drafts.
-//! Every kept position's output is recorded ([`V4Outputs`]) for the exactness check.
+//! The V4 model as a device's [`Forward`]: every planned request runs through its own
+//! tables ([`V4Paged::of_step`] over the batch's pools); a decode step accepts each
+//! draft the target's greedy token before it agrees with, the MTP layer's rows are
+//! written for the tokens kept, the greedy token is sampled and the MTP layer proposes
+//! the next step's drafts (at most the plan's `next_drafts`). Every kept position's
+//! output is recorded ([`V4Outputs`]) for the exactness check.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use dsa_kv_core::core::{V4Outcome, V4Planned, V4StepPlan, V4Work};
+use dsa_kv_core::core::scheduler::{PlannedRequest, RequestKind, RequestOutcome};
 use dsa_kv_core::ids::{RequestId, TokenId};
-use dsa_kv_device::v4::{V4DeviceError, V4Forward, V4Pools};
+use dsa_kv_device::windowed::BatchPools;
+use dsa_kv_device::{Batch, Forward, ForwardError, Proposals, Sampled, Sampling};
 
 use super::{V4Model, V4Paged};
 use crate::{ModelError, TokenOut};
@@ -45,10 +47,10 @@ impl V4Outputs {
 /// `(accepted drafts, tokens kept)` of a step's `tokens` given their outputs: a context
 /// chunk keeps every token; a decode step keeps its first token and each draft the
 /// target's greedy token before it agrees with, up to the first that does not.
-pub(super) fn verdict(work: V4Work, tokens: &[u32], outs: &[TokenOut]) -> (usize, usize) {
-    match work {
-        V4Work::Context => (0, tokens.len()),
-        V4Work::Decode => {
+pub(super) fn verdict(kind: RequestKind, tokens: &[u32], outs: &[TokenOut]) -> (usize, usize) {
+    match kind {
+        RequestKind::Context => (0, tokens.len()),
+        RequestKind::Generation => {
             let accepted = (1..tokens.len())
                 .take_while(|&i| tokens[i] == outs[i - 1].greedy)
                 .count();
@@ -57,25 +59,29 @@ pub(super) fn verdict(work: V4Work, tokens: &[u32], outs: &[TokenOut]) -> (usize
     }
 }
 
-/// Records planned request `p`'s kept outputs on `device` and returns its outcome:
-/// `(accepted, kept)` from [`verdict`], the next step's proposals `drafts`.
+/// Records planned request `p`'s kept outputs on `device` and returns its outcome
+/// (`(accepted, kept)` from [`verdict`]); its proposals `drafts` join `proposals` when
+/// the step samples.
 pub(super) fn outcome(
     outputs: &Mutex<V4Outputs>,
     device: usize,
-    p: &V4Planned,
+    p: &PlannedRequest,
     outs: &[TokenOut],
     (accepted, kept): (usize, usize),
     drafts: Vec<u32>,
-) -> V4Outcome {
+    proposals: &mut Proposals,
+) -> RequestOutcome {
     outputs
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .record(device, p.id, &outs[..kept]);
-    V4Outcome {
+    if p.produces_token {
+        proposals.push((p.id, drafts.into_iter().map(TokenId).collect()));
+    }
+    RequestOutcome {
         id: p.id,
         accepted_drafts: accepted as u32,
-        next_token: p.sample.then_some(TokenId(outs[kept - 1].greedy)),
-        drafts: drafts.into_iter().map(TokenId).collect(),
+        next_token: p.produces_token.then_some(TokenId(outs[kept - 1].greedy)),
     }
 }
 
@@ -92,33 +98,30 @@ impl V4ModelForward {
     }
 }
 
-impl V4Forward for V4ModelForward {
-    fn forward(
-        &mut self,
-        device: usize,
-        pools: &mut V4Pools,
-        plan: &V4StepPlan,
-    ) -> Result<Vec<V4Outcome>, V4DeviceError> {
-        let mut outcomes = Vec::with_capacity(plan.requests.len());
-        for p in &plan.requests {
-            let err = |e: ModelError| V4DeviceError::Forward {
-                device,
-                what: format!("request {}: {e}", p.id),
-            };
-            let first = u32::try_from(p.first)
-                .map_err(|_| err(ModelError::Access(format!("position {} past u32", p.first))))?;
+impl Forward for V4ModelForward {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        let (requests, device) = (batch.requests, batch.device);
+        let mut pools = BatchPools::of(batch).ok_or_else(|| ForwardError::Unsupported {
+            what: "the V4 model's host forward needs a host batch over a windowed cache".into(),
+        })?;
+        let mut outcomes = Vec::with_capacity(requests.len());
+        let mut proposals = Proposals::new();
+        for p in requests {
+            let err =
+                |e: ModelError| ForwardError::framework(ModelError::Access(format!("request {}: {e}", p.id)));
+            let first = p.num_cached;
             let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
             if tokens.is_empty() {
                 return Err(err(ModelError::Access(
                     "a planned request with no tokens".into(),
                 )));
             }
-            let mut kv = V4Paged::of_step(pools, p).map_err(err)?;
+            let mut kv = V4Paged::of_step(&mut pools, p).map_err(err)?;
             let (outs, hidden) = self
                 .model
                 .run_hidden(&mut kv, first, &tokens)
                 .map_err(err)?;
-            let (accepted, kept) = verdict(p.work, &tokens, &outs);
+            let (accepted, kept) = verdict(p.kind, &tokens, &outs);
             let mtp = self.model.config().mtp;
             if mtp {
                 self.model
@@ -126,7 +129,7 @@ impl V4Forward for V4ModelForward {
                     .map_err(err)?;
             }
             let next = outs[kept - 1].greedy;
-            let drafts = if p.sample && mtp && p.next_drafts > 0 {
+            let drafts = if p.produces_token && mtp && p.next_drafts > 0 {
                 let last = first + kept as u32 - 1;
                 self.model
                     .propose(&kv, last, &hidden[kept - 1], next, p.next_drafts as usize)
@@ -141,8 +144,9 @@ impl V4Forward for V4ModelForward {
                 &outs,
                 (accepted, kept),
                 drafts,
+                &mut proposals,
             ));
         }
-        Ok(outcomes)
+        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(proposals)))
     }
 }

@@ -3,7 +3,7 @@
 //! indexer keys over them and the compressor state. It is the reference behind the V4
 //! exactness test: run on [`V4Contiguous`] (one request, every position kept, no pages)
 //! and on [`V4Paged`] (the pools a [`V4Plan`](dsa_kv_core::layout::V4Plan) lays out,
-//! addressed through the V4 cache manager's block table and ring page tables), it must
+//! addressed through the model cache's block table and ring page tables), it must
 //! give the same bits.
 //!
 //! The cache rows have V4's real sizes and formats; everything the cache does not store
@@ -55,7 +55,7 @@ mod model;
 mod paged;
 mod store;
 
-pub use dsa_kv_device::v4::V4Pools;
+pub use dsa_kv_device::windowed::V4Pools;
 pub use forward::{V4ModelForward, V4Outputs};
 pub(crate) use model::{attend_sink, model1};
 pub use model::{V4Model, V4ModelConfig, V4Trace};

@@ -1,6 +1,7 @@
-//! [`V4Paged`]: one request's DeepSeek-V4 caches in a device's [`V4Pools`], through
-//! its tables (a step plan's, or the V4 cache manager's), read and written as the sparse
-//! decode and the compressors do:
+//! [`V4Paged`]: one request's DeepSeek-V4 caches in a device's pools ([`PoolBytes`]:
+//! the device's own [`V4Pools`](dsa_kv_device::windowed::V4Pools), or a batch's host
+//! memory), through its tables (a step plan's, or the model cache's), read and written
+//! as the sparse decode and the compressors do:
 //!
 //! * window rows and state rows through the request's ring page tables
 //!   ([`PageTable::row`]);
@@ -10,74 +11,90 @@
 //!   [`ModelError::Access`], not a silent overwrite. That keeps shared rows read-only:
 //!   a shared tail ends at a block boundary at or before the committed length, and every
 //!   page size divides the 256-token block, so no page of a tail holds a position past
-//!   it; a shared block holds only entries closed before it. Built from the manager
-//!   ([`V4Paged::from_manager`]), a window or state write also asks the window cache
+//!   it; a shared block holds only entries closed before it. Built from the cache
+//!   ([`V4Paged::from_cache`]), a window or state write also asks the window cache
 //!   that the request alone holds the page.
 
 use std::borrow::Cow;
 
-use dsa_kv_core::core::{V4CacheManager, V4Planned};
-use dsa_kv_core::ids::{LayerId, RequestId, SlotId, Tier};
+use dsa_kv_core::core::scheduler::PlannedRequest;
+use dsa_kv_core::core::{ModelCache, SeqHandle};
+use dsa_kv_core::ids::{LayerId, LifeCycleId, RequestId, SlotId};
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
 use dsa_kv_core::ops::model1::{MODEL1_DATA, MODEL1_SCALES};
-use dsa_kv_device::v4::V4Pools;
+use dsa_kv_device::windowed::PoolBytes;
 
 use super::store::{Model1Row, StateKind, V4Store, INDEX_ENTRY_BYTES};
 use crate::{ModelError, INDEX_VALUE_BYTES};
 
-/// One request's caches in [`V4Pools`], through its tables.
+/// One request's caches in a device's pools, through its tables.
 pub struct V4Paged<'a> {
-    pools: &'a mut V4Pools,
-    m: Option<&'a V4CacheManager>,
+    pools: &'a mut dyn PoolBytes,
+    m: Option<&'a ModelCache>,
     id: RequestId,
     committed: u64,
-    /// Borrowed from a step plan, owned when taken from the manager.
-    blocks: Cow<'a, [SlotId]>,
+    blocks: Vec<SlotId>,
     /// Per window life cycle: the first position held and the slots.
     windows: Cow<'a, [(u64, Vec<SlotId>)]>,
 }
 
 impl<'a> V4Paged<'a> {
-    /// `p`'s view: the tables of its step plan (positions from `p.first` written).
-    pub fn of_step(pools: &'a mut V4Pools, p: &'a V4Planned) -> Result<Self, ModelError> {
-        if p.windows.len() != pools.window_life_cycles() {
+    /// `p`'s view: the tables of its step plan (positions from `p.num_cached` written).
+    pub fn of_step(pools: &'a mut dyn PoolBytes, p: &'a PlannedRequest) -> Result<Self, ModelError> {
+        if p.window_tables.len() != pools.window_life_cycles() {
             return Err(ModelError::Access(format!(
                 "request {}: {} window tables for {} window life cycles",
                 p.id,
-                p.windows.len(),
+                p.window_tables.len(),
                 pools.window_life_cycles()
             )));
         }
+        let blocks = p
+            .block_slots
+            .iter()
+            .map(|&s| {
+                u32::try_from(s).map(SlotId).map_err(|_| {
+                    ModelError::Access(format!("request {}: block slot {s} in the plan", p.id))
+                })
+            })
+            .collect::<Result<_, _>>()?;
         Ok(V4Paged {
             pools,
             m: None,
             id: p.id,
-            committed: p.first,
-            blocks: Cow::Borrowed(&p.blocks),
-            windows: Cow::Borrowed(&p.windows),
+            committed: u64::from(p.num_cached),
+            blocks,
+            windows: Cow::Borrowed(&p.window_tables),
         })
     }
 
-    /// Request `id`'s view through `m`'s tables (taken now; build a new view after the
-    /// manager changes).
-    pub fn from_manager(
-        pools: &'a mut V4Pools,
-        m: &'a V4CacheManager,
-        id: RequestId,
+    /// The view of the sequence `h` through `m`'s tables (taken now; build a new view
+    /// after the cache changes).
+    pub fn from_cache(
+        pools: &'a mut dyn PoolBytes,
+        m: &'a ModelCache,
+        h: &SeqHandle,
     ) -> Result<Self, ModelError> {
-        let err = |e: dsa_kv_core::core::V4Error| ModelError::Access(e.to_string());
-        let blocks = m.block_slots(id).map_err(err)?;
-        let windows = (0..pools.window_life_cycles())
-            .map(|lc| m.window_table(id, lc).map_err(err))
-            .collect::<Result<_, _>>()?;
-        let committed = m.committed(id).map_err(err)?;
+        let err = |e: dsa_kv_core::core::KvError| ModelError::Access(e.to_string());
+        let id = h.id();
+        let blocks = m.block_slots(h, LifeCycleId(0)).map_err(err)?;
+        let mut windows = Vec::new();
+        m.window_tables_into(id, &mut windows).map_err(err)?;
+        if windows.len() != pools.window_life_cycles() {
+            return Err(ModelError::Access(format!(
+                "request {id}: the cache has {} window life cycles, the pools {}",
+                windows.len(),
+                pools.window_life_cycles()
+            )));
+        }
+        let committed = m.info_of(h).map_err(err)?.committed;
         Ok(V4Paged {
             pools,
             m: Some(m),
             id,
             committed,
-            blocks: Cow::Owned(blocks),
+            blocks,
             windows: Cow::Owned(windows),
         })
     }
@@ -124,9 +141,8 @@ impl V4Paged<'_> {
             .row(b.converter, u64::from(pos))
             .map_err(|e| ModelError::Access(format!("layer {}: {e}", b.layer.get())))?;
         if write {
-            let alone = match self.m {
-                Some(m) => m
-                    .windows()
+            let alone = match self.m.and_then(ModelCache::windows) {
+                Some(c) => c
                     .writable(self.id, w, u64::from(pos))
                     .map_err(|e| ModelError::Access(e.to_string()))?,
                 None => true,
@@ -212,7 +228,7 @@ impl V4Paged<'_> {
             }
             V4PageFormat::State { row_bytes, .. } => (row_bytes as usize, 0),
         };
-        let len = self.pools.pool(at.lc, Tier::Gpu, at.pool).len();
+        let len = self.pools.gpu_pool(at.lc, at.pool).len();
         if at.data + data > len || at.scales + scales > len {
             return Err(ModelError::Access(format!(
                 "request {}: a row at byte {} of pool {} of life cycle {} is past the \
@@ -224,11 +240,11 @@ impl V4Paged<'_> {
     }
 
     fn bytes(&self, at: &At, from: usize, n: usize) -> &[u8] {
-        &self.pools.pool(at.lc, Tier::Gpu, at.pool)[from..from + n]
+        &self.pools.gpu_pool(at.lc, at.pool)[from..from + n]
     }
 
     fn bytes_mut(&mut self, at: &At, from: usize, n: usize) -> &mut [u8] {
-        &mut self.pools.pool_mut(at.lc, Tier::Gpu, at.pool)[from..from + n]
+        &mut self.pools.gpu_pool_mut(at.lc, at.pool)[from..from + n]
     }
 
     fn read_model1(&self, at: &At) -> Model1Row {
