@@ -109,66 +109,60 @@ pub mod core {
 }
 
 /// DeepSeek-V4 (hybrid caches: a raw sliding window on every layer, compressed KV and
-/// indexer keys on 256-token blocks, compressor state): the structure
-/// ([`V4Spec`](v4::V4Spec)) and plan ([`V4Plan`](v4::V4Plan)), the cache manager and
-/// its scheduler (plain synchronous Rust), the device boundary a V4 model plugs into
-/// ([`V4Forward`](v4::V4Forward)) and the actor runtime ([`V4Runtime`](v4::V4Runtime)).
+/// indexer keys on 256-token blocks, compressor state) through the one runtime: the
+/// structure ([`V4Spec`](v4::V4Spec), [`V4Preset`](v4::V4Preset)) and plan
+/// ([`V4Plan`](v4::V4Plan)) are data; [`KvCacheBuilder::windowed`](actors::KvCacheBuilder::windowed)
+/// sizes the pools and builds the [`ModelCache`](core::ModelCache) with its window kind
+/// under the same scheduler, coordinator and devices as every model. The host backend's
+/// device is [`WindowedHostDevice`](v4::WindowedHostDevice) running the framework's
+/// [`Forward`](device::Forward).
 ///
 /// Serving the tiny V4 reference model (`dsa-kv-model`) on one host device:
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use dsa_kv::core::scheduler::SubmitRequest;
-/// use dsa_kv::ids::{RequestId, TokenId};
+/// use dsa_kv::prelude::*;
 /// use dsa_kv::v4::*;
 /// use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 ///
 /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7))?);
-/// let plan = V4Plan::new(&model.config().spec()?)?;
-/// // GPU blocks and host blocks of the compressed caches; slots of the window, ratio-4
-/// // state and ratio-128 state life cycles.
-/// let slots = V4Slots {
-///     blocks: TierSlots { gpu: vec![8], host: vec![8] },
-///     windows: vec![16, 200, 100],
-/// };
-/// let opts = V4Options {
-///     blocks: ManagerOptions { enable_partial_reuse: false, ..ManagerOptions::default() },
-///     ..V4Options::default()
-/// };
-/// let manager = V4CacheManager::new(plan.clone(), slots.clone(), opts)?;
-/// let limits = V4Limits { draft_tokens: 3, ..V4Limits::default() };
-/// let sched = V4Scheduler::new(manager, limits)?;
 /// let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-/// let forward = V4ModelForward::new(model.clone(), outputs);
-/// let device = V4HostDevice::new(0, &plan, &slots, Box::new(forward))?;
-/// let rt = V4Runtime::start(sched, vec![device]).await?;
+/// let m = model.clone();
+/// let backend: WindowedBackendFactory = Arc::new(move |i, setup: &WindowedSetup| {
+///     let forward = V4ModelForward::new(m.clone(), outputs.clone());
+///     let device = WindowedHostDevice::new(i, &setup.plan, &setup.slots, Box::new(forward))?;
+///     Ok(Box::new(device) as Box<dyn DeviceBackend>)
+/// });
+/// let mut config = EngineConfig::default();
+/// config.kv_cache.max_gpu_total_bytes = Some(64 << 20);
+/// config.spec_decode.draft_tokens = 3; // MTP drafts
+/// let kv = KvCacheBuilder::new()
+///     .config(config)
+///     .windowed(WindowedModel::new(model.config().spec()?, backend))
+///     .start()
+///     .await?;
 ///
-/// let prompt = (0..40).map(TokenId).collect();
-/// rt.submit(SubmitRequest::new(RequestId(1), prompt, 4)).await?;
-/// let mut output = Vec::new();
-/// while let Some(step) = rt.step().await? {
-///     for f in step.finished {
-///         output = f.output;
-///     }
+/// let prompt: Vec<TokenId> = (0..40).map(TokenId).collect();
+/// kv.submit(SubmitRequest::new(RequestId(1), prompt, 4)).await?;
+/// let waiter = { let kv = kv.clone(); tokio::spawn(async move { kv.wait(RequestId(1)).await }) };
+/// while !waiter.is_finished() {
+///     kv.step(Drafts::none()).await?; // the forward samples; the runtime commits
 /// }
-/// assert_eq!(output.len(), 4);
-/// rt.stop().await;
+/// let done = waiter.await??;
+/// assert_eq!(done.finished.output().len(), 4);
+/// kv.shutdown().await;
 /// # Ok(())
 /// # }
 /// ```
 pub mod v4 {
-    pub use crate::actors::{V4Runtime, V4RuntimeError, V4RuntimeStats, V4StepReport};
+    pub use crate::actors::{WindowedBackendFactory, WindowedModel, WindowedSetup};
     pub use dsa_kv_core::config::{V4LayerKind, V4Preset, V4Spec};
-    /// The block manager's options and slot counts, which the V4 manager takes.
-    pub use dsa_kv_core::core::{ManagerOptions, TierSlots};
-    pub use dsa_kv_core::core::{
-        V4CacheManager, V4Created, V4Error, V4Failed, V4Finished, V4Limits, V4Options, V4Outcome,
-        V4Planned, V4SchedError, V4SchedStats, V4Scheduler, V4Slots, V4Stats, V4StepPlan, V4Work,
-    };
+    pub use dsa_kv_core::core::{ModelCache, TierSlots, WindowKindStats, WindowedSlots};
     pub use dsa_kv_core::layout::{V4Buffer, V4LifeCycle, V4LifeCycleKind, V4PageFormat, V4Plan};
-    pub use dsa_kv_device::v4::{V4Device, V4DeviceError, V4Forward, V4HostDevice, V4Pools};
+    pub use dsa_kv_device::windowed::{PoolBytes, V4Pools, WindowedHostDevice, WindowedView};
+    pub use dsa_kv_device::DeviceBackend;
 }
 
 /// What the kernels' step metadata holds, as a forward reads it through

@@ -11,8 +11,8 @@ use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{DsaModel, EngineConfig, LayerSet, ModelPreset, V4Spec};
 use dsa_kv::core::scheduler::{RequestOutcome, SubmitRequest};
 use dsa_kv::core::{
-    quota, KvCacheManager, ManagerOptions, ReuseScope, SeqOptions, SlotAllocator, TierSlots,
-    V4CacheManager, V4Options, V4Slots,
+    quota, KvCacheManager, ManagerOptions, ModelCache, ReuseScope, SeqHandle, SeqOptions,
+    SlotAllocator, TierSlots, WindowedSlots,
 };
 use dsa_kv::ids::{Fence, RequestId, SlotId, TokenId};
 use dsa_kv::ids::{PoolGroupId, Tier};
@@ -22,7 +22,7 @@ use dsa_kv::metadata::{MetadataDims, MetadataLayout, RequestKind, StepMetadata, 
 use dsa_kv::ops::indexer_k::{indexer_k_scatter, IndexerMappings};
 use dsa_kv::ops::{CopyPlan, GroupCopy};
 use dsa_kv::sync::QuotaLedger;
-use dsa_kv::v4::{V4HostDevice, V4Limits, V4Outcome, V4Pools, V4Runtime, V4Scheduler};
+use dsa_kv::v4::{V4Pools, WindowedBackendFactory, WindowedModel};
 
 type Row = (&'static str, Box<dyn FnOnce() -> String>, &'static str);
 
@@ -451,25 +451,24 @@ fn rows() -> Vec<Row> {
         (
             "v4: partial-block reuse asked for",
             Box::new(|| {
-                err(V4CacheManager::new(
-                    V4Plan::new(&V4Spec::flash()).unwrap(),
+                err(ModelCache::windowed(
+                    &V4Plan::new(&V4Spec::flash()).unwrap(),
                     v4_slots(vec![8, 200, 100]),
-                    V4Options {
-                        blocks: ManagerOptions::default(),
-                        ..V4Options::default()
-                    },
+                    ManagerOptions::default(),
+                    16,
                 )
                 .map(|_| ()))
             }),
-            "enable_partial_reuse must be off for DeepSeek-V4: a hit must end on a 256-token boundary, where every compression group is whole",
+            "enable_partial_reuse = true is invalid: a model with sliding windows hits only at whole-block boundaries, where every compression group is whole: turn partial reuse off",
         ),
         (
             "v4: window slots for two of three life cycles",
             Box::new(|| {
-                err(V4CacheManager::new(
-                    V4Plan::new(&V4Spec::flash()).unwrap(),
+                err(ModelCache::windowed(
+                    &V4Plan::new(&V4Spec::flash()).unwrap(),
                     v4_slots(vec![8, 200]),
-                    V4Options::default(),
+                    v4_opts(),
+                    16,
                 )
                 .map(|_| ()))
             }),
@@ -478,40 +477,45 @@ fn rows() -> Vec<Row> {
         (
             "v4: an empty prompt",
             Box::new(|| {
-                let mut m = v4_manager();
-                err(m.create(RequestId(1), ReuseScope::SHARED, &[], SeqOptions::default()))
+                let mut m = v4_cache();
+                err(m
+                    .create(RequestId(1), ReuseScope::SHARED, &[], SeqOptions::default())
+                    .map(|_| ()))
             }),
-            "request 1: the prompt is empty",
+            "prompt = [] is invalid: a sequence needs at least one prompt token",
         ),
         (
             "v4: suspend",
             Box::new(|| {
-                let mut m = v4_with_request_1();
-                err(m.suspend(RequestId(1)))
+                let (mut m, h) = v4_with_request_1();
+                err(m.suspend(&h))
             }),
-            "request 1: a DeepSeek-V4 sequence cannot be suspended (its windows live on the GPU only); preempt it by recompute: close it and create it again",
-        ),
-        (
-            "v4: an unknown request",
-            Box::new(|| err(v4_manager().resize(RequestId(9), 10, 0))),
-            "unknown request 9: it was never created here or has been closed",
+            "request 1: a sequence with sliding windows cannot be suspended (its windows live on the GPU only); preempt it by recompute: close it and create it again",
         ),
         (
             "v4: a commit beyond the capacity",
             Box::new(|| {
-                let mut m = v4_with_request_1();
-                m.resume(RequestId(1)).unwrap();
-                err(m.commit(RequestId(1), &toks(10)))
+                let (mut m, h) = v4_with_request_1();
+                m.resume(&h).unwrap();
+                err(m.commit(&h, &toks(10)))
             }),
             "request 1: committing 10 tokens would make 10 committed tokens, above capacity 0; resize first (only tokens whose KV was written can be committed)",
         ),
         (
             "v4: a window life cycle past the specs",
             Box::new(|| {
-                let m = v4_with_request_1();
-                err(m.window_table(RequestId(1), 7))
+                let (m, _h) = v4_with_request_1();
+                err(m.windows().unwrap().page_table(RequestId(1), 7))
             }),
             "window life cycle 7 does not exist: there are 3",
+        ),
+        (
+            "v4: a prefix transfer on a model without windows",
+            Box::new(|| {
+                let mut m = ModelCache::new(manager());
+                err(m.export_prefix(RequestId(1), ReuseScope::SHARED, &toks(300)))
+            }),
+            "transfer 1: prefix transfers with window tails need a model with sliding windows: move blocks through the scheduler's transfers",
         ),
         (
             "v4 metadata: a position the table does not hold",
@@ -532,47 +536,51 @@ fn rows() -> Vec<Row> {
             "position 100 is not held by the table (it holds [128, 192)): the rings were not extended for this step, or the position lies behind the window",
         ),
         (
-            "v4 scheduler: max_new_tokens 0",
-            Box::new(|| {
-                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
-                err(s.submit(SubmitRequest::new(RequestId(1), toks(4), 0)))
-            }),
-            "request 1: max_new_tokens must be at least 1",
-        ),
-        (
             "v4 scheduler: longer than the GPU blocks hold",
             Box::new(|| {
-                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                let mut s = v4_scheduler();
                 err(s.submit(SubmitRequest::new(RequestId(1), toks(3000), 1)))
             }),
-            "request 1: prompt 3000 + 1 new tokens exceeds the 2048 tokens the GPU blocks hold: give the V4 manager more block slots",
+            "request 1: prompt 3000 + 1 new tokens exceeds the 2048 tokens the GPU blocks hold even with nothing else running: give the cache more GPU memory or lower max_seq_len",
         ),
         (
             "v4 scheduler: an outcome for a request the step did not run",
             Box::new(|| {
-                let mut s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
+                let mut s = v4_scheduler();
                 s.submit(SubmitRequest::new(RequestId(1), toks(10), 2)).unwrap();
-                s.schedule().unwrap();
-                err(s.commit(&[V4Outcome {
+                s.schedule(&Default::default()).unwrap();
+                err(s.commit(&[RequestOutcome {
                     id: RequestId(5),
                     accepted_drafts: 0,
                     next_token: Some(TokenId(1)),
-                    drafts: vec![],
                 }]))
             }),
-            "step 0, request 5: not planned in this step",
+            "request 5 was not part of step 1",
         ),
         (
-            "v4 scheduler: drafts at least the token budget",
+            "v4 runtime: drafts at least the token budget",
             Box::new(|| {
-                let limits = V4Limits {
-                    draft_tokens: 4,
-                    max_num_tokens: 4,
-                    ..V4Limits::default()
-                };
-                err(V4Scheduler::new(v4_manager(), limits).map(|_| ()))
+                let mut c = EngineConfig::default();
+                c.kv_cache.max_gpu_total_bytes = Some(64 << 20);
+                c.scheduler.max_num_tokens = 4;
+                c.spec_decode.draft_tokens = 4;
+                err(start_v4(c, None))
             }),
-            "V4 scheduler limits: draft_tokens must be below max_num_tokens (a decode step carries 1 + drafts)",
+            "spec_decode.draft_tokens = 4 is invalid: a decode step carries 1 + drafts tokens: keep drafts below scheduler.max_num_tokens",
+        ),
+        (
+            "v4 runtime: no budget",
+            Box::new(|| err(start_v4(EngineConfig::default(), None))),
+            "kv_cache.max_gpu_total_bytes = none is invalid: a windowed model's pools are sized from an explicit byte budget per device",
+        ),
+        (
+            "v4 runtime: no devices",
+            Box::new(|| {
+                let mut c = EngineConfig::default();
+                c.kv_cache.max_gpu_total_bytes = Some(64 << 20);
+                err(start_v4(c, Some(0)))
+            }),
+            "no device is left: restart the runtime",
         ),
         (
             "v4 device: a copy past the pools",
@@ -590,7 +598,7 @@ fn rows() -> Vec<Row> {
                     }],
                 }]))
             }),
-            "V4 copy: copy SlotId(0) → SlotId(8) (Gpu → Gpu) is past the pools",
+            "windowed pool copy: copy SlotId(0) → SlotId(8) (Gpu → Gpu) is past the pools",
         ),
         (
             "v4 device: pools without a slot count for a window life cycle",
@@ -598,30 +606,18 @@ fn rows() -> Vec<Row> {
                 let plan = V4Plan::new(&V4Spec::flash()).unwrap();
                 err(V4Pools::new(&plan, &v4_slots(vec![8])).map(|_| ()))
             }),
-            "V4 pools: no slot count for the state4 life cycle: give V4Slots one per life cycle",
-        ),
-        (
-            "v4 runtime: no devices",
-            Box::new(|| {
-                let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(1)
-                    .build()
-                    .unwrap();
-                let s = V4Scheduler::new(v4_manager(), V4Limits::default()).unwrap();
-                err(rt.block_on(V4Runtime::start(s, Vec::<V4HostDevice>::new())).map(|_| ()))
-            }),
-            "a V4 runtime needs at least one device",
+            "windowed pools: no slot count for the state4 life cycle: give WindowedSlots one per window life cycle",
         ),
         (
             "config: a DeepSeek-V4 preset where a DSA model is served",
             Box::new(|| err(ModelPreset::parse("deepseek-v4-pro"))),
-            "deepseek-v4-pro is a DeepSeek-V4 model: the engine configuration serves DSA models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); V4 has its own cache manager, scheduler and runtime (`dsa_kv::v4`: `V4Plan`, `V4CacheManager`, `V4Runtime`; `plan --model deepseek-v4-pro`, `serve --model deepseek-v4-pro`)",
+            "deepseek-v4-pro is a DeepSeek-V4 model: the configuration's model section describes DSA models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); serve V4 through `KvCacheBuilder::windowed` with `V4Preset::spec` (`dsa_kv::v4`; `plan --model deepseek-v4-pro`, `serve --model deepseek-v4-pro`)",
         ),
     ]
 }
 
-fn v4_slots(windows: Vec<u32>) -> V4Slots {
-    V4Slots {
+fn v4_slots(windows: Vec<u32>) -> WindowedSlots {
+    WindowedSlots {
         blocks: TierSlots {
             gpu: vec![8],
             host: vec![],
@@ -630,26 +626,70 @@ fn v4_slots(windows: Vec<u32>) -> V4Slots {
     }
 }
 
-/// A V4 manager holding request 1 (10 prompt tokens, not resumed).
-fn v4_with_request_1() -> V4CacheManager {
-    let mut m = v4_manager();
-    m.create(
-        RequestId(1),
-        ReuseScope::SHARED,
-        &toks(10),
-        SeqOptions::default(),
-    )
-    .unwrap();
-    m
+fn v4_opts() -> ManagerOptions {
+    ManagerOptions {
+        enable_partial_reuse: false,
+        ..ManagerOptions::default()
+    }
 }
 
-fn v4_manager() -> V4CacheManager {
-    V4CacheManager::new(
-        V4Plan::new(&V4Spec::flash()).unwrap(),
+fn v4_cache() -> ModelCache {
+    ModelCache::windowed(
+        &V4Plan::new(&V4Spec::flash()).unwrap(),
         v4_slots(vec![8, 200, 100]),
-        V4Options::default(),
+        v4_opts(),
+        16,
     )
     .unwrap()
+}
+
+/// A windowed cache holding request 1 (10 prompt tokens, not resumed).
+fn v4_with_request_1() -> (ModelCache, SeqHandle) {
+    let mut m = v4_cache();
+    let c = m
+        .create(
+            RequestId(1),
+            ReuseScope::SHARED,
+            &toks(10),
+            SeqOptions::default(),
+        )
+        .unwrap();
+    (m, c.handle)
+}
+
+fn v4_scheduler() -> dsa_kv::core::scheduler::Scheduler {
+    let limits = dsa_kv::core::scheduler::SchedulerLimits {
+        max_num_sequences: 4,
+        max_num_tokens: 512,
+        max_prefill_chunk: 256,
+        max_seq_len: 8192,
+        draft_tokens: 0,
+        livelock_steps: 8,
+        max_context_kv_tokens: 1 << 20,
+        transfer_lease: std::time::Duration::from_secs(60),
+    };
+    dsa_kv::core::scheduler::Scheduler::new(v4_cache(), None, limits)
+}
+
+/// Starts a windowed runtime over DeepSeek-V4-Flash's structure with `config` (devices
+/// that are never built when the start is refused first).
+fn start_v4(
+    config: EngineConfig,
+    devices: Option<usize>,
+) -> Result<(), dsa_kv::actors::RuntimeError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build()
+        .unwrap();
+    let backend: WindowedBackendFactory =
+        std::sync::Arc::new(|_, _| panic!("no device is built for a refused start"));
+    let mut b = KvCacheBuilder::new()
+        .config(config)
+        .windowed(WindowedModel::new(V4Spec::flash(), backend));
+    if let Some(n) = devices {
+        b = b.host_devices(n);
+    }
+    rt.block_on(async move { b.start().await.map(|_| ()) })
 }
 
 #[test]

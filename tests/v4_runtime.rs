@@ -1,69 +1,79 @@
-//! DeepSeek-V4 through the runtime: the tiny V4 model (`[0, 4, 128]` and an MTP layer) on
-//! two device actors (tensor parallel: every device runs every step and must return the
-//! same tokens) behind the V4 coordinator, with continuous batching, chunked prefill,
-//! MTP drafts, prefix hits at window tails, preemption by recompute and a host tier.
-//! Every request's output tokens, and every position's logits on both devices, equal
-//! the model run alone on a contiguous cache, bit for bit. With a GPU, one of the two
-//! devices is the model's CUDA device (pools in GPU memory, the forward in kernels), and
-//! at the end its every pool byte equals the host device's.
+//! DeepSeek-V4 through the one runtime: the tiny V4 model (`[0, 4, 128]` and an MTP
+//! layer) on two device actors (tensor parallel: every device runs every step and must
+//! sample the same tokens) behind the same builder, coordinator and scheduler as every
+//! model (`KvCacheBuilder::windowed`), with continuous batching, chunked prefill, MTP
+//! drafts, prefix hits at window tails, preemption by recompute and a host tier. Every
+//! request's output tokens, and every position's logits on both devices, equal the model
+//! run alone on a contiguous cache, bit for bit. With a GPU, one of the two devices is
+//! the model's CUDA device (pools in GPU memory, the forward in kernels), and at the end
+//! its every pool byte equals the host device's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use dsa_kv::core::scheduler::SubmitRequest;
-use dsa_kv::ids::{RequestId, TokenId};
+use dsa_kv::prelude::*;
 use dsa_kv::v4::{
-    ManagerOptions, TierSlots, V4CacheManager, V4Device, V4HostDevice, V4Limits, V4Options, V4Plan,
-    V4Runtime, V4Scheduler, V4Slots,
+    TierSlots, V4Plan, WindowedBackendFactory, WindowedHostDevice, WindowedModel, WindowedSetup,
+    WindowedSlots,
 };
 use dsa_kv_core::rng::SplitMix64;
+use dsa_kv_device::DeviceBackend;
 use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 
-/// The workload's model, plan, slots and scheduler.
-fn setup() -> (Arc<V4Model>, V4Plan, V4Slots, V4Scheduler) {
+/// The workload's model, plan and slots.
+fn setup() -> (Arc<V4Model>, V4Plan, WindowedSlots) {
     let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7)).unwrap());
     let plan = V4Plan::new(&model.config().spec().unwrap()).unwrap();
-    let slots = V4Slots {
+    let slots = WindowedSlots {
         blocks: TierSlots {
             gpu: vec![6],
             host: vec![24],
         },
         windows: vec![14, 300, 200],
     };
-    let m = V4CacheManager::new(
-        plan.clone(),
-        slots.clone(),
-        V4Options {
-            blocks: ManagerOptions {
-                enable_partial_reuse: false,
-                ..ManagerOptions::default()
-            },
-            ..V4Options::default()
-        },
-    )
-    .unwrap();
-    let limits = V4Limits {
-        max_num_sequences: 3,
-        max_prefill_chunk: 200,
-        max_num_tokens: 384,
-        max_seq_len: 4096,
-        draft_tokens: 3,
-        livelock_steps: 8,
-    };
-    let sched = V4Scheduler::new(m, limits).unwrap();
-    (model, plan, slots, sched)
+    (model, plan, slots)
 }
 
-/// Runs the workload on `devices` (2) through the runtime and checks every request's
-/// tokens and every recorded position's output on both devices against the unpaged
-/// model; returns the positions checked.
+/// The configuration: 3 sequences, chunks of 200, 384 tokens a step, 3 MTP drafts.
+fn config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.kv_cache.max_gpu_total_bytes = Some(256 << 20);
+    c.scheduler.max_num_sequences = 3;
+    c.scheduler.max_prefill_chunk = 200;
+    c.scheduler.max_num_tokens = 384;
+    c.scheduler.max_seq_len = 4096;
+    c.spec_decode.draft_tokens = 3;
+    c
+}
+
+/// Host devices running `model`, recording into `outputs`.
+fn host_backend(model: &Arc<V4Model>, outputs: &Arc<Mutex<V4Outputs>>) -> WindowedBackendFactory {
+    let (model, outputs) = (model.clone(), outputs.clone());
+    Arc::new(move |i, s: &WindowedSetup| {
+        let f = V4ModelForward::new(model.clone(), outputs.clone());
+        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(f))?;
+        Ok(Box::new(d) as Box<dyn DeviceBackend>)
+    })
+}
+
+/// Runs the workload on two devices from `backend` through the runtime and checks every
+/// request's tokens and every recorded position's output on both devices against the
+/// unpaged model; returns the positions checked.
 async fn workload(
     model: &V4Model,
-    sched: V4Scheduler,
-    devices: Vec<Box<dyn V4Device>>,
+    slots: WindowedSlots,
+    backend: WindowedBackendFactory,
     outputs: &Mutex<V4Outputs>,
 ) -> usize {
-    let rt = V4Runtime::start(sched, devices).await.unwrap();
+    let mut w = WindowedModel::new(model.config().spec().unwrap(), backend);
+    w.slots = Some(slots);
+    let kv = KvCacheBuilder::new()
+        .config(config())
+        .host_devices(2)
+        .windowed(w)
+        .start()
+        .await
+        .unwrap();
     let mut rng = SplitMix64(3);
     let systems: Vec<Vec<u32>> = (0..2)
         .map(|_| (0..520).map(|_| rng.below(256) as u32).collect())
@@ -89,31 +99,37 @@ async fn workload(
             let max_new = 10 + rng.below(50) as usize;
             prompts.insert(id, (prompt.clone(), max_new));
             let toks = prompt.iter().map(|&t| TokenId(t)).collect();
-            rt.submit(SubmitRequest::new(id, toks, max_new as u32))
+            kv.submit(SubmitRequest::new(id, toks, max_new as u32))
                 .await
                 .unwrap();
             ids.push(id);
         }
-        while let Some(rep) = rt.step().await.unwrap() {
+        let mut steps = 0;
+        while ids.iter().any(|id| !outputs_of.contains_key(id)) {
+            steps += 1;
+            assert!(steps < 5_000, "wave {wave} does not finish");
+            let rep = kv.step(Drafts::none()).await.unwrap();
             assert!(rep.failed.is_empty(), "{:?}", rep.failed);
             preempted += rep.preempted.len();
-            copies += rep.slot_copies;
+            copies += rep.devices[0].slot_copies;
             accepted += rep
                 .outcomes
                 .iter()
                 .map(|o| u64::from(o.accepted_drafts))
                 .sum::<u64>();
-            for f in rep.finished {
+            let Some(done) = rep.committed else {
+                assert!(rep.scheduled.is_empty(), "a sampled step is committed");
+                continue;
+            };
+            for f in done.finished {
+                let f = f.finished;
                 first_reuse += f.reused_tokens;
-                outputs_of.insert(f.id, f.output.iter().map(|t| t.0).collect());
+                outputs_of.insert(f.id, f.output().iter().map(|t| t.0).collect());
             }
         }
-        for id in ids {
-            assert!(outputs_of.contains_key(&id), "{id} finished");
-        }
     }
-    let stats = rt.stats().await.unwrap();
-    rt.stop().await;
+    let stats = kv.stats().await.unwrap();
+    kv.shutdown().await;
     let out = outputs.lock().unwrap();
     assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
     let mut positions = 0;
@@ -132,37 +148,32 @@ async fn workload(
             }
         }
     }
+    let w = stats.windows.expect("a windowed model's counters");
     eprintln!(
         "positions checked {positions}, preempted {preempted}, slot copies {copies}, \
-         drafts accepted {accepted}, {stats:?}"
+         drafts accepted {accepted}, {:?}, {w:?}",
+        stats.scheduler
     );
     // First admissions only (re-admissions after a preemption are not prefix hits).
-    assert!(
-        first_reuse >= 4 * 512,
-        "prefix hits: {first_reuse}, {stats:?}"
-    );
+    assert!(first_reuse >= 4 * 512, "prefix hits: {first_reuse}, {w:?}");
+    assert!(w.windows.tails_adopted > 0 && w.windows.tails_linked > 0);
     assert!(accepted > 0, "MTP drafts accepted");
     assert!(
-        stats.sched.drafts > stats.sched.accepted_drafts,
+        stats.scheduler.drafts_proposed > stats.scheduler.drafts_accepted,
         "and rejected"
     );
-    assert!(preempted > 0, "preemption by recompute: {stats:?}");
+    assert!(preempted > 0, "preemption by recompute");
     assert!(copies > 0, "offload or onboarding");
-    assert_eq!(stats.unfinished, 0);
+    assert_eq!(stats.scheduler.finished, 8);
     positions
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
-    let (model, plan, slots, sched) = setup();
+    let (model, _, slots) = setup();
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-    let devices = (0..2)
-        .map(|i| {
-            let f = V4ModelForward::new(model.clone(), outputs.clone());
-            Box::new(V4HostDevice::new(i, &plan, &slots, Box::new(f)).unwrap()) as Box<dyn V4Device>
-        })
-        .collect();
-    workload(&model, sched, devices, &outputs).await;
+    let backend = host_backend(&model, &outputs);
+    workload(&model, slots, backend, &outputs).await;
 }
 
 /// A device the test keeps a handle on while the runtime drives it.
@@ -170,24 +181,56 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
 struct Shared<D>(Arc<Mutex<D>>);
 
 #[cfg(feature = "cuda")]
-impl<D: V4Device> V4Device for Shared<D> {
+impl<D: DeviceBackend> DeviceBackend for Shared<D> {
     fn index(&self) -> usize {
         self.0.lock().unwrap().index()
     }
 
-    fn execute(
+    fn execute_step(
         &mut self,
-        plan: &dsa_kv::v4::V4StepPlan,
-    ) -> Result<Vec<dsa_kv::v4::V4Outcome>, dsa_kv::v4::V4DeviceError> {
-        self.0.lock().unwrap().execute(plan)
+        plan: &dsa_kv::core::scheduler::StepPlan,
+    ) -> Result<dsa_kv_device::DeviceStepReport, dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().execute_step(plan)
+    }
+
+    fn draft_prepare(
+        &mut self,
+        plan: &dsa_kv::core::scheduler::StepPlan,
+    ) -> Result<dsa_kv::metadata::DraftSnapshot, dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().draft_prepare(plan)
+    }
+
+    fn draft_forward(
+        &mut self,
+        plan: &dsa_kv::core::scheduler::StepPlan,
+    ) -> Result<(u64, dsa_kv_device::Proposals), dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().draft_forward(plan)
+    }
+
+    fn draft_restore(
+        &mut self,
+        s: &dsa_kv::metadata::DraftSnapshot,
+    ) -> Result<(), dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().draft_restore(s)
+    }
+
+    fn verify(
+        &mut self,
+        specs: &[dsa_kv_device::VerifySpec],
+    ) -> Result<(u64, Vec<dsa_kv_device::Mismatch>), dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().verify(specs)
+    }
+
+    fn cache_digest(&mut self) -> Result<String, dsa_kv_device::DeviceError> {
+        self.0.lock().unwrap().cache_digest()
     }
 }
 
 /// The workload with device 1 the model's CUDA device: the coordinator checks every
-/// step that both devices return the same outcomes (tokens, drafts accepted,
-/// proposals), both record the unpaged model's outputs bit for bit, and at the end every
-/// byte of every pool (each life cycle's GPU tier, the compressed one's host tier) of
-/// the CUDA device equals the host device's.
+/// step that both devices sampled the same (tokens, drafts accepted, proposals), both
+/// record the unpaged model's outputs bit for bit, and at the end every byte of every
+/// pool (each life cycle's GPU tier, the compressed one's host tier) of the CUDA device
+/// equals the host device's.
 #[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA device"]
@@ -195,11 +238,11 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
     use dsa_kv::ids::Tier;
     use dsa_kv_model::v4::cuda::V4CudaDevice;
 
-    let (model, plan, slots, sched) = setup();
+    let (model, plan, slots) = setup();
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
     let f = V4ModelForward::new(model.clone(), outputs.clone());
     let host = Arc::new(Mutex::new(
-        V4HostDevice::new(0, &plan, &slots, Box::new(f)).unwrap(),
+        WindowedHostDevice::new(0, &plan, &slots, Box::new(f)).unwrap(),
     ));
     let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
     let cuda = Arc::new(Mutex::new(
@@ -214,12 +257,17 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
         )
         .unwrap(),
     ));
-    let devices: Vec<Box<dyn V4Device>> = vec![
-        Box::new(Shared(host.clone())),
-        Box::new(Shared(cuda.clone())),
-    ];
+    let (h, c) = (host.clone(), cuda.clone());
+    // The devices are built here; the factory hands them to the runtime once.
+    let taken = Mutex::new(vec![
+        Some(Box::new(Shared(h)) as Box<dyn DeviceBackend>),
+        Some(Box::new(Shared(c)) as Box<dyn DeviceBackend>),
+    ]);
+    let backend: WindowedBackendFactory = Arc::new(move |i, _: &WindowedSetup| {
+        Ok(taken.lock().unwrap()[i].take().expect("each device is built once"))
+    });
     let start = std::time::Instant::now();
-    let positions = workload(&model, sched, devices, &outputs).await;
+    let positions = workload(&model, slots, backend, &outputs).await;
     let (host, cuda) = (host.lock().unwrap(), cuda.lock().unwrap());
     let mut bytes = 0usize;
     for (lc, l) in plan.life_cycles().iter().enumerate() {
@@ -247,6 +295,29 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
     );
 }
 
+/// The scheduler over the workload's cache, for the step-by-step GPU tests below.
+#[cfg(feature = "cuda")]
+fn scheduler(slots: &WindowedSlots, plan: &V4Plan) -> dsa_kv::core::scheduler::Scheduler {
+    let c = config();
+    let s = &c.scheduler;
+    let opts = dsa_kv::core::ManagerOptions {
+        enable_partial_reuse: false,
+        ..Default::default()
+    };
+    let cache = dsa_kv::core::ModelCache::windowed(plan, slots.clone(), opts, 16).unwrap();
+    let limits = dsa_kv::core::scheduler::SchedulerLimits {
+        max_num_sequences: s.max_num_sequences,
+        max_num_tokens: s.max_num_tokens,
+        max_prefill_chunk: s.max_prefill_chunk,
+        max_seq_len: s.max_seq_len,
+        draft_tokens: c.spec_decode.draft_tokens,
+        livelock_steps: 8,
+        max_context_kv_tokens: u32::MAX,
+        transfer_lease: std::time::Duration::from_secs(60),
+    };
+    dsa_kv::core::scheduler::Scheduler::new(cache, None, limits)
+}
+
 /// The check above can fail: a CUDA device compiled from altered kernels, driven step by
 /// step beside a host device, gives other outcomes or outputs. Two mutations: the
 /// softmax's running maximum started at 0 instead of the sink (the same math, other
@@ -265,10 +336,11 @@ fn v4_cuda_device_mutations_are_caught() {
     for (from, to) in mutations {
         assert_eq!(V4_MODEL_SOURCE.matches(from).count(), 1, "{from}");
         let src = V4_MODEL_SOURCE.replace(from, to);
-        let (model, plan, slots, mut sched) = setup();
+        let (model, plan, slots) = setup();
+        let mut sched = scheduler(&slots, &plan);
         let outputs = Arc::new(Mutex::new(V4Outputs::default()));
         let f = V4ModelForward::new(model.clone(), outputs.clone());
-        let mut host = V4HostDevice::new(0, &plan, &slots, Box::new(f)).unwrap();
+        let mut host = WindowedHostDevice::new(0, &plan, &slots, Box::new(f)).unwrap();
         let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
         let mut cuda = V4CudaDevice::with_source(
             1,
@@ -290,10 +362,12 @@ fn v4_cuda_device_mutations_are_caught() {
         }
         let mut caught = None;
         let mut steps = 0;
-        while let Some(plan) = sched.schedule().unwrap() {
+        let mut drafts = HashMap::new();
+        while sched.num_active() > 0 {
             steps += 1;
-            let a = host.execute(&plan).unwrap();
-            let b = V4Device::execute(&mut cuda, &plan);
+            let plan = sched.schedule(&drafts).unwrap();
+            let a = host.execute_step(&plan).unwrap().sampling;
+            let b = cuda.execute_step(&plan).map(|r| r.sampling);
             let o = outputs.lock().unwrap();
             let differs = o
                 .tokens
@@ -304,7 +378,14 @@ fn v4_cuda_device_mutations_are_caught() {
                 break;
             }
             drop(o);
-            sched.commit(&a).unwrap();
+            let dsa_kv_device::Sampling::Sampled(a) = a else {
+                panic!("the V4 forward samples")
+            };
+            sched.complete(plan.target_fence, None).unwrap();
+            let fin = sched.commit(&a.outcomes).unwrap();
+            drafts = a.drafts.into_iter().collect();
+            let ids: Vec<_> = fin.iter().map(|f| f.id).collect();
+            sched.finalize(&ids).unwrap();
         }
         let steps = caught.unwrap_or_else(|| panic!("mutation `{to}` not caught in {steps} steps"));
         eprintln!("mutation `{to}`: caught at step {steps}");
@@ -322,14 +403,15 @@ fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
     use dsa_kv::ids::Tier;
     use dsa_kv_model::v4::cuda::V4CudaDevice;
 
-    let (model, plan, slots, mut sched) = setup();
-    let small = V4Slots {
+    let (model, plan, slots) = setup();
+    let mut sched = scheduler(&slots, &plan);
+    let small = WindowedSlots {
         windows: vec![1, 300, 200],
         ..slots
     };
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
     let f = V4ModelForward::new(model.clone(), outputs.clone());
-    let mut host = V4HostDevice::new(0, &plan, &small, Box::new(f)).unwrap();
+    let mut host = WindowedHostDevice::new(0, &plan, &small, Box::new(f)).unwrap();
     let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
     let mut cuda =
         V4CudaDevice::new(1, gpu, &plan, &small, model.clone(), outputs, 4096 + 64).unwrap();
@@ -337,9 +419,9 @@ fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
     sched
         .submit(SubmitRequest::new(RequestId(1), prompt, 2))
         .unwrap();
-    let p = sched.schedule().unwrap().unwrap();
-    let want = host.execute(&p).unwrap_err().to_string();
-    let got = V4Device::execute(&mut cuda, &p).unwrap_err().to_string();
+    let p = sched.schedule(&HashMap::new()).unwrap();
+    let want = host.execute_step(&p).unwrap_err().to_string();
+    let got = cuda.execute_step(&p).unwrap_err().to_string();
     for e in [&want, &got] {
         assert!(e.contains("fewer slots than the manager"), "{e}");
     }

@@ -668,6 +668,7 @@ impl Coordinator {
             events: self.event_counts,
             history_dropped: self.history.dropped(),
             plans_recycled: self.plans_recycled,
+            windows: self.sched.target().window_stats(),
             transfers: self.sched.transfer_stats(),
             ..self.stats.clone()
         }
@@ -1527,6 +1528,8 @@ mod tests {
                 reused_tokens: 0,
                 preemptions: 0,
                 tokens: vec![dsa_kv_core::ids::TokenId(1); tokens],
+                prompt_len: 1,
+                last_token: dsa_kv_core::ids::TokenId(1),
                 scope: Default::default(),
                 block_slots: vec![0; tokens / 64],
                 draft_block_slots: None,

@@ -102,9 +102,10 @@ const MAX_MAILBOX: usize = 1 << 16;
 /// ```
 pub struct KvCacheBuilder {
     backend: Option<BackendFactory>,
-    config: EngineConfig,
+    pub(super) config: EngineConfig,
     model: Option<DsaModel>,
-    devices: Option<usize>,
+    pub(super) devices: Option<usize>,
+    pub(super) windowed: Option<super::windowed::WindowedModel>,
     source: Arc<dyn KvSource>,
     verify: Option<Verification>,
     forward: Option<ForwardFactory>,
@@ -144,6 +145,8 @@ pub struct RuntimeInfo {
     /// Layers verification reads in each cache (a finished request is read back on
     /// these layers at every position, on every device).
     pub verified_layers: VerifiedLayers,
+    /// Slots per window life cycle of a model with sliding windows (empty otherwise).
+    pub window_slots: Vec<u32>,
     /// Configuration warnings.
     pub warnings: Vec<String>,
 }
@@ -158,6 +161,7 @@ impl KvCacheBuilder {
             config: EngineConfig::default(),
             model: None,
             devices: None,
+            windowed: None,
             source: Arc::new(SyntheticKv { seed: 0 }),
             verify: None,
             forward: None,
@@ -267,6 +271,9 @@ impl KvCacheBuilder {
         let rt = Handle::try_current().map_err(|_| RuntimeError::NoTokioRuntime)?;
         if matches!(rt.runtime_flavor(), RuntimeFlavor::CurrentThread) {
             return Err(RuntimeError::CurrentThreadRuntime);
+        }
+        if let Some(model) = self.windowed.clone() {
+            return self.start_windowed(model).await;
         }
         let verify = match (&self.forward, self.verify) {
             (Some(_), Some(v)) if v.is_on() => {
@@ -406,41 +413,9 @@ impl KvCacheBuilder {
             };
             backends.push(dev);
         }
-        let refs: Vec<_> = backends
-            .into_iter()
-            .map(|backend| {
-                DeviceActor::spawn_in_thread_with_mailbox(
-                    DeviceArgs {
-                        backend,
-                        shared: shared.clone(),
-                        idle_spin: self.idle_spin,
-                    },
-                    mailbox::bounded(self.device_mailbox),
-                )
-            })
-            .collect();
-        let draft_actor = draft_plan
-            .as_ref()
-            .map(|_| DraftReplayActor::spawn(refs.clone()));
-        let coordinator = Coordinator::spawn_with_mailbox(
-            CoordinatorArgs {
-                sched,
-                devices: refs,
-                draft: draft_actor.clone(),
-                shared: shared.clone(),
-                event_capacity: self.event_capacity,
-                event_stream_capacity: self.event_stream_capacity,
-                idle_spin: self.idle_spin,
-            },
-            mailbox::bounded(self.coordinator_mailbox),
-        );
-        coordinator
-            .wait_for_startup_result()
-            .await
-            .map_err(|e| RuntimeError::StartFailed {
-                actor: "coordinator",
-                reason: format!("{e:?}"),
-            })?;
+        let (coordinator, draft_actor) = self
+            .spawn_actors(sched, backends, shared.clone(), draft_plan.is_some())
+            .await?;
         let count = |p: &PoolPlan| {
             let all: Vec<_> = p.layer_ids().collect();
             (verify.select(&all).len(), all.len())
@@ -459,15 +434,63 @@ impl KvCacheBuilder {
             draft_cache: draft_plan.is_some(),
             draft_tokens: resolved.draft_tokens,
             verified_layers,
+            window_slots: Vec::new(),
             warnings: resolved.warnings,
         };
         tracing::info!(?info, "dsa-kv runtime started");
-        Ok(KvCacheHandle {
+        Ok(KvCacheHandle::from_parts(
             coordinator,
-            draft: draft_actor,
-            info: Arc::new(info),
+            draft_actor,
+            info,
             shared,
-        })
+        ))
+    }
+
+    /// Spawns one device actor per backend (own thread), the draft-replay actor when
+    /// there is a separate draft cache, and the coordinator over `sched`; waits for the
+    /// coordinator to start.
+    #[allow(clippy::type_complexity)]
+    pub(super) async fn spawn_actors(
+        &self,
+        sched: Scheduler,
+        backends: Vec<Box<dyn DeviceBackend>>,
+        shared: Arc<RuntimeShared>,
+        draft_cache: bool,
+    ) -> Result<(ActorRef<Coordinator>, Option<ActorRef<DraftReplayActor>>), RuntimeError> {
+        let refs: Vec<_> = backends
+            .into_iter()
+            .map(|backend| {
+                DeviceActor::spawn_in_thread_with_mailbox(
+                    DeviceArgs {
+                        backend,
+                        shared: shared.clone(),
+                        idle_spin: self.idle_spin,
+                    },
+                    mailbox::bounded(self.device_mailbox),
+                )
+            })
+            .collect();
+        let draft_actor = draft_cache.then(|| DraftReplayActor::spawn(refs.clone()));
+        let coordinator = Coordinator::spawn_with_mailbox(
+            CoordinatorArgs {
+                sched,
+                devices: refs,
+                draft: draft_actor.clone(),
+                shared,
+                event_capacity: self.event_capacity,
+                event_stream_capacity: self.event_stream_capacity,
+                idle_spin: self.idle_spin,
+            },
+            mailbox::bounded(self.coordinator_mailbox),
+        );
+        coordinator
+            .wait_for_startup_result()
+            .await
+            .map_err(|e| RuntimeError::StartFailed {
+                actor: "coordinator",
+                reason: format!("{e:?}"),
+            })?;
+        Ok((coordinator, draft_actor))
     }
 }
 
@@ -481,6 +504,20 @@ pub struct KvCacheHandle {
 }
 
 impl KvCacheHandle {
+    pub(super) fn from_parts(
+        coordinator: ActorRef<Coordinator>,
+        draft: Option<ActorRef<DraftReplayActor>>,
+        info: RuntimeInfo,
+        shared: Arc<RuntimeShared>,
+    ) -> Self {
+        KvCacheHandle {
+            coordinator,
+            draft,
+            info: Arc::new(info),
+            shared,
+        }
+    }
+
     /// Live counters, read without a round trip through the coordinator's mailbox (a
     /// consistent snapshot: `submitted = finished + failed + in_flight`).
     pub fn counters(&self) -> LiveCounters {

@@ -14,7 +14,7 @@ mod metrics;
 mod shared;
 mod stats;
 mod transfer;
-mod v4;
+mod windowed;
 
 pub use coordinator::{
     CacheCounts, CommitAndStepReport, CommitReport, Drafts, EventSnapshot, FinishedReport,
@@ -33,4 +33,4 @@ pub use stats::{
     EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
 };
 pub use transfer::{Lease, Transfers};
-pub use v4::{V4Runtime, V4RuntimeError, V4RuntimeStats, V4StepReport};
+pub use windowed::{WindowedBackendFactory, WindowedModel, WindowedSetup};

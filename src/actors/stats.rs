@@ -102,6 +102,10 @@ pub struct RuntimeStats {
     /// report is dropped; one held longer than a few steps is freed instead).
     #[serde(default)]
     pub plans_recycled: u64,
+    /// A model with sliding windows: lookups, tokens reused, blocks backed off to the
+    /// deepest tail, tails linked, adopted, demoted and evicted (`None` otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub windows: Option<dsa_kv_core::core::WindowKindStats>,
 }
 
 /// Part of the per-step history, as

@@ -39,7 +39,7 @@ impl Coordinator {
 
     /// Every pool of both caches (what each transfer must cover).
     fn layout_pools(&self) -> Vec<PoolRef> {
-        let caches = std::iter::once((CacheKind::Target, self.sched.target()))
+        let caches = std::iter::once((CacheKind::Target, self.sched.target().blocks()))
             .chain(self.sched.draft().map(|d| (CacheKind::Draft, d)));
         caches
             .flat_map(|(cache, m)| {

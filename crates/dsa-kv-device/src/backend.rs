@@ -90,14 +90,6 @@ pub enum DeviceError {
         #[source]
         source: crate::windowed::PoolError,
     },
-    /// An operation this device does not support.
-    #[error("device {device}: not supported: {what}")]
-    Unsupported {
-        /// Device index.
-        device: usize,
-        /// What, and what to do instead.
-        what: &'static str,
-    },
 }
 
 impl DeviceError {
@@ -430,7 +422,7 @@ impl PoolDigest {
 }
 
 /// [`PoolDigest`] of whole pools.
-pub(crate) fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
+pub fn digest_pools<'a>(pools: impl Iterator<Item = &'a [u8]>) -> String {
     let mut d = PoolDigest::default();
     for p in pools {
         d.pool(p.len() as u64);

@@ -13,7 +13,8 @@ use dsa_kv_core::ids::{RequestId, TokenId};
 use crate::backend::DeviceBackend;
 use crate::forward::Sampling;
 
-/// What one [`SyncLoop::step`] did.
+/// What one [`SyncLoop::step`] did (a finished request's tokens:
+/// [`Finished::output`]).
 #[derive(Debug)]
 pub struct SyncStep {
     /// The plan every device ran.
@@ -26,19 +27,12 @@ pub struct SyncStep {
 #[derive(Debug, Default)]
 pub struct SyncLoop {
     drafts: HashMap<RequestId, Vec<TokenId>>,
-    outputs: HashMap<RequestId, Vec<TokenId>>,
 }
 
 impl SyncLoop {
-    /// A loop with no drafts and no outputs yet.
+    /// A loop with no drafts yet.
     pub fn new() -> Self {
         SyncLoop::default()
-    }
-
-    /// Every token sampled for request `id` so far, in order (its whole output once it
-    /// finished).
-    pub fn output(&self, id: RequestId) -> &[TokenId] {
-        self.outputs.get(&id).map_or(&[], Vec::as_slice)
     }
 
     /// Runs one step on every device (`Ok(None)` when no request is left). The devices'
@@ -78,18 +72,6 @@ impl SyncLoop {
         let finished = match sampled {
             Some(got) if !plan.requests.is_empty() => {
                 let finished = s.commit(&got.outcomes).map_err(|e| e.to_string())?;
-                for o in &got.outcomes {
-                    if let Some(t) = o.next_token {
-                        let out = self.outputs.entry(o.id).or_default();
-                        let p = plan.requests.iter().find(|p| p.id == o.id);
-                        if let Some(p) = p.filter(|p| p.num_drafts > 0) {
-                            let k = o.accepted_drafts as usize;
-                            let n = p.tokens.len();
-                            out.extend_from_slice(&p.tokens[n - p.num_drafts as usize..][..k]);
-                        }
-                        out.push(t);
-                    }
-                }
                 self.drafts = got.drafts.into_iter().collect();
                 let ids: Vec<RequestId> = finished.iter().map(|f| f.id).collect();
                 s.finalize(&ids).map_err(|e| e.to_string())?;

@@ -9,14 +9,14 @@
 use std::collections::HashMap;
 
 use dsa_kv_core::core::{
-    KvError, ManagerOptions, ModelCache, PrefixPages, ReuseScope, SeqHandle, SeqOptions,
-    TierSlots, WindowedSlots,
+    KvError, ManagerOptions, ModelCache, PrefixPages, ReuseScope, SeqHandle, SeqOptions, TierSlots,
+    WindowedSlots,
 };
 use dsa_kv_core::ids::LifeCycleId;
-use dsa_kv_core::ops::CopyPlan;
 use dsa_kv_core::ids::{LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{Retention, Role, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::entry_row;
+use dsa_kv_core::ops::CopyPlan;
 use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Paged, V4Pools, V4Store};
 use dsa_kv_model::TokenOut;

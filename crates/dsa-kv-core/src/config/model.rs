@@ -356,11 +356,11 @@ pub enum ModelError {
         /// What is required.
         why: &'static str,
     },
-    /// A DeepSeek-V4 model where only DSA models are served.
+    /// A DeepSeek-V4 model where only DSA models are described.
     #[error(
-        "{model} is a DeepSeek-V4 model: the engine configuration serves DSA models \
-         (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); V4 has its own cache manager, \
-         scheduler and runtime (`dsa_kv::v4`: `V4Plan`, `V4CacheManager`, `V4Runtime`; \
+        "{model} is a DeepSeek-V4 model: the configuration's model section describes DSA \
+         models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); serve V4 through \
+         `KvCacheBuilder::windowed` with `V4Preset::spec` (`dsa_kv::v4`; \
          `plan --model {model}`, `serve --model {model}`)"
     )]
     V4NotServed {

@@ -1,7 +1,7 @@
 //! Errors of the core manager. Every message names the value and what to do.
 
-use crate::ids::{Fence, PoolGroupId, RequestId};
 use super::window::WindowError;
+use crate::ids::{Fence, PoolGroupId, RequestId};
 use crate::layout::LayoutError;
 
 /// What a sequence is doing.

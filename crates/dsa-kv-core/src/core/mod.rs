@@ -40,12 +40,12 @@ pub use manager::{
     Created, GroupUsage, KvCacheManager, ManagerOptions, ManagerStats, SeqHandle, SeqOptions,
     SequenceInfo, TierSlots,
 };
+pub use model_cache::{ModelCache, PrefixPages, WindowKindStats, WindowedSlots};
 pub use pages::PageStatus;
 pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};
 pub use router_events::{Medium, RouterBlock, RouterEvent};
 pub use transfer::{BlockLoc, Import, PageLoc, MAX_BLOCK_PAGES};
-pub use model_cache::{ModelCache, PrefixPages, WindowKindStats, WindowedSlots};
 pub use window::{WindowCache, WindowError, WindowSpec, WindowStats};
 
 // Feature `testing`: the raw allocator and fence clock the manager is built from, and the

@@ -176,12 +176,26 @@ pub struct Finished {
     pub preemptions: u32,
     /// Every token with KV (prompt + committed outputs).
     pub tokens: Vec<TokenId>,
+    /// Prompt tokens (the first of `tokens`).
+    pub prompt_len: u32,
+    /// The last token sampled (an output with no KV: generation stopped there).
+    pub last_token: TokenId,
     /// Its reuse scope.
     pub scope: ReuseScope,
     /// Its block table at the end (for a final verification).
     pub block_slots: Vec<i32>,
     /// The draft manager's block table.
     pub draft_block_slots: Option<Vec<i32>>,
+}
+
+impl Finished {
+    /// Every output token, in order: the committed ones, then the last sampled.
+    pub fn output(&self) -> Vec<TokenId> {
+        let from = (self.prompt_len as usize).min(self.tokens.len());
+        let mut out = self.tokens[from..].to_vec();
+        out.push(self.last_token);
+        out
+    }
 }
 
 /// Scheduler counters.
@@ -231,6 +245,22 @@ pub enum SchedError {
         max_new_tokens: u32,
         /// The limit.
         max_seq_len: u32,
+    },
+    /// Longer than the whole GPU cache: a running request needs every block on the GPU.
+    #[error(
+        "request {id}: prompt {prompt} + {max_new_tokens} new tokens exceeds the {capacity} \
+         tokens the GPU blocks hold even with nothing else running: give the cache more \
+         GPU memory or lower max_seq_len"
+    )]
+    ExceedsCache {
+        /// The request.
+        id: RequestId,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Output tokens.
+        max_new_tokens: u32,
+        /// Tokens the GPU blocks hold.
+        capacity: u64,
     },
     /// Zero output tokens.
     #[error("request {id}: max_new_tokens must be at least 1")]
@@ -343,6 +373,8 @@ struct Req {
     /// Tokens to prefill (the prompt; after a recompute preemption, every token with
     /// KV).
     prefill_len: u32,
+    /// The prompt's length.
+    prompt_len: u32,
     /// After a recompute preemption: the decode state to return to once re-prefilled.
     resume_decode: Option<(TokenId, u32)>,
     max_new_tokens: u32,
@@ -624,6 +656,17 @@ impl Scheduler {
                 max_seq_len: self.limits.max_seq_len,
             });
         }
+        let capacity = u64::from(self.target.gpu_slots().iter().copied().min().unwrap_or(0))
+            * self.target.tokens_per_block();
+        let len = r.prompt.len() as u64 + u64::from(r.max_new_tokens);
+        if len > capacity {
+            return Err(SchedError::ExceedsCache {
+                id: r.id,
+                prompt: r.prompt.len(),
+                max_new_tokens: r.max_new_tokens,
+                capacity,
+            });
+        }
         if r.priority > super::MAX_PRIORITY {
             return Err(KvError::InvalidOption {
                 field: "priority",
@@ -641,6 +684,7 @@ impl Scheduler {
             scope: r.scope,
             seq: None,
             prefill_len: r.prompt.len() as u32,
+            prompt_len: r.prompt.len() as u32,
             resume_decode: None,
             max_new_tokens: r.max_new_tokens,
             priority: r.priority,
@@ -1219,7 +1263,11 @@ impl Scheduler {
             };
             match p.kind {
                 RequestKind::Context => {
-                    self.both(i, |m, h| m.commit(h, &p.tokens), |m, h| m.commit(h, &p.tokens))?;
+                    self.both(
+                        i,
+                        |m, h| m.commit(h, &p.tokens),
+                        |m, h| m.commit(h, &p.tokens),
+                    )?;
                     self.stats.prefill_tokens += p.tokens.len() as u64;
                     let r = &mut self.reqs[i];
                     let Phase::Prefill { done } = r.phase else {
@@ -1265,7 +1313,7 @@ impl Scheduler {
             }
             self.spare.keep_tokens(p.tokens);
             let r = &self.reqs[i];
-            if let Phase::Decode { generated, .. } = r.phase {
+            if let Phase::Decode { generated, next } = r.phase {
                 if generated >= r.max_new_tokens {
                     let s = r.seqs();
                     finished.push(Finished {
@@ -1274,6 +1322,8 @@ impl Scheduler {
                         reused_tokens: r.reused,
                         preemptions: r.preemptions,
                         tokens: r.tokens.clone(),
+                        prompt_len: r.prompt_len,
+                        last_token: next,
                         scope: r.scope,
                         block_slots: Self::table(&self.target, &s.target)?,
                         draft_block_slots: match (&self.draft, &s.draft) {

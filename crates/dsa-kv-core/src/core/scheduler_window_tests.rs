@@ -120,7 +120,12 @@ fn check_plan(plan: &StepPlan, l: SchedulerLimits, known: &HashMap<RequestId, Ve
             }
             RequestKind::Generation => {
                 assert_eq!(p.tokens[0], k[first], "{}: the sampled token", p.id);
-                assert_eq!(k.len(), first + 1, "{}: decodes after the last sample", p.id);
+                assert_eq!(
+                    k.len(),
+                    first + 1,
+                    "{}: decodes after the last sample",
+                    p.id
+                );
             }
         }
         let end = first as u64 + p.tokens.len() as u64;
@@ -132,7 +137,11 @@ fn check_plan(plan: &StepPlan, l: SchedulerLimits, known: &HashMap<RequestId, Ve
         assert_eq!(p.window_tables.len(), 3, "{}: one table per ring", p.id);
         for (lc, (start, slots)) in p.window_tables.iter().enumerate() {
             let page = [64u64, 4, 8][lc];
-            assert!(*start <= first as u64, "{}: ring {lc} starts at {start}", p.id);
+            assert!(
+                *start <= first as u64,
+                "{}: ring {lc} starts at {start}",
+                p.id
+            );
             assert!(
                 start + slots.len() as u64 * page >= end,
                 "{}: ring {lc} ends",
@@ -281,11 +290,18 @@ fn a_paused_windowed_request_recomputes_from_its_tail() {
 fn bad_outcomes_are_refused_and_drafts_never_pass_the_request_end() {
     let l = limits(4, 2048, 512, 3);
     let mut s = Scheduler::new(cache(10, [12, 200, 120], 0), None, l);
-    s.submit(SubmitRequest::new(RequestId(1), (0..300).map(TokenId).collect(), 3))
-        .unwrap();
+    s.submit(SubmitRequest::new(
+        RequestId(1),
+        (0..300).map(TokenId).collect(),
+        3,
+    ))
+    .unwrap();
     assert!(matches!(s.commit(&[]), Err(SchedError::NothingToCommit)));
     let plan = s.schedule(&HashMap::new()).unwrap();
-    assert_eq!(plan.requests[0].next_drafts, 1, "3 new tokens: 1 now, 1 + 1 draft next");
+    assert_eq!(
+        plan.requests[0].next_drafts, 1,
+        "3 new tokens: 1 now, 1 + 1 draft next"
+    );
     assert!(matches!(
         s.schedule(&HashMap::new()),
         Err(SchedError::StepNotCommitted { .. })

@@ -1,5 +1,5 @@
 //! [`V4GpuPools`]: a V4 plan's pools on one GPU, the CUDA twin of the host backend's
-//! [`V4Pools`](dsa_kv_device::v4::V4Pools): per life cycle, per pool, one device
+//! [`V4Pools`](dsa_kv_device::windowed::V4Pools): per life cycle, per pool, one device
 //! allocation of `slots × slot bytes` (the GPU tier), and for the compressed life cycle a
 //! host tier in host memory. The manager's copy plans (offload, onboarding) move whole
 //! slots of every pool of the compressed life cycle; every pair is checked before the
@@ -7,11 +7,11 @@
 
 use std::sync::Arc;
 
-use dsa_kv_core::core::V4Slots;
+use dsa_kv_core::core::WindowedSlots;
 use dsa_kv_core::ids::{SlotId, Tier};
 use dsa_kv_core::layout::{Retention, V4Plan};
 use dsa_kv_core::ops::CopyPlan;
-use dsa_kv_device::v4::{v4_pool_slots, V4DeviceError};
+use dsa_kv_device::windowed::{v4_pool_slots, PoolError};
 
 use crate::{CudaError, DeviceBuffer, Gpu};
 
@@ -28,17 +28,17 @@ pub struct V4GpuPools {
     window_index: Vec<Option<usize>>,
 }
 
-fn setup(e: CudaError) -> V4DeviceError {
-    V4DeviceError::Setup(e.to_string())
+fn setup(e: CudaError) -> PoolError {
+    PoolError::Setup(e.to_string())
 }
 
-fn copy_err(e: CudaError) -> V4DeviceError {
-    V4DeviceError::Copy(e.to_string())
+fn copy_err(e: CudaError) -> PoolError {
+    PoolError::Copy(e.to_string())
 }
 
 impl V4GpuPools {
     /// Zeroed pools for `plan` with `slots` (as the manager was built with) on `gpu`.
-    pub fn new(gpu: Arc<Gpu>, plan: &V4Plan, slots: &V4Slots) -> Result<Self, V4DeviceError> {
+    pub fn new(gpu: Arc<Gpu>, plan: &V4Plan, slots: &WindowedSlots) -> Result<Self, PoolError> {
         let sizes = v4_pool_slots(plan, slots)?;
         let mut device = Vec::new();
         let mut host = Vec::new();
@@ -48,7 +48,7 @@ impl V4GpuPools {
             for p in &lc.pools {
                 let bytes = |n: u32| {
                     usize::try_from(u64::from(n) * p.slot_bytes()).map_err(|_| {
-                        V4DeviceError::Setup(format!("{n} slots of {} bytes", p.slot_bytes()))
+                        PoolError::Setup(format!("{n} slots of {} bytes", p.slot_bytes()))
                     })
                 };
                 d.push(DeviceBuffer::zeroed(&gpu, bytes(s.gpu)?, "V4 pool").map_err(setup)?);
@@ -94,9 +94,23 @@ impl V4GpuPools {
         Some((b.ptr(), b.len() as u64))
     }
 
+    /// [`digest_pools`](dsa_kv_device::backend::digest_pools) of every GPU-tier pool, in
+    /// plan order (what the host device's digest covers). Waits for the GPU.
+    pub fn digest(&self) -> Result<String, PoolError> {
+        let mut pools = Vec::new();
+        for (lc, p) in self.device.iter().enumerate() {
+            for pool in 0..p.len() {
+                pools.push(self.download(lc, Tier::Gpu, pool)?);
+            }
+        }
+        Ok(dsa_kv_device::backend::digest_pools(
+            pools.iter().map(Vec::as_slice),
+        ))
+    }
+
     /// A copy of pool `pool` of life cycle `lc` on `tier` (empty for a pool or tier the
     /// plan does not have): what a check or a dump reads. Waits for the GPU.
-    pub fn download(&self, lc: usize, tier: Tier, pool: usize) -> Result<Vec<u8>, V4DeviceError> {
+    pub fn download(&self, lc: usize, tier: Tier, pool: usize) -> Result<Vec<u8>, PoolError> {
         match tier {
             Tier::Gpu => {
                 let Some(b) = self.device.get(lc).and_then(|d| d.get(pool)) else {
@@ -120,13 +134,14 @@ impl V4GpuPools {
     /// stream: every pool of the compressed life cycle, slot by slot. Every pair is
     /// checked first; a pair past the pools, or a copy of another pool group, refuses
     /// the whole batch and nothing moves.
-    pub fn apply(&mut self, plans: &[CopyPlan]) -> Result<(), V4DeviceError> {
+    pub fn apply(&mut self, plans: &[CopyPlan]) -> Result<u64, PoolError> {
+        let mut copied = 0u64;
         let lc = self
             .plan
             .life_cycles()
             .iter()
             .position(|lc| lc.retention == Retention::Full)
-            .ok_or_else(|| V4DeviceError::Setup("the plan has no compressed life cycle".into()))?;
+            .ok_or_else(|| PoolError::Setup("the plan has no compressed life cycle".into()))?;
         let slot_bytes: Vec<u64> = self.plan.life_cycles()[lc]
             .pools
             .iter()
@@ -140,7 +155,7 @@ impl V4GpuPools {
         };
         for copy in plans.iter().flat_map(|p| &p.copies) {
             if copy.pool_group.index() != 0 {
-                return Err(V4DeviceError::Copy(format!(
+                return Err(PoolError::Copy(format!(
                     "a copy of pool group {}: V4 blocks have one",
                     copy.pool_group.index()
                 )));
@@ -149,7 +164,7 @@ impl V4GpuPools {
                 for &(s, d) in &copy.pairs {
                     let past = |slot: SlotId, t: Tier| (slot.index() as u64 + 1) * n > len(t, pool);
                     if past(s, copy.src_tier) || past(d, copy.dst_tier) {
-                        return Err(V4DeviceError::Copy(format!(
+                        return Err(PoolError::Copy(format!(
                             "copy {s:?} → {d:?} ({:?} → {:?}) is past the pools",
                             copy.src_tier, copy.dst_tier
                         )));
@@ -190,7 +205,8 @@ impl V4GpuPools {
                     }
                 }
             }
+            copied += copy.pairs.len() as u64;
         }
-        Ok(())
+        Ok(copied)
     }
 }

@@ -697,7 +697,7 @@ mod tests {
             assert!(step.plan.failed.is_empty(), "{:?}", step.plan.failed);
             for f in step.finished {
                 reused += f.reused_tokens;
-                let out = run.output(f.id).iter().map(|t| t.0).collect::<Vec<u32>>();
+                let out = f.output().iter().map(|t| t.0).collect::<Vec<u32>>();
                 got.insert(f.id, out);
             }
         }

@@ -1,4 +1,4 @@
-//! The V4 model on the GPU (feature `cuda`): [`V4CudaDevice`], a [`V4Device`] whose
+//! The V4 model on the GPU (feature `cuda`): [`V4CudaDevice`], a [`DeviceBackend`] whose
 //! pools live in GPU memory ([`V4GpuPools`]) and whose forward is the host model's,
 //! computed by `kernels/v4_model.cu` (after `kernels/model.cu`, whose embedding, RoPE,
 //! BF16, ReLU, add and top-k kernels it shares) and written and read by the crate's own
@@ -28,18 +28,24 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
-use dsa_kv_core::core::{V4Outcome, V4Planned, V4Slots, V4StepPlan};
+use dsa_kv_core::core::scheduler::{PlannedRequest, StepPlan};
+use dsa_kv_core::core::WindowedSlots;
 use dsa_kv_core::ids::LayerId;
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
+use dsa_kv_core::metadata::DraftSnapshot;
 use dsa_kv_core::ops::model1::MODEL1_NOPE;
+use dsa_kv_core::storage::BackendError;
 use dsa_kv_cuda::kernels::{Guard, GuardFailure};
 use dsa_kv_cuda::v4::{
     check_model1, check_state, entry_key_maps, Bounds, Model1Pool, StatePool, V4GpuPools,
     V4KernelError, V4Kernels,
 };
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, Plain};
-use dsa_kv_device::v4::{V4Device, V4DeviceError};
+use dsa_kv_device::{
+    DeviceBackend, DeviceError, DeviceStepReport, ForwardError, Mismatch, Proposals, Sampled,
+    Sampling, VerifySpec,
+};
 
 use super::forward::{outcome, verdict, V4Outputs};
 use super::model::{Compressor, V4Layer, V4Model};
@@ -408,7 +414,9 @@ fn to_i32s(v: &[i64]) -> Result<Vec<i32>, Fail> {
 /// through its block table, and the device pools they index.
 struct Tables<'a> {
     pools: &'a V4GpuPools,
-    p: &'a V4Planned,
+    p: &'a PlannedRequest,
+    /// The request's block table, as slots.
+    blocks: Vec<dsa_kv_core::ids::SlotId>,
 }
 
 impl Tables<'_> {
@@ -433,7 +441,7 @@ impl Tables<'_> {
             .pools
             .window_index(lc)
             .ok_or_else(|| format!("{:?} of layer {} is not windowed", b.role, b.layer.get()))?;
-        let (start, slots) = &self.p.windows[w];
+        let (start, slots) = &self.p.window_tables[w];
         let table = PageTable {
             start: *start,
             slots,
@@ -452,7 +460,7 @@ impl Tables<'_> {
     fn entries(&self, b: &V4Buffer, ws: impl Iterator<Item = u32>) -> Result<Vec<i64>, Fail> {
         let ratio = u64::from(b.format.tokens_per_entry());
         ws.map(|w| {
-            entry_row(&self.p.blocks, b.converter, ratio, u64::from(w))
+            entry_row(&self.blocks, b.converter, ratio, u64::from(w))
                 .map_err(|e| format!("layer {}: {e}", b.layer.get()))
         })
         .collect()
@@ -534,7 +542,7 @@ struct Weights {
     max_positions: u32,
 }
 
-/// The V4 model on one GPU as a [`V4Device`]. See the module docs.
+/// The V4 model on one GPU as a [`DeviceBackend`]. See the module docs.
 pub struct V4CudaDevice {
     index: usize,
     pools: V4GpuPools,
@@ -552,11 +560,11 @@ impl V4CudaDevice {
         index: usize,
         gpu: Arc<Gpu>,
         plan: &V4Plan,
-        slots: &V4Slots,
+        slots: &WindowedSlots,
         model: Arc<V4Model>,
         outputs: Arc<Mutex<V4Outputs>>,
         max_positions: u32,
-    ) -> Result<Self, V4DeviceError> {
+    ) -> Result<Self, DeviceError> {
         Self::with_source(
             index,
             gpu,
@@ -578,28 +586,39 @@ impl V4CudaDevice {
         index: usize,
         gpu: Arc<Gpu>,
         plan: &V4Plan,
-        slots: &V4Slots,
+        slots: &WindowedSlots,
         model: Arc<V4Model>,
         outputs: Arc<Mutex<V4Outputs>>,
         max_positions: u32,
         v4_model_source: &str,
-    ) -> Result<Self, V4DeviceError> {
-        let setup = |e: CudaError| V4DeviceError::Setup(e.to_string());
+    ) -> Result<Self, DeviceError> {
+        let setup = |e: CudaError| DeviceError::Backend {
+            device: index,
+            source: BackendError::new(e),
+        };
+        let unsupported = |what: String| DeviceError::Forward {
+            device: index,
+            source: ForwardError::Unsupported { what },
+        };
         if max_positions == 0 || max_positions > i32::MAX as u32 / 2 {
-            return Err(V4DeviceError::Setup(format!(
+            return Err(unsupported(format!(
                 "max_positions {max_positions}: give 1 ..= {}",
                 i32::MAX as u32 / 2
             )));
         }
         if model.is_checkpoint() {
-            return Err(V4DeviceError::Setup(
+            return Err(unsupported(
                 "the V4 GPU forward runs the built-in V4 model only: run a checkpoint's model \
                  on the host backend"
                     .into(),
             ));
         }
         gpu.bind().map_err(setup)?;
-        let pools = V4GpuPools::new(gpu.clone(), plan, slots)?;
+        let pools =
+            V4GpuPools::new(gpu.clone(), plan, slots).map_err(|source| DeviceError::Pools {
+                device: index,
+                source,
+            })?;
         let module = load_v4_module(&gpu, v4_model_source).map_err(setup)?;
         let ordinal = gpu.ordinal();
         let f = |n: &'static str| {
@@ -669,25 +688,44 @@ impl V4CudaDevice {
     }
 }
 
-impl V4Device for V4CudaDevice {
+impl V4CudaDevice {
+    fn forward_err(&self, what: String) -> DeviceError {
+        DeviceError::Forward {
+            device: self.index,
+            source: ForwardError::framework(crate::ModelError::Access(what)),
+        }
+    }
+}
+
+impl DeviceBackend for V4CudaDevice {
     fn index(&self) -> usize {
         self.index
     }
 
-    fn execute(&mut self, plan: &V4StepPlan) -> Result<Vec<V4Outcome>, V4DeviceError> {
+    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
+        let start = std::time::Instant::now();
         let device = self.index;
-        let err = |what: String| V4DeviceError::Forward { device, what };
-        self.w.gpu.bind().map_err(|e| err(e.to_string()))?;
-        self.pools.apply(&plan.copies)?;
+        if !plan.draft_copies.is_empty() {
+            return Err(DeviceError::NoDraftCache { device });
+        }
+        self.w
+            .gpu
+            .bind()
+            .map_err(|e| self.forward_err(e.to_string()))?;
+        let copies = self
+            .pools
+            .apply(&plan.copies)
+            .map_err(|source| DeviceError::Pools { device, source })?;
         let mut outcomes = Vec::with_capacity(plan.requests.len());
+        let mut proposals = Proposals::new();
         for p in &plan.requests {
             let mut step = Step {
                 w: &self.w,
                 arena: &mut self.arena,
             };
-            let (outs, accepted, kept, drafts) = step
-                .request(&self.pools, p)
-                .map_err(|e| err(format!("request {}: {e}", p.id)))?;
+            let done = step.request(&self.pools, p);
+            let (outs, accepted, kept, drafts) =
+                done.map_err(|e| self.forward_err(format!("request {}: {e}", p.id)))?;
             outcomes.push(outcome(
                 &self.outputs,
                 device,
@@ -695,9 +733,40 @@ impl V4Device for V4CudaDevice {
                 &outs,
                 (accepted, kept),
                 drafts,
+                &mut proposals,
             ));
         }
-        Ok(outcomes)
+        let mut r = DeviceStepReport::new(device, plan);
+        r.tokens_written = plan.requests.iter().map(|p| p.tokens.len() as u64).sum();
+        r.slot_copies = copies;
+        r.sampling = Sampling::Sampled(Sampled::new(outcomes).with_drafts(proposals));
+        r.elapsed_us = start.elapsed().as_micros() as u64;
+        Ok(r)
+    }
+
+    fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
+        Err(DeviceError::NoDraftCache { device: self.index })
+    }
+
+    fn draft_forward(&mut self, _: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
+        Err(DeviceError::NoDraftCache { device: self.index })
+    }
+
+    fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
+        Err(DeviceError::NoDraftCache { device: self.index })
+    }
+
+    /// Verification is off for a windowed model (no synthetic writer to predict its
+    /// bytes; its cache is checked against its unpaged run): nothing is read back.
+    fn verify(&mut self, _: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
+        Ok((0, Vec::new()))
+    }
+
+    fn cache_digest(&mut self) -> Result<String, DeviceError> {
+        self.pools.digest().map_err(|source| DeviceError::Pools {
+            device: self.index,
+            source,
+        })
     }
 }
 
@@ -1245,7 +1314,7 @@ impl Step<'_> {
                 } else {
                     ms
                 };
-                let table: Vec<i32> = t.p.blocks.iter().map(|b| b.get() as i32).collect();
+                let table: Vec<i32> = t.p.block_slots.to_vec();
                 let tp = self.put(slot::BT, &table)?;
                 let rp = self.put(slot::ROWOF, &vec![0i32; n])?;
                 let (extra, elen, ge, flag) = (
@@ -1446,16 +1515,22 @@ impl Step<'_> {
     fn request(
         &mut self,
         pools: &V4GpuPools,
-        p: &V4Planned,
+        p: &PlannedRequest,
     ) -> Result<(Vec<TokenOut>, usize, usize, Vec<u32>), Fail> {
         let w = self.w;
         let model = &w.model;
         let cfg = model.config();
-        let t = Tables { pools, p };
-        if p.windows.len() != t.pools.window_life_cycles() {
+        let blocks = p
+            .block_slots
+            .iter()
+            .map(|&b| u32::try_from(b).map(dsa_kv_core::ids::SlotId))
+            .collect::<Result<_, _>>()
+            .map_err(|_| "a negative block slot in the plan".to_string())?;
+        let t = Tables { pools, p, blocks };
+        if p.window_tables.len() != t.pools.window_life_cycles() {
             return Err(format!(
                 "{} window tables for {} window life cycles",
-                p.windows.len(),
+                p.window_tables.len(),
                 t.pools.window_life_cycles()
             ));
         }
@@ -1464,12 +1539,12 @@ impl Step<'_> {
         if n == 0 {
             return Err("a planned request with no tokens".into());
         }
-        let k = if p.sample && cfg.mtp {
+        let k = if p.produces_token && cfg.mtp {
             p.next_drafts as usize
         } else {
             0
         };
-        let first = u32::try_from(p.first).map_err(|_| format!("position {} past u32", p.first))?;
+        let first = p.num_cached;
         let reach = u64::from(first) + n as u64 + k as u64;
         if reach > u64::from(self.w.max_positions) {
             return Err(format!(
@@ -1516,7 +1591,7 @@ impl Step<'_> {
             .enumerate()
             .map(|(i, lg)| output_of(lg, first + i as u32))
             .collect();
-        let (accepted, kept) = verdict(p.work, &tokens, &outs);
+        let (accepted, kept) = verdict(p.kind, &tokens, &outs);
         let mut drafts = Vec::new();
         if cfg.mtp {
             // The MTP layer's rows of the kept tokens (the host's `draft_write`).

@@ -107,8 +107,9 @@ impl Forward for V4ModelForward {
         let mut outcomes = Vec::with_capacity(requests.len());
         let mut proposals = Proposals::new();
         for p in requests {
-            let err =
-                |e: ModelError| ForwardError::framework(ModelError::Access(format!("request {}: {e}", p.id)));
+            let err = |e: ModelError| {
+                ForwardError::framework(ModelError::Access(format!("request {}: {e}", p.id)))
+            };
             let first = p.num_cached;
             let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
             if tokens.is_empty() {
@@ -147,6 +148,8 @@ impl Forward for V4ModelForward {
                 &mut proposals,
             ));
         }
-        Ok(Sampling::Sampled(Sampled::new(outcomes).with_drafts(proposals)))
+        Ok(Sampling::Sampled(
+            Sampled::new(outcomes).with_drafts(proposals),
+        ))
     }
 }

@@ -41,7 +41,10 @@ pub struct V4Paged<'a> {
 
 impl<'a> V4Paged<'a> {
     /// `p`'s view: the tables of its step plan (positions from `p.num_cached` written).
-    pub fn of_step(pools: &'a mut dyn PoolBytes, p: &'a PlannedRequest) -> Result<Self, ModelError> {
+    pub fn of_step(
+        pools: &'a mut dyn PoolBytes,
+        p: &'a PlannedRequest,
+    ) -> Result<Self, ModelError> {
         if p.window_tables.len() != pools.window_life_cycles() {
             return Err(ModelError::Access(format!(
                 "request {}: {} window tables for {} window life cycles",

@@ -333,7 +333,10 @@ impl ModelCache {
     /// whole blocks between engines without windows. Refused with windows
     /// ([`KvError::Transfer`]: their tails must move with the blocks; see
     /// [`export_prefix`](Self::export_prefix)).
-    pub(crate) fn blocks_for_transfer(&mut self, id: RequestId) -> Result<&mut KvCacheManager, KvError> {
+    pub(crate) fn blocks_for_transfer(
+        &mut self,
+        id: RequestId,
+    ) -> Result<&mut KvCacheManager, KvError> {
         if self.window.is_some() {
             return Err(KvError::Transfer {
                 id,

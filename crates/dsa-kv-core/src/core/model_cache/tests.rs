@@ -280,7 +280,10 @@ fn partial_reuse_window_only_models_and_suspends_are_refused() {
     };
     assert!(matches!(
         Harness::new(plan.clone(), slots.clone(), partial),
-        Err(KvError::InvalidOption { field: "enable_partial_reuse", .. })
+        Err(KvError::InvalidOption {
+            field: "enable_partial_reuse",
+            ..
+        })
     ));
     let window_only = V4Spec {
         compress_ratios: vec![0, 0],
@@ -298,7 +301,10 @@ fn partial_reuse_window_only_models_and_suspends_are_refused() {
     let id = RequestId(1);
     assert!(matches!(
         m.create(id, ReuseScope::SHARED, &[], SeqOptions::default()),
-        Err(KvError::InvalidOption { field: "prompt", .. })
+        Err(KvError::InvalidOption {
+            field: "prompt",
+            ..
+        })
     ));
     create(&mut m, id, &toks(0..10));
     assert!(matches!(m.suspend(id), Err(KvError::NoSuspend { .. })));
@@ -319,7 +325,10 @@ fn a_resize_grows_both_halves_or_neither() {
     assert!(m.resume(id).unwrap());
     // 300 positions need 5 window pages of 64: only 4 exist.
     assert!(!m.resize(id, 300, 0).unwrap());
-    assert_eq!(m.blocks().info_of(m.handle(id).unwrap()).unwrap().capacity, 0);
+    assert_eq!(
+        m.blocks().info_of(m.handle(id).unwrap()).unwrap().capacity,
+        0
+    );
     assert_eq!(m.windows().used_slots(), [0, 0, 0]);
     assert!(m.resize(id, 250, 0).unwrap());
     assert_eq!(m.windows().used_slots(), [4, 63, 32]);

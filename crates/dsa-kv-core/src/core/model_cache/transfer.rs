@@ -68,7 +68,10 @@ impl ModelCache {
 
     /// The block manager and the window kind, for a transfer `id` (refused without
     /// windows: a model without them moves blocks through the scheduler's transfers).
-    fn window_parts(&mut self, id: RequestId) -> Result<(&mut KvCacheManager, &mut WindowKind), KvError> {
+    fn window_parts(
+        &mut self,
+        id: RequestId,
+    ) -> Result<(&mut KvCacheManager, &mut WindowKind), KvError> {
         match self.window.as_deref_mut() {
             Some(w) => Ok((&mut self.blocks, w)),
             None => Err(Self::transfer_error(
@@ -254,7 +257,11 @@ impl ModelCache {
     /// tail is kept at the boundary, and the reservation closes. `tokens`: those given
     /// to [`begin_prefix_import`](Self::begin_prefix_import) (the block manager refuses others, and the
     /// import stays open).
-    pub fn commit_prefix_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
+    pub fn commit_prefix_import(
+        &mut self,
+        id: RequestId,
+        tokens: &[TokenId],
+    ) -> Result<(), KvError> {
         let (blocks, w) = self.window_parts(id)?;
         let t = w.block_tokens();
         let Some(Transfer::Import {

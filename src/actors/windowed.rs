@@ -1,0 +1,305 @@
+//! Models with sliding windows (DeepSeek-V4) through the one runtime: the builder's
+//! [`KvCacheBuilder::windowed`] sizes the pools from the configuration's budget
+//! (`core::quota::v4_capacity`), builds the [`ModelCache`] (compressed blocks + window
+//! rings with tails) under the one [`Scheduler`], and the same coordinator and device
+//! actors as every other model: the same handle, step reports, events, metrics and
+//! spans. What differs is data: the cache's attention kinds, and the device backends
+//! (built by a [`WindowedBackendFactory`]: the host's
+//! [`WindowedHostDevice`](dsa_kv_device::windowed::WindowedHostDevice) with the
+//! framework's forward, or a GPU device).
+
+use std::sync::Arc;
+
+use dsa_kv_core::config::limits;
+use dsa_kv_core::config::V4Spec;
+use dsa_kv_core::core::quota::{
+    v4_capacity, v4_life_cycle_bytes, BudgetSource, GpuBudget, V4Demand,
+};
+use dsa_kv_core::core::scheduler::{Scheduler, SchedulerLimits};
+use dsa_kv_core::core::{ManagerOptions, ModelCache, TierSlots, WindowedSlots};
+use dsa_kv_core::layout::{LayoutKind, Retention, V4Plan};
+use dsa_kv_device::backend::VerifiedLayers;
+use dsa_kv_device::{DeviceBackend, DeviceError};
+
+use super::error::RuntimeError;
+use super::handle::{KvCacheBuilder, KvCacheHandle, RuntimeInfo};
+use super::shared::RuntimeShared;
+
+/// What a windowed model's device backend is built from.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct WindowedSetup {
+    /// The model's cache plan.
+    pub plan: V4Plan,
+    /// The slots the cache was built with (the device's pools hold as many).
+    pub slots: WindowedSlots,
+    /// Positions a request may reach (`max_seq_len` + drafts + 1).
+    pub max_positions: u32,
+}
+
+/// Builds one device backend of a windowed model: `(device index, setup)`.
+pub type WindowedBackendFactory =
+    Arc<dyn Fn(usize, &WindowedSetup) -> Result<Box<dyn DeviceBackend>, DeviceError> + Send + Sync>;
+
+/// A model with sliding windows and how its devices are built. See the module docs.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct WindowedModel {
+    /// The model's layer structure (e.g. [`V4Preset::spec`](dsa_kv_core::config::V4Preset::spec)).
+    pub spec: V4Spec,
+    /// Builds each device.
+    pub backend: WindowedBackendFactory,
+    /// Every `tail_interval`-th block boundary of a sequence keeps its window tail in
+    /// LRU order (see [`ModelCache::windowed`]).
+    pub tail_interval: u32,
+    /// Block boundaries whose tails the pools are sized to keep beyond the running
+    /// sequences' (`V4Demand::tail_boundaries`).
+    pub tail_boundaries: u32,
+    /// Slot counts to use instead of sizing the pools from the budget (tests and tools
+    /// that need a small cache; the budget must still cover their bytes).
+    pub slots: Option<WindowedSlots>,
+}
+
+impl WindowedModel {
+    /// `spec` with devices from `backend`; tails at every 16th boundary, room for 16.
+    pub fn new(spec: V4Spec, backend: WindowedBackendFactory) -> Self {
+        WindowedModel {
+            spec,
+            backend,
+            tail_interval: 16,
+            tail_boundaries: 16,
+            slots: None,
+        }
+    }
+}
+
+fn bad(setting: &'static str, value: u64, max: u64) -> RuntimeError {
+    RuntimeError::BadSetting {
+        setting,
+        value,
+        max,
+    }
+}
+
+impl KvCacheBuilder {
+    /// Serves a model with sliding windows (DeepSeek-V4) instead of the configuration's
+    /// DSA model: its cache is sized from `kv_cache.max_gpu_total_bytes` (required: the
+    /// bytes of every pool on one device) and `kv_cache.host_cache_size` (the host tier
+    /// of the compressed blocks), scheduled with `scheduler.*` and
+    /// `spec_decode.draft_tokens` (MTP drafts), on `parallel.tp_size` devices (or
+    /// [`host_devices`](Self::host_devices)). A separate draft cache and partial-block
+    /// reuse do not apply: they are turned off, with a warning in
+    /// [`RuntimeInfo::warnings`].
+    pub fn windowed(mut self, model: WindowedModel) -> Self {
+        self.windowed = Some(model);
+        self
+    }
+
+    /// [`start`](Self::start) for a windowed model.
+    pub(super) async fn start_windowed(
+        self,
+        model: WindowedModel,
+    ) -> Result<KvCacheHandle, RuntimeError> {
+        let c = &self.config;
+        let s = &c.scheduler;
+        let invalid = |field: &'static str, value: String, why: &str| {
+            RuntimeError::Config(dsa_kv_core::config::ConfigError::Invalid {
+                field,
+                value,
+                why: why.into(),
+            })
+        };
+        // The DSA defaults that do not apply are adjusted, and said so.
+        let mut warnings = Vec::new();
+        if c.spec_decode.separate_draft_cache {
+            warnings.push(
+                "spec_decode.separate_draft_cache ignored: a windowed model's MTP layer keeps \
+                 its window in the model's own cache"
+                    .to_string(),
+            );
+        }
+        if c.kv_cache.enable_partial_reuse {
+            warnings.push(
+                "kv_cache.enable_partial_reuse turned off: a windowed model hits only at \
+                 whole-block boundaries"
+                    .to_string(),
+            );
+        }
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        let devices = self.devices.unwrap_or(c.parallel.tp_size as usize);
+        if devices == 0 {
+            return Err(RuntimeError::NoDevices);
+        }
+        if devices > limits::MAX_DEVICES as usize {
+            return Err(bad(
+                "host_devices",
+                devices as u64,
+                u64::from(limits::MAX_DEVICES),
+            ));
+        }
+        for (setting, value, max) in [
+            (
+                "scheduler.max_num_sequences",
+                s.max_num_sequences,
+                limits::MAX_NUM_SEQUENCES,
+            ),
+            (
+                "scheduler.max_num_tokens",
+                s.max_num_tokens,
+                limits::MAX_NUM_TOKENS,
+            ),
+            (
+                "scheduler.max_prefill_chunk",
+                s.max_prefill_chunk,
+                limits::MAX_NUM_TOKENS,
+            ),
+            ("scheduler.max_seq_len", s.max_seq_len, limits::MAX_SEQ_LEN),
+        ] {
+            if value == 0 || value > max {
+                return Err(bad(setting, u64::from(value), u64::from(max)));
+            }
+        }
+        let drafts = c.spec_decode.draft_tokens;
+        if drafts >= s.max_num_tokens {
+            return Err(invalid(
+                "spec_decode.draft_tokens",
+                drafts.to_string(),
+                "a decode step carries 1 + drafts tokens: keep drafts below \
+                 scheduler.max_num_tokens",
+            ));
+        }
+        let budget = c.kv_cache.max_gpu_total_bytes.ok_or_else(|| {
+            invalid(
+                "kv_cache.max_gpu_total_bytes",
+                "none".into(),
+                "a windowed model's pools are sized from an explicit byte budget per device",
+            )
+        })?;
+        let plan = V4Plan::new(&model.spec)
+            .map_err(|e| invalid("model", model.spec.name.clone(), &e.to_string()))?;
+        let demand = V4Demand {
+            max_sequences: s.max_num_sequences,
+            drafts,
+            max_batched_tokens: s.max_num_tokens,
+            tail_boundaries: model.tail_boundaries,
+        };
+        let too_many = |n: u64| {
+            u32::try_from(n).map_err(|_| RuntimeError::TooManySlots {
+                slots: n,
+                max: u64::from(u32::MAX),
+            })
+        };
+        let (slots, allocated) = match &model.slots {
+            Some(slots) => {
+                // The bytes of the given slots, life cycle by life cycle.
+                let mut windows = slots.windows.iter();
+                let bytes = plan
+                    .life_cycles()
+                    .iter()
+                    .map(|lc| {
+                        let n = match lc.retention {
+                            Retention::Full => slots.blocks.gpu.first().copied(),
+                            _ => windows.next().copied(),
+                        };
+                        v4_life_cycle_bytes(lc, u64::from(n.unwrap_or(0)))
+                    })
+                    .fold(0u64, u64::saturating_add);
+                if bytes > budget {
+                    return Err(invalid(
+                        "kv_cache.max_gpu_total_bytes",
+                        budget.to_string(),
+                        &format!("the given slots take {bytes} B: raise the budget"),
+                    ));
+                }
+                (slots.clone(), bytes)
+            }
+            None => {
+                let cap = v4_capacity(&plan, budget, &demand)?;
+                let windows = plan
+                    .life_cycles()
+                    .iter()
+                    .filter(|lc| lc.retention != Retention::Full)
+                    .map(|lc| too_many(cap.slots[lc.id.index()]))
+                    .collect::<Result<Vec<u32>, _>>()?;
+                let host = match c.kv_cache.host_cache_size {
+                    Some(bytes) => too_many(bytes / plan.bytes_per_block().max(1))?,
+                    None => 0,
+                };
+                let slots = WindowedSlots {
+                    blocks: TierSlots {
+                        gpu: vec![too_many(cap.blocks)?],
+                        host: if host > 0 { vec![host] } else { vec![] },
+                    },
+                    windows,
+                };
+                (slots, cap.allocated_bytes)
+            }
+        };
+        let blocks = slots.blocks.gpu.first().copied().unwrap_or(0);
+        let host = slots.blocks.host.first().copied().unwrap_or(0);
+        let opts = ManagerOptions {
+            enable_block_reuse: c.kv_cache.enable_block_reuse,
+            enable_partial_reuse: false,
+            max_util_for_resume: c.kv_cache.max_util_for_resume,
+            record_events: true,
+        };
+        let cache = ModelCache::windowed(&plan, slots.clone(), opts, model.tail_interval)?;
+        let limits = SchedulerLimits {
+            max_num_sequences: s.max_num_sequences,
+            max_num_tokens: s.max_num_tokens,
+            max_prefill_chunk: s.max_prefill_chunk,
+            max_seq_len: s.max_seq_len,
+            draft_tokens: drafts,
+            livelock_steps: 10_000,
+            max_context_kv_tokens: u32::MAX,
+            transfer_lease: std::time::Duration::from_millis(c.transfer.lease_ms),
+        };
+        let sched = Scheduler::new(cache, None, limits);
+        let quota_cap = c.kv_cache.max_gpu_total_bytes.unwrap_or(u64::MAX);
+        let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
+        shared
+            .quota
+            .try_reserve("the windowed model's pools", allocated)?;
+        let setup = WindowedSetup {
+            plan: plan.clone(),
+            slots: slots.clone(),
+            max_positions: s.max_seq_len + drafts + 1,
+        };
+        // Every backend is built (pools allocated) before any actor starts.
+        let backends = (0..devices)
+            .map(|i| (model.backend)(i, &setup))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (coordinator, draft) = self
+            .spawn_actors(sched, backends, shared.clone(), false)
+            .await?;
+        let t = u64::from(plan.tokens_per_block());
+        let info = RuntimeInfo {
+            model: model.spec.name.clone(),
+            layout: LayoutKind::V2,
+            bytes_per_token: plan.bytes_per_block() / t,
+            budget: GpuBudget {
+                bytes: budget,
+                source: BudgetSource::Explicit,
+                slots: u64::from(blocks),
+                tokens: u64::from(blocks) * t,
+                target_bytes: allocated,
+                draft_bytes: 0,
+                allocated_bytes: allocated,
+            },
+            host_slots: u64::from(host),
+            devices,
+            draft_cache: false,
+            draft_tokens: drafts,
+            verified_layers: VerifiedLayers {
+                target: (0, model.spec.compress_ratios.len()),
+                draft: None,
+            },
+            window_slots: slots.windows.clone(),
+            warnings,
+        };
+        tracing::info!(?info, "dsa-kv runtime started (windowed model)");
+        Ok(KvCacheHandle::from_parts(coordinator, draft, info, shared))
+    }
+}
