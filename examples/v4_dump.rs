@@ -42,7 +42,7 @@ use std::process::ExitCode;
 use clap::{Parser, ValueEnum};
 use dsa_kv::config::V4Spec;
 use dsa_kv::core::{
-    ManagerOptions, ReuseScope, SeqOptions, TierSlots, V4CacheManager, V4Options, V4Slots,
+    CacheById, ManagerOptions, ModelCache, ReuseScope, SeqOptions, TierSlots, WindowedSlots,
 };
 use dsa_kv::ids::{LayerId, RequestId, SlotId, Tier, TokenId};
 use dsa_kv::layout::{
@@ -137,8 +137,19 @@ fn row(rng: &mut SplitMix64) -> Vec<bf16> {
     out
 }
 
+/// A windowed cache over `plan` with `slots`, no tail kept beyond a sequence's last two
+/// boundaries, driven by request id.
+fn windowed(plan: &V4Plan, slots: WindowedSlots) -> Result<CacheById, String> {
+    let opts = ManagerOptions {
+        enable_partial_reuse: false,
+        ..ManagerOptions::default()
+    };
+    let c = ModelCache::windowed(plan, slots, opts, 0).map_err(|e| e.to_string())?;
+    Ok(CacheById::new(c))
+}
+
 /// `id`'s block table and its raw window's page table (first position, slots).
-fn tables(m: &V4CacheManager, id: RequestId) -> Result<(Vec<SlotId>, u64, Vec<SlotId>), String> {
+fn tables(m: &CacheById, id: RequestId) -> Result<(Vec<SlotId>, u64, Vec<SlotId>), String> {
     let blocks = m.block_slots(id).map_err(|e| e.to_string())?;
     let (start, slots) = m.window_table(id, 0).map_err(|e| e.to_string())?;
     Ok((blocks, start, slots))
@@ -154,24 +165,16 @@ fn run_random(a: &Args) -> Result<(), String> {
     };
     let plan = V4Plan::new(&spec).map_err(|e| e.to_string())?;
     let (block_slots, window_slots) = (16u32, [24u32, 400, 200]);
-    let mut m = V4CacheManager::new(
-        plan.clone(),
-        V4Slots {
+    let mut m = windowed(
+        &plan,
+        WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![block_slots],
                 host: vec![],
             },
             windows: window_slots.to_vec(),
         },
-        V4Options {
-            blocks: ManagerOptions {
-                enable_partial_reuse: false,
-                ..ManagerOptions::default()
-            },
-            tail_interval: 0,
-        },
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let buf = |l: u32, role| *plan.buffer(LayerId(l), role).expect("planned");
     let windows: Vec<V4Buffer> = (0..3).map(|l| buf(l, Role::WindowKey)).collect();
     let (c4, c128) = (buf(0, Role::CompressedKey), buf(1, Role::CompressedKey));
@@ -187,18 +190,14 @@ fn run_random(a: &Args) -> Result<(), String> {
     let mut queries = Vec::new();
     for (r, tokens) in [(0u64, &a_tokens), (1, &b_tokens)] {
         let id = RequestId(r);
-        let created = m
+        let reused = m
             .create(id, ReuseScope::SHARED, tokens, SeqOptions::default())
             .map_err(|e| e.to_string())?;
-        eprintln!(
-            "request {r}: {} tokens, {} reused",
-            tokens.len(),
-            created.reused_tokens
-        );
+        eprintln!("request {r}: {} tokens, {reused} reused", tokens.len());
         if !m.resume(id).map_err(|e| e.to_string())? {
             return Err("no room to resume".into());
         }
-        let mut c = created.reused_tokens as usize;
+        let mut c = reused as usize;
         while c < tokens.len() {
             // The prompt (700 tokens) in chunks of 256, then one token a step.
             let n = if c < 700 { (700 - c).min(256) } else { 1 };
@@ -300,7 +299,7 @@ fn run_random(a: &Args) -> Result<(), String> {
         "queries": queries,
         "expect_window_rows": expect_window,
         "expect_c4_rows": expect_c4,
-        "window_stats": format!("{:?}", m.window_stats()),
+        "window_stats": format!("{:?}", m.cache().window_stats()),
     });
     write("meta.json", report.to_string().as_bytes())?;
     eprintln!("wrote {}", a.out.display());
@@ -395,7 +394,7 @@ struct Extra {
 /// The tiny V4 model served by the V4 manager over the pools its plan lays out.
 struct ModelRun {
     model: V4Model,
-    m: V4CacheManager,
+    m: CacheById,
     pools: V4Pools,
     /// Per traced layer (0, 1, 2): its window buffer, pool, and extra cache.
     window: Vec<(V4Buffer, PoolRef)>,
@@ -424,7 +423,7 @@ impl ModelRun {
         let plan = V4Plan::new(&model.config().spec().map_err(err)?).map_err(err)?;
         // Windows: 32 slots of the raw window (a slot: one 64-token page of each of the
         // 4 layers), the compressor states' rings.
-        let slots = V4Slots {
+        let slots = WindowedSlots {
             blocks: TierSlots {
                 gpu: vec![8],
                 host: vec![],
@@ -432,18 +431,7 @@ impl ModelRun {
             windows: vec![32, 400, 200],
         };
         let pools = V4Pools::new(&plan, &slots).map_err(err)?;
-        let m = V4CacheManager::new(
-            plan.clone(),
-            slots,
-            V4Options {
-                blocks: ManagerOptions {
-                    enable_partial_reuse: false,
-                    ..ManagerOptions::default()
-                },
-                tail_interval: 0,
-            },
-        )
-        .map_err(err)?;
+        let m = windowed(&plan, slots)?;
         let window = TRACED_LAYERS
             .iter()
             .map(|&l| PoolRef::of(&plan, l, Role::WindowKey))
@@ -483,10 +471,10 @@ impl ModelRun {
 
     /// Runs the manager's copy plans on the pools and completes their fence.
     fn copies(&mut self) -> Result<(), String> {
-        let plans = self.m.take_copy_plans();
+        let plans = self.m.cache_mut().take_copy_plans();
         self.pools.apply(&plans).map_err(err)?;
-        let f = self.m.issue_fence();
-        self.m.complete_fences(f).map_err(err)
+        let f = self.m.cache_mut().issue_fence();
+        self.m.cache_mut().complete_fences(f).map_err(err)
     }
 
     /// The kernel's indices for `t` through request `id`'s tables now: the window rows
@@ -562,7 +550,7 @@ impl ModelRun {
             return Err("the traced step must be a decode step".into());
         }
         let rid = RequestId(id);
-        let created = self
+        let reused = self
             .m
             .create(
                 rid,
@@ -575,7 +563,7 @@ impl ModelRun {
             return Err(format!("request {id}: no room to resume"));
         }
         self.copies()?;
-        let mut c = created.reused_tokens as usize;
+        let mut c = reused as usize;
         let mut next = 0;
         loop {
             let chunk: Vec<u32> = if c < prompt.len() {
@@ -594,7 +582,8 @@ impl ModelRun {
             } else {
                 Vec::new()
             };
-            let mut kv = V4Paged::from_manager(&mut self.pools, &self.m, rid).map_err(err)?;
+            let h = self.m.handle(rid).map_err(err)?;
+            let mut kv = V4Paged::from_cache(&mut self.pools, self.m.cache(), h).map_err(err)?;
             let (outs, traces) = self
                 .model
                 .run_traced(&mut kv, c as u32, &chunk, &points)
@@ -617,7 +606,7 @@ impl ModelRun {
                     t.snapshot = self.snapshot(&t)?;
                     out.push(t);
                 }
-                return Ok((created.reused_tokens, out));
+                return Ok((reused, out));
             }
             self.model
                 .draft_write(&mut kv, c as u32, &chunk)
@@ -767,7 +756,8 @@ fn run_model(a: &Args) -> Result<(), String> {
                 .collect::<Result<Vec<_>, _>>()
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let stats = run.m.window_stats();
+    let kind = run.m.cache().window_stats().unwrap_or_default();
+    let stats = kind.windows;
     let cfg = run.model.config();
     let report = json!({
         "source": "model",
@@ -782,7 +772,7 @@ fn run_model(a: &Args) -> Result<(), String> {
         "reused_tokens": reused,
         "tails_adopted": stats.tails_adopted,
         "window_stats": format!("{stats:?}"),
-        "v4_stats": format!("{:?}", run.m.stats()),
+        "window_kind_stats": format!("{kind:?}"),
     });
     std::fs::create_dir_all(&a.out).map_err(err)?;
     let write = |name: &str, bytes: &[u8]| {

@@ -264,7 +264,9 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
         Some(Box::new(Shared(c)) as Box<dyn DeviceBackend>),
     ]);
     let backend: WindowedBackendFactory = Arc::new(move |i, _: &WindowedSetup| {
-        Ok(taken.lock().unwrap()[i].take().expect("each device is built once"))
+        Ok(taken.lock().unwrap()[i]
+            .take()
+            .expect("each device is built once"))
     });
     let start = std::time::Instant::now();
     let positions = workload(&model, slots, backend, &outputs).await;

@@ -1,29 +1,27 @@
 //! `serve --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 main job, on the
 //! host backend or (`--backend cuda`, `--gpus`) with each device actor the model's CUDA
 //! device (`dsa_kv_model::v4::cuda::V4CudaDevice`: pools in GPU memory, the forward in
-//! kernels, bit-exact with the host). The V4 reference model (`dsa_kv_model::v4`) with the preset's layer structure
-//! (its ratio list: window-only, ratio-4 and ratio-128 layers, and the MTP layer) and
-//! tiny widths elsewhere (hidden 64, 2 heads, top-64) runs through the V4 runtime
-//! (`dsa_kv::v4::V4Runtime`: the V4 scheduler and cache manager on the coordinator, one
-//! device actor per `--devices`) on a multi-turn chat workload over shared system prompts:
-//! chunked prefill, MTP decode with 3 drafts, prefix hits at window tails, preemption by
-//! recompute and a host tier for the compressed blocks. The pools are sized by
-//! `core::quota::v4_capacity` from `--budget-mib`. After the run every request is run
-//! again alone on a contiguous cache: its output tokens, and the logits of every position
-//! every device computed, must be equal bit for bit.
+//! kernels, bit-exact with the host). The V4 reference model (`dsa_kv_model::v4`) with
+//! the preset's layer structure (its ratio list: window-only, ratio-4 and ratio-128
+//! layers, and the MTP layer) and tiny widths elsewhere (hidden 64, 2 heads, top-64) runs
+//! through the one runtime (`KvCacheBuilder::windowed`: the scheduler over the model's
+//! cache, the coordinator, one device actor per `--devices`) on a multi-turn chat
+//! workload over shared system prompts: chunked prefill, MTP decode with 3 drafts,
+//! prefix hits at window tails, preemption by recompute and a host tier for the
+//! compressed blocks, with the KV events and counters every model has. The pools are
+//! sized by `core::quota::v4_capacity` from `--budget-mib`. After the run every request
+//! is run again alone on a contiguous cache: its output tokens, and the logits of every
+//! position every device computed, must be equal bit for bit.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use dsa_kv::core::quota::{v4_capacity, V4Demand};
-use dsa_kv::core::scheduler::SubmitRequest;
-use dsa_kv::ids::{RequestId, TokenId};
-use dsa_kv::layout::Retention;
+use dsa_kv::prelude::*;
 use dsa_kv::rng::SplitMix64;
 use dsa_kv::v4::{
-    ManagerOptions, TierSlots, V4CacheManager, V4Device, V4HostDevice, V4Limits, V4Options, V4Plan,
-    V4Preset, V4Runtime, V4Scheduler, V4Slots,
+    DeviceBackend, V4Preset, WindowedBackendFactory, WindowedHostDevice, WindowedModel,
+    WindowedSetup,
 };
 use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 use serde_json::json;
@@ -50,67 +48,43 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         ..V4ModelConfig::tiny(MODEL_SEED)
     };
     let model = Arc::new(V4Model::new(cfg)?);
-    let plan = V4Plan::new(&model.config().spec()?)?;
-    let limits = V4Limits {
-        max_num_sequences: 4,
-        max_num_tokens: 512,
-        max_prefill_chunk: 256,
-        max_seq_len: 8192,
-        draft_tokens: if model.config().mtp { 3 } else { 0 },
-        livelock_steps: 16,
-    };
-    let demand = V4Demand {
-        max_sequences: limits.max_num_sequences,
-        drafts: limits.draft_tokens,
-        max_batched_tokens: limits.max_num_tokens,
-        tail_boundaries: 16,
-    };
+    let draft_tokens = if model.config().mtp { 3 } else { 0 };
     let default_mib = match preset {
         V4Preset::Flash => 400,
         V4Preset::Pro => 640,
     };
     let budget = a.budget_mib.unwrap_or(default_mib) << 20;
-    let cap = v4_capacity(&plan, budget, &demand)?;
-    let windows: Vec<u32> = plan
-        .life_cycles()
-        .iter()
-        .filter(|lc| lc.retention != Retention::Full)
-        .map(|lc| cap.slots[lc.id.index()] as u32)
-        .collect();
-    let blocks = cap.blocks as u32;
-    let slots = V4Slots {
-        blocks: TierSlots {
-            gpu: vec![blocks],
-            host: vec![blocks],
-        },
-        windows,
-    };
-    let m = V4CacheManager::new(
-        plan.clone(),
-        slots.clone(),
-        V4Options {
-            blocks: ManagerOptions {
-                enable_partial_reuse: false,
-                ..ManagerOptions::default()
-            },
-            ..V4Options::default()
-        },
-    )?;
-    let sched = V4Scheduler::new(m, limits)?;
+    let mut config = EngineConfig::default();
+    config.kv_cache.max_gpu_total_bytes = Some(budget);
+    config.scheduler.max_num_sequences = 4;
+    config.scheduler.max_num_tokens = 512;
+    config.scheduler.max_prefill_chunk = 256;
+    config.scheduler.max_seq_len = 8192;
+    config.spec_decode.draft_tokens = draft_tokens;
+    config.spec_decode.separate_draft_cache = false;
+    config.kv_cache.enable_partial_reuse = false;
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-    let max_positions = limits.max_seq_len + limits.draft_tokens + 1;
-    let devices = (0..a.devices)
-        .map(|i| -> Result<Box<dyn V4Device>, ServeError> {
-            match a.backend {
-                Backend::Host => {
-                    let f = V4ModelForward::new(model.clone(), outputs.clone());
-                    Ok(Box::new(V4HostDevice::new(i, &plan, &slots, Box::new(f))?))
-                }
-                Backend::Cuda => cuda_device(&a, i, &plan, &slots, &model, &outputs, max_positions),
+    let backend: WindowedBackendFactory = {
+        let (model, outputs, backend) = (model.clone(), outputs.clone(), a.backend);
+        let gpus = a.gpus.clone();
+        Arc::new(move |i, s: &WindowedSetup| match backend {
+            Backend::Host => {
+                let f = V4ModelForward::new(model.clone(), outputs.clone());
+                let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(f))?;
+                Ok(Box::new(d) as Box<dyn DeviceBackend>)
             }
+            Backend::Cuda => cuda_device(gpus.as_deref(), i, s, &model, &outputs),
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    let rt = V4Runtime::start(sched, devices).await?;
+    };
+    let mut windowed = WindowedModel::new(model.config().spec()?, backend);
+    windowed.slots = Some(v4_slots(&model, &config)?);
+    let rt = KvCacheBuilder::new()
+        .config(config)
+        .host_devices(a.devices)
+        .windowed(windowed)
+        .start()
+        .await?;
+    let info = rt.info().clone();
 
     let (conversations, turns) = match a.quick {
         true => (a.conversations.unwrap_or(3), a.turns.unwrap_or(2)),
@@ -154,22 +128,25 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     let started = Instant::now();
     let mut step_ms = Vec::new();
     let mut finished: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let (mut failed, mut preempted, mut copies, mut tokens) = (Vec::new(), 0usize, 0usize, 0usize);
+    let (mut failed, mut preempted, mut copies, mut tokens) = (Vec::new(), 0usize, 0u64, 0usize);
     // Prompt tokens served from the cache at each request's first admission.
     let mut first_reuse = 0u64;
-    loop {
+    while finished.len() + failed.len() < sent.len() {
         let t = Instant::now();
-        let Some(rep) = rt.step().await? else {
-            break;
-        };
+        let rep = rt.step(Drafts::none()).await?;
+        if rep.scheduled.is_empty() && rep.failed.is_empty() {
+            continue;
+        }
         step_ms.push(t.elapsed().as_secs_f64() * 1e3);
         preempted += rep.preempted.len();
-        copies += rep.slot_copies;
-        tokens += rep.tokens;
-        failed.extend(rep.failed.iter().map(|f| format!("{}: {}", f.id, f.reason)));
-        for f in rep.finished {
+        copies += rep.devices.first().map_or(0, |d| d.slot_copies);
+        tokens += rep.scheduled.iter().map(|p| p.tokens.len()).sum::<usize>();
+        failed.extend(rep.failed.iter().map(|(id, why)| format!("{id}: {why}")));
+        let done = rep.committed.map(|c| c.finished).unwrap_or_default();
+        for f in done {
+            let f = f.finished;
             first_reuse += f.reused_tokens;
-            let out: Vec<u32> = f.output.iter().map(|t| t.0).collect();
+            let out: Vec<u32> = f.output().iter().map(|t| t.0).collect();
             let c = owner[&f.id];
             convs[c].history.extend(&out);
             finished.insert(f.id, out);
@@ -184,7 +161,8 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     }
     let wall = started.elapsed().as_secs_f64();
     let stats = rt.stats().await?;
-    rt.stop().await;
+    rt.shutdown().await;
+    let windows = stats.windows.unwrap_or_default();
 
     // The exactness check: every request alone, unpaged.
     let out = outputs.lock().unwrap_or_else(|e| e.into_inner());
@@ -236,10 +214,10 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         "devices": a.devices,
         "backend": format!("{:?}", a.backend).to_lowercase(),
         "budget_bytes": budget,
-        "gpu_blocks": blocks,
-        "host_blocks": blocks,
-        "window_slots": slots.windows,
-        "bytes_per_block": plan.bytes_per_block(),
+        "gpu_blocks": info.budget.slots,
+        "host_blocks": info.host_slots,
+        "window_slots": info.window_slots,
+        "bytes_per_block": info.bytes_per_token * 256,
         "requests": sent.len(),
         "requests_finished": checked,
         "requests_failed": failed.len(),
@@ -252,16 +230,18 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         "step_ms": {"steps": step_ms.len(), "median": rank(0.5), "p99": rank(0.99)},
         "reused_tokens": first_reuse,
         "prefix_hit_rate": first_reuse as f64 / prompt_tokens.max(1) as f64,
-        "reused_tokens_with_readmissions": stats.sched.reused_tokens,
+        "reused_tokens_with_readmissions": windows.reused_tokens,
         "preemptions": preempted,
-        "recomputed_tokens": stats.sched.recomputed_tokens,
+        "prefill_tokens": stats.scheduler.prefill_tokens,
         "slot_copies": copies,
-        "drafts": stats.sched.drafts,
-        "accepted_drafts": stats.sched.accepted_drafts,
-        // Every admission attempt, those given back for want of room included.
-        "tails_adopted": stats.windows.tails_adopted,
-        "tails_linked": stats.windows.tails_linked,
-        "backed_off_blocks": stats.cache.backed_off_blocks,
+        "drafts": stats.scheduler.drafts_proposed,
+        "accepted_drafts": stats.scheduler.drafts_accepted,
+        // Every admission, re-admissions after a preemption included.
+        "tails_adopted": windows.windows.tails_adopted,
+        "tails_linked": windows.windows.tails_linked,
+        "tails_evicted": windows.windows.tails_evicted,
+        "backed_off_blocks": windows.backed_off_blocks,
+        "kv_events": stats.events,
         "checked_requests": checked,
         "exact_requests": exact,
         "positions_checked": positions,
@@ -304,8 +284,12 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
             r["tails_adopted"]
         );
         println!(
-            "preemptions          {} ({} tokens recomputed)",
-            r["preemptions"], r["recomputed_tokens"]
+            "preemptions          {} ({} prefill tokens in all)",
+            r["preemptions"], r["prefill_tokens"]
+        );
+        println!(
+            "KV events            {} stored, {} removed",
+            stats.events.stored, stats.events.removed
         );
         println!(
             "slot copies          {} (offload and onboarding)",
@@ -327,35 +311,75 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     Ok(report)
 }
 
-/// Device `i` on its GPU (`--gpus`, default `0..devices`), or why this build has none.
-#[allow(clippy::too_many_arguments)]
+/// The pools' slots for `config`'s budget and scheduler, as the builder would size them,
+/// with the host tier holding as many compressed blocks as the GPU.
+fn v4_slots(
+    model: &V4Model,
+    config: &EngineConfig,
+) -> Result<dsa_kv::v4::WindowedSlots, ServeError> {
+    use dsa_kv::core::quota::{v4_capacity, V4Demand};
+    use dsa_kv::layout::Retention;
+    let plan = dsa_kv::v4::V4Plan::new(&model.config().spec()?)?;
+    let s = &config.scheduler;
+    let demand = V4Demand {
+        max_sequences: s.max_num_sequences,
+        drafts: config.spec_decode.draft_tokens,
+        max_batched_tokens: s.max_num_tokens,
+        tail_boundaries: 16,
+    };
+    let budget = config.kv_cache.max_gpu_total_bytes.unwrap_or(0);
+    let cap = v4_capacity(&plan, budget, &demand)?;
+    let windows = plan
+        .life_cycles()
+        .iter()
+        .filter(|lc| lc.retention != Retention::Full)
+        .map(|lc| cap.slots[lc.id.index()] as u32)
+        .collect();
+    let blocks = cap.blocks as u32;
+    Ok(dsa_kv::v4::WindowedSlots {
+        blocks: dsa_kv::v4::TierSlots {
+            gpu: vec![blocks],
+            host: vec![blocks],
+        },
+        windows,
+    })
+}
+
+/// Device `i` on its GPU (`gpus`, default `0..devices`), or why this build has none.
 fn cuda_device(
-    a: &Args,
+    gpus: Option<&[usize]>,
     i: usize,
-    plan: &V4Plan,
-    slots: &V4Slots,
+    s: &WindowedSetup,
     model: &Arc<V4Model>,
     outputs: &Arc<Mutex<V4Outputs>>,
-    max_positions: u32,
-) -> Result<Box<dyn V4Device>, ServeError> {
+) -> Result<Box<dyn DeviceBackend>, dsa_kv::device::DeviceError> {
     #[cfg(feature = "cuda")]
     {
-        let ordinal = a.gpus.as_ref().map_or(i, |g| g[i]);
-        let gpu = dsa_kv::cuda::Gpu::open(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        let ordinal = gpus.map_or(i, |g| g[i]);
+        let gpu =
+            dsa_kv::cuda::Gpu::open(ordinal).map_err(|e| dsa_kv::device::DeviceError::Backend {
+                device: i,
+                source: dsa_kv::storage::BackendError::new(e),
+            })?;
         let d = dsa_kv_model::v4::cuda::V4CudaDevice::new(
             i,
             gpu,
-            plan,
-            slots,
+            &s.plan,
+            &s.slots,
             model.clone(),
             outputs.clone(),
-            max_positions,
+            s.max_positions,
         )?;
         Ok(Box::new(d))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (a, i, plan, slots, model, outputs, max_positions);
-        Err("this build has no CUDA backend: build with the `cuda` feature".into())
+        let _ = (gpus, s, model, outputs);
+        Err(dsa_kv::device::DeviceError::Forward {
+            device: i,
+            source: dsa_kv::device::ForwardError::Unsupported {
+                what: "this build has no CUDA backend: build with the `cuda` feature".into(),
+            },
+        })
     }
 }

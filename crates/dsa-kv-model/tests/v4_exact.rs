@@ -9,10 +9,9 @@
 use std::collections::HashMap;
 
 use dsa_kv_core::core::{
-    KvError, ManagerOptions, ModelCache, PrefixPages, ReuseScope, SeqHandle, SeqOptions, TierSlots,
-    WindowedSlots,
+    CacheById, KvError, ManagerOptions, ModelCache, PrefixPages, ReuseScope, SeqHandle, SeqOptions,
+    TierSlots, WindowedSlots,
 };
-use dsa_kv_core::ids::LifeCycleId;
 use dsa_kv_core::ids::{LayerId, RequestId, Tier, TokenId};
 use dsa_kv_core::layout::{Retention, Role, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::entry_row;
@@ -21,11 +20,9 @@ use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4Paged, V4Pools, V4Store};
 use dsa_kv_model::TokenOut;
 
-/// A windowed [`ModelCache`] driven by request id (the scheduler keeps the handles; this
-/// test drives the cache by hand).
+/// A windowed [`ModelCache`] driven by request id ([`CacheById`]) and its plan.
 struct Cache {
-    c: ModelCache,
-    h: HashMap<RequestId, SeqHandle>,
+    m: CacheById,
     plan: V4Plan,
 }
 
@@ -36,14 +33,21 @@ impl Cache {
             ..ManagerOptions::default()
         };
         Cache {
-            c: ModelCache::windowed(&plan, slots, opts, 16).unwrap(),
-            h: HashMap::new(),
+            m: CacheById::new(ModelCache::windowed(&plan, slots, opts, 16).unwrap()),
             plan,
         }
     }
 
+    fn c(&self) -> &ModelCache {
+        self.m.cache()
+    }
+
+    fn c_mut(&mut self) -> &mut ModelCache {
+        self.m.cache_mut()
+    }
+
     fn handle(&self, id: RequestId) -> &SeqHandle {
-        &self.h[&id]
+        self.m.handle(id).unwrap()
     }
 
     fn plan(&self) -> &V4Plan {
@@ -51,53 +55,49 @@ impl Cache {
     }
 
     fn create(&mut self, id: RequestId, prompt: &[TokenId]) -> u64 {
-        let c = self
-            .c
+        self.m
             .create(id, ReuseScope::SHARED, prompt, SeqOptions::default())
-            .unwrap();
-        self.h.insert(id, c.handle);
-        c.reused_tokens
+            .unwrap()
     }
 
     fn resume(&mut self, id: RequestId) -> Result<bool, KvError> {
-        self.c.resume(&self.h[&id])
+        self.m.resume(id)
     }
 
     fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, KvError> {
-        self.c.resize(&self.h[&id], capacity, history)
+        self.m.resize(id, capacity, history)
     }
 
     fn commit(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
-        self.c.commit(&self.h[&id], tokens)
+        self.m.commit(id, tokens)
     }
 
     fn close(&mut self, id: RequestId) -> Result<(), KvError> {
-        let mut h = self.h.remove(&id).expect("a live request");
-        self.c.close(&mut h)
+        self.m.close(id)
     }
 
     fn block_slots(&self, id: RequestId) -> Result<Vec<dsa_kv_core::ids::SlotId>, KvError> {
-        self.c.block_slots(&self.h[&id], LifeCycleId(0))
+        self.m.block_slots(id)
     }
 
     fn take_copy_plans(&mut self) -> Vec<CopyPlan> {
-        self.c.take_copy_plans()
+        self.c_mut().take_copy_plans()
     }
 
     fn issue_fence(&mut self) -> dsa_kv_core::ids::Fence {
-        self.c.issue_fence()
+        self.c_mut().issue_fence()
     }
 
     fn complete_fences(&mut self, f: dsa_kv_core::ids::Fence) -> Result<(), KvError> {
-        self.c.complete_fences(f)
+        self.c_mut().complete_fences(f)
     }
 
     fn check_invariants(&self) {
-        self.c.check_invariants();
+        self.c().check_invariants();
     }
 
     fn stats(&self) -> dsa_kv_core::core::WindowKindStats {
-        self.c.window_stats().unwrap()
+        self.c().window_stats().unwrap()
     }
 
     fn export(
@@ -106,11 +106,11 @@ impl Cache {
         scope: ReuseScope,
         tokens: &[TokenId],
     ) -> Result<Option<PrefixPages>, KvError> {
-        self.c.export_prefix(id, scope, tokens)
+        self.c_mut().export_prefix(id, scope, tokens)
     }
 
     fn close_export(&mut self, id: RequestId) -> Result<(), KvError> {
-        self.c.close_prefix_export(id)
+        self.c_mut().close_prefix_export(id)
     }
 
     fn begin_import(
@@ -119,11 +119,11 @@ impl Cache {
         scope: ReuseScope,
         tokens: &[TokenId],
     ) -> Result<Option<PrefixPages>, KvError> {
-        self.c.begin_prefix_import(id, scope, tokens)
+        self.c_mut().begin_prefix_import(id, scope, tokens)
     }
 
     fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
-        self.c.commit_prefix_import(id, tokens)
+        self.c_mut().commit_prefix_import(id, tokens)
     }
 }
 
@@ -327,7 +327,7 @@ impl Engine {
             r.id
         );
         self.copies();
-        let mut kv = V4Paged::from_cache(&mut self.pools, &self.m.c, self.m.handle(r.id)).unwrap();
+        let mut kv = V4Paged::from_cache(&mut self.pools, self.m.c(), self.m.handle(r.id)).unwrap();
         let (outs, hidden) = self.model.run_hidden(&mut kv, c as u32, &tokens).unwrap();
         // Drafts accepted: each that the target's greedy token before it agrees with.
         let accepted = if c < r.prefill {
@@ -354,7 +354,7 @@ impl Engine {
         r.committed = done;
         if done >= r.prefill && done < len {
             r.next = outs[accepted].greedy;
-            let kv = V4Paged::from_cache(&mut self.pools, &self.m.c, self.m.handle(r.id)).unwrap();
+            let kv = V4Paged::from_cache(&mut self.pools, self.m.c(), self.m.handle(r.id)).unwrap();
             r.drafts = self
                 .model
                 .propose(&kv, (done - 1) as u32, &hidden[accepted], r.next, DRAFTS)
@@ -444,14 +444,14 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     let reference = Reference::new(&e.model, &a, 600);
     // A window write at a reused (committed) position is refused.
     {
-        let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
+        let mut kv = V4Paged::from_cache(&mut e.pools, e.m.c(), e.m.handle(r)).unwrap();
         let row = kv.window(0, 500).unwrap();
         let err = kv.write_window(0, 500, &row).unwrap_err().to_string();
         assert!(err.contains("not writable"), "{err}");
     }
     // Flip one bit of entry 0 of the ratio-128 layer (layer 2) in the pool.
     {
-        let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
+        let mut kv = V4Paged::from_cache(&mut e.pools, e.m.c(), e.m.handle(r)).unwrap();
         let mut row = kv.entry(2, 0).unwrap();
         row.data[3] ^= 0x10;
         // Written through the pools' bytes, as a fault would: not through the store,
@@ -474,7 +474,7 @@ fn a_corrupted_pool_is_caught_and_shared_rows_are_not_written() {
     }
     assert!(e.m.resize(r, 600, 512).unwrap());
     e.copies();
-    let mut kv = V4Paged::from_cache(&mut e.pools, &e.m.c, e.m.handle(r)).unwrap();
+    let mut kv = V4Paged::from_cache(&mut e.pools, e.m.c(), e.m.handle(r)).unwrap();
     let outs = e.model.run(&mut kv, 512, &a[512..]).unwrap();
     assert_ne!(
         outs[..],
@@ -568,7 +568,7 @@ fn pd_transfer_moves_blocks_and_tail_and_decoding_stays_exact() {
         assert_eq!(dec.create(r, &prompt), 512);
         assert!(dec.m.resize(r, 700, 512).unwrap());
         dec.copies();
-        let mut kv = V4Paged::from_cache(&mut dec.pools, &dec.m.c, dec.m.handle(r)).unwrap();
+        let mut kv = V4Paged::from_cache(&mut dec.pools, dec.m.c(), dec.m.handle(r)).unwrap();
         let outs = dec.model.run(&mut kv, 512, &prompt[512..]).unwrap();
         let differ = outs
             .iter()
@@ -600,7 +600,11 @@ fn a_device_with_fewer_slots_than_the_manager_fails_typed() {
         },
         windows: vec![16, 200, 100],
     };
-    let cache = Cache::new(plan.clone(), slots.clone()).c;
+    let opts = ManagerOptions {
+        enable_partial_reuse: false,
+        ..ManagerOptions::default()
+    };
+    let cache = ModelCache::windowed(&plan, slots.clone(), opts, 16).unwrap();
     let limits = SchedulerLimits {
         max_num_sequences: 4,
         max_num_tokens: 512,

@@ -40,7 +40,7 @@ pub use manager::{
     Created, GroupUsage, KvCacheManager, ManagerOptions, ManagerStats, SeqHandle, SeqOptions,
     SequenceInfo, TierSlots,
 };
-pub use model_cache::{ModelCache, PrefixPages, WindowKindStats, WindowedSlots};
+pub use model_cache::{CacheById, ModelCache, PrefixPages, WindowKindStats, WindowedSlots};
 pub use pages::PageStatus;
 pub use reset::ResetReport;
 pub use reuse_key::{BlockKey, PrefixHash, ReuseScope};

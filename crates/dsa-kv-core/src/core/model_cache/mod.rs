@@ -32,11 +32,13 @@ use super::window::{WindowCache, WindowStats};
 use crate::ids::{Fence, RequestId, SlotId, TokenId};
 use crate::layout::V4Plan;
 
+mod by_id;
 #[cfg(test)]
 mod tests;
 mod transfer;
 pub(super) mod window;
 
+pub use by_id::CacheById;
 pub use transfer::PrefixPages;
 use window::WindowKind;
 

@@ -2,10 +2,9 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::config::V4Spec;
-use crate::core::manager::SequenceInfo;
 use crate::core::reuse_key::KeyHasher;
 use crate::core::window::{WindowError, WindowSpec};
-use crate::ids::{Fence, LifeCycleId};
+use crate::ids::Fence;
 use crate::metadata::v4 as meta;
 
 const T: u64 = 256;
@@ -38,23 +37,25 @@ struct Hit {
     backed_off_blocks: u64,
 }
 
-/// The tests' way in: a windowed [`ModelCache`] driven by request id (the scheduler
-/// keeps the handles; here the harness does).
+/// The tests' way in: a windowed [`ModelCache`] driven by request id ([`CacheById`]).
 struct Harness {
-    c: ModelCache,
-    h: HashMap<RequestId, SeqHandle>,
+    m: CacheById,
 }
 
 impl Harness {
     fn new(plan: V4Plan, slots: WindowedSlots, opts: Opts) -> Result<Self, KvError> {
+        let c = ModelCache::windowed(&plan, slots, opts.blocks, opts.tail_interval)?;
         Ok(Harness {
-            c: ModelCache::windowed(&plan, slots, opts.blocks, opts.tail_interval)?,
-            h: HashMap::new(),
+            m: CacheById::new(c),
         })
     }
 
+    fn c(&self) -> &ModelCache {
+        self.m.cache()
+    }
+
     fn handle(&self, id: RequestId) -> Result<&SeqHandle, KvError> {
-        self.h.get(&id).ok_or(KvError::UnknownRequest { id })
+        self.m.handle(id)
     }
 
     fn create(
@@ -65,70 +66,65 @@ impl Harness {
         opts: SeqOptions,
     ) -> Result<Hit, KvError> {
         let before = self.stats().backed_off_blocks;
-        let c = self.c.create(id, scope, prompt, opts)?;
-        self.h.insert(id, c.handle);
+        let reused_tokens = self.m.create(id, scope, prompt, opts)?;
         Ok(Hit {
-            reused_tokens: c.reused_tokens,
+            reused_tokens,
             backed_off_blocks: self.stats().backed_off_blocks - before,
         })
     }
 
     fn resume(&mut self, id: RequestId) -> Result<bool, KvError> {
-        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
-        self.c.resume(h)
+        self.m.resume(id)
     }
 
     fn suspend(&mut self, id: RequestId) -> Result<(), KvError> {
-        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
-        self.c.suspend(h)
+        self.m.suspend(id)
     }
 
     fn resize(&mut self, id: RequestId, capacity: u64, history: u64) -> Result<bool, KvError> {
-        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
-        self.c.resize(h, capacity, history)
+        self.m.resize(id, capacity, history)
     }
 
     fn commit(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
-        let h = self.h.get(&id).ok_or(KvError::UnknownRequest { id })?;
-        self.c.commit(h, tokens)
+        self.m.commit(id, tokens)
     }
 
     fn close(&mut self, id: RequestId) -> Result<(), KvError> {
-        let mut h = self.h.remove(&id).ok_or(KvError::UnknownRequest { id })?;
-        self.c.close(&mut h)
-    }
-
-    fn info(&self, id: RequestId) -> Result<SequenceInfo, KvError> {
-        self.c.info_of(self.handle(id)?)
+        self.m.close(id)
     }
 
     fn committed(&self, id: RequestId) -> Result<u64, KvError> {
-        Ok(self.info(id)?.committed)
+        self.m.committed(id)
     }
 
     fn block_slots(&self, id: RequestId) -> Result<Vec<SlotId>, KvError> {
-        self.c.block_slots(self.handle(id)?, LifeCycleId(0))
+        self.m.block_slots(id)
     }
 
     fn window_table(&self, id: RequestId, lc: usize) -> Result<(u64, Vec<SlotId>), KvError> {
-        self.handle(id)?;
-        Ok(self.windows().page_table(id, lc)?)
+        self.m.window_table(id, lc)
     }
 
     fn windows(&self) -> &WindowCache {
-        self.c.windows().expect("a windowed cache")
+        self.c().windows().expect("a windowed cache")
     }
 
     fn windows_mut(&mut self) -> &mut WindowCache {
-        &mut self.c.window.as_mut().expect("a windowed cache").cache
+        &mut self
+            .m
+            .cache_mut()
+            .window
+            .as_mut()
+            .expect("a windowed cache")
+            .cache
     }
 
     fn blocks(&self) -> &KvCacheManager {
-        self.c.blocks()
+        self.c().blocks()
     }
 
     fn stats(&self) -> WindowKindStats {
-        self.c.window_stats().expect("a windowed cache")
+        self.c().window_stats().expect("a windowed cache")
     }
 
     fn window_stats(&self) -> crate::core::WindowStats {
@@ -136,30 +132,31 @@ impl Harness {
     }
 
     fn issue_fence(&mut self) -> Fence {
-        self.c.issue_fence()
+        self.m.cache_mut().issue_fence()
     }
 
     fn complete_fences(&mut self, f: Fence) -> Result<(), KvError> {
-        self.c.complete_fences(f)
+        self.m.cache_mut().complete_fences(f)
     }
 
     fn take_copy_plans(&mut self) -> Vec<crate::ops::CopyPlan> {
-        self.c.take_copy_plans()
+        self.m.cache_mut().take_copy_plans()
     }
 
     fn take_events(&mut self) -> Vec<KvEvent> {
-        self.c.take_events()
+        self.m.cache_mut().take_events()
     }
 
     fn reset_prefix_cache(&mut self) -> Result<ResetReport, KvError> {
-        self.c.reset_prefix_cache()
+        self.m.cache_mut().reset_prefix_cache()
     }
 
     fn check_invariants(&self) {
-        self.c.check_invariants();
+        let c = self.c();
+        c.check_invariants();
         assert_eq!(
-            self.h.len(),
-            self.c.num_sequences() - self.c.window.as_ref().map_or(0, |w| w.transfers.len()),
+            self.m.len(),
+            c.num_sequences() - c.window.as_ref().map_or(0, |w| w.transfers.len()),
             "the harness holds every sequence's handle"
         );
     }
@@ -170,11 +167,11 @@ impl Harness {
         scope: ReuseScope,
         tokens: &[TokenId],
     ) -> Result<Option<PrefixPages>, KvError> {
-        self.c.export_prefix(id, scope, tokens)
+        self.m.cache_mut().export_prefix(id, scope, tokens)
     }
 
     fn close_export(&mut self, id: RequestId) -> Result<(), KvError> {
-        self.c.close_prefix_export(id)
+        self.m.cache_mut().close_prefix_export(id)
     }
 
     fn begin_import(
@@ -183,15 +180,15 @@ impl Harness {
         scope: ReuseScope,
         tokens: &[TokenId],
     ) -> Result<Option<PrefixPages>, KvError> {
-        self.c.begin_prefix_import(id, scope, tokens)
+        self.m.cache_mut().begin_prefix_import(id, scope, tokens)
     }
 
     fn commit_import(&mut self, id: RequestId, tokens: &[TokenId]) -> Result<(), KvError> {
-        self.c.commit_prefix_import(id, tokens)
+        self.m.cache_mut().commit_prefix_import(id, tokens)
     }
 
     fn abort_import(&mut self, id: RequestId) -> Result<(), KvError> {
-        self.c.abort_prefix_import(id)
+        self.m.cache_mut().abort_prefix_import(id)
     }
 }
 
@@ -977,7 +974,7 @@ fn an_import_holding_a_tail_links_it_again_if_it_was_evicted() {
     create(&mut m, RequestId(1), &p);
     run(&mut m, RequestId(1), &p, 0, 0, &mut rng);
     m.close(RequestId(1)).unwrap();
-    let key = m.c.block_keys(s, &p[..512])[1];
+    let key = m.m.cache_mut().block_keys(s, &p[..512])[1];
     assert!(m.windows().has_tail(&key));
     let y = RequestId(2);
     let inp = m.begin_import(y, s, &p[..512]).unwrap().unwrap();
