@@ -3,7 +3,7 @@
 //!
 //! * **`model`** (the default): the tiny V4 reference model (`V4ModelConfig::tiny`, layers
 //!   of ratio 0, 4 and 128 and an MTP layer, 2 heads, top-64; weights from `--seed`)
-//!   runs two requests through `V4CacheManager` + `V4Pools`, prompts in chunks of 256,
+//!   runs two requests through `ModelCache` (by id: `CacheById`) + `V4Pools`, prompts in chunks of 256,
 //!   then greedy single-token steps. Request 0: a 700-token prompt and 61 decoded (its
 //!   last position 760). Request 1: request 0's first 560 tokens and 40 of its own, so
 //!   it **resumes at request 0's window tail at 512** (`tails_adopted: 1`), then 20

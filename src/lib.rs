@@ -136,7 +136,9 @@ pub mod core {
 ///     Ok(Box::new(device) as Box<dyn DeviceBackend>)
 /// });
 /// let mut config = EngineConfig::default();
-/// config.kv_cache.max_gpu_total_bytes = Some(64 << 20);
+/// config.kv_cache.max_gpu_total_bytes = Some(64 << 20); // every pool of one device
+/// config.scheduler.max_num_sequences = 4;
+/// config.scheduler.max_num_tokens = 512;
 /// config.spec_decode.draft_tokens = 3; // MTP drafts
 /// let kv = KvCacheBuilder::new()
 ///     .config(config)

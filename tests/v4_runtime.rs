@@ -58,13 +58,13 @@ fn host_backend(model: &Arc<V4Model>, outputs: &Arc<Mutex<V4Outputs>>) -> Window
 
 /// Runs the workload on two devices from `backend` through the runtime and checks every
 /// request's tokens and every recorded position's output on both devices against the
-/// unpaged model; returns the positions checked.
+/// unpaged model; returns the positions checked and the runtime's last counters.
 async fn workload(
     model: &V4Model,
     slots: WindowedSlots,
     backend: WindowedBackendFactory,
     outputs: &Mutex<V4Outputs>,
-) -> usize {
+) -> (usize, RuntimeStats) {
     let mut w = WindowedModel::new(model.config().spec().unwrap(), backend);
     w.slots = Some(slots);
     let kv = KvCacheBuilder::new()
@@ -128,6 +128,8 @@ async fn workload(
             }
         }
     }
+    // One more (empty) step publishes the state after the last commit.
+    kv.step(Drafts::none()).await.unwrap();
     let stats = kv.stats().await.unwrap();
     kv.shutdown().await;
     let out = outputs.lock().unwrap();
@@ -165,15 +167,58 @@ async fn workload(
     assert!(preempted > 0, "preemption by recompute");
     assert!(copies > 0, "offload or onboarding");
     assert_eq!(stats.scheduler.finished, 8);
-    positions
+    assert!(stats.events.stored > 0, "KV events: {:?}", stats.events);
+    (positions, stats)
 }
 
+/// The host workload; the metrics an embedder's recorder sees for the windowed model
+/// (every model's, and the window kind's tails and back-off) equal `stats()`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder
+        .install()
+        .expect("the only recorder of this test binary");
     let (model, _, slots) = setup();
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
     let backend = host_backend(&model, &outputs);
-    workload(&model, slots, backend, &outputs).await;
+    let (_, st) = workload(&model, slots, backend, &outputs).await;
+    let mut counters = HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let k = key.key();
+        let labels: Vec<String> = k.labels().map(|l| l.value().to_string()).collect();
+        if let DebugValue::Counter(v) = value {
+            counters.insert(format!("{}{:?}", k.name(), labels), v);
+        }
+    }
+    let w = st.windows.unwrap();
+    for (name, want) in [
+        (
+            "dsa_kv_window_tails_total[\"linked\"]",
+            w.windows.tails_linked,
+        ),
+        (
+            "dsa_kv_window_tails_total[\"adopted\"]",
+            w.windows.tails_adopted,
+        ),
+        (
+            "dsa_kv_window_tails_total[\"evicted\"]",
+            w.windows.tails_evicted,
+        ),
+        ("dsa_kv_window_tails_total[\"demoted\"]", w.tails_demoted),
+        (
+            "dsa_kv_window_backed_off_blocks_total[]",
+            w.backed_off_blocks,
+        ),
+        ("dsa_kv_steps_total[]", st.scheduler.steps),
+        ("dsa_kv_prefix_reused_tokens_total[]", w.reused_tokens),
+        ("dsa_kv_prefix_lookup_tokens_total[]", w.lookup_tokens),
+        ("dsa_kv_kv_events_total[\"stored\"]", st.events.stored),
+    ] {
+        assert_eq!(counters.get(name), Some(&want), "{name}: {counters:?}");
+    }
 }
 
 /// A device the test keeps a handle on while the runtime drives it.
@@ -269,7 +314,7 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
             .expect("each device is built once"))
     });
     let start = std::time::Instant::now();
-    let positions = workload(&model, slots, backend, &outputs).await;
+    let (positions, _) = workload(&model, slots, backend, &outputs).await;
     let (host, cuda) = (host.lock().unwrap(), cuda.lock().unwrap());
     let mut bytes = 0usize;
     for (lc, l) in plan.life_cycles().iter().enumerate() {

@@ -22,6 +22,10 @@ round's medians and the ratio vLLM step / our step. Standard library only; Linux
 
 Setup of the vLLM side: `python3 -m venv /work/vllm-venv &&
 /work/vllm-venv/bin/pip install vllm==0.33.0` (see the results' README).
+
+`--ours-before PATH` adds a third side, another `step_bench` binary (a build of an
+earlier commit), stepped in the same rounds: before and after a change, each against
+vLLM and against each other, in one run (the order of the three rotates by round).
 """
 
 from __future__ import annotations
@@ -149,7 +153,21 @@ def run_round(sides: dict[str, Side], order: tuple[str, str], steps: int, chunk:
         done += n
     v, o = got["vllm"], got["ours"]
     ncpu = os.cpu_count() or 1
+    before = {}
+    if "before" in got:
+        b = got["before"]
+        before = {
+            "before_median_us": median_us(b["step_ns"]),
+            "before_mean_us": statistics.fmean(b["step_ns"]) / 1e3,
+            "ratio_vllm_over_before": median_us(v["step_ns"]) / median_us(b["step_ns"]),
+            "ratio_ours_over_before": median_us(o["step_ns"]) / median_us(b["step_ns"]),
+            "before_interval_medians_us": {
+                k: median_us([p[k] for p in b["parts"]]) for k in OUR_INTERVALS
+            },
+            "before_step_ns": b["step_ns"],
+        }
     return {
+        **before,
         "first": order[0],
         "vllm_median_us": median_us(v["step_ns"]),
         "vllm_mean_us": statistics.fmean(v["step_ns"]) / 1e3,
@@ -185,6 +203,8 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=0.2,
                     help="a round is quiet when other processes kept fewer CPUs busy")
     ap.add_argument("--out", type=Path, help="folder for results.json, summary.txt, env.txt")
+    ap.add_argument("--ours-before", type=Path,
+                    help="a step_bench binary of an earlier commit: a third side, same rounds")
     args = ap.parse_args()
 
     if not args.no_build:
@@ -196,6 +216,11 @@ def main() -> None:
     vllm_cmd = [args.vllm_python, str(VLLM_SCRIPT), "--serve"]
     env = environment(args.vllm_python)
     sides = {"vllm": Side(vllm_cmd), "ours": Side(ours_cmd)}
+    before_cmd = None
+    if args.ours_before:
+        before_cmd = [str(args.ours_before), "--serve", "--idle-spin-us",
+                      str(args.ours_idle_spin_us)]
+        sides["before"] = Side(before_cmd)
 
     lines: list[str] = []
 
@@ -208,13 +233,22 @@ def main() -> None:
     say(f"{'round':>5} {'first':>5} {'vLLM median µs':>15} {'ours median µs':>15} {'ratio':>7} "
         f"{'vLLM mean µs':>13} {'ours mean µs':>13} {'other CPUs busy':>16}")
     rounds = []
+    names = list(sides)
     for i in range(args.rounds):
-        order = ("vllm", "ours") if i % 2 == 0 else ("ours", "vllm")
+        if len(names) == 2:
+            order = ("vllm", "ours") if i % 2 == 0 else ("ours", "vllm")
+        else:
+            k = i % len(names)
+            order = tuple(names[k:] + names[:k])
         r = {"round": i, **run_round(sides, order, args.steps, args.chunk)}
         rounds.append(r)
+        extra = ""
+        if "before_median_us" in r:
+            extra = (f"  before {r['before_median_us']:.1f} µs, "
+                     f"ours/before {r['ratio_ours_over_before']:.2f}")
         say(f"{i:>5} {r['first']:>5} {r['vllm_median_us']:>15.1f} {r['ours_median_us']:>15.1f} "
             f"{r['ratio_of_medians']:>6.1f}x {r['vllm_mean_us']:>13.1f} "
-            f"{r['ours_mean_us']:>13.1f} {r['other_cpus']:>16.2f}")
+            f"{r['ours_mean_us']:>13.1f} {r['other_cpus']:>16.2f}{extra}")
     for side in sides.values():
         side.close()
 
@@ -245,6 +279,14 @@ def main() -> None:
         summary["quiet_median_of_round_medians_vllm_us"] = med(r["vllm_median_us"] for r in quiet)
         summary["quiet_median_of_round_medians_ours_us"] = med(r["ours_median_us"] for r in quiet)
         summary["quiet_median_of_round_ratios"] = med(r["ratio_of_medians"] for r in quiet)
+    if before_cmd:
+        all_b = [x for r in rounds for x in r["before_step_ns"]]
+        summary["median_of_round_medians_before_us"] = med(r["before_median_us"] for r in rounds)
+        summary["median_of_round_ratios_vllm_over_before"] = med(
+            r["ratio_vllm_over_before"] for r in rounds)
+        summary["median_of_round_ratios_ours_over_before"] = med(
+            r["ratio_ours_over_before"] for r in rounds)
+        summary["pooled_median_before_us"] = median_us(all_b)
     parts = {k: med(r["vllm_part_medians_us"][k] for r in rounds)
              for k in rounds[0]["vllm_part_medians_us"]}
     intervals = {k: med(r["ours_interval_medians_us"][k] for r in rounds) for k in OUR_INTERVALS}
@@ -265,6 +307,13 @@ def main() -> None:
             f"{summary['quiet_median_of_round_ratios']:.1f}x")
     else:
         say(f"no quiet round (other processes below {args.quiet} CPU)")
+    if before_cmd:
+        say(f"before (same rounds): median of the round medians "
+            f"{summary['median_of_round_medians_before_us']:.1f} µs; vLLM/before "
+            f"{summary['median_of_round_ratios_vllm_over_before']:.1f}x; ours/before "
+            f"{summary['median_of_round_ratios_ours_over_before']:.2f} (median of the rounds' "
+            f"ratios); pooled medians ours {summary['pooled_median_ours_us']:.1f} / before "
+            f"{summary['pooled_median_before_us']:.1f} µs")
     say("vLLM step parts (medians of round medians, µs): "
         + ", ".join(f"{k} {x:.1f}" for k, x in parts.items()))
     say("our step's intervals (medians of round medians, µs): "
@@ -276,6 +325,7 @@ def main() -> None:
             "command": shlex.join(["python3", *sys.argv]),
             "vllm_command": shlex.join(vllm_cmd),
             "ours_command": shlex.join(ours_cmd),
+            "before_command": shlex.join(before_cmd) if before_cmd else None,
             "environment": env,
             "summary": summary,
             "vllm_part_medians_us": parts,

@@ -630,6 +630,7 @@ impl Coordinator {
             waiting: self.sched.num_waiting(),
             manager_us: pending.manager_us,
             timing: &pending.timing,
+            windows: t.window_stats(),
         });
     }
 

@@ -14,7 +14,10 @@
 //! `cache_utilization{tier, pool_group}`, `prefix_hit_rate`, `rolling_hit_rate`,
 //! `requests_waiting`; histograms (seconds) `step_manager_seconds` (schedule + commit),
 //! `step_device_seconds` (the slowest device's handler) and `step_runtime_seconds` (the
-//! runtime's own work: everything but schedule, commit and the device handler).
+//! runtime's own work: everything but schedule, commit and the device handler). A model
+//! with sliding windows adds counters `window_tails_total{event = linked | adopted |
+//! evicted | demoted}` and `window_backed_off_blocks_total` (cached blocks a hit could
+//! not use for want of a tail).
 
 use metrics::{counter, gauge, histogram};
 
@@ -34,6 +37,7 @@ pub(crate) struct Sample<'a> {
     pub waiting: usize,
     pub manager_us: u64,
     pub timing: &'a StepTiming,
+    pub windows: Option<dsa_kv_core::core::WindowKindStats>,
 }
 
 /// Publishes one step's sample.
@@ -62,6 +66,17 @@ pub(crate) fn publish(s: &Sample<'_>) {
         counter!("dsa_kv_kv_events_total", "kind" => kind).absolute(v);
     }
     c("dsa_kv_kv_events_dropped_total", s.events.lost);
+    if let Some(w) = &s.windows {
+        for (event, v) in [
+            ("linked", w.windows.tails_linked),
+            ("adopted", w.windows.tails_adopted),
+            ("evicted", w.windows.tails_evicted),
+            ("demoted", w.tails_demoted),
+        ] {
+            counter!("dsa_kv_window_tails_total", "event" => event).absolute(v);
+        }
+        c("dsa_kv_window_backed_off_blocks_total", w.backed_off_blocks);
+    }
     for u in s.usage {
         // The tier's display name ("gpu", "host").
         let (t, g) = (u.tier.to_string(), u.usage.pool_group.0.to_string());

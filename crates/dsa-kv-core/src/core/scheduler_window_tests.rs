@@ -379,4 +379,8 @@ fn scopes_are_kept_apart_and_repeats_resume_at_the_tail() {
     assert_eq!(reused, [0, 0, 512], "only the third request reuses");
     let w = s.target().window_stats().unwrap();
     assert_eq!((w.lookups, w.reused_tokens), (3, 512));
+    // The cache's counters say what the prompts asked for, not only the hits the block
+    // manager was offered.
+    let m = s.target().stats();
+    assert_eq!((m.lookup_tokens, m.reused_tokens), (1800, 512));
 }

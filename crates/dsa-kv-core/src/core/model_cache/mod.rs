@@ -58,6 +58,8 @@ pub struct WindowedSlots {
 pub struct WindowKindStats {
     /// Prompts looked up.
     pub lookups: u64,
+    /// Prompt tokens looked up.
+    pub lookup_tokens: u64,
     /// Tokens served from the cache.
     pub reused_tokens: u64,
     /// Cached blocks not used because no tail was kept at their boundary (summed over
@@ -151,6 +153,19 @@ impl ModelCache {
     /// The window cache, when the model has sliding windows.
     pub fn windows(&self) -> Option<&WindowCache> {
         self.window.as_deref().map(WindowKind::cache)
+    }
+
+    /// The block manager's counters ([`KvCacheManager::stats`]); with sliding windows the
+    /// prefix lookups and the tokens reused are the window kind's (a hit stops at the
+    /// deepest boundary with a tail, so the block manager is offered only the hit).
+    pub fn stats(&self) -> super::ManagerStats {
+        let mut m = self.blocks.stats();
+        if let Some(w) = self.window.as_deref() {
+            let k = w.stats();
+            m.lookup_tokens = k.lookup_tokens;
+            m.reused_tokens = k.reused_tokens;
+        }
+        m
     }
 
     /// The sliding-window kind's counters, when the model has one.

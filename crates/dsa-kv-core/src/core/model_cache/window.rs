@@ -171,6 +171,7 @@ impl WindowKind {
         }
         let backed_off = cached - hit as u64;
         self.stats.lookups += 1;
+        self.stats.lookup_tokens += prompt.len() as u64;
         self.stats.reused_tokens += reuse;
         self.stats.backed_off_blocks += backed_off;
         self.seqs.insert(
