@@ -536,12 +536,12 @@ fn rows() -> Vec<Row> {
             "position 100 is not held by the table (it holds [128, 192)): the rings were not extended for this step, or the position lies behind the window",
         ),
         (
-            "v4 scheduler: longer than the GPU blocks hold",
+            "v4 scheduler: a prompt longer than the GPU blocks hold",
             Box::new(|| {
                 let mut s = v4_scheduler();
                 err(s.submit(SubmitRequest::new(RequestId(1), toks(3000), 1)))
             }),
-            "request 1: prompt 3000 + 1 new tokens exceeds the 2048 tokens the GPU blocks hold even with nothing else running: give the cache more GPU memory or lower max_seq_len",
+            "request 1: the prompt's 3000 tokens exceed the 2048 tokens the GPU blocks hold even with nothing else running: give the cache more GPU memory or send a shorter prompt",
         ),
         (
             "v4 scheduler: an outcome for a request the step did not run",

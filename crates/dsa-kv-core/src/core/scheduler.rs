@@ -246,19 +246,19 @@ pub enum SchedError {
         /// The limit.
         max_seq_len: u32,
     },
-    /// Longer than the whole GPU cache: a running request needs every block on the GPU.
+    /// A prompt longer than the whole GPU cache: a running request needs every block on
+    /// the GPU, so it could never be prefilled. (A request whose outputs would outgrow
+    /// the cache is admitted: it may stop early; it fails when it grows past it.)
     #[error(
-        "request {id}: prompt {prompt} + {max_new_tokens} new tokens exceeds the {capacity} \
-         tokens the GPU blocks hold even with nothing else running: give the cache more \
-         GPU memory or lower max_seq_len"
+        "request {id}: the prompt's {prompt} tokens exceed the {capacity} tokens the GPU \
+         blocks hold even with nothing else running: give the cache more GPU memory or \
+         send a shorter prompt"
     )]
     ExceedsCache {
         /// The request.
         id: RequestId,
         /// Prompt tokens.
         prompt: usize,
-        /// Output tokens.
-        max_new_tokens: u32,
         /// Tokens the GPU blocks hold.
         capacity: u64,
     },
@@ -524,15 +524,17 @@ impl Scheduler {
     /// per step. Optional: a plan that is simply dropped is freed as usual.
     pub fn recycle(&mut self, plan: StepPlan) {
         let mut requests = plan.requests;
-        for r in requests.drain(..) {
-            // The rows are shared with the requests' kept rows: dropping the plan's
-            // references lets the next step write them in place (a finished request's
-            // rows go with the plan).
-            self.spare.keep_tokens(r.tokens);
-            if let Some(v) = r.verify_tokens {
+        // Taken in place (moving each planned request out would copy it whole).
+        for r in &mut requests {
+            self.spare.keep_tokens(std::mem::take(&mut r.tokens));
+            if let Some(v) = r.verify_tokens.take() {
                 self.spare.keep_tokens(v);
             }
         }
+        // The rows are shared with the requests' kept rows: dropping the plan's
+        // references lets the next step write them in place (a finished request's rows
+        // go with the plan).
+        requests.clear();
         self.spare.requests = Some(requests);
     }
 
@@ -658,12 +660,11 @@ impl Scheduler {
         }
         let capacity = u64::from(self.target.gpu_slots().iter().copied().min().unwrap_or(0))
             * self.target.tokens_per_block();
-        let len = r.prompt.len() as u64 + u64::from(r.max_new_tokens);
-        if len > capacity {
+        // The prompt and the token the prefill samples after it.
+        if r.prompt.len() as u64 + 1 > capacity {
             return Err(SchedError::ExceedsCache {
                 id: r.id,
                 prompt: r.prompt.len(),
-                max_new_tokens: r.max_new_tokens,
                 capacity,
             });
         }

@@ -158,6 +158,7 @@ impl ModelCache {
     /// The block manager's counters ([`KvCacheManager::stats`]); with sliding windows the
     /// prefix lookups and the tokens reused are the window kind's (a hit stops at the
     /// deepest boundary with a tail, so the block manager is offered only the hit).
+    #[inline]
     pub fn stats(&self) -> super::ManagerStats {
         let mut m = self.blocks.stats();
         if let Some(w) = self.window.as_deref() {
@@ -169,6 +170,7 @@ impl ModelCache {
     }
 
     /// The sliding-window kind's counters, when the model has one.
+    #[inline]
     pub fn window_stats(&self) -> Option<WindowKindStats> {
         self.window.as_deref().map(WindowKind::stats)
     }
@@ -197,6 +199,7 @@ impl ModelCache {
 
     /// Brings a suspended sequence's blocks to the GPU (`Ok(false)`, nothing changed,
     /// when they do not fit).
+    #[inline]
     pub fn resume(&mut self, h: &SeqHandle) -> Result<bool, KvError> {
         let ok = self.blocks.resume(h)?;
         self.sync();
@@ -213,6 +216,7 @@ impl ModelCache {
 
     /// Sets capacity and history (see [`KvCacheManager::resize`]); with sliding windows
     /// both kinds grow or neither changes (`Ok(false)`).
+    #[inline]
     pub fn resize(&mut self, h: &SeqHandle, capacity: u64, history: u64) -> Result<bool, KvError> {
         match self.window.as_deref_mut() {
             None => self.blocks.resize(h, capacity, history),
@@ -223,6 +227,7 @@ impl ModelCache {
     /// Commits `tokens` (their rows are written): whole blocks enter the prefix tree;
     /// with sliding windows a tail is linked at every block boundary crossed whose block
     /// did, and the rings free what lies behind them.
+    #[inline]
     pub fn commit(&mut self, h: &SeqHandle, tokens: &[TokenId]) -> Result<(), KvError> {
         match self.window.as_deref_mut() {
             None => self.blocks.commit(h, tokens),
@@ -232,6 +237,7 @@ impl ModelCache {
 
     /// Ends a speculative step: commits the verified tokens and gives back the
     /// positions of the rejected drafts (see [`KvCacheManager::accept_tokens`]).
+    #[inline]
     pub fn accept_tokens(&mut self, h: &SeqHandle, accepted: &[TokenId]) -> Result<(), KvError> {
         if self.window.is_none() {
             return self.blocks.accept_tokens(h, accepted);
@@ -254,19 +260,21 @@ impl ModelCache {
 
     /// Request `id`'s window page tables (per window life cycle: the first position held
     /// and the slots), written into `out` (emptied first; left empty without windows).
+    #[inline]
     pub fn window_tables_into(
         &self,
         id: RequestId,
         out: &mut Vec<(u64, Vec<SlotId>)>,
     ) -> Result<(), KvError> {
         out.clear();
-        if let Some(w) = self.window.as_deref() {
-            w.tables_into(id, out)?;
+        match self.window.as_deref() {
+            None => Ok(()),
+            Some(w) => w.tables_into(id, out),
         }
-        Ok(())
     }
 
     /// The KV events since the last call (the block manager's, in order).
+    #[inline]
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         match self.window.as_deref_mut() {
             None => self.blocks.take_events(),
@@ -299,6 +307,7 @@ impl ModelCache {
 
     /// The block manager for what reads through `&mut` (the kept block-table rows'
     /// marks) and changes nothing an attached kind follows.
+    #[inline]
     pub(crate) fn blocks_for_rows(&mut self) -> &mut KvCacheManager {
         &mut self.blocks
     }
@@ -317,21 +326,25 @@ impl ModelCache {
     }
 
     /// Issues the fence of a step about to run.
+    #[inline]
     pub fn issue_fence(&mut self) -> Fence {
         self.blocks.issue_fence()
     }
 
     /// Marks every step up to `f` finished.
+    #[inline]
     pub fn complete_fences(&mut self, f: Fence) -> Result<(), KvError> {
         self.blocks.complete_fences(f)
     }
 
     /// Copy plans decided since the last call (see [`KvCacheManager::take_copy_plans`]).
+    #[inline]
     pub fn take_copy_plans(&mut self) -> Vec<crate::ops::CopyPlan> {
         self.blocks.take_copy_plans()
     }
 
     /// Router events since the last call (see [`KvCacheManager::take_router_events`]).
+    #[inline]
     pub fn take_router_events(&mut self) -> Vec<super::RouterEvent> {
         self.blocks.take_router_events()
     }
@@ -367,6 +380,7 @@ impl ModelCache {
     }
 
     /// Passes the block manager's removals on to the attached kinds.
+    #[inline]
     fn sync(&mut self) {
         if let Some(w) = self.window.as_deref_mut() {
             w.sync(&mut self.blocks);

@@ -107,6 +107,7 @@ impl WindowKind {
 
     /// Passes the block manager's events on, dropping the tails of blocks that left the
     /// tree.
+    #[inline(never)]
     pub(super) fn sync(&mut self, blocks: &mut KvCacheManager) {
         let issued = blocks.issued_fence();
         for e in blocks.take_events() {
@@ -123,6 +124,7 @@ impl WindowKind {
         }
     }
 
+    #[inline(never)]
     pub(super) fn take_events(&mut self, blocks: &mut KvCacheManager) -> Vec<KvEvent> {
         self.sync(blocks);
         std::mem::take(&mut self.events)
@@ -137,6 +139,7 @@ impl WindowKind {
             .unwrap_or(0)
     }
 
+    #[inline(never)]
     pub(super) fn create(
         &mut self,
         blocks: &mut KvCacheManager,
@@ -187,6 +190,7 @@ impl WindowKind {
         Ok(created)
     }
 
+    #[inline(never)]
     pub(super) fn resize(
         &mut self,
         blocks: &mut KvCacheManager,
@@ -218,6 +222,7 @@ impl WindowKind {
         Ok(true)
     }
 
+    #[inline(never)]
     pub(super) fn commit(
         &mut self,
         blocks: &mut KvCacheManager,
@@ -299,6 +304,7 @@ impl WindowKind {
         self.seqs.get_mut(&id).expect("invariant: live").recent = recent;
     }
 
+    #[inline(never)]
     pub(super) fn close(
         &mut self,
         blocks: &mut KvCacheManager,
@@ -316,6 +322,7 @@ impl WindowKind {
     }
 
     /// `id`'s page table per window life cycle: the first position held and the slots.
+    #[inline(never)]
     pub(super) fn tables_into(
         &self,
         id: RequestId,
