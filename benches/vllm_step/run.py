@@ -25,12 +25,14 @@ Setup of the vLLM side: `python3 -m venv /work/vllm-venv &&
 
 `--ours-before PATH` adds a third side, another `step_bench` binary (a build of an
 earlier commit), stepped in the same rounds: before and after a change, each against
-vLLM and against each other, in one run (the order of the three rotates by round).
+vLLM and against each other, in one run (the rounds go through every order of the
+three, so each side follows each other side equally often).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -238,8 +240,9 @@ def main() -> None:
         if len(names) == 2:
             order = ("vllm", "ours") if i % 2 == 0 else ("ours", "vllm")
         else:
-            k = i % len(names)
-            order = tuple(names[k:] + names[:k])
+            # Every order of the three in turn: each side follows every other side
+            # (a side run right after vLLM's big process starts with cold caches).
+            order = list(itertools.permutations(names))[i % 6]
         r = {"round": i, **run_round(sides, order, args.steps, args.chunk)}
         rounds.append(r)
         extra = ""
