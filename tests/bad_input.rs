@@ -569,6 +569,19 @@ fn rows() -> Vec<Row> {
             "spec_decode.draft_tokens = 4 is invalid: a decode step carries 1 + drafts tokens: keep drafts below scheduler.max_num_tokens",
         ),
         (
+            "v4 runtime: a V4 preset in the configuration without devices for it",
+            Box::new(|| {
+                let mut c = EngineConfig::from_toml_str("[model]\npreset = \"deepseek-v4-flash\"\n").unwrap();
+                c.kv_cache.max_gpu_total_bytes = Some(64 << 20);
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .build()
+                    .unwrap();
+                err(rt.block_on(KvCacheBuilder::new().config(c).start()).map(|_| ()))
+            }),
+            "model.preset = deepseek-v4-flash is invalid: a model with sliding windows runs on devices the embedder builds: give them with KvCacheBuilder::windowed_backend",
+        ),
+        (
             "v4 runtime: no budget",
             Box::new(|| err(start_v4(EngineConfig::default(), None))),
             "kv_cache.max_gpu_total_bytes = none is invalid: a windowed model's pools are sized from an explicit byte budget per device",
@@ -609,9 +622,9 @@ fn rows() -> Vec<Row> {
             "windowed pools: no slot count for the state4 life cycle: give WindowedSlots one per window life cycle",
         ),
         (
-            "config: a DeepSeek-V4 preset where a DSA model is served",
-            Box::new(|| err(ModelPreset::parse("deepseek-v4-pro"))),
-            "deepseek-v4-pro is a DeepSeek-V4 model: the configuration's model section describes DSA models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); serve V4 through `KvCacheBuilder::windowed` with `V4Preset::spec` (`dsa_kv::v4`; `plan --model deepseek-v4-pro`, `serve --model deepseek-v4-pro`)",
+            "config: DSA dimensions of a DeepSeek-V4 preset",
+            Box::new(|| err(ModelPreset::DeepSeekV4Pro.spec(None))),
+            "deepseek-v4-pro is a DeepSeek-V4 model (sliding windows, compressed caches): it has no DSA dimensions; its structure is `ModelConfig::windowed_spec` / `V4Preset::spec`, and the runtime serves it with `KvCacheBuilder::windowed_backend` (`plan --model deepseek-v4-pro`, `serve --model deepseek-v4-pro`)",
         ),
     ]
 }

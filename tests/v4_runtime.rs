@@ -483,3 +483,81 @@ fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
     }
     eprintln!("host: {want}\nCUDA: {got}");
 }
+
+/// A forward that reads nothing and samples token 1 (the configuration path's test).
+struct Ones;
+
+impl dsa_kv_device::Forward for Ones {
+    fn forward(
+        &mut self,
+        batch: &mut dsa_kv_device::Batch<'_>,
+    ) -> Result<dsa_kv_device::Sampling, dsa_kv_device::ForwardError> {
+        assert!(batch.cache.windowed.is_some(), "a windowed batch");
+        let outcomes = batch
+            .requests
+            .iter()
+            .map(|p| RequestOutcome {
+                id: p.id,
+                accepted_drafts: 0,
+                next_token: p.produces_token.then_some(TokenId(1)),
+            })
+            .collect();
+        Ok(dsa_kv_device::Sampling::Sampled(
+            dsa_kv_device::Sampled::new(outcomes),
+        ))
+    }
+}
+
+/// `preset = "deepseek-v4-flash"` in a configuration file starts the one runtime with
+/// Flash's cache (43 layers' compressed blocks, window and state rings sized from the
+/// budget), on the devices `windowed_backend` builds; a repeated prompt is served from
+/// its tail, and the blocks it stored are KV events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
+    let config = EngineConfig::from_toml_str(
+        "[model]\npreset = \"deepseek-v4-flash\"\n\
+         [kv_cache]\nmax_gpu_total_bytes = 1073741824\n\
+         [scheduler]\nmax_num_sequences = 2\nmax_num_tokens = 512\nmax_prefill_chunk = 512\n\
+         max_seq_len = 4096\n",
+    )
+    .unwrap();
+    let backend: WindowedBackendFactory = Arc::new(|i, s: &WindowedSetup| {
+        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(Ones))?;
+        Ok(Box::new(d) as Box<dyn DeviceBackend>)
+    });
+    let kv = KvCacheBuilder::new()
+        .config(config)
+        .host_devices(1)
+        .windowed_backend(backend)
+        .start()
+        .await
+        .unwrap();
+    let info = kv.info().clone();
+    assert_eq!(info.model, "DeepSeek-V4-Flash");
+    assert_eq!(info.window_slots.len(), 3, "window, state4, state128 rings");
+    assert!(info.budget.slots > 0 && info.budget.allocated_bytes <= 1 << 30);
+    let prompt: Vec<TokenId> = (0..600).map(TokenId).collect();
+    let mut reused = Vec::new();
+    for id in [1, 2] {
+        kv.submit(SubmitRequest::new(RequestId(id), prompt.clone(), 2))
+            .await
+            .unwrap();
+        loop {
+            let rep = kv.step(Drafts::none()).await.unwrap();
+            let done = rep.committed.map(|c| c.finished).unwrap_or_default();
+            if let Some(f) = done.first() {
+                assert_eq!(f.finished.output(), vec![TokenId(1); 2]);
+                reused.push(f.finished.reused_tokens);
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        reused,
+        [0, 512],
+        "the repeat resumes at its last whole block"
+    );
+    let st = kv.stats().await.unwrap();
+    assert!(st.events.stored >= 2, "{:?}", st.events);
+    kv.shutdown().await;
+}

@@ -106,6 +106,7 @@ pub struct KvCacheBuilder {
     model: Option<DsaModel>,
     pub(super) devices: Option<usize>,
     pub(super) windowed: Option<super::windowed::WindowedModel>,
+    pub(super) windowed_backend: Option<super::windowed::WindowedBackendFactory>,
     source: Arc<dyn KvSource>,
     verify: Option<Verification>,
     forward: Option<ForwardFactory>,
@@ -162,6 +163,7 @@ impl KvCacheBuilder {
             model: None,
             devices: None,
             windowed: None,
+            windowed_backend: None,
             source: Arc::new(SyntheticKv { seed: 0 }),
             verify: None,
             forward: None,
@@ -274,6 +276,20 @@ impl KvCacheBuilder {
         }
         if let Some(model) = self.windowed.clone() {
             return self.start_windowed(model).await;
+        }
+        if let Some(spec) = self.config.model.windowed_spec()? {
+            let backend = self.windowed_backend.clone().ok_or_else(|| {
+                RuntimeError::Config(dsa_kv_core::config::ConfigError::Invalid {
+                    field: "model.preset",
+                    value: self.config.model.preset.name().into(),
+                    why: "a model with sliding windows runs on devices the embedder builds: \
+                          give them with KvCacheBuilder::windowed_backend"
+                        .into(),
+                })
+            })?;
+            return self
+                .start_windowed(super::windowed::WindowedModel::new(spec, backend))
+                .await;
         }
         let verify = match (&self.forward, self.verify) {
             (Some(_), Some(v)) if v.is_on() => {

@@ -95,6 +95,15 @@ impl KvCacheBuilder {
         self
     }
 
+    /// The devices of a model with sliding windows named by the configuration
+    /// (`model.preset = "deepseek-v4-flash"` or `"deepseek-v4-pro"`): `start` then serves
+    /// that preset's structure ([`ModelConfig::windowed_spec`](dsa_kv_core::config::ModelConfig::windowed_spec))
+    /// as [`windowed`](Self::windowed) would. Ignored for a DSA preset.
+    pub fn windowed_backend(mut self, backend: WindowedBackendFactory) -> Self {
+        self.windowed_backend = Some(backend);
+        self
+    }
+
     /// [`start`](Self::start) for a windowed model.
     pub(super) async fn start_windowed(
         self,

@@ -82,7 +82,9 @@ impl<'de> Deserialize<'de> for V2Choice {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ModelConfig {
-    /// `deepseek-v3.2`, `glm-5`, `glm-5.2` or `mistral-large-3`.
+    /// `deepseek-v3.2`, `glm-5`, `glm-5.2`, `mistral-large-3`, or a model with sliding
+    /// windows: `deepseek-v4-flash`, `deepseek-v4-pro` (of the overrides below, only
+    /// `indexer_dtype` applies to them).
     pub preset: ModelPreset,
     /// Target layers (required for Mistral Large 3).
     #[serde(default)]
@@ -116,6 +118,43 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
+    /// The structure of a model with sliding windows (a DeepSeek-V4 preset) with its
+    /// `indexer_dtype` override; `Ok(None)` for a DSA preset. An override that does not
+    /// apply to such a model is a typed error naming it.
+    pub fn windowed_spec(&self) -> Result<Option<super::V4Spec>, ConfigError> {
+        let Some(preset) = self.preset.windowed() else {
+            return Ok(None);
+        };
+        for (field, set) in [
+            ("model.num_layers", self.num_layers.is_some()),
+            ("model.num_mtp_layers", self.num_mtp_layers.is_some()),
+            ("model.kv_dtype", self.kv_dtype.is_some()),
+            ("model.indexer_layers", self.indexer_layers.is_some()),
+        ] {
+            if set {
+                return invalid(
+                    field,
+                    "set",
+                    format!(
+                        "{} has a fixed layer structure and MODEL1 rows: only \
+                         model.indexer_dtype applies to it",
+                        preset.name()
+                    ),
+                );
+            }
+        }
+        let mut spec = preset.spec();
+        if let Some(d) = self.indexer_dtype {
+            spec.indexer_dtype = d;
+        }
+        spec.validate().map_err(|e| ConfigError::Invalid {
+            field: "model.indexer_dtype",
+            value: format!("{:?}", spec.indexer_dtype),
+            why: e.to_string(),
+        })?;
+        Ok(Some(spec))
+    }
+
     /// The validated model.
     pub fn build(&self) -> Result<DsaModel, ModelError> {
         let mut spec = self.preset.spec(self.num_layers)?;

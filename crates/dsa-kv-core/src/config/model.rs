@@ -145,7 +145,9 @@ impl IndexerLayers {
     }
 }
 
-/// The well-known models. Each preset is a [`DsaModelSpec`] with the published dims.
+/// The well-known models. Each DSA preset is a [`DsaModelSpec`] with the published
+/// dims; each DeepSeek-V4 preset a [`V4Spec`](super::V4Spec) (a model with sliding
+/// windows, served by the same runtime through `KvCacheBuilder::windowed_backend`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum ModelPreset {
     /// DeepSeek-V3.2: 61 layers, all with an indexer, 1 MTP layer.
@@ -160,10 +162,16 @@ pub enum ModelPreset {
     /// Mistral Large 3: a DeepSeek-V3 backbone; the layer count is a parameter.
     #[serde(rename = "mistral-large-3")]
     MistralLarge3,
+    /// DeepSeek-V4-Flash ([`V4Preset::Flash`](super::V4Preset::Flash)).
+    #[serde(rename = "deepseek-v4-flash")]
+    DeepSeekV4Flash,
+    /// DeepSeek-V4-Pro ([`V4Preset::Pro`](super::V4Preset::Pro)).
+    #[serde(rename = "deepseek-v4-pro")]
+    DeepSeekV4Pro,
 }
 
 impl ModelPreset {
-    /// Every preset.
+    /// Every DSA preset (those with a [`DsaModelSpec`]).
     pub const ALL: [ModelPreset; 4] = [
         ModelPreset::DeepSeekV32,
         ModelPreset::Glm5,
@@ -178,21 +186,31 @@ impl ModelPreset {
             ModelPreset::Glm5 => "glm-5",
             ModelPreset::Glm52 => "glm-5.2",
             ModelPreset::MistralLarge3 => "mistral-large-3",
+            ModelPreset::DeepSeekV4Flash => "deepseek-v4-flash",
+            ModelPreset::DeepSeekV4Pro => "deepseek-v4-pro",
+        }
+    }
+
+    /// The DeepSeek-V4 preset this is, if it is one (a model with sliding windows).
+    pub fn windowed(self) -> Option<super::V4Preset> {
+        match self {
+            ModelPreset::DeepSeekV4Flash => Some(super::V4Preset::Flash),
+            ModelPreset::DeepSeekV4Pro => Some(super::V4Preset::Pro),
+            _ => None,
         }
     }
 
     /// Parses a name as printed by [`ModelPreset::name`].
     pub fn parse(s: &str) -> Result<Self, ModelError> {
-        if let Some(v4) = super::V4Preset::parse(s) {
-            return Err(ModelError::V4NotServed { model: v4.name() });
-        }
         Self::ALL
             .into_iter()
+            .chain([ModelPreset::DeepSeekV4Flash, ModelPreset::DeepSeekV4Pro])
             .find(|p| p.name() == s)
             .ok_or_else(|| ModelError::UnknownName {
                 field: "model",
                 value: s.to_string(),
-                expected: "deepseek-v3.2, glm-5, glm-5.2 or mistral-large-3",
+                expected: "deepseek-v3.2, glm-5, glm-5.2, mistral-large-3, deepseek-v4-flash \
+                           or deepseek-v4-pro",
             })
     }
 
@@ -206,6 +224,9 @@ impl ModelPreset {
             ModelPreset::MistralLarge3 => {
                 let n = num_layers.ok_or(ModelError::MissingLayerCount)?;
                 DsaModelSpec::mistral_large3(n)
+            }
+            ModelPreset::DeepSeekV4Flash | ModelPreset::DeepSeekV4Pro => {
+                return Err(ModelError::V4NotServed { model: self.name() })
             }
         };
         if let Some(n) = num_layers {
@@ -356,12 +377,12 @@ pub enum ModelError {
         /// What is required.
         why: &'static str,
     },
-    /// A DeepSeek-V4 model where only DSA models are described.
+    /// A DeepSeek-V4 preset where a DSA model's dimensions are asked for.
     #[error(
-        "{model} is a DeepSeek-V4 model: the configuration's model section describes DSA \
-         models (deepseek-v3.2, glm-5, glm-5.2, mistral-large-3); serve V4 through \
-         `KvCacheBuilder::windowed` with `V4Preset::spec` (`dsa_kv::v4`; \
-         `plan --model {model}`, `serve --model {model}`)"
+        "{model} is a DeepSeek-V4 model (sliding windows, compressed caches): it has no DSA \
+         dimensions; its structure is `ModelConfig::windowed_spec` / `V4Preset::spec`, and \
+         the runtime serves it with `KvCacheBuilder::windowed_backend` (`plan --model \
+         {model}`, `serve --model {model}`)"
     )]
     V4NotServed {
         /// The preset's name.
@@ -760,14 +781,18 @@ mod tests {
         for d in KvDtype::ALL {
             assert_eq!(KvDtype::parse(d.name()), Ok(d));
         }
-        let v4 = ModelPreset::parse("deepseek-v4-flash").unwrap_err();
+        // The V4 presets parse; they have no DSA dimensions.
+        let v4 = ModelPreset::parse("deepseek-v4-flash").unwrap();
+        assert_eq!(v4.windowed(), Some(super::super::V4Preset::Flash));
+        let e = v4.spec(None).unwrap_err();
         assert_eq!(
-            v4,
+            e,
             ModelError::V4NotServed {
                 model: "deepseek-v4-flash"
             }
         );
-        assert!(v4.to_string().contains("plan --model deepseek-v4-flash"));
+        assert!(e.to_string().contains("plan --model deepseek-v4-flash"));
+        assert_eq!(ModelPreset::DeepSeekV32.windowed(), None);
     }
 
     #[test]

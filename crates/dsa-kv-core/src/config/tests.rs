@@ -331,3 +331,46 @@ fn the_transfer_lease_is_read_and_bounded() {
         );
     }
 }
+
+/// `preset = "deepseek-v4-flash"` / `"deepseek-v4-pro"` reads the same from TOML, JSON
+/// and YAML and names the V4 structure (`windowed_spec`); `indexer_dtype` applies to it,
+/// the DSA overrides are refused naming the field, and asking a V4 preset for DSA
+/// dimensions (`resolve`) is a typed error that says where V4 goes.
+#[test]
+fn v4_presets_are_read_from_every_format() {
+    for (name, want) in [
+        ("deepseek-v4-flash", super::V4Spec::flash()),
+        ("deepseek-v4-pro", super::V4Spec::pro()),
+    ] {
+        let toml = format!("[model]\npreset = \"{name}\"\n");
+        let json = format!("{{\"model\": {{\"preset\": \"{name}\"}}}}");
+        let yaml = format!("model:\n  preset: {name}\n");
+        for c in [
+            EngineConfig::from_toml_str(&toml).unwrap(),
+            EngineConfig::from_json_str(&json).unwrap(),
+            EngineConfig::from_yaml_str(&yaml).unwrap(),
+        ] {
+            assert_eq!(c.model.preset.name(), name);
+            assert_eq!(c.model.windowed_spec().unwrap(), Some(want.clone()));
+            let e = c.resolve().unwrap_err().to_string();
+            assert!(e.contains("is a DeepSeek-V4 model"), "{e}");
+            assert!(e.contains("windowed_backend"), "{e}");
+        }
+    }
+    let fp4 = EngineConfig::from_toml_str(
+        "[model]\npreset = \"deepseek-v4-flash\"\nindexer_dtype = \"fp4\"\n",
+    )
+    .unwrap();
+    let spec = fp4.model.windowed_spec().unwrap().unwrap();
+    assert_eq!(spec.indexer_dtype, IndexerDtype::Fp4);
+    let layers =
+        EngineConfig::from_toml_str("[model]\npreset = \"deepseek-v4-pro\"\nnum_layers = 3\n")
+            .unwrap();
+    assert_eq!(
+        layers.model.windowed_spec().unwrap_err().to_string(),
+        "model.num_layers = set is invalid: deepseek-v4-pro has a fixed layer structure and \
+         MODEL1 rows: only model.indexer_dtype applies to it"
+    );
+    // A DSA preset has no windowed structure.
+    assert_eq!(EngineConfig::default().model.windowed_spec().unwrap(), None);
+}
