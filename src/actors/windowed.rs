@@ -148,28 +148,8 @@ impl KvCacheBuilder {
                 u64::from(limits::MAX_DEVICES),
             ));
         }
-        for (setting, value, max) in [
-            (
-                "scheduler.max_num_sequences",
-                s.max_num_sequences,
-                limits::MAX_NUM_SEQUENCES,
-            ),
-            (
-                "scheduler.max_num_tokens",
-                s.max_num_tokens,
-                limits::MAX_NUM_TOKENS,
-            ),
-            (
-                "scheduler.max_prefill_chunk",
-                s.max_prefill_chunk,
-                limits::MAX_NUM_TOKENS,
-            ),
-            ("scheduler.max_seq_len", s.max_seq_len, limits::MAX_SEQ_LEN),
-        ] {
-            if value == 0 || value > max {
-                return Err(bad(setting, u64::from(value), u64::from(max)));
-            }
-        }
+        c.scheduler.validate()?;
+        c.transfer.validate()?;
         let drafts = c.spec_decode.draft_tokens;
         if drafts >= s.max_num_tokens {
             return Err(invalid(

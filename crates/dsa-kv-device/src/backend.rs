@@ -322,13 +322,30 @@ pub trait DeviceBackend: Send + 'static {
     /// Runs copies, verifies requested cached KV (when verification is on), builds the
     /// metadata and runs the forward. On a GPU it returns once the work is enqueued.
     fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError>;
-    /// Rebinds the metadata to the draft buffers for the plan's draft slots.
-    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError>;
+    /// Rebinds the metadata to the draft buffers for the plan's draft slots. The
+    /// default: a device without a separate draft cache ([`DeviceError::NoDraftCache`]).
+    fn draft_prepare(&mut self, plan: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
+        let _ = plan;
+        Err(DeviceError::NoDraftCache {
+            device: self.index(),
+        })
+    }
     /// Runs the forward's draft layers on the draft cache through the bound draft
-    /// metadata; returns the tokens of the batch and the drafts proposed.
-    fn draft_forward(&mut self, plan: &StepPlan) -> Result<(u64, Proposals), DeviceError>;
-    /// Restores the target bindings.
-    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError>;
+    /// metadata; returns the tokens of the batch and the drafts proposed. The default:
+    /// no separate draft cache.
+    fn draft_forward(&mut self, plan: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
+        let _ = plan;
+        Err(DeviceError::NoDraftCache {
+            device: self.index(),
+        })
+    }
+    /// Restores the target bindings. The default: no separate draft cache.
+    fn draft_restore(&mut self, snapshot: &DraftSnapshot) -> Result<(), DeviceError> {
+        let _ = snapshot;
+        Err(DeviceError::NoDraftCache {
+            device: self.index(),
+        })
+    }
     /// Verifies whole requests; returns (positions verified, mismatches).
     fn verify(&mut self, specs: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError>;
     /// SHA-256 (hex) of every GPU-tier pool byte of the target and draft caches, in plan

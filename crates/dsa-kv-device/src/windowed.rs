@@ -13,14 +13,14 @@ use dsa_kv_core::core::scheduler::StepPlan;
 use dsa_kv_core::core::WindowedSlots;
 use dsa_kv_core::ids::{SlotId, Tier};
 use dsa_kv_core::layout::{Retention, V4Plan};
-use dsa_kv_core::metadata::{DraftSnapshot, MetadataDims, MetadataLayout, StepMetadata};
+use dsa_kv_core::metadata::{MetadataDims, MetadataLayout, StepMetadata};
 use dsa_kv_core::ops::CopyPlan;
 
 use crate::backend::{
     digest_pools, DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec,
 };
 use crate::forward::{
-    Batch, BatchMemory, CacheView, Forward, HostMemory, MetadataView, Phase, Proposals, Region,
+    Batch, BatchMemory, CacheView, Forward, HostMemory, MetadataView, Phase, Region,
 };
 
 /// Where a windowed model's GPU pools are: per life cycle of its plan (plan order), per
@@ -257,18 +257,6 @@ impl DeviceBackend for WindowedHostDevice {
         r.sampling = sampling;
         r.elapsed_us = start.elapsed().as_micros() as u64;
         Ok(r)
-    }
-
-    fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
-    }
-
-    fn draft_forward(&mut self, _: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
-    }
-
-    fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
     }
 
     /// Verification is off for a windowed model (no synthetic writer to predict its

@@ -323,6 +323,53 @@ impl Default for SchedulerConfig {
     }
 }
 
+impl SchedulerConfig {
+    /// Checks every field against [`limits`] (positive, and small enough that what is
+    /// sized from it fits), whatever the model.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_beam_width == 0 {
+            return invalid("scheduler.max_beam_width", 0, "must be at least 1");
+        }
+        for (field, v, max) in [
+            (
+                "scheduler.max_num_sequences",
+                self.max_num_sequences,
+                limits::MAX_NUM_SEQUENCES,
+            ),
+            (
+                "scheduler.max_num_tokens",
+                self.max_num_tokens,
+                limits::MAX_NUM_TOKENS,
+            ),
+            (
+                "scheduler.max_prefill_chunk",
+                self.max_prefill_chunk,
+                limits::MAX_NUM_TOKENS,
+            ),
+            (
+                "scheduler.max_seq_len",
+                self.max_seq_len,
+                limits::MAX_SEQ_LEN,
+            ),
+        ] {
+            if v == 0 {
+                return invalid(field, 0, "must be positive");
+            }
+            if v > max {
+                return invalid(
+                    field,
+                    v,
+                    format!(
+                        "must be at most {max} (positions, page tables and slot mappings are \
+                         sized from it)"
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Everything an engine is configured with.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -358,6 +405,20 @@ impl Default for TransferConfig {
     /// A 30-second lease.
     fn default() -> Self {
         TransferConfig { lease_ms: 30_000 }
+    }
+}
+
+impl TransferConfig {
+    /// Checks the lease (0.1 s to a day).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(100..=86_400_000).contains(&self.lease_ms) {
+            return invalid(
+                "transfer.lease_ms",
+                self.lease_ms,
+                "must be between 100 (0.1 s) and 86400000 (a day)",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -647,46 +708,9 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
             "is above 1 but cp_mode is none: choose helix or star",
         );
     }
-    if !(100..=86_400_000).contains(&c.transfer.lease_ms) {
-        return invalid(
-            "transfer.lease_ms",
-            c.transfer.lease_ms,
-            "must be between 100 (0.1 s) and 86400000 (a day)",
-        );
-    }
+    c.transfer.validate()?;
+    c.scheduler.validate()?;
     let s = &c.scheduler;
-    if s.max_beam_width == 0 {
-        return invalid("scheduler.max_beam_width", 0, "must be at least 1");
-    }
-    for (field, v, max) in [
-        (
-            "scheduler.max_num_sequences",
-            s.max_num_sequences,
-            limits::MAX_NUM_SEQUENCES,
-        ),
-        (
-            "scheduler.max_num_tokens",
-            s.max_num_tokens,
-            limits::MAX_NUM_TOKENS,
-        ),
-        (
-            "scheduler.max_prefill_chunk",
-            s.max_prefill_chunk,
-            limits::MAX_NUM_TOKENS,
-        ),
-        ("scheduler.max_seq_len", s.max_seq_len, limits::MAX_SEQ_LEN),
-    ] {
-        if v == 0 {
-            return invalid(field, 0, "must be positive");
-        }
-        if v > max {
-            return invalid(
-                field,
-                v,
-                format!("must be at most {max} (positions, page tables and slot mappings are sized from it)"),
-            );
-        }
-    }
     // The page tables are allocated at their maxima: bound their size before anything
     // is (4 bytes an entry, two tables per set, a second set for the draft cache).
     let entries = u64::from(s.max_num_sequences)

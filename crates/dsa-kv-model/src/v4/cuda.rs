@@ -33,7 +33,6 @@ use dsa_kv_core::core::WindowedSlots;
 use dsa_kv_core::ids::LayerId;
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
-use dsa_kv_core::metadata::DraftSnapshot;
 use dsa_kv_core::ops::model1::MODEL1_NOPE;
 use dsa_kv_core::storage::BackendError;
 use dsa_kv_cuda::kernels::{Guard, GuardFailure};
@@ -742,18 +741,6 @@ impl DeviceBackend for V4CudaDevice {
         r.sampling = Sampling::Sampled(Sampled::new(outcomes).with_drafts(proposals));
         r.elapsed_us = start.elapsed().as_micros() as u64;
         Ok(r)
-    }
-
-    fn draft_prepare(&mut self, _: &StepPlan) -> Result<DraftSnapshot, DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
-    }
-
-    fn draft_forward(&mut self, _: &StepPlan) -> Result<(u64, Proposals), DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
-    }
-
-    fn draft_restore(&mut self, _: &DraftSnapshot) -> Result<(), DeviceError> {
-        Err(DeviceError::NoDraftCache { device: self.index })
     }
 
     /// Verification is off for a windowed model (no synthetic writer to predict its
