@@ -107,15 +107,15 @@ impl Forward for V4ModelForward {
         let mut outcomes = Vec::with_capacity(requests.len());
         let mut proposals = Proposals::new();
         for p in requests {
-            let err = |e: ModelError| {
-                ForwardError::framework(ModelError::Access(format!("request {}: {e}", p.id)))
-            };
+            // The paged store's errors name the request and the position already.
+            let err = ForwardError::framework;
             let first = p.num_cached;
             let tokens: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
             if tokens.is_empty() {
-                return Err(err(ModelError::Access(
-                    "a planned request with no tokens".into(),
-                )));
+                return Err(err(ModelError::Access(format!(
+                    "request {}: planned with no tokens",
+                    p.id
+                ))));
             }
             let mut kv = V4Paged::of_step(&mut pools, p).map_err(err)?;
             let (outs, hidden) = self
