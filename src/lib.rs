@@ -139,7 +139,8 @@ pub mod core {
 /// config.kv_cache.max_gpu_total_bytes = Some(64 << 20); // every pool of one device
 /// config.scheduler.max_num_sequences = 4;
 /// config.scheduler.max_num_tokens = 512;
-/// config.spec_decode.draft_tokens = 3; // MTP drafts
+/// config.spec_decode.mode = SpecMode::Mtp; // 3 drafts a step from the MTP layer
+/// config.spec_decode.draft_tokens = 3;
 /// let kv = KvCacheBuilder::new()
 ///     .config(config)
 ///     .windowed(WindowedModel::new(model.config().spec()?, backend))

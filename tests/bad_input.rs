@@ -563,6 +563,7 @@ fn rows() -> Vec<Row> {
                 let mut c = EngineConfig::default();
                 c.kv_cache.max_gpu_total_bytes = Some(64 << 20);
                 c.scheduler.max_num_tokens = 4;
+                c.spec_decode.mode = dsa_kv::config::SpecMode::Mtp;
                 c.spec_decode.draft_tokens = 4;
                 err(start_v4(c, None))
             }),

@@ -42,6 +42,7 @@ fn config() -> EngineConfig {
     c.scheduler.max_prefill_chunk = 200;
     c.scheduler.max_num_tokens = 384;
     c.scheduler.max_seq_len = 4096;
+    c.spec_decode.mode = SpecMode::Mtp;
     c.spec_decode.draft_tokens = 3;
     c
 }

@@ -60,6 +60,9 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     config.scheduler.max_num_tokens = 512;
     config.scheduler.max_prefill_chunk = 256;
     config.scheduler.max_seq_len = 8192;
+    if draft_tokens > 0 {
+        config.spec_decode.mode = SpecMode::Mtp;
+    }
     config.spec_decode.draft_tokens = draft_tokens;
     config.spec_decode.separate_draft_cache = false;
     config.kv_cache.enable_partial_reuse = false;

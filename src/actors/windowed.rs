@@ -85,8 +85,8 @@ impl KvCacheBuilder {
     /// Serves a model with sliding windows (DeepSeek-V4) instead of the configuration's
     /// DSA model: its cache is sized from `kv_cache.max_gpu_total_bytes` (required: the
     /// bytes of every pool on one device) and `kv_cache.host_cache_size` (the host tier
-    /// of the compressed blocks), scheduled with `scheduler.*` and
-    /// `spec_decode.draft_tokens` (MTP drafts), on `parallel.tp_size` devices (or
+    /// of the compressed blocks), scheduled with `scheduler.*` and `spec_decode` (MTP
+    /// drafts: `mode = "mtp"`, `draft_tokens`), on `parallel.tp_size` devices (or
     /// [`host_devices`](Self::host_devices)). A separate draft cache and partial-block
     /// reuse do not apply: they are turned off, with a warning in
     /// [`RuntimeInfo::warnings`].
@@ -150,7 +150,9 @@ impl KvCacheBuilder {
         }
         c.scheduler.validate()?;
         c.transfer.validate()?;
-        let drafts = c.spec_decode.draft_tokens;
+        let drafts = c
+            .spec_decode
+            .draft_tokens(&model.spec.name, model.spec.num_mtp_layers)?;
         if drafts >= s.max_num_tokens {
             return Err(invalid(
                 "spec_decode.draft_tokens",

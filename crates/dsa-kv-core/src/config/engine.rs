@@ -291,6 +291,44 @@ impl Default for SpecDecodeConfig {
     }
 }
 
+impl SpecDecodeConfig {
+    /// Draft tokens per decode step for a model `name` with `mtp_layers` MTP layers:
+    /// 0 without speculation (then `draft_tokens` must be 0), else `draft_tokens` in
+    /// 1..=16; MTP needs an MTP layer.
+    pub fn draft_tokens(&self, name: &str, mtp_layers: u32) -> Result<u32, ConfigError> {
+        let n = match self.mode {
+            SpecMode::None => {
+                if self.draft_tokens > 0 {
+                    return invalid(
+                        "spec_decode.draft_tokens",
+                        self.draft_tokens,
+                        "needs spec_decode.mode mtp or eagle3",
+                    );
+                }
+                0
+            }
+            SpecMode::Mtp | SpecMode::Eagle3 => {
+                if self.draft_tokens == 0 || self.draft_tokens > 16 {
+                    return invalid(
+                        "spec_decode.draft_tokens",
+                        self.draft_tokens,
+                        "must be in 1..=16 with speculative decoding",
+                    );
+                }
+                self.draft_tokens
+            }
+        };
+        if self.mode == SpecMode::Mtp && mtp_layers == 0 {
+            return invalid(
+                "spec_decode.mode",
+                "mtp",
+                format!("{name} has no MTP layer: set model.num_mtp_layers or use eagle3"),
+            );
+        }
+        Ok(n)
+    }
+}
+
 /// Scheduler limits.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -728,38 +766,7 @@ fn resolve_with_model(c: &EngineConfig, model: DsaModel) -> Result<ResolvedConfi
         );
     }
     let sd = &c.spec_decode;
-    let draft_tokens = match sd.mode {
-        SpecMode::None => {
-            if sd.draft_tokens > 0 {
-                return invalid(
-                    "spec_decode.draft_tokens",
-                    sd.draft_tokens,
-                    "needs spec_decode.mode mtp or eagle3",
-                );
-            }
-            0
-        }
-        SpecMode::Mtp | SpecMode::Eagle3 => {
-            if sd.draft_tokens == 0 || sd.draft_tokens > 16 {
-                return invalid(
-                    "spec_decode.draft_tokens",
-                    sd.draft_tokens,
-                    "must be in 1..=16 with speculative decoding",
-                );
-            }
-            sd.draft_tokens
-        }
-    };
-    if sd.mode == SpecMode::Mtp && model.spec().num_mtp_layers == 0 {
-        return invalid(
-            "spec_decode.mode",
-            "mtp",
-            format!(
-                "{} has no MTP layer: set model.num_mtp_layers or use eagle3",
-                model.spec().name
-            ),
-        );
-    }
+    let draft_tokens = sd.draft_tokens(&model.spec().name, model.spec().num_mtp_layers)?;
     if sd.mode == SpecMode::Eagle3 && sd.separate_draft_cache {
         return invalid(
             "spec_decode.separate_draft_cache",
