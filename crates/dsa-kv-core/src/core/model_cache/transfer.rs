@@ -109,18 +109,14 @@ impl ModelCache {
         }
         // Only the blocks up to the deepest boundary with a tail are pinned.
         let keys = blocks.block_keys(scope, &tokens[..whole]);
-        let Some(deepest) = (1..=keys.len())
-            .rev()
-            .find(|&j| w.cache.has_tail(&keys[j - 1]))
-        else {
+        let deepest = w.deepest_tail(&keys);
+        if deepest == 0 {
             return Ok(None);
-        };
+        }
         let (mut handle, locs) = blocks.export_blocks(id, scope, &tokens[..deepest * t])?;
         // Fewer may be in place (a block still to be copied between tiers).
-        let hit = (1..=locs.len())
-            .rev()
-            .find(|&j| w.cache.has_tail(&locs[j - 1].key))
-            .unwrap_or(0);
+        let placed: Vec<BlockKey> = locs.iter().map(|l| l.key).collect();
+        let hit = w.deepest_tail(&placed);
         if hit == 0 {
             blocks.close(&mut handle)?;
             w.sync(blocks);
