@@ -585,7 +585,7 @@ fn rows() -> Vec<Row> {
         (
             "v4 runtime: no budget",
             Box::new(|| err(start_v4(EngineConfig::default(), None))),
-            "kv_cache.max_gpu_total_bytes = none is invalid: a windowed model's pools are sized from an explicit byte budget per device",
+            "no GPU budget: set max_gpu_total_bytes or max_tokens, or provide the free GPU memory so that free_gpu_memory_fraction can apply",
         ),
         (
             "v4 runtime: no devices",

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use dsa_kv::core::quota::WindowedCapacityPlan;
 use dsa_kv::prelude::*;
 use dsa_kv::v4::{
     TierSlots, V4Plan, WindowedBackendFactory, WindowedHostDevice, WindowedModel, WindowedSetup,
@@ -527,7 +528,7 @@ async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
         Ok(Box::new(d) as Box<dyn DeviceBackend>)
     });
     let kv = KvCacheBuilder::new()
-        .config(config)
+        .config(config.clone())
         .host_devices(1)
         .windowed_backend(backend)
         .start()
@@ -537,6 +538,19 @@ async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
     assert_eq!(info.model, "DeepSeek-V4-Flash");
     assert_eq!(info.window_slots.len(), 3, "window, state4, state128 rings");
     assert!(info.budget.slots > 0 && info.budget.allocated_bytes <= 1 << 30);
+    // The runtime's pools are what the planner (`plan --model deepseek-v4-flash`)
+    // computes for the same configuration.
+    let spec = config.model.windowed_spec().unwrap().unwrap();
+    let planned = WindowedCapacityPlan::new(
+        V4Plan::new(&spec).unwrap(),
+        config.windowed_demand(&spec, 16).unwrap(),
+        &config.kv_cache,
+        None,
+    )
+    .unwrap();
+    assert_eq!(info.budget, planned.gpu);
+    let rings: Vec<u64> = info.window_slots.iter().map(|&n| u64::from(n)).collect();
+    assert_eq!(rings, planned.capacity.slots[1..]);
     let prompt: Vec<TokenId> = (0..600).map(TokenId).collect();
     let mut reused = Vec::new();
     for id in [1, 2] {

@@ -14,7 +14,10 @@
 //! DeepSeek-V4 models print their four life cycles (compressed blocks, raw window, two
 //! compressor states), the bytes a block and a decoding request cost, and the budget split
 //! into window slots (sized for `--max-sequences`, `--max-batched-tokens`, `--drafts` and
-//! `--tail-boundaries`) and blocks (`plan/v4.rs`). The runtime does not serve them yet.
+//! `--tail-boundaries`) and blocks (`plan/v4.rs`), from the configuration these flags
+//! make (`model.preset`, `scheduler.max_num_sequences` / `max_num_tokens`,
+//! `spec_decode`) through `WindowedCapacityPlan`: the sizing `KvCacheBuilder` gives the
+//! runtime.
 //!
 //! `--help` lists every flag with its default; `--flag=value` works as well as
 //! `--flag value`. `--gpu-mem-gib` is the free GPU memory (after weights and activations); the KV budget
@@ -36,7 +39,8 @@ use dsa_kv::config::{
     V4Preset,
 };
 use dsa_kv::core::quota::CapacityPlan;
-use dsa_kv::core::quota::V4Demand;
+use dsa_kv::core::quota::WindowedCapacityPlan;
+use dsa_kv::layout::V4Plan;
 use dsa_kv::layout::{PoolPlan, Role};
 use serde_json::json;
 
@@ -406,27 +410,49 @@ fn dsa_unused_flag(a: &Args) -> Option<&'static str> {
     .find_map(|(given, flag)| given.then_some(flag))
 }
 
+/// A DeepSeek-V4 plan through the runtime's path: the configuration the flags make, its
+/// model structure and demand, then `WindowedCapacityPlan` (what
+/// `KvCacheBuilder::windowed` sizes the pools with).
 fn run_v4(a: Args, preset: V4Preset) -> Result<(), String> {
-    let (budget, budget_source) = match a.max_gpu_total_bytes {
-        Some(b) => (b, format!("max_gpu_total_bytes {b}")),
-        None => (
-            (a.gpu_mem_gib * GIB * a.fraction) as u64,
-            format!("{:.1} GiB free × {}", a.gpu_mem_gib, a.fraction),
-        ),
+    let mut config = EngineConfig::default();
+    config.model.preset = [ModelPreset::DeepSeekV4Flash, ModelPreset::DeepSeekV4Pro]
+        .into_iter()
+        .find(|m| m.windowed() == Some(preset))
+        .ok_or_else(|| format!("{} is not a configuration preset", preset.name()))?;
+    config.model.indexer_dtype = a.indexer_dtype;
+    config.kv_cache.free_gpu_memory_fraction = a.fraction;
+    config.kv_cache.max_gpu_total_bytes = a.max_gpu_total_bytes;
+    config.scheduler.max_num_sequences = a.max_sequences;
+    config.scheduler.max_num_tokens = a.max_batched_tokens;
+    let drafts = a.drafts.unwrap_or(u32::from(a.with_mtp));
+    if drafts > 0 {
+        config.spec_decode.mode = SpecMode::Mtp;
+        config.spec_decode.draft_tokens = drafts;
+    }
+    let spec = config
+        .model
+        .windowed_spec()
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("{} has no sliding windows", preset.name()))?;
+    let tail_boundaries = a
+        .tail_boundaries
+        .unwrap_or(a.max_sequences.saturating_mul(2));
+    let demand = config
+        .windowed_demand(&spec, tail_boundaries)
+        .map_err(|e| e.to_string())?;
+    let plan = V4Plan::new(&spec).map_err(|e| e.to_string())?;
+    let free = (a.gpu_mem_gib * GIB) as u64;
+    let capacity = WindowedCapacityPlan::new(plan, demand, &config.kv_cache, Some(free))
+        .map_err(|e| e.to_string())?;
+    let budget_source = match a.max_gpu_total_bytes {
+        Some(b) => format!("max_gpu_total_bytes {b}"),
+        None => format!("{:.1} GiB free × {}", a.gpu_mem_gib, a.fraction),
     };
     v4::run(v4::V4Args {
         preset,
-        indexer_dtype: a.indexer_dtype,
-        budget,
+        spec,
+        capacity,
         budget_source,
-        demand: V4Demand {
-            max_sequences: a.max_sequences,
-            drafts: a.drafts.unwrap_or(u32::from(a.with_mtp)),
-            max_batched_tokens: a.max_batched_tokens,
-            tail_boundaries: a
-                .tail_boundaries
-                .unwrap_or(a.max_sequences.saturating_mul(2)),
-        },
         json: a.json,
     })
 }

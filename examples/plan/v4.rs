@@ -1,22 +1,21 @@
 //! `plan --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 pool plan (four
 //! life cycles, their pools and page sizes), the bytes a block and a decoding request
-//! cost, and the budget split into window slots and blocks ([`v4_capacity`], the
-//! computation the cache manager will size its pools with).
+//! cost, and the budget split into window slots and blocks (`WindowedCapacityPlan`, the
+//! computation the runtime sizes its pools with).
 
-use dsa_kv::config::{IndexerDtype, V4Preset, V4Spec};
-use dsa_kv::core::quota::{v4_capacity, v4_window_slots, V4Demand};
+use dsa_kv::config::{V4Preset, V4Spec};
+use dsa_kv::core::quota::{v4_window_slots, WindowedCapacityPlan};
 use dsa_kv::layout::{Retention, V4LifeCycle, V4PageFormat, V4Plan};
 use serde_json::json;
 
 use super::{group_digits, GIB};
 
-/// What `plan` was given that V4 planning reads.
+/// The configuration's V4 plan, as `plan` prints it.
 pub(super) struct V4Args {
     pub preset: V4Preset,
-    pub indexer_dtype: Option<IndexerDtype>,
-    pub budget: u64,
+    pub spec: V4Spec,
+    pub capacity: WindowedCapacityPlan,
     pub budget_source: String,
-    pub demand: V4Demand,
     pub json: bool,
 }
 
@@ -80,15 +79,13 @@ fn pools_of(plan: &V4Plan, lc: &V4LifeCycle) -> Vec<serde_json::Value> {
 }
 
 pub(super) fn run(a: V4Args) -> Result<(), String> {
-    let mut spec: V4Spec = a.preset.spec();
-    if let Some(d) = a.indexer_dtype {
-        spec.indexer_dtype = d;
-    }
-    let plan = V4Plan::new(&spec).map_err(|e| e.to_string())?;
-    let capacity = v4_capacity(&plan, a.budget, &a.demand).map_err(|e| e.to_string())?;
+    let spec = &a.spec;
+    let plan = &a.capacity.plan;
+    let capacity = &a.capacity.capacity;
+    let budget = a.capacity.gpu.bytes;
     let (window_only, c4, c128) = spec.layer_counts();
     let block = plan.bytes_per_block();
-    let drafts = a.demand.drafts;
+    let drafts = a.capacity.demand.drafts;
     let per_request = plan.window_bytes_per_request(drafts, 1);
     let life_cycles: Vec<_> = plan
         .life_cycles()
@@ -104,7 +101,7 @@ pub(super) fn run(a: V4Args) -> Result<(), String> {
                 "pages_per_decoding_request": lc.window_pages(drafts, 1),
                 "slots": capacity.slots[lc.id.index()],
                 "allocated_bytes": capacity.bytes[lc.id.index()],
-                "pools": pools_of(&plan, lc),
+                "pools": pools_of(plan, lc),
             })
         })
         .collect();
@@ -125,8 +122,8 @@ pub(super) fn run(a: V4Args) -> Result<(), String> {
         "window_bytes_per_request": per_request,
         "tail_bytes_per_boundary": plan.tail_bytes(),
         "life_cycles": life_cycles,
-        "demand": a.demand,
-        "budget_bytes": a.budget,
+        "demand": a.capacity.demand,
+        "budget_bytes": budget,
         "budget_source": a.budget_source,
         "allocated_bytes": capacity.allocated_bytes,
         "blocks": capacity.blocks,
@@ -161,7 +158,7 @@ pub(super) fn run(a: V4Args) -> Result<(), String> {
             group_digits(lc.slot_bytes()),
             lc.tail_pages()
         );
-        for p in pools_of(&plan, lc) {
+        for p in pools_of(plan, lc) {
             println!(
                 "      pool {}: {} B per slot = {} × {} B ({}; {})",
                 p["id"],
@@ -206,12 +203,12 @@ pub(super) fn run(a: V4Args) -> Result<(), String> {
         group_digits(plan.tail_bytes())
     );
     println!();
-    let d = &a.demand;
+    let d = &a.capacity.demand;
     println!(
         "capacity: {} = {:.2} GiB budget; windows sized for {} sequences, {} positions/step, \
          {} retained boundaries:",
         a.budget_source,
-        a.budget as f64 / GIB,
+        budget as f64 / GIB,
         d.max_sequences,
         d.max_batched_tokens,
         d.tail_boundaries

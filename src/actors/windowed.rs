@@ -13,7 +13,7 @@ use std::sync::Arc;
 use dsa_kv_core::config::limits;
 use dsa_kv_core::config::V4Spec;
 use dsa_kv_core::core::quota::{
-    v4_capacity, v4_life_cycle_bytes, BudgetSource, GpuBudget, V4Demand,
+    v4_life_cycle_bytes, BudgetSource, GpuBudget, WindowedCapacityPlan,
 };
 use dsa_kv_core::core::scheduler::{Scheduler, SchedulerLimits};
 use dsa_kv_core::core::{ManagerOptions, ModelCache, TierSlots, WindowedSlots};
@@ -83,9 +83,10 @@ fn bad(setting: &'static str, value: u64, max: u64) -> RuntimeError {
 
 impl KvCacheBuilder {
     /// Serves a model with sliding windows (DeepSeek-V4) instead of the configuration's
-    /// DSA model: its cache is sized from `kv_cache.max_gpu_total_bytes` (required: the
-    /// bytes of every pool on one device) and `kv_cache.host_cache_size` (the host tier
-    /// of the compressed blocks), scheduled with `scheduler.*` and `spec_decode` (MTP
+    /// DSA model: its cache is sized from the budget of every pool on one device
+    /// (`kv_cache.max_gpu_total_bytes`, or the blocks `kv_cache.max_tokens` needs; the
+    /// sizing is [`WindowedCapacityPlan`], what `plan` prints) and
+    /// `kv_cache.host_cache_size` (the host tier of the compressed blocks), scheduled with `scheduler.*` and `spec_decode` (MTP
     /// drafts: `mode = "mtp"`, `draft_tokens`), on `parallel.tp_size` devices (or
     /// [`host_devices`](Self::host_devices)). A separate draft cache and partial-block
     /// reuse do not apply: they are turned off, with a warning in
@@ -150,40 +151,25 @@ impl KvCacheBuilder {
         }
         c.scheduler.validate()?;
         c.transfer.validate()?;
-        let drafts = c
-            .spec_decode
-            .draft_tokens(&model.spec.name, model.spec.num_mtp_layers)?;
-        if drafts >= s.max_num_tokens {
-            return Err(invalid(
-                "spec_decode.draft_tokens",
-                drafts.to_string(),
-                "a decode step carries 1 + drafts tokens: keep drafts below \
-                 scheduler.max_num_tokens",
-            ));
-        }
-        let budget = c.kv_cache.max_gpu_total_bytes.ok_or_else(|| {
-            invalid(
-                "kv_cache.max_gpu_total_bytes",
-                "none".into(),
-                "a windowed model's pools are sized from an explicit byte budget per device",
-            )
-        })?;
+        let demand = c.windowed_demand(&model.spec, model.tail_boundaries)?;
+        let drafts = demand.drafts;
         let plan = V4Plan::new(&model.spec)
             .map_err(|e| invalid("model", model.spec.name.clone(), &e.to_string()))?;
-        let demand = V4Demand {
-            max_sequences: s.max_num_sequences,
-            drafts,
-            max_batched_tokens: s.max_num_tokens,
-            tail_boundaries: model.tail_boundaries,
-        };
         let too_many = |n: u64| {
             u32::try_from(n).map_err(|_| RuntimeError::TooManySlots {
                 slots: n,
                 max: u64::from(u32::MAX),
             })
         };
-        let (slots, allocated) = match &model.slots {
+        let (slots, budget) = match &model.slots {
             Some(slots) => {
+                let budget = c.kv_cache.max_gpu_total_bytes.ok_or_else(|| {
+                    invalid(
+                        "kv_cache.max_gpu_total_bytes",
+                        "none".into(),
+                        "given slots are checked against an explicit byte budget per device",
+                    )
+                })?;
                 // The bytes of the given slots, life cycle by life cycle.
                 let mut windows = slots.windows.iter();
                 let bytes = plan
@@ -204,31 +190,40 @@ impl KvCacheBuilder {
                         &format!("the given slots take {bytes} B: raise the budget"),
                     ));
                 }
-                (slots.clone(), bytes)
+                let blocks = u64::from(slots.blocks.gpu.first().copied().unwrap_or(0));
+                let t = u64::from(plan.tokens_per_block());
+                let gpu = GpuBudget {
+                    bytes: budget,
+                    source: BudgetSource::Explicit,
+                    slots: blocks,
+                    tokens: blocks * t,
+                    target_bytes: bytes,
+                    draft_bytes: 0,
+                    allocated_bytes: bytes,
+                };
+                (slots.clone(), gpu)
             }
             None => {
-                let cap = v4_capacity(&plan, budget, &demand)?;
+                // The computation `plan --model deepseek-v4-flash` prints.
+                let cap = WindowedCapacityPlan::new(plan.clone(), demand, &c.kv_cache, None)?;
                 let windows = plan
                     .life_cycles()
                     .iter()
                     .filter(|lc| lc.retention != Retention::Full)
-                    .map(|lc| too_many(cap.slots[lc.id.index()]))
+                    .map(|lc| too_many(cap.capacity.slots[lc.id.index()]))
                     .collect::<Result<Vec<u32>, _>>()?;
-                let host = match c.kv_cache.host_cache_size {
-                    Some(bytes) => too_many(bytes / plan.bytes_per_block().max(1))?,
-                    None => 0,
-                };
+                let host = too_many(cap.host_blocks)?;
                 let slots = WindowedSlots {
                     blocks: TierSlots {
-                        gpu: vec![too_many(cap.blocks)?],
+                        gpu: vec![too_many(cap.capacity.blocks)?],
                         host: if host > 0 { vec![host] } else { vec![] },
                     },
                     windows,
                 };
-                (slots, cap.allocated_bytes)
+                (slots, cap.gpu)
             }
         };
-        let blocks = slots.blocks.gpu.first().copied().unwrap_or(0);
+        let allocated = budget.allocated_bytes;
         let host = slots.blocks.host.first().copied().unwrap_or(0);
         let opts = ManagerOptions {
             enable_block_reuse: c.kv_cache.enable_block_reuse,
@@ -248,8 +243,7 @@ impl KvCacheBuilder {
             transfer_lease: std::time::Duration::from_millis(c.transfer.lease_ms),
         };
         let sched = Scheduler::new(cache, None, limits);
-        let quota_cap = c.kv_cache.max_gpu_total_bytes.unwrap_or(u64::MAX);
-        let shared = Arc::new(RuntimeShared::new(devices, quota_cap));
+        let shared = Arc::new(RuntimeShared::new(devices, budget.bytes));
         shared
             .quota
             .try_reserve("the windowed model's pools", allocated)?;
@@ -270,15 +264,7 @@ impl KvCacheBuilder {
             model: model.spec.name.clone(),
             layout: LayoutKind::V2,
             bytes_per_token: plan.bytes_per_block() / t,
-            budget: GpuBudget {
-                bytes: budget,
-                source: BudgetSource::Explicit,
-                slots: u64::from(blocks),
-                tokens: u64::from(blocks) * t,
-                target_bytes: allocated,
-                draft_bytes: 0,
-                allocated_bytes: allocated,
-            },
+            budget,
             host_slots: u64::from(host),
             devices,
             draft_cache: false,

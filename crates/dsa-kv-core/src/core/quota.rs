@@ -13,7 +13,9 @@ use serde::Serialize;
 
 mod v4;
 
-pub use v4::{v4_capacity, v4_life_cycle_bytes, v4_window_slots, V4Capacity, V4Demand};
+pub use v4::{
+    v4_capacity, v4_life_cycle_bytes, v4_window_slots, V4Capacity, V4Demand, WindowedCapacityPlan,
+};
 
 use crate::config::{DsaModel, LayerSet};
 use crate::layout::{LayoutError, LayoutKind, PoolPlan, Role};

@@ -33,6 +33,7 @@ use crate::ids::{Fence, RequestId, SlotId, TokenId};
 use crate::layout::V4Plan;
 
 mod by_id;
+mod router;
 #[cfg(test)]
 mod tests;
 mod transfer;
@@ -343,15 +344,33 @@ impl ModelCache {
         self.blocks.take_copy_plans()
     }
 
-    /// Router events since the last call (see [`KvCacheManager::take_router_events`]).
+    /// Router events since the last call (see [`KvCacheManager::take_router_events`]);
+    /// with sliding windows only for the blocks a hit can reach, those with a tail at
+    /// or below them (see the `router` module).
     #[inline]
     pub fn take_router_events(&mut self) -> Vec<super::RouterEvent> {
-        self.blocks.take_router_events()
+        match self.window.as_deref_mut() {
+            None => self.blocks.take_router_events(),
+            Some(w) => w.take_router_events(&mut self.blocks),
+        }
     }
 
     /// Turns the recording of router events on or off.
     pub fn set_record_router_events(&mut self, on: bool) {
-        self.blocks.set_record_router_events(on);
+        match self.window.as_deref_mut() {
+            None => self.blocks.set_record_router_events(on),
+            Some(w) => w.set_record_router_events(&mut self.blocks, on),
+        }
+    }
+
+    /// The blocks a router holds after replaying every router event (see
+    /// [`KvCacheManager::router_blocks`]); with sliding windows those with a tail at or
+    /// below them, computed from the tree and the tails.
+    pub fn router_blocks(&self) -> Vec<super::RouterBlock> {
+        match self.window.as_deref() {
+            None => self.blocks.router_blocks(),
+            Some(w) => w.router_blocks(&self.blocks),
+        }
     }
 
     /// Fault drills: see [`KvCacheManager::inject_room_failures`].

@@ -504,6 +504,10 @@ fn model(seed: u64) {
     let mut mem: Memory = HashMap::new();
     let mut live: Vec<Live> = Vec::new();
     let (mut next, mut hits, mut steps) = (0u64, 0u64, 0u64);
+    // A router following the cache's router events (only blocks a hit can reach).
+    m.m.cache_mut().set_record_router_events(true);
+    let mut router = crate::core::RouterView::default();
+    let mut router_exact = 0u64;
     for _ in 0..800 {
         if live.len() < 3 && rng.below(3) == 0 {
             let mut prompt = bases[rng.below(2) as usize][..rng.below(1_700) as usize].to_vec();
@@ -512,7 +516,25 @@ fn model(seed: u64) {
             ));
             let id = RequestId(next);
             next += 1;
+            // The router's overlap score (leading blocks it holds) never falls short of
+            // the hit, and equals it when it ends at a block with a tail.
+            let c = m.m.cache_mut();
+            let probe = c.probe_reuse(ReuseScope::SHARED, &prompt).unwrap();
+            let keys = c.block_keys(ReuseScope::SHARED, &prompt[..prompt.len() - 1]);
+            let j = keys
+                .iter()
+                .take_while(|k| router.contains(k.hash64()))
+                .count();
+            assert!(
+                j as u64 * T >= probe,
+                "seed {seed}: router {j} blocks, hit {probe}"
+            );
+            if j == 0 || m.windows().has_tail(&keys[j - 1]) {
+                assert_eq!(j as u64 * T, probe, "seed {seed}: router ends at a tail");
+                router_exact += u64::from(probe > 0);
+            }
             let c = create(&mut m, id, &prompt);
+            assert_eq!(c.reused_tokens, probe, "seed {seed}: the probe is the hit");
             hits += u64::from(c.reused_tokens > 0);
             if !m.resume(id).unwrap() {
                 m.close(id).unwrap();
@@ -538,14 +560,20 @@ fn model(seed: u64) {
             }
         }
         m.check_invariants();
+        for e in m.m.cache_mut().take_router_events() {
+            router
+                .apply(&e)
+                .unwrap_or_else(|err| panic!("seed {seed}: {err}"));
+        }
+        assert_eq!(router.blocks(), m.c().router_blocks(), "seed {seed}");
     }
     for s in live {
         m.close(s.id).unwrap();
     }
     m.check_invariants();
     assert!(
-        steps > 100 && hits > 3,
-        "seed {seed}: {steps} steps, {hits} hits"
+        steps > 100 && hits > 3 && router_exact > 0,
+        "seed {seed}: {steps} steps, {hits} hits, {router_exact} exact router hits"
     );
 }
 

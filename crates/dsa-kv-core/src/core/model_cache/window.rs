@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 
+use super::router::TailCover;
 use super::transfer::Transfer;
 use super::WindowKindStats;
 use crate::core::error::KvError;
@@ -30,6 +31,7 @@ use crate::core::events::KvEvent;
 use crate::core::manager::{Created, KvCacheManager, SeqHandle, SeqOptions};
 use crate::core::reuse_key::{BlockKey, KeyHasher, ReuseScope};
 use crate::core::window::{WindowCache, WindowSpec};
+use crate::core::{RouterBlock, RouterEvent};
 use crate::ids::{RequestId, SlotId, TokenId};
 use crate::layout::V4Plan;
 
@@ -59,6 +61,8 @@ pub(crate) struct WindowKind {
     tail_interval: u32,
     block_tokens: u64,
     stats: WindowKindStats,
+    /// The router's view (while router events are recorded).
+    cover: Option<TailCover>,
 }
 
 impl WindowKind {
@@ -78,6 +82,7 @@ impl WindowKind {
             tail_interval,
             block_tokens: u64::from(plan.tokens_per_block()),
             stats: WindowKindStats::default(),
+            cover: None,
         })
     }
 
@@ -122,6 +127,51 @@ impl WindowKind {
                 self.events.push(e);
             }
         }
+        if let Some(cover) = self.cover.as_mut() {
+            cover.blocks(blocks.take_router_events());
+            for (key, linked) in self.cache.take_tail_log() {
+                if linked {
+                    cover.linked(&key);
+                } else {
+                    cover.dropped(&key);
+                }
+            }
+        }
+    }
+
+    /// Router events since the last call: the block manager's, for the blocks a hit
+    /// can reach (see [`TailCover`]).
+    pub(super) fn take_router_events(&mut self, blocks: &mut KvCacheManager) -> Vec<RouterEvent> {
+        self.sync(blocks);
+        self.cover.as_mut().map(TailCover::take).unwrap_or_default()
+    }
+
+    /// Starts or stops recording router events. Started with blocks cached, the
+    /// filter learns them and their tails silently (consumers resynchronize from
+    /// [`router_blocks`](Self::router_blocks)).
+    pub(super) fn set_record_router_events(&mut self, blocks: &mut KvCacheManager, on: bool) {
+        self.sync(blocks);
+        blocks.set_record_router_events(on);
+        self.cache.log_tails(on);
+        if !on {
+            self.cover = None;
+            return;
+        }
+        if self.cover.is_none() {
+            let mut cover = TailCover::default();
+            cover.blocks(blocks.router_stored_all());
+            for key in self.cache.tail_keys() {
+                cover.linked(key);
+            }
+            cover.take();
+            self.cover = Some(cover);
+        }
+    }
+
+    /// The blocks a router should hold: those with a tail at or below them (computed
+    /// from the tree and the tails, not from the filter's state).
+    pub(super) fn router_blocks(&self, blocks: &KvCacheManager) -> Vec<RouterBlock> {
+        blocks.router_blocks_covering(|k| self.cache.has_tail(k))
     }
 
     #[inline(never)]

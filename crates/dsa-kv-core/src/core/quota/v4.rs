@@ -5,7 +5,8 @@
 
 use serde::Serialize;
 
-use super::{round_up, QuotaError, ALLOC_GRANULARITY};
+use super::{round_up, BudgetSource, GpuBudget, QuotaError, ALLOC_GRANULARITY};
+use crate::config::KvCacheConfig;
 use crate::layout::{Retention, V4LifeCycle, V4Plan};
 
 /// What the window life cycles must hold at once.
@@ -124,6 +125,110 @@ pub fn v4_capacity(
     })
 }
 
+/// What one configuration allocates on each device for a model with sliding windows:
+/// the budget resolved as for every model (`max_gpu_total_bytes`, else
+/// `free_gpu_memory_fraction` of the free memory, capped by `max_tokens`), the window
+/// life cycles sized for the demand, the blocks the rest holds, and the host tier of the
+/// compressed blocks. The runtime's builder sizes its pools from it and the `plan`
+/// example prints it: planning and allocation are one computation, as
+/// [`CapacityPlan`](super::CapacityPlan) is for the DSA models.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct WindowedCapacityPlan {
+    /// The model's cache plan.
+    pub plan: V4Plan,
+    /// What the window life cycles are sized for.
+    pub demand: V4Demand,
+    /// Slots and bytes per life cycle.
+    pub capacity: V4Capacity,
+    /// The budget and what decided it; `slots` are the compressed life cycle's blocks.
+    pub gpu: GpuBudget,
+    /// Host-tier blocks of the compressed life cycle (0: no host tier).
+    pub host_blocks: u64,
+}
+
+impl WindowedCapacityPlan {
+    /// Sizes `plan`'s pools for `demand` from `kv`'s budget (`free_gpu_memory`: the
+    /// device's free memory, when measured, for `free_gpu_memory_fraction`). Refused
+    /// with the part that does not fit: no budget, the windows alone, a host tier past
+    /// what page indices address.
+    pub fn new(
+        plan: V4Plan,
+        demand: V4Demand,
+        kv: &KvCacheConfig,
+        free_gpu_memory: Option<u64>,
+    ) -> Result<Self, QuotaError> {
+        let value = kv.free_gpu_memory_fraction;
+        if !(value > 0.0 && value <= 1.0) {
+            return Err(QuotaError::BadFraction {
+                field: "free_gpu_memory_fraction",
+                value,
+            });
+        }
+        let t = u64::from(plan.tokens_per_block());
+        // The bytes `max_tokens` needs: the windows and the blocks holding that many.
+        let full = plan
+            .life_cycles()
+            .iter()
+            .find(|l| l.retention == Retention::Full);
+        let for_tokens = |tokens: u64| {
+            let windows = plan
+                .life_cycles()
+                .iter()
+                .filter_map(|lc| v4_window_slots(lc, &demand).map(|n| v4_life_cycle_bytes(lc, n)))
+                .fold(0u64, u64::saturating_add);
+            let blocks = full.map_or(0, |lc| v4_life_cycle_bytes(lc, tokens.div_ceil(t).max(1)));
+            windows.saturating_add(blocks)
+        };
+        let (mut bytes, mut source) = match (kv.max_gpu_total_bytes, free_gpu_memory) {
+            (Some(b), _) => (b, BudgetSource::Explicit),
+            (None, Some(free)) => (
+                (free as f64 * value) as u64,
+                BudgetSource::FreeMemoryFraction,
+            ),
+            (None, None) => match kv.max_tokens {
+                Some(tokens) => (for_tokens(tokens), BudgetSource::MaxTokens),
+                None => return Err(QuotaError::NoBudget),
+            },
+        };
+        if let Some(tokens) = kv.max_tokens {
+            let cap = for_tokens(tokens);
+            if cap < bytes {
+                bytes = cap;
+                source = BudgetSource::MaxTokens;
+            }
+        }
+        let capacity = v4_capacity(&plan, bytes, &demand)?;
+        let block = plan.bytes_per_block().max(1);
+        let host_blocks = kv.host_cache_size.map_or(0, |b| b / block);
+        let max_slots = u64::from(u32::MAX);
+        if host_blocks > max_slots {
+            return Err(QuotaError::HostTierTooLarge {
+                host_cache_size: kv.host_cache_size.unwrap_or(0),
+                slots: host_blocks,
+                max_slots,
+                max_bytes: max_slots * block,
+            });
+        }
+        let gpu = GpuBudget {
+            bytes,
+            source,
+            slots: capacity.blocks,
+            tokens: capacity.tokens,
+            target_bytes: capacity.allocated_bytes,
+            draft_bytes: 0,
+            allocated_bytes: capacity.allocated_bytes,
+        };
+        Ok(WindowedCapacityPlan {
+            plan,
+            demand,
+            capacity,
+            gpu,
+            host_blocks,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,6 +245,67 @@ mod tests {
             max_batched_tokens: 8192,
             tail_boundaries: 1024,
         }
+    }
+
+    /// The configuration's budget resolves as for every model: explicit bytes, else the
+    /// fraction of the free memory; `max_tokens` caps it (alone, it sizes it) at exactly
+    /// the blocks holding that many tokens; no budget, a bad fraction and windows that
+    /// do not fit are refused naming the part.
+    #[test]
+    fn a_windowed_capacity_plan_resolves_the_budget_like_every_model() {
+        let p = V4Plan::new(&V4Spec::flash()).unwrap();
+        let d = demand();
+        let plan = |kv: &KvCacheConfig, free| WindowedCapacityPlan::new(p.clone(), d, kv, free);
+        let mut kv = KvCacheConfig::default();
+        kv.max_gpu_total_bytes = Some(100 * GIB);
+        let explicit = plan(&kv, Some(GIB)).unwrap();
+        assert_eq!(explicit.capacity, v4_capacity(&p, 100 * GIB, &d).unwrap());
+        assert_eq!(explicit.gpu.source, BudgetSource::Explicit);
+        assert_eq!(explicit.gpu.slots, explicit.capacity.blocks);
+        assert_eq!(
+            explicit.gpu.allocated_bytes,
+            explicit.capacity.allocated_bytes
+        );
+        assert!(explicit.gpu.allocated_bytes <= 100 * GIB);
+        kv.max_gpu_total_bytes = None;
+        kv.free_gpu_memory_fraction = 0.5;
+        let fraction = plan(&kv, Some(200 * GIB)).unwrap();
+        assert_eq!(fraction.capacity, explicit.capacity);
+        assert_eq!(fraction.gpu.source, BudgetSource::FreeMemoryFraction);
+        // 1,000 tokens need 4 blocks of 256: the budget is the windows and 4 blocks'
+        // pools, rounded up to 2 MiB each, where a fifth block fits as well.
+        kv.max_tokens = Some(1_000);
+        let four = v4_capacity(&p, 100 * GIB, &d).unwrap();
+        let windows = four.allocated_bytes - four.bytes[0];
+        let full = p.life_cycle(V4LifeCycleKind::Compressed).unwrap();
+        for free in [Some(200 * GIB), None] {
+            let capped = plan(&kv, free).unwrap();
+            assert_eq!(capped.gpu.bytes, windows + v4_life_cycle_bytes(full, 4));
+            assert_eq!(capped.capacity.blocks, 5);
+            assert_eq!(capped.gpu.tokens, 5 * 256);
+            assert_eq!(capped.gpu.source, BudgetSource::MaxTokens);
+            assert_eq!(capped.gpu.bytes, capped.capacity.allocated_bytes);
+            assert_eq!(v4_life_cycle_bytes(full, 5), v4_life_cycle_bytes(full, 4));
+        }
+        kv.max_tokens = None;
+        assert_eq!(plan(&kv, None).unwrap_err(), QuotaError::NoBudget);
+        kv.free_gpu_memory_fraction = 1.5;
+        assert!(matches!(
+            plan(&kv, Some(GIB)).unwrap_err(),
+            QuotaError::BadFraction {
+                field: "free_gpu_memory_fraction",
+                ..
+            }
+        ));
+        kv.free_gpu_memory_fraction = 0.9;
+        assert!(matches!(
+            plan(&kv, Some(GIB)).unwrap_err(),
+            QuotaError::V4WindowsDoNotFit { .. }
+        ));
+        kv.max_gpu_total_bytes = Some(100 * GIB);
+        kv.host_cache_size = Some(10 * GIB);
+        let host = plan(&kv, None).unwrap();
+        assert_eq!(host.host_blocks, 10 * GIB / p.bytes_per_block());
     }
 
     /// Flash with 256 sequences, 3 drafts, 8,192 positions a step, 1,024 tails, worked by

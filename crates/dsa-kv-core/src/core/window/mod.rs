@@ -230,6 +230,10 @@ pub struct WindowCache {
     /// The next demotion stamp.
     demoted: u64,
     stats: WindowStats,
+    /// Tails linked (`true`) and removed (`false`) since the last
+    /// [`take_tail_log`](Self::take_tail_log), while [`log_tails`](Self::log_tails) is on.
+    tail_log: Vec<(BlockKey, bool)>,
+    log_tails: bool,
 }
 
 impl WindowCache {
@@ -260,6 +264,8 @@ impl WindowCache {
             stamp: DEMOTED_STAMPS,
             demoted: 0,
             stats: WindowStats::default(),
+            tail_log: Vec::new(),
+            log_tails: false,
         })
     }
 
@@ -671,6 +677,9 @@ impl WindowCache {
         );
         self.lru.insert((self.stamp, key));
         self.stats.tails_linked += 1;
+        if self.log_tails {
+            self.tail_log.push((key, true));
+        }
     }
 
     fn remove_tail(&mut self, key: &BlockKey, last_use: Fence) -> bool {
@@ -679,7 +688,24 @@ impl WindowCache {
         };
         self.lru.remove(&(t.stamp, *key));
         self.unref(t.pages.into_iter().flatten(), false, last_use);
+        if self.log_tails {
+            self.tail_log.push((*key, false));
+        }
         true
+    }
+
+    /// Starts or stops logging which tails are linked and removed (off: the log is
+    /// emptied and stays so).
+    pub fn log_tails(&mut self, on: bool) {
+        self.log_tails = on;
+        if !on {
+            self.tail_log = Vec::new();
+        }
+    }
+
+    /// Tails linked (`true`) and removed (`false`) since the last call, in order.
+    pub fn take_tail_log(&mut self) -> Vec<(BlockKey, bool)> {
+        std::mem::take(&mut self.tail_log)
     }
 
     /// Makes the tail of `key` the next to be evicted (after those demoted earlier) while
