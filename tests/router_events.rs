@@ -11,16 +11,19 @@ mod common;
 #[path = "common/dynamo_router.rs"]
 mod dynamo_router;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::engine::run_to_end;
 use dsa_kv::actors::{EventBatch, KvCacheBuilder, KvCacheHandle};
-use dsa_kv::config::EngineConfig;
+use dsa_kv::config::{EngineConfig, ModelPreset};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::{Medium, ReuseScope, RouterEvent};
+use dsa_kv::device::{Batch, Forward, ForwardError, Sampling};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{encode_batch, WireEncoding, ZmqPublisher, ZmqPublisherConfig};
+use dsa_kv::v4::{DeviceBackend, WindowedBackendFactory, WindowedHostDevice, WindowedSetup};
 use dynamo_kv_router::zmq_wire::{decode_event_batch, RawKvEvent};
 use dynamo_router::DynamoRouter;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -105,11 +108,11 @@ struct Engine {
 
 impl Engine {
     async fn start(encoding: WireEncoding, topic: &str) -> Engine {
-        let kv = KvCacheBuilder::new()
-            .config(config())
-            .start()
-            .await
-            .unwrap();
+        Engine::start_with(KvCacheBuilder::new().config(config()), encoding, topic).await
+    }
+
+    async fn start_with(builder: KvCacheBuilder, encoding: WireEncoding, topic: &str) -> Engine {
+        let kv = builder.start().await.unwrap();
         let publisher = ZmqPublisher::start(
             kv.events().subscribe().await.unwrap(),
             ZmqPublisherConfig {
@@ -410,6 +413,114 @@ async fn dynamo_decodes_both_encodings_and_its_scores_equal_each_engines_reuse()
         let report = e.publisher.shutdown().await;
         assert_eq!((report.lost_batches, report.send_errors), (0, 0));
         assert!(report.replay_requests > 0);
+        e.kv.shutdown().await;
+    }
+}
+
+/// The forward of the V4 engines here: writes nothing, the engine loop samples.
+struct EngineSamples;
+
+impl Forward for EngineSamples {
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        Ok(Sampling::ByEngine)
+    }
+}
+
+/// DeepSeek-V4-Flash from its configuration preset: 24 blocks of 256 tokens per engine
+/// (evictions), Flash's window rings, host devices.
+fn v4_builder() -> KvCacheBuilder {
+    let mut c = EngineConfig::default();
+    c.model.preset = ModelPreset::DeepSeekV4Flash;
+    c.kv_cache.max_tokens = Some(24 * 256);
+    c.scheduler.max_num_sequences = 4;
+    c.scheduler.max_num_tokens = 1024;
+    c.scheduler.max_prefill_chunk = 512;
+    c.scheduler.max_seq_len = 8192;
+    let devices: WindowedBackendFactory = Arc::new(|i, s: &WindowedSetup| {
+        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(EngineSamples))?;
+        Ok(Box::new(d) as Box<dyn DeviceBackend>)
+    });
+    KvCacheBuilder::new().config(c).windowed_backend(devices)
+}
+
+/// DeepSeek-V4 through Dynamo's router: the events announce only blocks a hit can reach
+/// (a tail at or below them), so for each conversation's prompt just served Dynamo's
+/// score on the engine holding it is exactly that engine's reuse, on the other engine
+/// it is never below its reuse, and a repeated prompt is routed to its holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dynamo_routes_a_repeated_deepseek_v4_prompt_to_its_holder() {
+    const V4_BLOCK: u64 = 256;
+    let engines = [
+        Engine::start_with(v4_builder(), WireEncoding::Array, "").await,
+        Engine::start_with(v4_builder(), WireEncoding::Map, "").await,
+    ];
+    let mut router = DynamoRouter::new(V4_BLOCK as u32);
+    for e in &engines {
+        let ep = e.publisher.endpoint().to_string();
+        let rep = e.publisher.replay_endpoint().unwrap().to_string();
+        router.follow(&ep, &rep, "").await.unwrap();
+    }
+    let mut convs: Vec<Conv> = (0..8)
+        .map(|id| {
+            let mut prompt: Vec<TokenId> = (0..600)
+                .map(|i| TokenId(i + 1000 * (id % 3) as u32))
+                .collect();
+            prompt.extend(user_tokens(id, 0).repeat(4));
+            Conv {
+                id,
+                scope: ReuseScope::SHARED,
+                prompt,
+            }
+        })
+        .collect();
+    let (mut routed, mut held) = (0, 0);
+    for turn in 1..=3 {
+        for c in &convs {
+            let holder = &engines[(c.id % 2) as usize].kv;
+            holder.submit(c.request(turn)).await.unwrap();
+            run_to_end(holder, || {}).await;
+        }
+        for (w, e) in engines.iter().enumerate() {
+            let target = e.published().await;
+            router.catch_up(w, target).await.unwrap();
+        }
+        for c in &convs {
+            let holder = (c.id % 2) as usize;
+            let mut want = Vec::new();
+            for e in &engines {
+                let reuse = e.kv.probe_reuse(c.scope, &c.prompt).await.unwrap();
+                want.push((reuse / V4_BLOCK) as u32);
+            }
+            let tokens: Vec<u32> = c.prompt[..c.prompt.len() - 1]
+                .iter()
+                .map(|t| t.get())
+                .collect();
+            let got = router.scores(&tokens, None);
+            let label = format!(
+                "turn {turn}, conversation {}: scores {got:?}, reuse {want:?}",
+                c.id
+            );
+            assert_eq!(got[holder], want[holder], "{label}");
+            assert!(got[1 - holder] >= want[1 - holder], "{label}");
+            if want[holder] > 0 {
+                held += 1;
+                routed += usize::from(got[holder] > got[1 - holder]);
+            }
+        }
+        for c in &mut convs {
+            c.next_turn(turn + 1);
+            c.prompt.extend(user_tokens(c.id, turn + 100).repeat(3));
+        }
+    }
+    assert!(held >= 16, "only {held} prompts were held");
+    assert!(
+        routed * 10 >= held * 9,
+        "only {routed} of {held} held prompts scored highest on their holder"
+    );
+    for e in engines {
+        let st = e.kv.stats().await.unwrap();
+        assert!(st.events.removed > 0, "no eviction: {:?}", st.events);
+        e.publisher.shutdown().await;
         e.kv.shutdown().await;
     }
 }

@@ -4,7 +4,13 @@
 //!
 //! ```text
 //! cargo run --release --features zmq --example route -- --conversations 25 --turns 4
+//! cargo run --release --features zmq --example route -- --model deepseek-v4-flash
 //! ```
+//!
+//! `--model deepseek-v4-flash` starts both runtimes from that configuration preset (the
+//! one runtime over Flash's cache: 256-token blocks, window tails); the prompts and the
+//! cache scale with the block (4× the tokens), so the workload is the same in blocks.
+//! Its router events announce only the blocks a hit can reach (a tail at or below them).
 //!
 //! The KV policy sends each request to the engine with the lowest cost: the prompt
 //! tokens not covered by Dynamo's overlap score (whole cached blocks), plus a tenth of
@@ -22,15 +28,18 @@ mod dynamo_router;
 #[path = "../../tests/common/engine.rs"]
 mod engine;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use dsa_kv::actors::KvCacheBuilder;
-use dsa_kv::config::EngineConfig;
+use dsa_kv::config::{EngineConfig, ModelPreset};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
+use dsa_kv::device::{Batch, Forward, ForwardError, Sampling};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{ZmqPublisher, ZmqPublisherConfig};
+use dsa_kv::v4::{DeviceBackend, WindowedBackendFactory, WindowedHostDevice, WindowedSetup};
 use dynamo_router::DynamoRouter;
 
 /// Multi-turn chats over two runtimes: Dynamo's KV-aware routing vs round-robin.
@@ -43,29 +52,64 @@ struct Args {
     /// Turns per conversation.
     #[arg(long, default_value_t = 4)]
     turns: u64,
-    /// GPU-tier tokens per engine.
+    /// GPU-tier tokens per engine, in 64-token blocks' worth (scaled with the block)
     #[arg(long, default_value_t = 8192)]
     max_tokens: u64,
+    /// The model preset: a DSA one, or deepseek-v4-flash / deepseek-v4-pro
+    #[arg(long, default_value = "deepseek-v3.2", value_parser = model)]
+    model: ModelPreset,
 }
 
-const BLOCK: u64 = 64;
+fn model(s: &str) -> Result<ModelPreset, String> {
+    ModelPreset::parse(s).map_err(|e| e.to_string())
+}
 
-fn config(max_tokens: u64) -> EngineConfig {
+/// The scale of the workload: tokens per block over 64.
+fn scale(preset: ModelPreset) -> u64 {
+    if preset.windowed().is_some() {
+        4
+    } else {
+        1
+    }
+}
+
+fn config(preset: ModelPreset, max_tokens: u64) -> EngineConfig {
+    let k = scale(preset);
     let mut c = EngineConfig::default();
-    c.model.num_layers = Some(3);
-    c.kv_cache.max_tokens = Some(max_tokens);
-    c.scheduler.max_num_sequences = 16;
-    c.scheduler.max_num_tokens = 512;
-    c.scheduler.max_prefill_chunk = 256;
-    c.scheduler.max_seq_len = 4096;
+    c.model.preset = preset;
+    if preset.windowed().is_none() {
+        c.model.num_layers = Some(3);
+    }
+    c.kv_cache.max_tokens = Some(max_tokens * k);
+    c.scheduler.max_num_sequences = if k > 1 { 2 } else { 16 };
+    c.scheduler.max_num_tokens = 512 * k as u32;
+    c.scheduler.max_prefill_chunk = 256 * k as u32;
+    c.scheduler.max_seq_len = 4096 * k as u32;
     c
 }
 
-fn user_tokens(conv: u64, turn: u64) -> Vec<TokenId> {
-    let n = 60 + (conv * 37 + turn * 53) % 120;
+fn user_tokens(conv: u64, turn: u64, k: u64) -> Vec<TokenId> {
+    let n = (60 + (conv * 37 + turn * 53) % 120) * k;
     (0..n)
         .map(|i| TokenId(((conv * 7919 + turn * 104_729 + i * 31) % 30_000) as u32 + 1000))
         .collect()
+}
+
+/// The forward of a windowed model's host devices here: it writes nothing and leaves
+/// sampling to the engine loop (the cache is what is measured).
+struct EngineSamples;
+
+impl Forward for EngineSamples {
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        Ok(Sampling::ByEngine)
+    }
+}
+
+fn windowed_devices() -> WindowedBackendFactory {
+    Arc::new(|i, s: &WindowedSetup| {
+        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(EngineSamples))?;
+        Ok(Box::new(d) as Box<dyn DeviceBackend>)
+    })
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -84,10 +128,13 @@ struct Outcome {
 async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
     let mut engines = Vec::new();
     let mut publishers = Vec::new();
-    let mut router = DynamoRouter::new(BLOCK as u32);
+    let k = scale(a.model);
+    let block = 64 * k;
+    let mut router = DynamoRouter::new(block as u32);
     for _ in 0..2 {
         let kv = KvCacheBuilder::new()
-            .config(config(a.max_tokens))
+            .config(config(a.model, a.max_tokens))
+            .windowed_backend(windowed_devices())
             .start()
             .await
             .map_err(|e| e.to_string())?;
@@ -109,8 +156,8 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
     }
     let mut prompts: Vec<Vec<TokenId>> = (0..a.conversations)
         .map(|c| {
-            (0..200)
-                .map(|i| TokenId(i + 300 * (c % 3) as u32))
+            (0..200 * k as u32)
+                .map(|i| TokenId(i + 300 * k as u32 * (c % 3) as u32))
                 .collect()
         })
         .collect();
@@ -120,7 +167,7 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
     let mut rr = 0usize;
     for turn in 0..a.turns {
         for (c, p) in prompts.iter_mut().enumerate() {
-            p.extend(user_tokens(c as u64, turn));
+            p.extend(user_tokens(c as u64, turn, k));
             let tokens: Vec<u32> = p[..p.len() - 1].iter().map(|t| t.get()).collect();
             let w = match policy {
                 Policy::Kv => {
@@ -128,7 +175,7 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
                     // tenth of the prompt tokens it was given so far (load balance).
                     let s = router.scores(&tokens, None);
                     let cost = |w: usize| {
-                        (p.len() as u64).saturating_sub(u64::from(s[w]) * BLOCK) + load[w] / 10
+                        (p.len() as u64).saturating_sub(u64::from(s[w]) * block) + load[w] / 10
                     };
                     (0..2).min_by_key(|&w| (cost(w), w)).unwrap_or(0)
                 }

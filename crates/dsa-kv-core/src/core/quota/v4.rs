@@ -256,8 +256,10 @@ mod tests {
         let p = V4Plan::new(&V4Spec::flash()).unwrap();
         let d = demand();
         let plan = |kv: &KvCacheConfig, free| WindowedCapacityPlan::new(p.clone(), d, kv, free);
-        let mut kv = KvCacheConfig::default();
-        kv.max_gpu_total_bytes = Some(100 * GIB);
+        let mut kv = KvCacheConfig {
+            max_gpu_total_bytes: Some(100 * GIB),
+            ..KvCacheConfig::default()
+        };
         let explicit = plan(&kv, Some(GIB)).unwrap();
         assert_eq!(explicit.capacity, v4_capacity(&p, 100 * GIB, &d).unwrap());
         assert_eq!(explicit.gpu.source, BudgetSource::Explicit);
