@@ -10,22 +10,34 @@
 #      in use);
 #   4. at shutdown every request's tokens were bit-exact against the unpaged model.
 # Then, with --bench, aiperf at several concurrencies with KV routing and with round-robin
-# (bench.sh). Usage, from anywhere:
-#   integrations/dynamo/e2e.sh [--bench] [--out DIR]
+# (bench.sh). `--model deepseek-v4-flash` runs the same checks with the workers serving the
+# DeepSeek-V4 reference model (Flash's layer structure, 256-token blocks; a repeated
+# prompt resumes at its last whole block, where a window tail is kept). Usage, from
+# anywhere:
+#   integrations/dynamo/e2e.sh [--bench] [--out DIR] [--model dsa|deepseek-v4-flash]
 # Needs the Python environment of the README (DYNAMO_VENV, default target/dynamo-venv
 # next to this script; created on first use) and builds the worker in release mode.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out="$here/target/e2e"
 bench=0
+model=dsa
 while [ $# -gt 0 ]; do
   case $1 in
     --bench) bench=1 ;;
     --out) out=$2; shift ;;
-    *) echo "usage: $0 [--bench] [--out DIR]" >&2; exit 2 ;;
+    --model) model=$2; shift ;;
+    *) echo "usage: $0 [--bench] [--out DIR] [--model dsa|deepseek-v4-flash]" >&2; exit 2 ;;
   esac
   shift
 done
+# What the checks expect of the model: the cached part of the repeated 720-token prompt
+# (whole blocks), and the GPU blocks of the default 65,536-token cache.
+case $model in
+  dsa) min_cached=704; blocks=1048 ;;
+  deepseek-v4-flash) min_cached=512; blocks=256 ;;
+  *) echo "--model $model: expected dsa or deepseek-v4-flash" >&2; exit 2 ;;
+esac
 venv=${DYNAMO_VENV:-$here/target/dynamo-venv}
 source "$here/scripts/cluster.sh"
 
@@ -37,7 +49,7 @@ echo "== building dsa-kv-dynamo (release)"
 (cd "$here" && cargo build --release --locked --bin dsa-kv-dynamo)
 
 rm -rf "$out" && mkdir -p "$out"
-start_cluster "$out/kv" kv 2
+start_cluster "$out/kv" kv 2 --model "$model"
 base=$CLUSTER_URL
 
 echo "== 1. chat and completions, streaming and not"
@@ -72,7 +84,7 @@ sleep 1 # the KV events reach the router
 # would send one of them to the other worker, which holds nothing of it).
 for k in 1 2 3; do
   r=$(comp "$body")
-  check_json "$r" 'j["usage"]["prompt_tokens_details"]["cached_tokens"] >= 704' "repeated prompt ($k), served from the cache"
+  check_json "$r" "j['usage']['prompt_tokens_details']['cached_tokens'] >= $min_cached" "repeated prompt ($k), served from the cache"
 done
 for i in $(seq 1 12); do
   comp "{\"model\":\"dsa-kv-reference\",\"prompt\":\"distinct prompt number $i: $(printf 'z%.0s' $(seq 1 $((i * 7))))\",\"max_tokens\":4}" >/dev/null
@@ -83,7 +95,7 @@ for i in 0 1; do
   m=$(curl -sS --max-time 10 "http://127.0.0.1:${CLUSTER_METRICS_PORTS[$i]}/metrics")
   total=$(grep -E '^dynamo_component_total_blocks\{' <<<"$m" | awk '{print $NF}' | head -1 || true)
   echo "   worker $i: total_blocks ${total:-missing}, $(grep -E '^dynamo_component_gpu_cache_usage_percent\{' <<<"$m" | head -1)"
-  [ "${total:-0}" = 1048 ] || fail "worker $i does not publish its 1048 blocks (the runtime's GPU slots)"
+  [ "${total:-0}" = "$blocks" ] || fail "worker $i does not publish its $blocks blocks (the runtime's GPU slots)"
 done
 
 echo "== 4. a client that disconnects cancels its request; while it runs, its worker's load shows it"

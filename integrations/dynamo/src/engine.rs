@@ -27,7 +27,12 @@ use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig as KvConfig, KvDtype};
 use dsa_kv::ids::RequestId;
 use dsa_kv::publish::{PublisherReport, ZmqPublisher, ZmqPublisherConfig};
+use dsa_kv::v4::{
+    DeviceBackend, V4Preset, WindowedBackendFactory, WindowedHostDevice, WindowedModel,
+    WindowedSetup,
+};
 use dsa_kv_model::paged::{ForwardOptions, ModelForward};
+use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig};
 use dynamo_backend_common::{
     chunk, usage, AsyncEngineContext, BackendError, CompletionUsage, DynamoError, EngineConfig,
@@ -43,12 +48,14 @@ use tokio::task::JoinHandle;
 use crate::fixture::MODEL_VOCAB;
 use crate::serving::{Command, Counts, Event, Load, Serving, Stopped};
 use crate::stop::StopRule;
-use crate::verify::{Verification, Verifier, FINISH_WITHIN};
+use crate::verify::{Reference, Verification, Verifier, FINISH_WITHIN};
 
 /// The reference model's weight seed (the one `serve` runs).
 pub const MODEL_SEED: u64 = 7;
 /// Tokens per KV block (DSA's page size).
 pub const BLOCK_TOKENS: u32 = 64;
+/// Tokens per KV block of DeepSeek-V4 (its compressed blocks).
+pub const V4_BLOCK_TOKENS: u32 = 256;
 
 /// What a worker serves and how much it holds.
 #[derive(Clone, Debug)]
@@ -73,16 +80,30 @@ pub struct Settings {
     pub events_host: String,
     /// Requests held at most, running and waiting (more are refused with an error).
     pub max_live: usize,
+    /// Serve the DeepSeek-V4 reference model with this preset's layer structure (its
+    /// window-only, ratio-4 and ratio-128 layers and the MTP layer; tiny widths), through
+    /// the same runtime; `None`: the DSA reference model.
+    pub v4: Option<V4Preset>,
 }
 
 impl Settings {
-    /// The runtime's configuration: the reference model's two layers in `fp8_ds_mla`,
-    /// these capacities.
+    /// Tokens per KV block of the model served.
+    pub fn block_tokens(&self) -> u32 {
+        match self.v4 {
+            Some(_) => V4_BLOCK_TOKENS,
+            None => BLOCK_TOKENS,
+        }
+    }
+
+    /// The runtime's configuration: the DSA reference model's two layers in
+    /// `fp8_ds_mla` (a V4 model's cache comes from its own structure), these capacities.
     pub fn kv_config(&self) -> KvConfig {
         let s = self;
         let mut c = KvConfig::default();
-        c.model.num_layers = Some(ModelConfig::tiny(MODEL_SEED).layers as u32);
-        c.model.kv_dtype = Some(KvDtype::Fp8DsMla);
+        if s.v4.is_none() {
+            c.model.num_layers = Some(ModelConfig::tiny(MODEL_SEED).layers as u32);
+            c.model.kv_dtype = Some(KvDtype::Fp8DsMla);
+        }
         c.kv_cache.max_tokens = Some(s.kv_tokens);
         c.scheduler.max_num_sequences = s.max_num_seqs;
         c.scheduler.max_num_tokens = s.max_num_batched_tokens;
@@ -92,16 +113,54 @@ impl Settings {
     }
 }
 
-/// The reference model for the cache `config` describes, and that cache's format.
-pub fn reference_model(config: &KvConfig) -> Result<(Model, CacheFormat), String> {
-    let dsa = config
+/// The reference model `settings` serve: the DSA model for the cache their
+/// configuration describes, or the V4 model with the preset's layer structure.
+pub fn reference_model(settings: &Settings) -> Result<Reference, String> {
+    if let Some(preset) = settings.v4 {
+        let spec = preset.spec();
+        let cfg = V4ModelConfig {
+            ratios: spec.compress_ratios.clone(),
+            mtp: spec.num_mtp_layers > 0,
+            ..V4ModelConfig::tiny(MODEL_SEED)
+        };
+        let model = V4Model::new(cfg).map_err(|e| format!("the V4 reference model: {e}"))?;
+        return Ok(Reference::V4(Arc::new(model)));
+    }
+    let dsa = settings
+        .kv_config()
         .model
         .build()
         .map_err(|e| format!("the cache configuration: {e}"))?;
     let format = CacheFormat::of(&dsa);
     let model = Model::new(ModelConfig::tiny(MODEL_SEED), format.clone())
         .map_err(|e| format!("the reference model: {e}"))?;
-    Ok((model, format))
+    Ok(Reference::Dsa(Arc::new(model), format))
+}
+
+/// The runtime serving `model` with `config`: the DSA model's forward on the host
+/// devices, or the V4 model's on windowed host devices (pools sized from the same
+/// configuration).
+fn builder(config: KvConfig, model: &Reference) -> Result<KvCacheBuilder, String> {
+    let b = KvCacheBuilder::new().config(config);
+    match model {
+        Reference::Dsa(model, _) => Ok(b.forward(ModelForward::factory(
+            model.clone(),
+            ForwardOptions::default(),
+        ))),
+        Reference::V4(model) => {
+            let spec = model
+                .config()
+                .spec()
+                .map_err(|e| format!("the V4 reference model: {e}"))?;
+            let m = model.clone();
+            let devices: WindowedBackendFactory = Arc::new(move |i, s: &WindowedSetup| {
+                let forward = Box::new(V4ModelForward::serving(m.clone()));
+                let d = WindowedHostDevice::new(i, &s.plan, &s.slots, forward)?;
+                Ok(Box::new(d) as Box<dyn DeviceBackend>)
+            });
+            Ok(b.windowed(WindowedModel::new(spec, devices)))
+        }
+    }
 }
 
 impl Default for Settings {
@@ -117,6 +176,7 @@ impl Default for Settings {
             report: None,
             events_host: "127.0.0.1".into(),
             max_live: 4096,
+            v4: None,
         }
     }
 }
@@ -268,18 +328,16 @@ impl LLMEngine for DsaKvEngine {
             return Err(engine_shutdown("the engine is already started"));
         }
         let config = self.settings.kv_config();
-        let (model, format) = reference_model(&config).map_err(invalid)?;
-        let model = Arc::new(model);
+        let model = reference_model(&self.settings).map_err(invalid)?;
+        let builder = builder(config, &model).map_err(invalid)?;
         // Started first: nothing else is running yet if it fails.
         let verifier = if self.settings.verify {
-            Verifier::start(model.clone(), format)
+            Verifier::start(model)
                 .map_err(|e| engine_shutdown(format!("the verifier thread: {e}")))?
         } else {
             Verifier::off()
         };
-        let kv = KvCacheBuilder::new()
-            .config(config)
-            .forward(ModelForward::factory(model, ForwardOptions::default()))
+        let kv = builder
             .start()
             .await
             .map_err(|e| engine_shutdown(format!("the dsa-kv runtime did not start: {e}")))?;
@@ -336,7 +394,7 @@ impl LLMEngine for DsaKvEngine {
             served_model_name: Some(s.served_model_name.clone()),
             llm: Some(LlmRegistration {
                 context_length: Some(s.context_length),
-                kv_cache_block_size: Some(BLOCK_TOKENS),
+                kv_cache_block_size: Some(s.block_tokens()),
                 total_kv_blocks: Some(total_blocks),
                 max_num_seqs: Some(u64::from(s.max_num_seqs)),
                 max_num_batched_tokens: Some(u64::from(s.max_num_batched_tokens)),

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Parser;
-use dsa_kv_dynamo::engine::{DsaKvEngine, Settings, BLOCK_TOKENS};
+use dsa_kv::v4::V4Preset;
+use dsa_kv_dynamo::engine::{DsaKvEngine, Settings};
 use dsa_kv_dynamo::fixture;
 use dynamo_backend_common::{CommonArgs, WorkerConfig};
 
@@ -53,19 +54,29 @@ struct Args {
     /// Requests held at most, running and waiting; more are refused with an error.
     #[arg(long, default_value_t = 4096)]
     max_live_requests: usize,
+    /// The model: `dsa` (the DSA reference model, DeepSeek-V3.2's cache), or
+    /// `deepseek-v4-flash` / `deepseek-v4-pro` (the DeepSeek-V4 reference model with
+    /// that preset's layer structure and tiny widths, 256-token blocks)
+    #[arg(long, default_value = "dsa", value_parser = model)]
+    model: Served,
+}
+
+/// `--model`: the DSA reference model or a DeepSeek-V4 preset's.
+#[derive(Clone, Copy, Debug)]
+struct Served(Option<V4Preset>);
+
+fn model(s: &str) -> Result<Served, String> {
+    if s == "dsa" {
+        return Ok(Served(None));
+    }
+    V4Preset::parse(s).map(|p| Served(Some(p))).ok_or_else(|| {
+        format!("unknown model {s:?}: expected dsa, deepseek-v4-flash or deepseek-v4-pro")
+    })
 }
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    if a.kv_tokens == 0 || a.kv_tokens % u64::from(BLOCK_TOKENS) != 0 {
-        anyhow::bail!(
-            "--kv-tokens {} is not a positive multiple of {BLOCK_TOKENS}",
-            a.kv_tokens
-        );
-    }
-    // Its errors name the directory and what to do.
-    fixture::write(&a.model_dir, a.context_length)?;
-    let engine = DsaKvEngine::new(Settings {
+    let settings = Settings {
         served_model_name: a.served_model_name.clone(),
         kv_tokens: a.kv_tokens,
         max_num_seqs: a.max_num_seqs,
@@ -76,7 +87,18 @@ fn main() -> anyhow::Result<()> {
         report: a.report,
         events_host: a.events_host,
         max_live: a.max_live_requests,
-    });
+        v4: a.model.0,
+    };
+    let block = u64::from(settings.block_tokens());
+    if a.kv_tokens == 0 || a.kv_tokens % block != 0 {
+        anyhow::bail!(
+            "--kv-tokens {} is not a positive multiple of {block} (the model's block)",
+            a.kv_tokens
+        );
+    }
+    // Its errors name the directory and what to do.
+    fixture::write(&a.model_dir, a.context_length)?;
+    let engine = DsaKvEngine::new(settings);
     let c = a.common;
     let config = WorkerConfig {
         namespace: c.namespace,

@@ -1,6 +1,6 @@
 //! Every request's tokens checked against the reference model run alone on an unpaged
-//! cache (`dsa_kv_model::unpaged::generate`), on a thread of its own so serving does not
-//! wait for it.
+//! cache (`dsa_kv_model::unpaged::generate`, or `V4Model::generate` for DeepSeek-V4), on
+//! a thread of its own so serving does not wait for it.
 //!
 //! The queue is bounded: a request that finds it full is counted as unverified (never
 //! dropped silently). At shutdown the queue is drained before the report is written, up
@@ -13,8 +13,33 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dsa_kv_model::unpaged::generate;
+use dsa_kv_model::v4::V4Model;
 use dsa_kv_model::{CacheFormat, Model};
 use serde::Serialize;
+
+/// The model a worker serves, run alone on an unpaged cache.
+#[derive(Clone)]
+pub enum Reference {
+    /// The DSA reference model and its cache format.
+    Dsa(Arc<Model>, CacheFormat),
+    /// The DeepSeek-V4 reference model.
+    V4(Arc<V4Model>),
+}
+
+impl Reference {
+    /// `max_new` greedy tokens after `prompt`.
+    pub fn generate(&self, prompt: &[u32], max_new: u32) -> Result<Vec<u32>, String> {
+        match self {
+            Reference::Dsa(model, format) => generate(model, format, prompt, max_new)
+                .map(|g| g.tokens)
+                .map_err(|e| e.to_string()),
+            Reference::V4(model) => model
+                .generate(prompt, max_new)
+                .map(|g| g.tokens)
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
 
 /// Requests waiting for the verifier at most (each holds its prompt and tokens: at most
 /// 32 KiB at a 4,096-token context).
@@ -60,8 +85,8 @@ pub struct Verifier {
 }
 
 impl Verifier {
-    /// Starts the thread (`model` with its cache `format`).
-    pub fn start(model: Arc<Model>, format: CacheFormat) -> std::io::Result<Verifier> {
+    /// Starts the thread checking against `model`.
+    pub fn start(model: Reference) -> std::io::Result<Verifier> {
         let (tx, rx) = sync_channel::<Job>(QUEUE);
         let found = Arc::new(Mutex::new(Verification::default()));
         let give_up = Arc::new(AtomicBool::new(false));
@@ -74,7 +99,7 @@ impl Verifier {
                         out.lock().unwrap_or_else(|e| e.into_inner()).unverified += 1;
                         continue;
                     }
-                    let verdict = check(&model, &format, &job);
+                    let verdict = check(&model, &job);
                     let mut f = out.lock().unwrap_or_else(|e| e.into_inner());
                     f.verified += 1;
                     match verdict {
@@ -157,16 +182,17 @@ impl Verifier {
     }
 }
 
-fn check(model: &Model, format: &CacheFormat, job: &Job) -> Result<(), String> {
-    let want = generate(model, format, &job.prompt, job.generated.len() as u32)
+fn check(model: &Reference, job: &Job) -> Result<(), String> {
+    let tokens = model
+        .generate(&job.prompt, job.generated.len() as u32)
         .map_err(|e| format!("request {}: the unpaged run failed: {e}", job.id))?;
-    if want.tokens == job.generated {
+    if tokens == job.generated {
         return Ok(());
     }
     let i = job
         .generated
         .iter()
-        .zip(&want.tokens)
+        .zip(&tokens)
         .take_while(|(a, b)| a == b)
         .count();
     Err(format!(
@@ -174,7 +200,7 @@ fn check(model: &Model, format: &CacheFormat, job: &Job) -> Result<(), String> {
         job.id,
         job.prompt.len(),
         job.generated.get(i),
-        want.tokens.get(i)
+        tokens.get(i)
     ))
 }
 
@@ -187,10 +213,10 @@ mod tests {
     /// fail), counts a full queue's overflow, and skips empty generations.
     #[test]
     fn exact_tokens_pass_and_a_changed_one_is_caught() {
-        let (model, format) = reference_model(&Settings::default().kv_config()).unwrap();
+        let model = reference_model(&Settings::default()).unwrap();
         let prompt: Arc<Vec<u32>> = Arc::new((0..70).map(|i| (i * 13) % 256).collect());
-        let want = generate(&model, &format, &prompt, 6).unwrap().tokens;
-        let mut v = Verifier::start(Arc::new(model), format).unwrap();
+        let want = model.generate(&prompt, 6).unwrap();
+        let mut v = Verifier::start(model).unwrap();
         v.submit(1, prompt.clone(), want.clone());
         let mut wrong = want.clone();
         wrong[4] = (wrong[4] + 1) % 256;
@@ -213,9 +239,9 @@ mod tests {
     /// Past the deadline the queue is counted, not checked: nothing is lost silently.
     #[test]
     fn a_queue_left_at_the_deadline_counts_as_unverified() {
-        let (model, format) = reference_model(&Settings::default().kv_config()).unwrap();
+        let model = reference_model(&Settings::default()).unwrap();
         let prompt: Arc<Vec<u32>> = Arc::new((0..200).map(|i| (i * 7) % 256).collect());
-        let mut v = Verifier::start(Arc::new(model), format).unwrap();
+        let mut v = Verifier::start(model).unwrap();
         for id in 0..50 {
             v.submit(id, prompt.clone(), vec![1; 16]);
         }

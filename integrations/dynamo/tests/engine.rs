@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use dsa_kv::v4::V4Preset;
 use dsa_kv_dynamo::engine::{reference_model, DsaKvEngine, Settings};
 use dsa_kv_dynamo::serving::Load;
-use dsa_kv_model::unpaged::generate;
 use dynamo_backend_common::testing::{mock_context, run_conformance};
 use dynamo_backend_common::{
     BackendError, DynamoError, ErrorType, FinishReason, GenerateContext, LLMEngine,
@@ -55,10 +55,10 @@ fn prompt(seed: u32, n: u32) -> Vec<u32> {
 
 /// The unpaged model's greedy tokens for `prompt`.
 fn reference(prompt: &[u32], n: u32) -> Vec<u32> {
-    let (model, format) = reference_model(&settings().kv_config()).expect("model");
-    generate(&model, &format, prompt, n)
+    reference_model(&settings())
+        .expect("model")
+        .generate(prompt, n)
         .expect("generate")
-        .tokens
 }
 
 async fn collect(
@@ -139,6 +139,87 @@ async fn dynamo_conformance_kit_passes() {
     run_conformance(|| DsaKvEngine::new(settings()))
         .await
         .expect("Dynamo's conformance kit");
+}
+
+/// The DeepSeek-V4 reference model (Flash's 43 layers and MTP layer, tiny widths)
+/// through the same engine: 256-token blocks registered, tokens bit-exact against the
+/// unpaged V4 model, a repeated prompt served from its last whole block (where a window
+/// tail is kept), a dropped request's pages freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_v4_flash_is_served_bit_exact_with_prefix_hits_and_cancellation() {
+    let settings = Settings {
+        v4: Some(V4Preset::Flash),
+        max_prefill_chunk: 256,
+        ..settings()
+    };
+    let reference = reference_model(&settings).expect("the V4 model");
+    let e = Arc::new(DsaKvEngine::new(settings));
+    let llm = e
+        .start(1)
+        .await
+        .expect("start")
+        .llm
+        .expect("LLM registration");
+    assert_eq!(llm.kv_cache_block_size, Some(256));
+    let total = llm.total_kv_blocks.expect("total blocks");
+    assert!(total >= 8192 / 256, "{total}");
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(i, 300 + 140 * i)).collect();
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (e, p) = (e.clone(), p.clone());
+        tasks.push(tokio::spawn(async move {
+            let n = 4 + i as u32 * 3;
+            let items = collect(
+                &e,
+                request(p.clone(), max_tokens(n), vec![]),
+                mock_context(),
+            )
+            .await;
+            (p, n, items)
+        }));
+    }
+    for t in tasks {
+        let (p, n, items) = t.await.expect("task");
+        let (tokens, reason, (prompt_tokens, completion, _)) = tokens_of(&items);
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!((prompt_tokens, completion), (p.len() as u32, n));
+        assert_eq!(tokens, reference.generate(&p, n).unwrap(), "bit-exact (V4)");
+    }
+    // 580 tokens: the repeat resumes at the last whole block, 512.
+    let p = prompts[2].clone();
+    let items = collect(
+        &e,
+        request(p.clone(), max_tokens(3), vec![]),
+        mock_context(),
+    )
+    .await;
+    let (tokens, _, (_, _, cached)) = tokens_of(&items);
+    assert_eq!(cached, 512, "the repeat resumes at its last whole block");
+    assert_eq!(tokens, reference.generate(&p, 3).unwrap());
+    // A request dropped mid-stream is cancelled and its pages freed.
+    let before = settled(&e).await;
+    let stream = e
+        .generate(
+            request(prompt(9, 400), max_tokens(1000), vec![]),
+            GenerateContext::new(mock_context(), None),
+        )
+        .await
+        .expect("generate");
+    let mut stream = stream;
+    for _ in 0..3 {
+        stream.next().await.expect("a chunk").expect("a token");
+    }
+    drop(stream);
+    let after = settled(&e).await;
+    assert_eq!(after.live, 0, "{after:?}");
+    assert_eq!(
+        after.in_use, before.in_use,
+        "the dropped request's pages were freed"
+    );
+    e.cleanup().await.expect("cleanup");
+    let report = e.report().expect("a report");
+    assert_eq!(report["exact"], true, "{report}");
+    assert_eq!(report["counts"]["cancelled"], 1, "{report}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -726,7 +726,7 @@ impl DeviceBackend for V4CudaDevice {
             let (outs, accepted, kept, drafts) =
                 done.map_err(|e| self.forward_err(format!("request {}: {e}", p.id)))?;
             outcomes.push(outcome(
-                &self.outputs,
+                Some(&self.outputs),
                 device,
                 p,
                 &outs,

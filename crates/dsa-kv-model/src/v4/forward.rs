@@ -63,7 +63,7 @@ pub(super) fn verdict(kind: RequestKind, tokens: &[u32], outs: &[TokenOut]) -> (
 /// (`(accepted, kept)` from [`verdict`]); its proposals `drafts` join `proposals` when
 /// the step samples.
 pub(super) fn outcome(
-    outputs: &Mutex<V4Outputs>,
+    outputs: Option<&Mutex<V4Outputs>>,
     device: usize,
     p: &PlannedRequest,
     outs: &[TokenOut],
@@ -71,10 +71,12 @@ pub(super) fn outcome(
     drafts: Vec<u32>,
     proposals: &mut Proposals,
 ) -> RequestOutcome {
-    outputs
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .record(device, p.id, &outs[..kept]);
+    if let Some(outputs) = outputs {
+        outputs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(device, p.id, &outs[..kept]);
+    }
     if p.produces_token {
         proposals.push((p.id, drafts.into_iter().map(TokenId).collect()));
     }
@@ -88,13 +90,26 @@ pub(super) fn outcome(
 /// The V4 model as a device's forward. See the module docs.
 pub struct V4ModelForward {
     model: Arc<V4Model>,
-    outputs: Arc<Mutex<V4Outputs>>,
+    outputs: Option<Arc<Mutex<V4Outputs>>>,
 }
 
 impl V4ModelForward {
-    /// The forward of `model`, recording into `outputs`.
+    /// The forward of `model`, recording every kept position's output into `outputs`
+    /// (for an exactness check: it grows with every request).
     pub fn new(model: Arc<V4Model>, outputs: Arc<Mutex<V4Outputs>>) -> Self {
-        V4ModelForward { model, outputs }
+        V4ModelForward {
+            model,
+            outputs: Some(outputs),
+        }
+    }
+
+    /// The forward of `model` recording nothing (a serving engine's: memory stays
+    /// bounded however many requests it serves).
+    pub fn serving(model: Arc<V4Model>) -> Self {
+        V4ModelForward {
+            model,
+            outputs: None,
+        }
     }
 }
 
@@ -139,7 +154,7 @@ impl Forward for V4ModelForward {
                 Vec::new()
             };
             outcomes.push(outcome(
-                &self.outputs,
+                self.outputs.as_deref(),
                 device,
                 p,
                 &outs,
