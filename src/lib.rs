@@ -160,11 +160,15 @@ pub mod core {
 /// # }
 /// ```
 pub mod v4 {
-    pub use crate::actors::{WindowedBackendFactory, WindowedModel, WindowedSetup};
+    pub use crate::actors::{
+        host_windowed_backend, WindowedBackendFactory, WindowedModel, WindowedSetup,
+    };
     pub use dsa_kv_core::config::{V4LayerKind, V4Preset, V4Spec};
     pub use dsa_kv_core::core::{ModelCache, TierSlots, WindowKindStats, WindowedSlots};
     pub use dsa_kv_core::layout::{V4Buffer, V4LifeCycle, V4LifeCycleKind, V4PageFormat, V4Plan};
-    pub use dsa_kv_device::windowed::{PoolBytes, V4Pools, WindowedHostDevice, WindowedView};
+    pub use dsa_kv_device::windowed::{
+        PoolBytes, V4Pools, WindowedHostDevice, WindowedView, WritesNothing,
+    };
     pub use dsa_kv_device::DeviceBackend;
 }
 

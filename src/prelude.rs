@@ -5,7 +5,7 @@ pub use crate::actors::{
     CommitAndStepReport, CommitReport, Drafts, FinishedReport, KvCacheBuilder, KvCacheHandle,
     RuntimeError, RuntimeInfo, RuntimeStats, Scheduled, StepReport, StepTiming,
 };
-pub use crate::config::{EngineConfig, SpecMode};
+pub use crate::config::{EngineConfig, ModelPreset, SpecMode};
 pub use crate::core::scheduler::{PlannedRequest, RequestKind, RequestOutcome, SubmitRequest};
 pub use crate::core::ReuseScope;
 pub use crate::device::forward::{

@@ -570,7 +570,7 @@ fn rows() -> Vec<Row> {
             "spec_decode.draft_tokens = 4 is invalid: a decode step carries 1 + drafts tokens: keep drafts below scheduler.max_num_tokens",
         ),
         (
-            "v4 runtime: a V4 preset in the configuration without devices for it",
+            "v4 runtime: a V4 preset in the configuration with a DSA forward",
             Box::new(|| {
                 let mut c = EngineConfig::from_toml_str("[model]\npreset = \"deepseek-v4-flash\"\n").unwrap();
                 c.kv_cache.max_gpu_total_bytes = Some(64 << 20);
@@ -578,9 +578,15 @@ fn rows() -> Vec<Row> {
                     .worker_threads(1)
                     .build()
                     .unwrap();
-                err(rt.block_on(KvCacheBuilder::new().config(c).start()).map(|_| ()))
+                use dsa_kv::device::forward::{Forward, ForwardError, ForwardSetup};
+                let dsa: dsa_kv::device::forward::ForwardFactory = std::sync::Arc::new(
+                    |_: &ForwardSetup<'_>| -> Result<Box<dyn Forward>, ForwardError> {
+                        unreachable!("refused before any device is built")
+                    },
+                );
+                err(rt.block_on(KvCacheBuilder::new().config(c).forward(dsa).start()).map(|_| ()))
             }),
-            "model.preset = deepseek-v4-flash is invalid: a model with sliding windows runs on devices the embedder builds: give them with KvCacheBuilder::windowed_backend",
+            "model.preset = deepseek-v4-flash is invalid: a model with sliding windows runs on windowed devices, not on a DSA backend or forward: give them with KvCacheBuilder::windowed_backend",
         ),
         (
             "v4 runtime: no budget",

@@ -11,7 +11,6 @@ mod common;
 #[path = "common/dynamo_router.rs"]
 mod dynamo_router;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,10 +19,8 @@ use dsa_kv::actors::{EventBatch, KvCacheBuilder, KvCacheHandle};
 use dsa_kv::config::{EngineConfig, ModelPreset};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::{Medium, ReuseScope, RouterEvent};
-use dsa_kv::device::{Batch, Forward, ForwardError, Sampling};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{encode_batch, WireEncoding, ZmqPublisher, ZmqPublisherConfig};
-use dsa_kv::v4::{DeviceBackend, WindowedBackendFactory, WindowedHostDevice, WindowedSetup};
 use dynamo_kv_router::zmq_wire::{decode_event_batch, RawKvEvent};
 use dynamo_router::DynamoRouter;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -417,17 +414,8 @@ async fn dynamo_decodes_both_encodings_and_its_scores_equal_each_engines_reuse()
     }
 }
 
-/// The forward of the V4 engines here: writes nothing, the engine loop samples.
-struct EngineSamples;
-
-impl Forward for EngineSamples {
-    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
-        Ok(Sampling::ByEngine)
-    }
-}
-
 /// DeepSeek-V4-Flash from its configuration preset: 24 blocks of 256 tokens per engine
-/// (evictions), Flash's window rings, host devices.
+/// (evictions), Flash's window rings, host devices (the preset's default).
 fn v4_builder() -> KvCacheBuilder {
     let mut c = EngineConfig::default();
     c.model.preset = ModelPreset::DeepSeekV4Flash;
@@ -436,11 +424,8 @@ fn v4_builder() -> KvCacheBuilder {
     c.scheduler.max_num_tokens = 1024;
     c.scheduler.max_prefill_chunk = 512;
     c.scheduler.max_seq_len = 8192;
-    let devices: WindowedBackendFactory = Arc::new(|i, s: &WindowedSetup| {
-        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(EngineSamples))?;
-        Ok(Box::new(d) as Box<dyn DeviceBackend>)
-    });
-    KvCacheBuilder::new().config(c).windowed_backend(devices)
+    // The preset's default devices: host pools, a forward that writes nothing.
+    KvCacheBuilder::new().config(c)
 }
 
 /// DeepSeek-V4 through Dynamo's router: the events announce only blocks a hit can reach

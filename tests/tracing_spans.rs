@@ -275,6 +275,73 @@ async fn a_request_span_lives_from_submit_to_finish() {
         preempted, st.scheduler.preemptions,
         "a preempted event per preemption"
     );
+
+    // DeepSeek-V4 through the same runtime (from its configuration preset): the same
+    // spans, and its preemptions (by recompute) are events in their requests' spans.
+    let before = recorder.spans("coordinator", "request").len();
+    let kv = KvCacheBuilder::new()
+        .config(v4_config())
+        .start()
+        .await
+        .unwrap();
+    const V4_N: u64 = 10;
+    for i in 0..V4_N {
+        kv.submit(SubmitRequest {
+            max_new_tokens: 8 + (i as u32 % 9),
+            ..request(200 + i, 300 + (i as u32 * 97) % 500)
+        })
+        .await
+        .unwrap();
+    }
+    let mut finished = 0;
+    for _ in 0..5000 {
+        let rep = kv.step(HashMap::new()).await.unwrap();
+        let c = kv.commit(rep.outcomes_from(|_| TokenId(7))).await.unwrap();
+        finished += c.finished.len() as u64;
+        if finished == V4_N {
+            break;
+        }
+    }
+    let st = kv.stats().await.unwrap();
+    kv.shutdown().await;
+    assert_eq!(st.scheduler.finished, V4_N);
+    assert!(st.windows.is_some(), "a windowed runtime: {st:?}");
+    let requests = recorder.spans("coordinator", "request");
+    let requests = &requests[before..];
+    assert_eq!(requests.len(), V4_N as usize);
+    let mut preempted = 0;
+    for span in requests {
+        assert!(span.closed, "{span:?}");
+        let count = |what: &str| span.events.iter().filter(|e| *e == what).count();
+        assert_eq!(
+            (count("submitted"), count("started"), count("finished")),
+            (1, 1, 1),
+            "{span:?}"
+        );
+        preempted += count("preempted") as u64;
+    }
+    assert!(
+        st.scheduler.preemptions > 0,
+        "no memory pressure (V4): {st:?}"
+    );
+    assert_eq!(
+        preempted, st.scheduler.preemptions,
+        "V4: a preempted event per preemption"
+    );
+    assert_eq!(recorder.spans("handle", "start").len(), 3);
+}
+
+/// DeepSeek-V4-Flash from its preset: 5 blocks of 256 tokens for 10 requests of up to
+/// 800 tokens (preemption by recompute).
+fn v4_config() -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.model.preset = dsa_kv::config::ModelPreset::DeepSeekV4Flash;
+    c.kv_cache.max_tokens = Some(1280);
+    c.scheduler.max_num_sequences = 8;
+    c.scheduler.max_num_tokens = 1024;
+    c.scheduler.max_prefill_chunk = 512;
+    c.scheduler.max_seq_len = 2048;
+    c
 }
 
 /// Room for a few requests at a time, and a host tier to offload to (as in

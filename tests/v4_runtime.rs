@@ -283,7 +283,7 @@ impl<D: DeviceBackend> DeviceBackend for Shared<D> {
 #[ignore = "needs a CUDA device"]
 async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_model() {
     use dsa_kv::ids::Tier;
-    use dsa_kv_model::v4::cuda::V4CudaDevice;
+    use dsa_kv_model::v4::cuda::v4_cuda_device;
 
     let (model, plan, slots) = setup();
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
@@ -293,7 +293,7 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
     ));
     let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
     let cuda = Arc::new(Mutex::new(
-        V4CudaDevice::new(
+        v4_cuda_device(
             1,
             gpu,
             &plan,
@@ -376,7 +376,8 @@ fn scheduler(slots: &WindowedSlots, plan: &V4Plan) -> dsa_kv::core::scheduler::S
 #[test]
 #[ignore = "needs a CUDA device"]
 fn v4_cuda_device_mutations_are_caught() {
-    use dsa_kv_model::v4::cuda::{V4CudaDevice, V4_MODEL_SOURCE};
+    use dsa_kv::cuda::v4::WindowedCudaDevice;
+    use dsa_kv_model::v4::cuda::{V4CudaForward, V4_MODEL_SOURCE};
 
     let mutations = [
         ("float m = sink[h];", "float m = 0.0f;"),
@@ -391,17 +392,15 @@ fn v4_cuda_device_mutations_are_caught() {
         let f = V4ModelForward::new(model.clone(), outputs.clone());
         let mut host = WindowedHostDevice::new(0, &plan, &slots, Box::new(f)).unwrap();
         let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
-        let mut cuda = V4CudaDevice::with_source(
-            1,
-            gpu,
-            &plan,
-            &slots,
+        let forward = V4CudaForward::with_source(
+            gpu.clone(),
             model.clone(),
-            outputs.clone(),
+            Some(outputs.clone()),
             4096 + 64,
             &src,
         )
         .unwrap();
+        let mut cuda = WindowedCudaDevice::new(1, gpu, &plan, &slots, Box::new(forward)).unwrap();
         let mut rng = SplitMix64(5);
         for i in 0..3u64 {
             let prompt = (0..300 + rng.below(200)).map(|_| TokenId(rng.below(256) as u32));
@@ -450,7 +449,7 @@ fn v4_cuda_device_mutations_are_caught() {
 #[ignore = "needs a CUDA device"]
 fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
     use dsa_kv::ids::Tier;
-    use dsa_kv_model::v4::cuda::V4CudaDevice;
+    use dsa_kv_model::v4::cuda::v4_cuda_device;
 
     let (model, plan, slots) = setup();
     let mut sched = scheduler(&slots, &plan);
@@ -463,7 +462,7 @@ fn v4_cuda_device_with_fewer_slots_fails_closed_like_the_host() {
     let mut host = WindowedHostDevice::new(0, &plan, &small, Box::new(f)).unwrap();
     let gpu = dsa_kv::cuda::Gpu::open(0).expect("a CUDA device");
     let mut cuda =
-        V4CudaDevice::new(1, gpu, &plan, &small, model.clone(), outputs, 4096 + 64).unwrap();
+        v4_cuda_device(1, gpu, &plan, &small, model.clone(), outputs, 4096 + 64).unwrap();
     let prompt = (0..200).map(TokenId).collect();
     sched
         .submit(SubmitRequest::new(RequestId(1), prompt, 2))

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `--model deepseek-v4-flash` starts both runtimes from that configuration preset (the
-//! one runtime over Flash's cache: 256-token blocks, window tails); the prompts and the
+//! one runtime over Flash's cache: 256-token blocks, window tails; host devices whose
+//! forward writes nothing, the preset's default); the prompts and the
 //! cache scale with the block (4× the tokens), so the workload is the same in blocks.
 //! Its router events announce only the blocks a hit can reach (a tail at or below them).
 //!
@@ -28,7 +29,6 @@ mod dynamo_router;
 #[path = "../../tests/common/engine.rs"]
 mod engine;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -36,10 +36,8 @@ use dsa_kv::actors::KvCacheBuilder;
 use dsa_kv::config::{EngineConfig, ModelPreset};
 use dsa_kv::core::scheduler::SubmitRequest;
 use dsa_kv::core::ReuseScope;
-use dsa_kv::device::{Batch, Forward, ForwardError, Sampling};
 use dsa_kv::ids::{RequestId, TokenId};
 use dsa_kv::publish::{ZmqPublisher, ZmqPublisherConfig};
-use dsa_kv::v4::{DeviceBackend, WindowedBackendFactory, WindowedHostDevice, WindowedSetup};
 use dynamo_router::DynamoRouter;
 
 /// Multi-turn chats over two runtimes: Dynamo's KV-aware routing vs round-robin.
@@ -95,23 +93,6 @@ fn user_tokens(conv: u64, turn: u64, k: u64) -> Vec<TokenId> {
         .collect()
 }
 
-/// The forward of a windowed model's host devices here: it writes nothing and leaves
-/// sampling to the engine loop (the cache is what is measured).
-struct EngineSamples;
-
-impl Forward for EngineSamples {
-    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
-        Ok(Sampling::ByEngine)
-    }
-}
-
-fn windowed_devices() -> WindowedBackendFactory {
-    Arc::new(|i, s: &WindowedSetup| {
-        let d = WindowedHostDevice::new(i, &s.plan, &s.slots, Box::new(EngineSamples))?;
-        Ok(Box::new(d) as Box<dyn DeviceBackend>)
-    })
-}
-
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Policy {
     Kv,
@@ -134,7 +115,6 @@ async fn run(policy: Policy, a: &Args) -> Result<Outcome, String> {
     for _ in 0..2 {
         let kv = KvCacheBuilder::new()
             .config(config(a.model, a.max_tokens))
-            .windowed_backend(windowed_devices())
             .start()
             .await
             .map_err(|e| e.to_string())?;

@@ -1,7 +1,8 @@
 //! `serve --model deepseek-v4-flash|deepseek-v4-pro`: the DeepSeek-V4 main job, on the
 //! host backend or (`--backend cuda`, `--gpus`) with each device actor the model's CUDA
-//! device (`dsa_kv_model::v4::cuda::V4CudaDevice`: pools in GPU memory, the forward in
-//! kernels, bit-exact with the host). The V4 reference model (`dsa_kv_model::v4`) with
+//! device (`dsa_kv::cuda::v4::WindowedCudaDevice`, the CUDA backend's windowed device:
+//! pools in GPU memory, running the model's `V4CudaForward` through the one `Forward`
+//! contract, in kernels, bit-exact with the host). The V4 reference model (`dsa_kv_model::v4`) with
 //! the preset's layer structure (its ratio list: window-only, ratio-4 and ratio-128
 //! layers, and the MTP layer) and tiny widths elsewhere (hidden 64, 2 heads, top-64) runs
 //! through the one runtime (`KvCacheBuilder::windowed`: the scheduler over the model's
@@ -364,7 +365,7 @@ fn cuda_device(
                 device: i,
                 source: dsa_kv::storage::BackendError::new(e),
             })?;
-        let d = dsa_kv_model::v4::cuda::V4CudaDevice::new(
+        let d = dsa_kv_model::v4::cuda::v4_cuda_device(
             i,
             gpu,
             &s.plan,

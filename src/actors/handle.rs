@@ -278,15 +278,24 @@ impl KvCacheBuilder {
             return self.start_windowed(model).await;
         }
         if let Some(spec) = self.config.model.windowed_spec()? {
-            let backend = self.windowed_backend.clone().ok_or_else(|| {
-                RuntimeError::Config(dsa_kv_core::config::ConfigError::Invalid {
-                    field: "model.preset",
-                    value: self.config.model.preset.name().into(),
-                    why: "a model with sliding windows runs on devices the embedder builds: \
-                          give them with KvCacheBuilder::windowed_backend"
-                        .into(),
-                })
-            })?;
+            let backend = match (&self.windowed_backend, &self.backend, &self.forward) {
+                (Some(b), _, _) => b.clone(),
+                // The host backend's default, as the synthetic writer is for DSA models:
+                // host devices whose forward writes nothing (the engine samples).
+                (None, None, None) => super::windowed::host_windowed_backend(),
+                (None, _, _) => {
+                    return Err(RuntimeError::Config(
+                        dsa_kv_core::config::ConfigError::Invalid {
+                            field: "model.preset",
+                            value: self.config.model.preset.name().into(),
+                            why: "a model with sliding windows runs on windowed devices, not on \
+                                  a DSA backend or forward: give them with \
+                                  KvCacheBuilder::windowed_backend"
+                                .into(),
+                        },
+                    ))
+                }
+            };
             return self
                 .start_windowed(super::windowed::WindowedModel::new(spec, backend))
                 .await;

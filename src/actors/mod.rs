@@ -33,4 +33,4 @@ pub use stats::{
     EventCounts, HistoryChunk, RuntimeStats, StepSample, TierUsage, HISTORY, ROLLING_WINDOW,
 };
 pub use transfer::{Lease, Transfers};
-pub use windowed::{WindowedBackendFactory, WindowedModel, WindowedSetup};
+pub use windowed::{host_windowed_backend, WindowedBackendFactory, WindowedModel, WindowedSetup};

@@ -73,6 +73,19 @@ impl WindowedModel {
     }
 }
 
+/// Host devices whose forward writes nothing and leaves sampling to the engine
+/// ([`WritesNothing`](dsa_kv_device::windowed::WritesNothing)): what a windowed preset
+/// starts on when the builder is given no devices, as a DSA model starts on host devices
+/// with the synthetic writer. A model's own forward comes with
+/// [`KvCacheBuilder::windowed_backend`].
+pub fn host_windowed_backend() -> WindowedBackendFactory {
+    Arc::new(|i, s: &WindowedSetup| {
+        let forward = Box::new(dsa_kv_device::windowed::WritesNothing);
+        let d = dsa_kv_device::windowed::WindowedHostDevice::new(i, &s.plan, &s.slots, forward)?;
+        Ok(Box::new(d) as Box<dyn DeviceBackend>)
+    })
+}
+
 fn bad(setting: &'static str, value: u64, max: u64) -> RuntimeError {
     RuntimeError::BadSetting {
         setting,
@@ -99,7 +112,9 @@ impl KvCacheBuilder {
     /// The devices of a model with sliding windows named by the configuration
     /// (`model.preset = "deepseek-v4-flash"` or `"deepseek-v4-pro"`): `start` then serves
     /// that preset's structure ([`ModelConfig::windowed_spec`](dsa_kv_core::config::ModelConfig::windowed_spec))
-    /// as [`windowed`](Self::windowed) would. Ignored for a DSA preset.
+    /// as [`windowed`](Self::windowed) would. Ignored for a DSA preset. Without it (and
+    /// without a DSA [`backend`](Self::backend) or [`forward`](Self::forward)) a windowed
+    /// preset starts on [`host_windowed_backend`].
     pub fn windowed_backend(mut self, backend: WindowedBackendFactory) -> Self {
         self.windowed_backend = Some(backend);
         self

@@ -45,10 +45,12 @@ use half::bf16;
 use crate::kernels::Guard;
 use crate::{driver_error, CudaError, Gpu, KERNEL_SOURCES};
 
+mod device;
 mod pools;
 #[cfg(test)]
 mod tests;
 
+pub use device::WindowedCudaDevice;
 pub use pools::V4GpuPools;
 
 /// The kernel source (`kernels/v4.cu`), compiled after `common.cuh` and `guard.cu`.

@@ -20,7 +20,8 @@ use crate::backend::{
     digest_pools, DeviceBackend, DeviceError, DeviceStepReport, Mismatch, VerifySpec,
 };
 use crate::forward::{
-    Batch, BatchMemory, CacheView, Forward, HostMemory, MetadataView, Phase, Region,
+    Batch, BatchMemory, CacheView, Forward, ForwardError, HostMemory, MetadataView, Phase, Region,
+    Sampling,
 };
 
 /// Where a windowed model's GPU pools are: per life cycle of its plan (plan order), per
@@ -158,10 +159,6 @@ impl WindowedHostDevice {
         slots: &WindowedSlots,
         forward: Box<dyn Forward>,
     ) -> Result<Self, DeviceError> {
-        let setup = |what: String| DeviceError::Pools {
-            device: index,
-            source: PoolError::Setup(what),
-        };
         let mut pools = V4Pools::new(plan, slots).map_err(|source| DeviceError::Pools {
             device: index,
             source,
@@ -179,26 +176,11 @@ impl WindowedHostDevice {
                     .collect()
             })
             .collect();
-        let view = CacheView {
-            layers: Vec::new(),
-            tokens_per_block: plan.tokens_per_block(),
-            windowed: Some(WindowedView {
-                plan: plan.clone(),
-                pools: regions,
-            }),
-        };
-        let blocks = plan
-            .compressed_pool_plan()
-            .ok_or_else(|| setup("the plan has no compressed life cycle".into()))?;
-        let layout = MetadataLayout::from_plan(&blocks).map_err(|e| setup(e.to_string()))?;
-        let dims = MetadataDims {
-            max_num_sequences: 1,
-            max_blocks_per_seq: 4,
-            max_num_tokens: 1,
-            max_context_kv_tokens: 1,
-        };
-        let meta =
-            StepMetadata::new(layout, dims, None, false).map_err(|e| setup(e.to_string()))?;
+        let view = windowed_cache_view(plan, regions);
+        let meta = windowed_step_metadata(plan).map_err(|source| DeviceError::Pools {
+            device: index,
+            source,
+        })?;
         Ok(WindowedHostDevice {
             index,
             pools,
@@ -212,6 +194,50 @@ impl WindowedHostDevice {
     pub fn pools(&self) -> &V4Pools {
         &self.pools
     }
+}
+
+/// A windowed model's forward that writes nothing and samples nothing
+/// ([`Sampling::ByEngine`]: the engine commits its tokens): the default of a windowed
+/// preset on the host backend, for tests, tools and an embedder's first steps. A model's
+/// own forward (e.g. `dsa_kv_model::v4::V4ModelForward`) writes and reads the pools.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WritesNothing;
+
+impl Forward for WritesNothing {
+    fn forward(&mut self, _: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        Ok(Sampling::ByEngine)
+    }
+}
+
+/// The cache view of a windowed device whose pools are `regions` (per life cycle of
+/// `plan`, per pool, its GPU-tier bytes): no DSA layers, the [`WindowedView`].
+pub fn windowed_cache_view(plan: &V4Plan, regions: Vec<Vec<Region>>) -> CacheView {
+    CacheView {
+        layers: Vec::new(),
+        tokens_per_block: plan.tokens_per_block(),
+        windowed: Some(WindowedView {
+            plan: plan.clone(),
+            pools: regions,
+        }),
+    }
+}
+
+/// The step metadata a windowed device binds to its batches: the smallest of the
+/// compressed life cycle's layout (a windowed forward reads its tables from the planned
+/// requests, not from the DSA metadata).
+pub fn windowed_step_metadata(plan: &V4Plan) -> Result<StepMetadata, PoolError> {
+    let setup = |what: String| PoolError::Setup(what);
+    let blocks = plan
+        .compressed_pool_plan()
+        .ok_or_else(|| setup("the plan has no compressed life cycle".into()))?;
+    let layout = MetadataLayout::from_plan(&blocks).map_err(|e| setup(e.to_string()))?;
+    let dims = MetadataDims {
+        max_num_sequences: 1,
+        max_blocks_per_seq: 4,
+        max_num_tokens: 1,
+        max_context_kv_tokens: 1,
+    };
+    StepMetadata::new(layout, dims, None, false).map_err(|e| setup(e.to_string()))
 }
 
 impl DeviceBackend for WindowedHostDevice {

@@ -1,6 +1,7 @@
-//! The V4 model on the GPU (feature `cuda`): [`V4CudaDevice`], a [`DeviceBackend`] whose
-//! pools live in GPU memory ([`V4GpuPools`]) and whose forward is the host model's,
-//! computed by `kernels/v4_model.cu` (after `kernels/model.cu`, whose embedding, RoPE,
+//! The V4 model on the GPU (feature `cuda`): [`V4CudaForward`], the one [`Forward`]
+//! contract run by the CUDA backend's windowed device ([`WindowedCudaDevice`], its pools in
+//! GPU memory; [`v4_cuda_device`] builds one with this forward). It computes the host
+//! model's forward with `kernels/v4_model.cu` (after `kernels/model.cu`, whose embedding, RoPE,
 //! BF16, ReLU, add and top-k kernels it shares) and written and read by the crate's own
 //! cache kernels (`model1_scatter`, `model1_gather`, `state_scatter`,
 //! `quantize_indexer` + `indexer_k_scatter`). Every output is one thread's loop in the
@@ -28,23 +29,21 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
-use dsa_kv_core::core::scheduler::{PlannedRequest, StepPlan};
+use dsa_kv_core::core::scheduler::PlannedRequest;
 use dsa_kv_core::core::WindowedSlots;
 use dsa_kv_core::ids::LayerId;
 use dsa_kv_core::layout::{Role, V4Buffer, V4PageFormat, V4Plan};
 use dsa_kv_core::metadata::v4::{entry_row, PageTable};
 use dsa_kv_core::ops::model1::MODEL1_NOPE;
-use dsa_kv_core::storage::BackendError;
 use dsa_kv_cuda::kernels::{Guard, GuardFailure};
 use dsa_kv_cuda::v4::{
-    check_model1, check_state, entry_key_maps, Bounds, Model1Pool, StatePool, V4GpuPools,
-    V4KernelError, V4Kernels,
+    check_model1, check_state, entry_key_maps, Bounds, Model1Pool, StatePool, V4KernelError,
+    V4Kernels, WindowedCudaDevice,
 };
 use dsa_kv_cuda::{CudaError, DeviceBuffer, Gpu, Plain};
-use dsa_kv_device::{
-    DeviceBackend, DeviceError, DeviceStepReport, ForwardError, Mismatch, Proposals, Sampled,
-    Sampling, VerifySpec,
-};
+use dsa_kv_device::forward::{Batch, Forward, MemKind};
+use dsa_kv_device::windowed::WindowedView;
+use dsa_kv_device::{DeviceError, ForwardError, Proposals, Sampled, Sampling};
 
 use super::forward::{outcome, verdict, V4Outputs};
 use super::model::{Compressor, V4Layer, V4Model};
@@ -412,7 +411,7 @@ fn to_i32s(v: &[i64]) -> Result<Vec<i32>, Fail> {
 /// of window and state positions through its ring page tables, of compressed entries
 /// through its block table, and the device pools they index.
 struct Tables<'a> {
-    pools: &'a V4GpuPools,
+    pools: &'a WindowedView,
     p: &'a PlannedRequest,
     /// The request's block table, as slots.
     blocks: Vec<dsa_kv_core::ids::SlotId>,
@@ -421,7 +420,7 @@ struct Tables<'a> {
 impl Tables<'_> {
     fn buffer(&self, layer: usize, role: Role) -> Result<V4Buffer, Fail> {
         self.pools
-            .plan()
+            .plan
             .buffer(LayerId(layer as u32), role)
             .copied()
             .ok_or_else(|| format!("layer {layer} has no {role:?} buffer in the plan"))
@@ -429,7 +428,10 @@ impl Tables<'_> {
 
     fn device_pool(&self, b: &V4Buffer) -> Result<(u64, u64), Fail> {
         self.pools
-            .device_pool(b.life_cycle.index(), b.pool.index())
+            .pools
+            .get(b.life_cycle.index())
+            .and_then(|lc| lc.get(b.pool.index()))
+            .map(|r| (r.addr, r.bytes))
             .ok_or_else(|| format!("no device pool for {:?} of layer {}", b.role, b.layer.get()))
     }
 
@@ -444,7 +446,7 @@ impl Tables<'_> {
         let table = PageTable {
             start: *start,
             slots,
-            page: u64::from(self.pools.plan().life_cycles()[lc].tokens_per_page),
+            page: u64::from(self.pools.plan.life_cycles()[lc].tokens_per_page),
         };
         positions
             .map(|pos| {
@@ -541,64 +543,60 @@ struct Weights {
     max_positions: u32,
 }
 
-/// The V4 model on one GPU as a [`DeviceBackend`]. See the module docs.
-pub struct V4CudaDevice {
-    index: usize,
-    pools: V4GpuPools,
-    outputs: Arc<Mutex<V4Outputs>>,
+/// The V4 model's forward on one GPU: the one [`Forward`] contract, run by the CUDA
+/// backend's windowed device ([`WindowedCudaDevice`]) over the pools its batch's
+/// [`WindowedView`] names. See the module docs.
+pub struct V4CudaForward {
+    outputs: Option<Arc<Mutex<V4Outputs>>>,
     w: Weights,
     arena: Arena,
 }
 
-impl V4CudaDevice {
-    /// Device `index` on `gpu`: zeroed pools for `plan` and `slots` (as the manager was
-    /// built with), `model`'s weights uploaded, the kernels compiled; positions below
-    /// `max_positions` (the RoPE table's rows; a step that would reach past it is a typed
-    /// error). Every kept position's output is recorded into `outputs`.
+/// A windowed CUDA device on `gpu` running the V4 model's forward: zeroed pools for
+/// `plan` and `slots` (as the cache was built with), `model`'s weights uploaded, the
+/// kernels compiled, positions below `max_positions`, every kept position's output
+/// recorded into `outputs`.
+pub fn v4_cuda_device(
+    index: usize,
+    gpu: Arc<Gpu>,
+    plan: &V4Plan,
+    slots: &WindowedSlots,
+    model: Arc<V4Model>,
+    outputs: Arc<Mutex<V4Outputs>>,
+    max_positions: u32,
+) -> Result<WindowedCudaDevice, DeviceError> {
+    let forward = V4CudaForward::new(gpu.clone(), model, Some(outputs), max_positions)
+        .map_err(|e| DeviceError::forward(index, e))?;
+    WindowedCudaDevice::new(index, gpu, plan, slots, Box::new(forward))
+}
+
+impl V4CudaForward {
+    /// `model`'s forward on `gpu`: its weights uploaded, the kernels compiled; positions
+    /// below `max_positions` (the RoPE table's rows; a step that would reach past it is
+    /// a typed error). Every kept position's output is recorded into `outputs`, if given.
     pub fn new(
-        index: usize,
         gpu: Arc<Gpu>,
-        plan: &V4Plan,
-        slots: &WindowedSlots,
         model: Arc<V4Model>,
-        outputs: Arc<Mutex<V4Outputs>>,
+        outputs: Option<Arc<Mutex<V4Outputs>>>,
         max_positions: u32,
-    ) -> Result<Self, DeviceError> {
-        Self::with_source(
-            index,
-            gpu,
-            plan,
-            slots,
-            model,
-            outputs,
-            max_positions,
-            V4_MODEL_SOURCE,
-        )
+    ) -> Result<Self, ForwardError> {
+        Self::with_source(gpu, model, outputs, max_positions, V4_MODEL_SOURCE)
     }
 
     /// [`new`](Self::new) with `v4_model_source` in place of `kernels/v4_model.cu`: the
     /// mutation tests compile altered kernels to show that the exactness checks catch
     /// them.
     #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
     pub fn with_source(
-        index: usize,
         gpu: Arc<Gpu>,
-        plan: &V4Plan,
-        slots: &WindowedSlots,
         model: Arc<V4Model>,
-        outputs: Arc<Mutex<V4Outputs>>,
+        outputs: Option<Arc<Mutex<V4Outputs>>>,
         max_positions: u32,
         v4_model_source: &str,
-    ) -> Result<Self, DeviceError> {
-        let setup = |e: CudaError| DeviceError::Backend {
-            device: index,
-            source: BackendError::new(e),
-        };
-        let unsupported = |what: String| DeviceError::Forward {
-            device: index,
-            source: ForwardError::Unsupported { what },
-        };
+    ) -> Result<Self, ForwardError> {
+        let setup =
+            |e: CudaError| ForwardError::framework(crate::ModelError::Access(e.to_string()));
+        let unsupported = |what: String| ForwardError::Unsupported { what };
         if max_positions == 0 || max_positions > i32::MAX as u32 / 2 {
             return Err(unsupported(format!(
                 "max_positions {max_positions}: give 1 ..= {}",
@@ -613,11 +611,6 @@ impl V4CudaDevice {
             ));
         }
         gpu.bind().map_err(setup)?;
-        let pools =
-            V4GpuPools::new(gpu.clone(), plan, slots).map_err(|source| DeviceError::Pools {
-                device: index,
-                source,
-            })?;
         let module = load_v4_module(&gpu, v4_model_source).map_err(setup)?;
         let ordinal = gpu.ordinal();
         let f = |n: &'static str| {
@@ -658,9 +651,7 @@ impl V4CudaDevice {
                 })
             })
             .collect();
-        Ok(V4CudaDevice {
-            index,
-            pools,
+        Ok(V4CudaForward {
             outputs,
             w: Weights {
                 cache: V4Kernels::load(&gpu).map_err(setup)?,
@@ -680,53 +671,41 @@ impl V4CudaDevice {
             },
         })
     }
-
-    /// The pools (a check or a dump downloads them).
-    pub fn pools(&self) -> &V4GpuPools {
-        &self.pools
-    }
 }
 
-impl V4CudaDevice {
-    fn forward_err(&self, what: String) -> DeviceError {
-        DeviceError::Forward {
-            device: self.index,
-            source: ForwardError::framework(crate::ModelError::Access(what)),
+impl Forward for V4CudaForward {
+    fn forward(&mut self, batch: &mut Batch<'_>) -> Result<Sampling, ForwardError> {
+        let fail = |what: String| ForwardError::framework(crate::ModelError::Access(what));
+        let ordinal = self.w.gpu.ordinal() as u32;
+        if batch.memory() != (MemKind::Device { ordinal }) {
+            return Err(ForwardError::Unsupported {
+                what: format!(
+                    "the V4 GPU forward runs on GPU {ordinal}'s windowed device, not over {:?}",
+                    batch.memory()
+                ),
+            });
         }
-    }
-}
-
-impl DeviceBackend for V4CudaDevice {
-    fn index(&self) -> usize {
-        self.index
-    }
-
-    fn execute_step(&mut self, plan: &StepPlan) -> Result<DeviceStepReport, DeviceError> {
-        let start = std::time::Instant::now();
-        let device = self.index;
-        if !plan.draft_copies.is_empty() {
-            return Err(DeviceError::NoDraftCache { device });
-        }
-        self.w
-            .gpu
-            .bind()
-            .map_err(|e| self.forward_err(e.to_string()))?;
-        let copies = self
-            .pools
-            .apply(&plan.copies)
-            .map_err(|source| DeviceError::Pools { device, source })?;
-        let mut outcomes = Vec::with_capacity(plan.requests.len());
+        let view = batch
+            .cache
+            .windowed
+            .as_ref()
+            .ok_or_else(|| ForwardError::Unsupported {
+                what: "the V4 GPU forward needs a batch over a windowed cache".into(),
+            })?;
+        self.w.gpu.bind().map_err(|e| fail(e.to_string()))?;
+        let device = batch.device;
+        let mut outcomes = Vec::with_capacity(batch.requests.len());
         let mut proposals = Proposals::new();
-        for p in &plan.requests {
+        for p in batch.requests {
             let mut step = Step {
                 w: &self.w,
                 arena: &mut self.arena,
             };
-            let done = step.request(&self.pools, p);
-            let (outs, accepted, kept, drafts) =
-                done.map_err(|e| self.forward_err(format!("request {}: {e}", p.id)))?;
+            let (outs, accepted, kept, drafts) = step
+                .request(view, p)
+                .map_err(|e| fail(format!("request {}: {e}", p.id)))?;
             outcomes.push(outcome(
-                Some(&self.outputs),
+                self.outputs.as_deref(),
                 device,
                 p,
                 &outs,
@@ -735,25 +714,9 @@ impl DeviceBackend for V4CudaDevice {
                 &mut proposals,
             ));
         }
-        let mut r = DeviceStepReport::new(device, plan);
-        r.tokens_written = plan.requests.iter().map(|p| p.tokens.len() as u64).sum();
-        r.slot_copies = copies;
-        r.sampling = Sampling::Sampled(Sampled::new(outcomes).with_drafts(proposals));
-        r.elapsed_us = start.elapsed().as_micros() as u64;
-        Ok(r)
-    }
-
-    /// Verification is off for a windowed model (no synthetic writer to predict its
-    /// bytes; its cache is checked against its unpaged run): nothing is read back.
-    fn verify(&mut self, _: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
-        Ok((0, Vec::new()))
-    }
-
-    fn cache_digest(&mut self) -> Result<String, DeviceError> {
-        self.pools.digest().map_err(|source| DeviceError::Pools {
-            device: self.index,
-            source,
-        })
+        Ok(Sampling::Sampled(
+            Sampled::new(outcomes).with_drafts(proposals),
+        ))
     }
 }
 
@@ -1501,7 +1464,7 @@ impl Step<'_> {
     /// One planned request: `(outputs, drafts accepted, tokens kept, proposals)`.
     fn request(
         &mut self,
-        pools: &V4GpuPools,
+        pools: &WindowedView,
         p: &PlannedRequest,
     ) -> Result<(Vec<TokenOut>, usize, usize, Vec<u32>), Fail> {
         let w = self.w;
