@@ -60,13 +60,16 @@ fn host_backend(model: &Arc<V4Model>, outputs: &Arc<Mutex<V4Outputs>>) -> Window
 
 /// Runs the workload on two devices from `backend` through the runtime and checks every
 /// request's tokens and every recorded position's output on both devices against the
-/// unpaged model; returns the positions checked and the runtime's last counters.
+/// unpaged model; returns the positions checked, the runtime's last counters and the
+/// room requests refused by the drill (`room_faults` percent of them, feature
+/// `fault-injection`).
 async fn workload(
     model: &V4Model,
     slots: WindowedSlots,
     backend: WindowedBackendFactory,
     outputs: &Mutex<V4Outputs>,
-) -> (usize, RuntimeStats) {
+    room_faults: u8,
+) -> (usize, RuntimeStats, u64) {
     let mut w = WindowedModel::new(model.config().spec().unwrap(), backend);
     w.slots = Some(slots);
     let kv = KvCacheBuilder::new()
@@ -76,6 +79,13 @@ async fn workload(
         .start()
         .await
         .unwrap();
+    #[cfg(feature = "fault-injection")]
+    kv.inject_room_failures(0xd1e, room_faults).await.unwrap();
+    #[cfg(not(feature = "fault-injection"))]
+    assert_eq!(
+        room_faults, 0,
+        "room faults need the fault-injection feature"
+    );
     let mut rng = SplitMix64(3);
     let systems: Vec<Vec<u32>> = (0..2)
         .map(|_| (0..520).map(|_| rng.below(256) as u32).collect())
@@ -133,6 +143,10 @@ async fn workload(
     // One more (empty) step publishes the state after the last commit.
     kv.step(Drafts::none()).await.unwrap();
     let stats = kv.stats().await.unwrap();
+    #[cfg(feature = "fault-injection")]
+    let refused = kv.inject_room_failures(0, 0).await.unwrap();
+    #[cfg(not(feature = "fault-injection"))]
+    let refused = 0;
     kv.shutdown().await;
     let out = outputs.lock().unwrap();
     assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
@@ -170,11 +184,12 @@ async fn workload(
     assert!(copies > 0, "offload or onboarding");
     assert_eq!(stats.scheduler.finished, 8);
     assert!(stats.events.stored > 0, "KV events: {:?}", stats.events);
-    (positions, stats)
+    (positions, stats, refused)
 }
 
 /// The host workload; the metrics an embedder's recorder sees for the windowed model
-/// (every model's, and the window kind's tails and back-off) equal `stats()`.
+/// (every model's, and the window kind's tails and back-off) equal `stats()`; then the
+/// room-fault drill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -186,7 +201,7 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
     let (model, _, slots) = setup();
     let outputs = Arc::new(Mutex::new(V4Outputs::default()));
     let backend = host_backend(&model, &outputs);
-    let (_, st) = workload(&model, slots, backend, &outputs).await;
+    let (_, st, _) = workload(&model, slots, backend, &outputs, 0).await;
     let mut counters = HashMap::new();
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
         let k = key.key();
@@ -220,6 +235,19 @@ async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
         ("dsa_kv_kv_events_total[\"stored\"]", st.events.stored),
     ] {
         assert_eq!(counters.get(name), Some(&want), "{name}: {counters:?}");
+    }
+    // Then (after the counters: one recorder per test binary) the fault drill on the
+    // windowed model: a fifth of the GPU-room requests refused as storage failures while
+    // the workload runs; no step fails, every request finishes with the unpaged model's
+    // tokens and outputs on both devices.
+    #[cfg(feature = "fault-injection")]
+    {
+        let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+        let backend = host_backend(&model, &outputs);
+        let (_, _, slots) = setup();
+        let (positions, st, refused) = workload(&model, slots, backend, &outputs, 20).await;
+        eprintln!("room requests refused {refused}, positions checked {positions}");
+        assert!(refused > 0, "the drill refused nothing: {:?}", st.scheduler);
     }
 }
 
@@ -316,7 +344,7 @@ async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_mod
             .expect("each device is built once"))
     });
     let start = std::time::Instant::now();
-    let (positions, _) = workload(&model, slots, backend, &outputs).await;
+    let (positions, _, _) = workload(&model, slots, backend, &outputs, 0).await;
     let (host, cuda) = (host.lock().unwrap(), cuda.lock().unwrap());
     let mut bytes = 0usize;
     for (lc, l) in plan.life_cycles().iter().enumerate() {
