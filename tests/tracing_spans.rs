@@ -228,38 +228,59 @@ async fn a_request_span_lives_from_submit_to_finish() {
     assert!(shutdown.len() == 1 && shutdown[0].closed, "{shutdown:?}");
 
     // Under memory pressure: every preemption is an event in its request's span.
-    let kv = KvCacheBuilder::new()
-        .config(tight_config())
-        .start()
-        .await
-        .unwrap();
-    const N: u64 = 16;
-    for i in 0..N {
-        kv.submit(SubmitRequest {
+    let requests: Vec<SubmitRequest> = (0..16u64)
+        .map(|i| SubmitRequest {
             max_new_tokens: 8 + (i as u32 % 9),
             priority: [10, 35, 60][i as usize % 3],
             ..request(100 + i, 200 + (i as u32 * 53) % 300)
         })
-        .await
-        .unwrap();
+        .collect();
+    under_pressure(&recorder, tight_config(), requests).await;
+
+    // DeepSeek-V4 through the same runtime (from its configuration preset): the same
+    // spans, and its preemptions (by recompute) are events in their requests' spans.
+    let requests: Vec<SubmitRequest> = (0..10u64)
+        .map(|i| SubmitRequest {
+            max_new_tokens: 8 + (i as u32 % 9),
+            ..request(200 + i, 300 + (i as u32 * 97) % 500)
+        })
+        .collect();
+    let st = under_pressure(&recorder, v4_config(), requests).await;
+    assert!(st.windows.is_some(), "a windowed runtime: {st:?}");
+    assert_eq!(recorder.spans("handle", "start").len(), 3);
+}
+
+/// Runs `requests` to their end on a runtime of `config` that is too small for all of
+/// them: every request's span closes with one submitted, started and finished event,
+/// and holds a `preempted` event per preemption. Returns the runtime's last counters.
+async fn under_pressure(
+    recorder: &Recorder,
+    config: EngineConfig,
+    requests: Vec<SubmitRequest>,
+) -> dsa_kv::actors::RuntimeStats {
+    let before = recorder.spans("coordinator", "request").len();
+    let kv = KvCacheBuilder::new().config(config).start().await.unwrap();
+    let n = requests.len() as u64;
+    for r in requests {
+        kv.submit(r).await.unwrap();
     }
     let mut finished = 0;
     for _ in 0..5000 {
         let rep = kv.step(HashMap::new()).await.unwrap();
         let c = kv.commit(rep.outcomes_from(|_| TokenId(7))).await.unwrap();
         finished += c.finished.len() as u64;
-        if finished == N {
+        if finished == n {
             break;
         }
     }
     let st = kv.stats().await.unwrap();
     kv.shutdown().await;
-    assert_eq!(st.scheduler.finished, N);
-    let requests = recorder.spans("coordinator", "request");
-    let requests = &requests[3..];
-    assert_eq!(requests.len(), N as usize);
+    assert_eq!(st.scheduler.finished, n);
+    let spans = recorder.spans("coordinator", "request");
+    let spans = &spans[before..];
+    assert_eq!(spans.len(), n as usize);
     let mut preempted = 0;
-    for span in requests {
+    for span in spans {
         assert!(span.closed, "{span:?}");
         let count = |what: &str| span.events.iter().filter(|e| *e == what).count();
         assert_eq!(
@@ -275,60 +296,7 @@ async fn a_request_span_lives_from_submit_to_finish() {
         preempted, st.scheduler.preemptions,
         "a preempted event per preemption"
     );
-
-    // DeepSeek-V4 through the same runtime (from its configuration preset): the same
-    // spans, and its preemptions (by recompute) are events in their requests' spans.
-    let before = recorder.spans("coordinator", "request").len();
-    let kv = KvCacheBuilder::new()
-        .config(v4_config())
-        .start()
-        .await
-        .unwrap();
-    const V4_N: u64 = 10;
-    for i in 0..V4_N {
-        kv.submit(SubmitRequest {
-            max_new_tokens: 8 + (i as u32 % 9),
-            ..request(200 + i, 300 + (i as u32 * 97) % 500)
-        })
-        .await
-        .unwrap();
-    }
-    let mut finished = 0;
-    for _ in 0..5000 {
-        let rep = kv.step(HashMap::new()).await.unwrap();
-        let c = kv.commit(rep.outcomes_from(|_| TokenId(7))).await.unwrap();
-        finished += c.finished.len() as u64;
-        if finished == V4_N {
-            break;
-        }
-    }
-    let st = kv.stats().await.unwrap();
-    kv.shutdown().await;
-    assert_eq!(st.scheduler.finished, V4_N);
-    assert!(st.windows.is_some(), "a windowed runtime: {st:?}");
-    let requests = recorder.spans("coordinator", "request");
-    let requests = &requests[before..];
-    assert_eq!(requests.len(), V4_N as usize);
-    let mut preempted = 0;
-    for span in requests {
-        assert!(span.closed, "{span:?}");
-        let count = |what: &str| span.events.iter().filter(|e| *e == what).count();
-        assert_eq!(
-            (count("submitted"), count("started"), count("finished")),
-            (1, 1, 1),
-            "{span:?}"
-        );
-        preempted += count("preempted") as u64;
-    }
-    assert!(
-        st.scheduler.preemptions > 0,
-        "no memory pressure (V4): {st:?}"
-    );
-    assert_eq!(
-        preempted, st.scheduler.preemptions,
-        "V4: a preempted event per preemption"
-    );
-    assert_eq!(recorder.spans("handle", "start").len(), 3);
+    st
 }
 
 /// DeepSeek-V4-Flash from its preset: 5 blocks of 256 tokens for 10 requests of up to

@@ -10,6 +10,7 @@ use std::time::Duration;
 use dsa_kv::v4::V4Preset;
 use dsa_kv_dynamo::engine::{reference_model, DsaKvEngine, Settings};
 use dsa_kv_dynamo::serving::Load;
+use dsa_kv_dynamo::verify::Reference;
 use dynamo_backend_common::testing::{mock_context, run_conformance};
 use dynamo_backend_common::{
     BackendError, DynamoError, ErrorType, FinishReason, GenerateContext, LLMEngine,
@@ -141,6 +142,39 @@ async fn dynamo_conformance_kit_passes() {
         .expect("Dynamo's conformance kit");
 }
 
+/// Sends every prompt at once (prompt `i` asks for `first + 3i` tokens) and checks each
+/// stream: it ends by length with the usage asked for, its tokens bit-exact against the
+/// unpaged `reference`.
+async fn all_at_once(
+    e: &Arc<DsaKvEngine>,
+    prompts: &[Vec<u32>],
+    first: u32,
+    reference: &Reference,
+) {
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (e, p) = (e.clone(), p.clone());
+        tasks.push(tokio::spawn(async move {
+            let n = first + i as u32 * 3;
+            let items = collect(
+                &e,
+                request(p.clone(), max_tokens(n), vec![]),
+                mock_context(),
+            )
+            .await;
+            (p, n, items)
+        }));
+    }
+    for t in tasks {
+        let (p, n, items) = t.await.expect("task");
+        let (tokens, reason, (prompt_tokens, completion, _)) = tokens_of(&items);
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!((prompt_tokens, completion), (p.len() as u32, n));
+        let want = reference.generate(&p, n).expect("the unpaged run");
+        assert_eq!(tokens, want, "bit-exact against the unpaged model");
+    }
+}
+
 /// The DeepSeek-V4 reference model (Flash's 43 layers and MTP layer, tiny widths)
 /// through the same engine: 256-token blocks registered, tokens bit-exact against the
 /// unpaged V4 model, a repeated prompt served from its last whole block (where a window
@@ -164,27 +198,7 @@ async fn deepseek_v4_flash_is_served_bit_exact_with_prefix_hits_and_cancellation
     let total = llm.total_kv_blocks.expect("total blocks");
     assert!(total >= 8192 / 256, "{total}");
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(i, 300 + 140 * i)).collect();
-    let mut tasks = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let (e, p) = (e.clone(), p.clone());
-        tasks.push(tokio::spawn(async move {
-            let n = 4 + i as u32 * 3;
-            let items = collect(
-                &e,
-                request(p.clone(), max_tokens(n), vec![]),
-                mock_context(),
-            )
-            .await;
-            (p, n, items)
-        }));
-    }
-    for t in tasks {
-        let (p, n, items) = t.await.expect("task");
-        let (tokens, reason, (prompt_tokens, completion, _)) = tokens_of(&items);
-        assert_eq!(reason, FinishReason::Length);
-        assert_eq!((prompt_tokens, completion), (p.len() as u32, n));
-        assert_eq!(tokens, reference.generate(&p, n).unwrap(), "bit-exact (V4)");
-    }
+    all_at_once(&e, &prompts, 4, &reference).await;
     // 580 tokens: the repeat resumes at the last whole block, 512.
     let p = prompts[2].clone();
     let items = collect(
@@ -226,31 +240,13 @@ async fn deepseek_v4_flash_is_served_bit_exact_with_prefix_hits_and_cancellation
 async fn concurrent_requests_are_bit_exact_and_a_repeated_prompt_is_served_from_the_cache() {
     let e = Arc::new(started().await);
     let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 100 + 37 * i)).collect();
-    let mut tasks = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let (e, p) = (e.clone(), p.clone());
-        tasks.push(tokio::spawn(async move {
-            let n = 5 + i as u32 * 3;
-            let items = collect(
-                &e,
-                request(p.clone(), max_tokens(n), vec![]),
-                mock_context(),
-            )
-            .await;
-            (p, n, items)
-        }));
-    }
-    for t in tasks {
-        let (p, n, items) = t.await.expect("task");
-        let (tokens, reason, (prompt_tokens, completion, _)) = tokens_of(&items);
-        assert_eq!(reason, FinishReason::Length);
-        assert_eq!((prompt_tokens, completion), (p.len() as u32, n));
-        assert_eq!(
-            tokens,
-            reference(&p, n),
-            "bit-exact against the unpaged model"
-        );
-    }
+    all_at_once(
+        &e,
+        &prompts,
+        5,
+        &reference_model(&settings()).expect("model"),
+    )
+    .await;
     // The same prompt again: all of it but the last token (which must run to give the
     // first output) comes from the cache; the tokens are the same.
     let p = prompts[5].clone();
