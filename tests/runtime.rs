@@ -217,8 +217,25 @@ async fn many_concurrent_clients_lose_nothing() {
 #[cfg(feature = "fault-injection")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_device_fails_its_requests_and_service_continues() {
+    let info = dead_device_drill(config(4096, false, false)).await;
+    assert!(info.window_slots.is_empty());
+    // DeepSeek-V4 from its preset (windowed host devices) through the same runtime.
+    let mut v4 = config(4096, false, false);
+    v4.model.preset = dsa_kv::config::ModelPreset::DeepSeekV4Flash;
+    v4.model.num_layers = None;
+    let info = dead_device_drill(v4).await;
+    assert_eq!(
+        (info.model.as_str(), info.window_slots.len()),
+        ("DeepSeek-V4-Flash", 3)
+    );
+}
+
+/// Device 1 killed after two steps of 4 requests: every request fails naming it; the
+/// service goes on with device 0.
+#[cfg(feature = "fault-injection")]
+async fn dead_device_drill(config: EngineConfig) -> dsa_kv::actors::RuntimeInfo {
     let kv = KvCacheBuilder::new()
-        .config(config(4096, false, false))
+        .config(config)
         .host_devices(2)
         .start()
         .await
@@ -280,7 +297,9 @@ async fn a_dead_device_fails_its_requests_and_service_continues() {
     assert_eq!(done.finished.generated, 3);
     let counts = kv.check_invariants().await.unwrap();
     assert_eq!(counts.live_sequences, 0);
+    let info = kv.info().clone();
     kv.shutdown().await;
+    info
 }
 
 /// Steps and commits (token 7, no drafts accepted) until `n` requests finished.
