@@ -384,3 +384,107 @@ fn scopes_are_kept_apart_and_repeats_resume_at_the_tail() {
     let m = s.target().stats();
     assert_eq!((m.lookup_tokens, m.reused_tokens), (1800, 512));
 }
+
+/// Runs `s` until no request is active (token 1 sampled each time); the reused tokens of
+/// the requests that finished.
+fn run_to_end(s: &mut Scheduler) -> Vec<u64> {
+    let mut reused = Vec::new();
+    while s.num_active() > 0 {
+        let plan = s.schedule(&HashMap::new()).unwrap();
+        s.complete(plan.target_fence, None).unwrap();
+        let outs = plan.requests.iter().map(|p| RequestOutcome {
+            id: p.id,
+            accepted_drafts: 0,
+            next_token: p.produces_token.then_some(TokenId(1)),
+        });
+        let fin = s.commit(&outs.collect::<Vec<_>>()).unwrap();
+        reused.extend(fin.iter().map(|f| f.reused_tokens));
+        let ids: Vec<_> = fin.iter().map(|f| f.id).collect();
+        s.finalize(&ids).unwrap();
+    }
+    reused
+}
+
+/// A windowed prefix moves between two schedulers under a lease (P/D): the exporter
+/// pins the blocks to its deepest tail and that tail; the importer checks the keys,
+/// reserves fresh pages, commits, and a request for the prompt then resumes at the
+/// boundary; an import left uncommitted expires with its pages given back, and a late
+/// commit is told so.
+#[test]
+fn a_windowed_prefix_moves_between_schedulers_under_a_lease() {
+    use std::time::Instant;
+    let l = limits(2, 1024, 512, 0);
+    let now = Instant::now();
+    let s = ReuseScope::SHARED;
+    let prompt: Vec<TokenId> = (0..700).map(TokenId).collect();
+    let mut pre = Scheduler::new(cache(10, [12, 200, 120], 0), None, l);
+    pre.submit(SubmitRequest::new(RequestId(1), prompt.clone(), 1))
+        .unwrap();
+    run_to_end(&mut pre);
+    let out = pre
+        .export_prefix(RequestId(7), s, &prompt, now)
+        .unwrap()
+        .expect("two whole blocks with a tail at 512");
+    assert_eq!((out.skipped, out.blocks.len(), out.boundary), (0, 2, 512));
+    assert_eq!(pre.transfer_stats().open_exports, 1);
+    assert!(
+        pre.export_prefix(RequestId(7), s, &prompt, now).is_err(),
+        "id in use"
+    );
+    // Nothing whole with a tail: nothing offered, nothing pinned.
+    let other: Vec<TokenId> = (5000..5600).map(TokenId).collect();
+    assert_eq!(
+        pre.export_prefix(RequestId(6), s, &other, now).unwrap(),
+        None
+    );
+    assert_eq!(pre.num_transfers(), 1);
+
+    let mut dec = Scheduler::new(cache(10, [12, 200, 120], 0), None, l);
+    let keys = pre.block_keys(s, &prompt[..512]);
+    let mut wrong = keys.clone();
+    wrong[1] = keys[0];
+    let e = dec
+        .begin_prefix_import(RequestId(8), s, &prompt[..512], &wrong, now)
+        .unwrap_err();
+    assert!(e.to_string().contains("block 1's key"), "{e}");
+    assert_eq!(dec.num_transfers(), 0, "nothing reserved");
+    let used = dec.target().windows().unwrap().used_slots();
+    let (inp, write_by) = dec
+        .begin_prefix_import(RequestId(8), s, &prompt[..512], &keys, now)
+        .unwrap()
+        .expect("room for two blocks and a tail");
+    assert_eq!((inp.skipped, inp.blocks.len(), inp.boundary), (0, 2, 512));
+    assert!(write_by < now + l.transfer_lease);
+    assert!(
+        dec.commit_import(RequestId(8), now).is_err(),
+        "a prefix import is committed by commit_prefix_import"
+    );
+    assert_eq!(dec.commit_prefix_import(RequestId(8), now).unwrap(), 2);
+    pre.close_transfer(RequestId(7)).unwrap();
+    assert_eq!((pre.num_transfers(), dec.num_transfers()), (0, 0));
+    pre.target().check_invariants();
+    dec.target().check_invariants();
+    // The prompt on the decode side resumes at the imported tail.
+    dec.submit(SubmitRequest::new(RequestId(9), prompt.clone(), 1))
+        .unwrap();
+    assert_eq!(run_to_end(&mut dec), [512]);
+
+    // An import nobody commits: its lease ends, its pages come back, a late commit is
+    // told it expired.
+    let mut late = Scheduler::new(cache(10, [12, 200, 120], 0), None, l);
+    let before = late.target().windows().unwrap().used_slots();
+    assert_eq!(before, used);
+    late.begin_prefix_import(RequestId(8), s, &prompt[..512], &keys, now)
+        .unwrap()
+        .unwrap();
+    assert_ne!(late.target().windows().unwrap().used_slots(), before);
+    let gone = late.expire_transfers(now + 2 * l.transfer_lease).unwrap();
+    assert_eq!(gone.imports, [RequestId(8)]);
+    assert_eq!(late.target().windows().unwrap().used_slots(), before);
+    assert!(matches!(
+        late.commit_prefix_import(RequestId(8), now + 2 * l.transfer_lease),
+        Err(SchedError::TransferExpired { .. })
+    ));
+    assert_eq!(late.transfer_stats().expired_imports, 1);
+    late.target().check_invariants();
+}

@@ -390,8 +390,8 @@ impl ModelCache {
             return Err(KvError::Transfer {
                 id,
                 why: "a model with sliding windows moves its blocks with their window tails: \
-                      the scheduler's block transfers do not carry them yet (use \
-                      ModelCache::export_prefix / begin_prefix_import)"
+                      use the scheduler's export_prefix / begin_prefix_import / \
+                      commit_prefix_import"
                     .into(),
             });
         }

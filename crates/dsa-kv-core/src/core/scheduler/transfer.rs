@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use super::{SchedError, Scheduler};
 use crate::core::manager::SeqHandle;
 use crate::core::transfer::{BlockLoc, MAX_BLOCK_PAGES};
-use crate::core::{BlockKey, KvCacheManager, KvError, PageLoc, ReuseScope};
+use crate::core::{BlockKey, KvCacheManager, KvError, PageLoc, PrefixPages, ReuseScope};
 use crate::ids::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
 
@@ -113,16 +113,35 @@ pub struct ExpiredTransfers {
 #[derive(Debug)]
 pub(super) enum TransferKind {
     Export,
-    Import { tokens: Vec<TokenId> },
+    Import {
+        tokens: Vec<TokenId>,
+    },
+    /// A windowed model's prefix export (blocks and the tail at their boundary; the
+    /// cache keeps its handles).
+    PrefixExport,
+    /// A windowed model's prefix import of `tokens`, `brings` whole blocks of them new.
+    PrefixImport {
+        tokens: Vec<TokenId>,
+        brings: u32,
+    },
 }
 
 #[derive(Debug)]
 pub(super) struct Transfer {
     kind: TransferKind,
-    target: SeqHandle,
+    /// The block transfers' sequences (`None` for a prefix transfer: the cache holds it).
+    target: Option<SeqHandle>,
     draft: Option<SeqHandle>,
     /// When the lease ends.
     expires: Instant,
+}
+
+fn no_handle(id: RequestId) -> SchedError {
+    KvError::Transfer {
+        id,
+        why: "a windowed model's prefix transfer: commit it with commit_prefix_import".into(),
+    }
+    .into()
 }
 
 fn pair(t: Vec<BlockLoc>, d: Option<Vec<BlockLoc>>) -> Option<Vec<BlockPages>> {
@@ -169,7 +188,12 @@ impl Scheduler {
         let imports = self
             .transfers
             .values()
-            .filter(|t| matches!(t.kind, TransferKind::Import { .. }))
+            .filter(|t| {
+                matches!(
+                    t.kind,
+                    TransferKind::Import { .. } | TransferKind::PrefixImport { .. }
+                )
+            })
             .count() as u32;
         TransferStats {
             open_exports: self.transfers.len() as u32 - imports,
@@ -202,8 +226,11 @@ impl Scheduler {
         let mut out = ExpiredTransfers::default();
         for id in due {
             let mut t = self.transfers.remove(&id).expect("listed above");
-            let import = matches!(t.kind, TransferKind::Import { .. });
-            self.close_handles(&mut t)?;
+            let import = matches!(
+                t.kind,
+                TransferKind::Import { .. } | TransferKind::PrefixImport { .. }
+            );
+            self.close_handles(id, &mut t)?;
             self.expired.remember(id, import);
             if import {
                 out.imports.push(id);
@@ -275,12 +302,12 @@ impl Scheduler {
         };
         let mut t = Transfer {
             kind: TransferKind::Export,
-            target: th,
+            target: Some(th),
             draft: dh,
             expires: now + self.limits.transfer_lease,
         };
         let Some(blocks) = pair(tb, db) else {
-            self.close_handles(&mut t)?;
+            self.close_handles(id, &mut t)?;
             return Err(SchedError::DraftDiverged {
                 id,
                 what: "the draft cache holds other blocks than the target cache",
@@ -379,12 +406,12 @@ impl Scheduler {
             kind: TransferKind::Import {
                 tokens: tokens.to_vec(),
             },
-            target: t.handle,
+            target: Some(t.handle),
             draft: dh,
             expires,
         };
         let Some(blocks) = pair(t.blocks, db) else {
-            self.close_handles(&mut tr)?;
+            self.close_handles(id, &mut tr)?;
             return Err(SchedError::DraftDiverged {
                 id,
                 what: "the draft cache reserved other blocks than the target cache",
@@ -406,43 +433,49 @@ impl Scheduler {
     pub fn commit_import(&mut self, id: RequestId, now: Instant) -> Result<u32, SchedError> {
         self.expire_transfers(now)?;
         let t = self.open_transfer(id)?;
-        let TransferKind::Import { tokens } = &t.kind else {
-            return Err(KvError::Transfer {
-                id,
-                why: "this is an export: release it instead of committing".into(),
+        let tokens = match &t.kind {
+            TransferKind::Import { tokens } => tokens,
+            TransferKind::PrefixImport { .. } => return Err(no_handle(id)),
+            TransferKind::Export | TransferKind::PrefixExport => {
+                return Err(KvError::Transfer {
+                    id,
+                    why: "this is an export: release it instead of committing".into(),
+                }
+                .into())
             }
-            .into());
         };
         let tokens = tokens.clone();
+        let target = t.target.as_ref().ok_or_else(|| no_handle(id))?;
         // Both sequences are checked before either commits (the only ways a commit can
         // fail), so the two trees gain the same blocks or neither does.
         let fits = |m: &KvCacheManager, h: &SeqHandle| {
             m.info_of(h).map(|i| i.capacity == tokens.len() as u64)
         };
-        let ok = fits(&self.target, &t.target)?
+        let ok = fits(&self.target, target)?
             && match (&self.draft, &t.draft) {
                 (Some(d), Some(h)) => fits(d, h)?,
                 _ => true,
             };
         let mut t = self.transfers.remove(&id).expect("checked");
         if !ok {
-            self.close_handles(&mut t)?;
+            self.close_handles(id, &mut t)?;
             return Err(SchedError::DraftDiverged {
                 id,
                 what: "the caches reserved different lengths for an import",
             });
         }
-        let before = self.target.info_of(&t.target)?.committed;
+        let target = t.target.as_mut().expect("checked above");
+        let before = self.target.info_of(target)?.committed;
         let mut res = self
             .target
             .blocks_for_transfer(id)?
-            .commit_import(&mut t.target, &tokens);
+            .commit_import(target, &tokens);
         if let (Ok(()), Some(d), Some(h)) = (&res, &mut self.draft, &mut t.draft) {
             res = d.commit_import(h, &tokens);
         }
         if let Err(e) = res {
             // Close what is still open: nothing half-imported stays reserved.
-            self.close_handles(&mut t)?;
+            self.close_handles(id, &mut t)?;
             return Err(e.into());
         }
         Ok(((tokens.len() as u64 - before) / self.target.tokens_per_block()) as u32)
@@ -454,14 +487,135 @@ impl Scheduler {
     pub fn close_transfer(&mut self, id: RequestId) -> Result<(), SchedError> {
         self.open_transfer(id)?;
         let mut t = self.transfers.remove(&id).expect("checked");
-        self.close_handles(&mut t)
+        self.close_handles(id, &mut t)
     }
 
-    fn close_handles(&mut self, t: &mut Transfer) -> Result<(), SchedError> {
-        self.target.close(&mut t.target)?;
+    fn close_handles(&mut self, id: RequestId, t: &mut Transfer) -> Result<(), SchedError> {
+        match t.kind {
+            TransferKind::PrefixExport => return Ok(self.target.close_prefix_export(id)?),
+            TransferKind::PrefixImport { .. } => return Ok(self.target.abort_prefix_import(id)?),
+            TransferKind::Export | TransferKind::Import { .. } => {}
+        }
+        if let Some(h) = &mut t.target {
+            self.target.close(h)?;
+        }
         if let (Some(d), Some(h)) = (&mut self.draft, &mut t.draft) {
             d.close(h)?;
         }
         Ok(())
+    }
+
+    /// A windowed model's prefix for a transfer to read: the cached whole blocks of
+    /// `tokens` up to the deepest that keeps a window tail, and that tail (see
+    /// [`ModelCache::export_prefix`](crate::core::ModelCache::export_prefix)), pinned
+    /// under a lease until [`close_transfer`](Self::close_transfer). `Ok(None)`: nothing
+    /// to offer (no whole block with a tail), nothing pinned.
+    pub fn export_prefix(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+        now: Instant,
+    ) -> Result<Option<PrefixPages>, SchedError> {
+        self.expire_transfers(now)?;
+        self.check_free_id(id)?;
+        let Some(pages) = self.target.export_prefix(id, scope, tokens)? else {
+            return Ok(None);
+        };
+        self.transfers.insert(
+            id,
+            Transfer {
+                kind: TransferKind::PrefixExport,
+                target: None,
+                draft: None,
+                expires: now + self.limits.transfer_lease,
+            },
+        );
+        Ok(Some(pages))
+    }
+
+    /// Reserves fresh pages for a windowed model's incoming prefix: the whole blocks of
+    /// `tokens` (which end at the exporter's boundary) and the tail there, unless held
+    /// here already (see
+    /// [`ModelCache::begin_prefix_import`](crate::core::ModelCache::begin_prefix_import)),
+    /// under a lease; the keys are checked as [`begin_import`](Self::begin_import) does.
+    /// `Ok(None)`: no room now, nothing reserved.
+    pub fn begin_prefix_import(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+        keys: &[BlockKey],
+        now: Instant,
+    ) -> Result<Option<(PrefixPages, Instant)>, SchedError> {
+        self.expire_transfers(now)?;
+        self.check_free_id(id)?;
+        let ours = self.target.block_keys(scope, tokens);
+        let t = self.target.tokens_per_block() as usize;
+        if ours.len() != keys.len() || keys.is_empty() || !tokens.len().is_multiple_of(t) {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "{} keys for {} tokens: one key per whole {t}-token block, at least one",
+                    keys.len(),
+                    tokens.len()
+                ),
+            }
+            .into());
+        }
+        if let Some(b) = (0..keys.len()).find(|&b| keys[b] != ours[b]) {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "block {b}'s key is {} on the exporter and {} here: the engines disagree on \
+                     the scope (LoRA, salt) or the tokens; nothing was reserved",
+                    keys[b], ours[b]
+                ),
+            }
+            .into());
+        }
+        let Some(pages) = self.target.begin_prefix_import(id, scope, tokens)? else {
+            return Ok(None);
+        };
+        let expires = now + self.limits.transfer_lease;
+        self.transfers.insert(
+            id,
+            Transfer {
+                kind: TransferKind::PrefixImport {
+                    tokens: tokens.to_vec(),
+                    brings: pages.blocks.len() as u32,
+                },
+                target: None,
+                draft: None,
+                expires,
+            },
+        );
+        Ok(Some((pages, self.write_by(expires))))
+    }
+
+    /// Links a windowed model's imported prefix (blocks and tail; their bytes have
+    /// landed) and closes the import; a later request for the prompt resumes at its
+    /// boundary. Returns the blocks it brought. Expired: aborted instead
+    /// ([`SchedError::TransferExpired`]).
+    pub fn commit_prefix_import(&mut self, id: RequestId, now: Instant) -> Result<u32, SchedError> {
+        self.expire_transfers(now)?;
+        let t = self.open_transfer(id)?;
+        let TransferKind::PrefixImport { tokens, brings } = &t.kind else {
+            return Err(KvError::Transfer {
+                id,
+                why: "not a windowed prefix import: commit a block import with commit_import, \
+                      release an export with close_transfer"
+                    .into(),
+            }
+            .into());
+        };
+        let (tokens, brings) = (tokens.clone(), *brings);
+        let mut t = self.transfers.remove(&id).expect("checked");
+        if let Err(e) = self.target.commit_prefix_import(id, &tokens) {
+            // Nothing half-imported stays reserved.
+            self.close_handles(id, &mut t)?;
+            return Err(e.into());
+        }
+        Ok(brings)
     }
 }
