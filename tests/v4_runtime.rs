@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use dsa_kv::core::quota::WindowedCapacityPlan;
+use dsa_kv::core::quota::{V4Demand, WindowedCapacityPlan};
 use dsa_kv::prelude::*;
 use dsa_kv::v4::{
     TierSlots, V4Plan, WindowedBackendFactory, WindowedHostDevice, WindowedModel, WindowedSetup,
@@ -570,7 +570,7 @@ async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
     let spec = config.model.windowed_spec().unwrap().unwrap();
     let planned = WindowedCapacityPlan::new(
         V4Plan::new(&spec).unwrap(),
-        config.windowed_demand(&spec, 16).unwrap(),
+        V4Demand::of_config(&config, &spec, 16).unwrap(),
         &config.kv_cache,
         None,
     )

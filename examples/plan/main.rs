@@ -39,7 +39,7 @@ use dsa_kv::config::{
     V4Preset,
 };
 use dsa_kv::core::quota::CapacityPlan;
-use dsa_kv::core::quota::WindowedCapacityPlan;
+use dsa_kv::core::quota::{V4Demand, WindowedCapacityPlan};
 use dsa_kv::layout::V4Plan;
 use dsa_kv::layout::{PoolPlan, Role};
 use serde_json::json;
@@ -437,9 +437,7 @@ fn run_v4(a: Args, preset: V4Preset) -> Result<(), String> {
     let tail_boundaries = a
         .tail_boundaries
         .unwrap_or(a.max_sequences.saturating_mul(2));
-    let demand = config
-        .windowed_demand(&spec, tail_boundaries)
-        .map_err(|e| e.to_string())?;
+    let demand = V4Demand::of_config(&config, &spec, tail_boundaries).map_err(|e| e.to_string())?;
     let plan = V4Plan::new(&spec).map_err(|e| e.to_string())?;
     let free = (a.gpu_mem_gib * GIB) as u64;
     let capacity = WindowedCapacityPlan::new(plan, demand, &config.kv_cache, Some(free))

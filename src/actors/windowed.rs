@@ -13,7 +13,7 @@ use std::sync::Arc;
 use dsa_kv_core::config::limits;
 use dsa_kv_core::config::V4Spec;
 use dsa_kv_core::core::quota::{
-    v4_life_cycle_bytes, BudgetSource, GpuBudget, WindowedCapacityPlan,
+    v4_life_cycle_bytes, BudgetSource, GpuBudget, V4Demand, WindowedCapacityPlan,
 };
 use dsa_kv_core::core::scheduler::{Scheduler, SchedulerLimits};
 use dsa_kv_core::core::{ManagerOptions, ModelCache, TierSlots, WindowedSlots};
@@ -166,7 +166,7 @@ impl KvCacheBuilder {
         }
         c.scheduler.validate()?;
         c.transfer.validate()?;
-        let demand = c.windowed_demand(&model.spec, model.tail_boundaries)?;
+        let demand = V4Demand::of_config(c, &model.spec, model.tail_boundaries)?;
         let drafts = demand.drafts;
         let plan = V4Plan::new(&model.spec)
             .map_err(|e| invalid("model", model.spec.name.clone(), &e.to_string()))?;

@@ -509,36 +509,6 @@ pub enum ConfigError {
 }
 
 impl EngineConfig {
-    /// What the window life cycles of the model with sliding windows `spec` must hold
-    /// at once under this configuration: `scheduler.max_num_sequences` and
-    /// `max_num_tokens`, the drafts of `spec_decode` (its rules for every model: mode
-    /// `mtp` needs an MTP layer), and `tail_boundaries` retained tails. Drafts must stay
-    /// below `max_num_tokens` (a decode step carries 1 + drafts tokens).
-    pub fn windowed_demand(
-        &self,
-        spec: &super::V4Spec,
-        tail_boundaries: u32,
-    ) -> Result<crate::core::quota::V4Demand, ConfigError> {
-        let s = &self.scheduler;
-        let drafts = self
-            .spec_decode
-            .draft_tokens(&spec.name, spec.num_mtp_layers)?;
-        if drafts >= s.max_num_tokens {
-            return invalid(
-                "spec_decode.draft_tokens",
-                drafts,
-                "a decode step carries 1 + drafts tokens: keep drafts below \
-                 scheduler.max_num_tokens",
-            );
-        }
-        Ok(crate::core::quota::V4Demand {
-            max_sequences: s.max_num_sequences,
-            drafts,
-            max_batched_tokens: s.max_num_tokens,
-            tail_boundaries,
-        })
-    }
-
     /// Parses TOML; unknown fields are errors naming the field and position.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse {

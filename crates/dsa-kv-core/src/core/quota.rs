@@ -325,16 +325,13 @@ pub fn check_fits<'a>(
     })
 }
 
-/// Resolves the GPU budget: an explicit byte count, or `fraction × free memory`;
-/// capped by `ceil(bytes_for_tokens(max_tokens) / max_util_for_resume)`. At least one
-/// block must fit. With a draft cache the budget pays for both caches: `max_tokens`
-/// counts tokens of the target (the draft cache holds the same tokens), and the slots
-/// are the largest count whose target and draft pools together fit.
-pub fn gpu_budget<'a>(
-    plans: impl Into<CachePlans<'a>>,
+/// The byte budget of `q` and what decided it (every model's rule): the fractions
+/// checked, then an explicit byte count, or `fraction × free memory`, or with neither
+/// what `max_tokens` needs (`cap_for`), and never more than that.
+pub(super) fn resolve_budget(
     q: &QuotaInputs,
-) -> Result<GpuBudget, QuotaError> {
-    let plans = plans.into();
+    cap_for: impl Fn(u64) -> u64,
+) -> Result<(u64, BudgetSource), QuotaError> {
     for (field, value) in [
         ("free_gpu_memory_fraction", q.free_gpu_memory_fraction),
         ("max_util_for_resume", q.max_util_for_resume),
@@ -343,8 +340,6 @@ pub fn gpu_budget<'a>(
             return Err(QuotaError::BadFraction { field, value });
         }
     }
-    let cap_for =
-        |t: u64| (bytes_for_tokens(plans, t) as f64 / q.max_util_for_resume).ceil() as u64;
     let (mut bytes, mut source) = match (q.max_gpu_total_bytes, q.free_gpu_memory) {
         (Some(b), _) => (b, BudgetSource::Explicit),
         (None, Some(free)) => (
@@ -364,6 +359,22 @@ pub fn gpu_budget<'a>(
             source = BudgetSource::MaxTokens;
         }
     }
+    Ok((bytes, source))
+}
+
+/// Resolves the GPU budget: an explicit byte count, or `fraction × free memory`;
+/// capped by `ceil(bytes_for_tokens(max_tokens) / max_util_for_resume)`. At least one
+/// block must fit. With a draft cache the budget pays for both caches: `max_tokens`
+/// counts tokens of the target (the draft cache holds the same tokens), and the slots
+/// are the largest count whose target and draft pools together fit.
+pub fn gpu_budget<'a>(
+    plans: impl Into<CachePlans<'a>>,
+    q: &QuotaInputs,
+) -> Result<GpuBudget, QuotaError> {
+    let plans = plans.into();
+    let (bytes, source) = resolve_budget(q, |t| {
+        (bytes_for_tokens(plans, t) as f64 / q.max_util_for_resume).ceil() as u64
+    })?;
     check_fits(plans, bytes, u64::from(plans.tokens_per_block()))?;
     let slots = slots_for_budget(plans, bytes);
     for p in plans.plans() {

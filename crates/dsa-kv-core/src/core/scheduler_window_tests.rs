@@ -362,19 +362,7 @@ fn scopes_are_kept_apart_and_repeats_resume_at_the_tail() {
         let mut r = SubmitRequest::new(RequestId(id), prompt.clone(), 1);
         r.scope = scope;
         s.submit(r).unwrap();
-        while s.num_active() > 0 {
-            let plan = s.schedule(&HashMap::new()).unwrap();
-            s.complete(plan.target_fence, None).unwrap();
-            let outs = plan.requests.iter().map(|p| RequestOutcome {
-                id: p.id,
-                accepted_drafts: 0,
-                next_token: p.produces_token.then_some(TokenId(1)),
-            });
-            let fin = s.commit(&outs.collect::<Vec<_>>()).unwrap();
-            reused.extend(fin.iter().map(|f| f.reused_tokens));
-            let ids: Vec<_> = fin.iter().map(|f| f.id).collect();
-            s.finalize(&ids).unwrap();
-        }
+        reused.extend(run_to_end(&mut s));
     }
     assert_eq!(reused, [0, 0, 512], "only the third request reuses");
     let w = s.target().window_stats().unwrap();

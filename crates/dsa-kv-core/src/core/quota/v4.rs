@@ -5,8 +5,8 @@
 
 use serde::Serialize;
 
-use super::{round_up, BudgetSource, GpuBudget, QuotaError, ALLOC_GRANULARITY};
-use crate::config::KvCacheConfig;
+use super::{resolve_budget, round_up, GpuBudget, QuotaError, QuotaInputs, ALLOC_GRANULARITY};
+use crate::config::{ConfigError, EngineConfig, KvCacheConfig, V4Spec};
 use crate::layout::{Retention, V4LifeCycle, V4Plan};
 
 /// What the window life cycles must hold at once.
@@ -21,6 +21,39 @@ pub struct V4Demand {
     /// Block boundaries whose tails (the window pages a request resuming there reads)
     /// are kept for prefix reuse.
     pub tail_boundaries: u32,
+}
+
+impl V4Demand {
+    /// What the window life cycles of the model with sliding windows `spec` must hold
+    /// at once under `config`: `scheduler.max_num_sequences` and `max_num_tokens`, the
+    /// drafts of `spec_decode` (its rules for every model: mode `mtp` needs an MTP
+    /// layer), and `tail_boundaries` retained tails. Drafts must stay below
+    /// `max_num_tokens` (a decode step carries 1 + drafts tokens).
+    pub fn of_config(
+        config: &EngineConfig,
+        spec: &V4Spec,
+        tail_boundaries: u32,
+    ) -> Result<V4Demand, ConfigError> {
+        let s = &config.scheduler;
+        let drafts = config
+            .spec_decode
+            .draft_tokens(&spec.name, spec.num_mtp_layers)?;
+        if drafts >= s.max_num_tokens {
+            return Err(ConfigError::Invalid {
+                field: "spec_decode.draft_tokens",
+                value: drafts.to_string(),
+                why: "a decode step carries 1 + drafts tokens: keep drafts below \
+                      scheduler.max_num_tokens"
+                    .into(),
+            });
+        }
+        Ok(V4Demand {
+            max_sequences: s.max_num_sequences,
+            drafts,
+            max_batched_tokens: s.max_num_tokens,
+            tail_boundaries,
+        })
+    }
 }
 
 /// Slots and bytes per life cycle for one budget.
@@ -158,13 +191,6 @@ impl WindowedCapacityPlan {
         kv: &KvCacheConfig,
         free_gpu_memory: Option<u64>,
     ) -> Result<Self, QuotaError> {
-        let value = kv.free_gpu_memory_fraction;
-        if !(value > 0.0 && value <= 1.0) {
-            return Err(QuotaError::BadFraction {
-                field: "free_gpu_memory_fraction",
-                value,
-            });
-        }
         let t = u64::from(plan.tokens_per_block());
         // The bytes `max_tokens` needs: the windows and the blocks holding that many.
         let full = plan
@@ -180,24 +206,14 @@ impl WindowedCapacityPlan {
             let blocks = full.map_or(0, |lc| v4_life_cycle_bytes(lc, tokens.div_ceil(t).max(1)));
             windows.saturating_add(blocks)
         };
-        let (mut bytes, mut source) = match (kv.max_gpu_total_bytes, free_gpu_memory) {
-            (Some(b), _) => (b, BudgetSource::Explicit),
-            (None, Some(free)) => (
-                (free as f64 * value) as u64,
-                BudgetSource::FreeMemoryFraction,
-            ),
-            (None, None) => match kv.max_tokens {
-                Some(tokens) => (for_tokens(tokens), BudgetSource::MaxTokens),
-                None => return Err(QuotaError::NoBudget),
-            },
+        let q = QuotaInputs {
+            max_gpu_total_bytes: kv.max_gpu_total_bytes,
+            free_gpu_memory_fraction: kv.free_gpu_memory_fraction,
+            free_gpu_memory,
+            max_tokens: kv.max_tokens,
+            max_util_for_resume: kv.max_util_for_resume,
         };
-        if let Some(tokens) = kv.max_tokens {
-            let cap = for_tokens(tokens);
-            if cap < bytes {
-                bytes = cap;
-                source = BudgetSource::MaxTokens;
-            }
-        }
+        let (bytes, source) = resolve_budget(&q, for_tokens)?;
         let capacity = v4_capacity(&plan, bytes, &demand)?;
         let block = plan.bytes_per_block().max(1);
         let host_blocks = kv.host_cache_size.map_or(0, |b| b / block);
@@ -231,6 +247,7 @@ impl WindowedCapacityPlan {
 
 #[cfg(test)]
 mod tests {
+    use super::super::BudgetSource;
     use super::*;
     use crate::config::V4Spec;
     use crate::layout::V4LifeCycleKind;

@@ -331,34 +331,7 @@ impl Scheduler {
     ) -> Result<Option<ImportReservation>, SchedError> {
         self.expire_transfers(now)?;
         self.check_free_id(id)?;
-        let ours = self.target.block_keys(scope, tokens);
-        if ours.len() != keys.len()
-            || !tokens
-                .len()
-                .is_multiple_of(self.target.tokens_per_block() as usize)
-        {
-            return Err(KvError::Transfer {
-                id,
-                why: format!(
-                    "{} keys for {} tokens: one key per full {}-token block",
-                    keys.len(),
-                    tokens.len(),
-                    self.target.tokens_per_block()
-                ),
-            }
-            .into());
-        }
-        if let Some(b) = (0..keys.len()).find(|&b| keys[b] != ours[b]) {
-            return Err(KvError::Transfer {
-                id,
-                why: format!(
-                    "block {b}'s key is {} on the exporter and {} here: the engines disagree on \
-                     the scope (LoRA, salt) or the tokens; nothing was reserved",
-                    keys[b], ours[b]
-                ),
-            }
-            .into());
-        }
+        self.check_import_keys(id, scope, tokens, keys)?;
         // Both caches make the same calls whatever the target decides, so the draft cache
         // mirrors every eviction the target's attempt made (it decides the same way).
         let t = self
@@ -505,6 +478,42 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Checks the exporter's chained `keys` against our own hashing of `scope` and
+    /// `tokens` (the request this engine will serve): one key per whole block.
+    fn check_import_keys(
+        &mut self,
+        id: RequestId,
+        scope: ReuseScope,
+        tokens: &[TokenId],
+        keys: &[BlockKey],
+    ) -> Result<(), SchedError> {
+        let ours = self.target.block_keys(scope, tokens);
+        let t = self.target.tokens_per_block();
+        if ours.len() != keys.len() || !tokens.len().is_multiple_of(t as usize) {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "{} keys for {} tokens: one key per full {t}-token block",
+                    keys.len(),
+                    tokens.len(),
+                ),
+            }
+            .into());
+        }
+        if let Some(b) = (0..keys.len()).find(|&b| keys[b] != ours[b]) {
+            return Err(KvError::Transfer {
+                id,
+                why: format!(
+                    "block {b}'s key is {} on the exporter and {} here: the engines disagree on \
+                     the scope (LoRA, salt) or the tokens; nothing was reserved",
+                    keys[b], ours[b]
+                ),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     /// A windowed model's prefix for a transfer to read: the cached whole blocks of
     /// `tokens` up to the deepest that keeps a window tail, and that tail (see
     /// [`ModelCache::export_prefix`](crate::core::ModelCache::export_prefix)), pinned
@@ -550,30 +559,14 @@ impl Scheduler {
     ) -> Result<Option<(PrefixPages, Instant)>, SchedError> {
         self.expire_transfers(now)?;
         self.check_free_id(id)?;
-        let ours = self.target.block_keys(scope, tokens);
-        let t = self.target.tokens_per_block() as usize;
-        if ours.len() != keys.len() || keys.is_empty() || !tokens.len().is_multiple_of(t) {
+        if keys.is_empty() {
             return Err(KvError::Transfer {
                 id,
-                why: format!(
-                    "{} keys for {} tokens: one key per whole {t}-token block, at least one",
-                    keys.len(),
-                    tokens.len()
-                ),
+                why: "no block keys: a prefix import brings at least one whole block".into(),
             }
             .into());
         }
-        if let Some(b) = (0..keys.len()).find(|&b| keys[b] != ours[b]) {
-            return Err(KvError::Transfer {
-                id,
-                why: format!(
-                    "block {b}'s key is {} on the exporter and {} here: the engines disagree on \
-                     the scope (LoRA, salt) or the tokens; nothing was reserved",
-                    keys[b], ours[b]
-                ),
-            }
-            .into());
-        }
+        self.check_import_keys(id, scope, tokens, keys)?;
         let Some(pages) = self.target.begin_prefix_import(id, scope, tokens)? else {
             return Ok(None);
         };
