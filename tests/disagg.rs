@@ -611,6 +611,7 @@ fn hostile_importers_cannot_keep_the_export() {
                     layout: offer.layout.clone(),
                     pools: offer.pools.clone(),
                     blocks: offer.blocks.clone(),
+                    tail: offer.tail.clone(),
                     write_within_ms: 1000,
                     write_by: None,
                 };
@@ -808,7 +809,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
             .unwrap();
         assert_eq!(export.blocks.len(), 4);
         // SAFETY: A's pools; the blocks are pinned by the export until released below.
-        let pinned = unsafe { host_block_digests(&ra, &export.blocks) }.unwrap();
+        let pinned = unsafe { host_block_digests(&ra, &export.blocks, &[]) }.unwrap();
         // A serves requests 2, 4 and 7 (10 blocks each with their tokens) while the
         // export is open: 12 of its 28 blocks are cached (4 pinned), so A must evict and
         // offload around the pins (the export's held pages would be next if they were
@@ -845,7 +846,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         let plan = plan_writes(&export, &ra, &ticket, &rb).unwrap();
         push_plan(&mut ta, &peer, &ticket, &plan, b"req-1").unwrap();
         // SAFETY: as above: still pinned.
-        let before_release = unsafe { host_block_digests(&ra, &export.blocks) }.unwrap();
+        let before_release = unsafe { host_block_digests(&ra, &export.blocks, &[]) }.unwrap();
         assert_eq!(before_release, pinned, "A's serving changed pinned pages");
         a.transfer().release_export(RequestId(1)).await.unwrap();
         assert!(tb
@@ -856,7 +857,7 @@ fn transfers_overlap_with_serving_on_both_engines() {
         // B keeps serving request 3 between the bytes landing and the commit.
         step_once(&b).await.unwrap();
         // SAFETY: B's pools; the import's reserved pages, whose bytes have landed.
-        let landed = unsafe { host_block_digests(&rb, &ticket.blocks) }.unwrap();
+        let landed = unsafe { host_block_digests(&rb, &ticket.blocks, &[]) }.unwrap();
         assert_eq!(landed, pinned, "the reserved pages differ from the export");
         b.transfer().commit_import_with(&mut tb, id1).await.unwrap();
         finish(&a).await;
@@ -994,7 +995,7 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
             .await
             .unwrap();
         // SAFETY: B's pools; the pages are pinned by this export.
-        let before = unsafe { host_block_digests(&rb, &held.blocks) }.unwrap();
+        let before = unsafe { host_block_digests(&rb, &held.blocks, &[]) }.unwrap();
         let forged = ImportTicket {
             id: RequestId(21),
             export: export.id,
@@ -1002,13 +1003,14 @@ fn an_import_is_bound_to_the_request_the_importer_serves() {
             layout: export.layout.clone(),
             pools: export.pools.clone(),
             blocks: held.blocks.clone(),
+            tail: Vec::new(),
             write_within_ms: 0,
             write_by: None,
         };
         let e = push(&mut ta, &peer, &export, &ra, &forged, &rb, b"poison").unwrap_err();
         assert!(e.to_string().contains("no open window"), "{e}");
         // SAFETY: as above.
-        let after = unsafe { host_block_digests(&rb, &held.blocks) }.unwrap();
+        let after = unsafe { host_block_digests(&rb, &held.blocks, &[]) }.unwrap();
         assert_eq!(before, after, "a committed page changed");
         assert!(tb
             .take_notifications()

@@ -385,7 +385,7 @@ fn the_session_wire_refuses_or_decodes() {
 /// Frames of the session protocol as an exporter could craft them, each as large as the
 /// wire admits (16 MiB) and made of what costs the decoder most per byte: 5.6 M empty
 /// digest strings, 8 M one-digit tokens or metadata bytes, a 16 MiB reason, 16K + 1
-/// blocks with no pages. Each is refused (or, for the honest large offer, decoded) with
+/// blocks with no pages, window tails past their caps. Each is refused (or, for the honest large offer, decoded) with
 /// no single allocation over 4 MiB (an offer's 1M tokens take exactly that) and at most
 /// the frame's own bytes plus 8 MiB live at the peak. Before: the empty digests cost
 /// 320 MiB at the peak and 192 MiB held, the tokens 80 MiB, the metadata and the
@@ -393,7 +393,7 @@ fn the_session_wire_refuses_or_decodes() {
 #[test]
 fn session_frames_cost_no_more_than_their_bytes() {
     use dsa_kv::transfer::session::{SessionMsg, Wire, WireError, MAX_FRAME};
-    use dsa_kv::transfer::MAX_TRANSFER_BLOCKS;
+    use dsa_kv::transfer::{MAX_TAIL_SLOTS, MAX_TAIL_WINDOWS, MAX_TRANSFER_BLOCKS};
     let _serial = SERIAL.lock().unwrap();
     let frame = |json: Vec<u8>| {
         let mut f = (json.len() as u64).to_le_bytes().to_vec();
@@ -436,9 +436,30 @@ fn session_frames_cost_no_more_than_their_bytes() {
                 "{\"Written\":{\"digests\":[",
                 &digest,
                 "]}}",
-                MAX_TRANSFER_BLOCKS + 1,
+                MAX_TRANSFER_BLOCKS + 2,
             ),
-            Some("more than 16384 entries"),
+            // One per block and one for a windowed model's tail.
+            Some("more than 16385 entries"),
+        ),
+        (
+            "offer tail windows",
+            list(
+                "{\"Offer\":{\"export\":{\"tail\":[",
+                "{\"window\":0,\"start\":0,\"slots\":[]}",
+                "]}}}",
+                MAX_TAIL_WINDOWS + 1,
+            ),
+            Some("more than 64 entries"),
+        ),
+        (
+            "ticket tail slots",
+            list(
+                "{\"Ticket\":{\"ticket\":{\"tail\":[{\"window\":0,\"start\":0,\"slots\":[",
+                "1",
+                "]}]}}}",
+                MAX_TAIL_SLOTS + 1,
+            ),
+            Some("more than 4096 entries"),
         ),
         (
             "offer tokens",
@@ -519,15 +540,37 @@ fn session_frames_cost_no_more_than_their_bytes() {
     }
 }
 
-/// A small random engine side: regions of 1–3 pools per cache, random slot counts and
-/// addresses (some near the end of the address space), random pages.
+/// A small random engine side: regions of 1–3 pools per cache (target, draft, and a
+/// windowed model's window life cycles), random slot counts and addresses (some near
+/// the end of the address space), random pages, random window tails (the ticket's of
+/// the export's shape, or of any).
 fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
     use dsa_kv::core::{BlockKey, PageLoc};
     use dsa_kv::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
-    use dsa_kv::transfer::{BlockPages, CacheKind, MemKind, MemRegion, PoolRef};
+    use dsa_kv::transfer::{BlockPages, CacheKind, MemKind, MemRegion, PoolRef, WindowTail};
+    let cache = || {
+        prop_oneof![
+            Just(CacheKind::Target),
+            Just(CacheKind::Draft),
+            (0u16..3).prop_map(CacheKind::Window)
+        ]
+    };
+    let tail = proptest::collection::vec(
+        (
+            0u16..3,
+            0u64..600,
+            proptest::collection::vec((0u32..80).prop_map(SlotId), 0..3),
+        )
+            .prop_map(|(window, start, slots)| WindowTail {
+                window,
+                start,
+                slots,
+            }),
+        0..3,
+    );
     let region = (
         0u32..2,
-        prop_oneof![Just(CacheKind::Target), Just(CacheKind::Draft)],
+        cache(),
         0u16..3,
         1u64..4096,
         0u32..64,
@@ -570,15 +613,11 @@ fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
             draft,
         });
     let pools = proptest::collection::vec(
-        (
-            prop_oneof![Just(CacheKind::Target), Just(CacheKind::Draft)],
-            0u16..3,
-        )
-            .prop_map(|(cache, pool)| PoolRef {
-                cache,
-                group: PoolGroupId(0),
-                pool,
-            }),
+        (cache(), 0u16..3).prop_map(|(cache, pool)| PoolRef {
+            cache,
+            group: PoolGroupId(0),
+            pool,
+        }),
         1..4,
     );
     (
@@ -587,8 +626,20 @@ fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
         proptest::collection::vec(block, 0..5),
         0u32..3,
         pools,
+        (tail.clone(), tail, any::<bool>()),
     )
-        .prop_map(|(src, dst, blocks, skipped, pools)| {
+        .prop_map(|(src, dst, blocks, skipped, pools, (tail, other, same))| {
+            // The ticket's tail: the export's shape on other slots, or any.
+            let ticket_tail = if same {
+                tail.iter()
+                    .map(|w| WindowTail {
+                        slots: w.slots.iter().map(|s| SlotId((s.0 + 1) % 80)).collect(),
+                        ..w.clone()
+                    })
+                    .collect()
+            } else {
+                other
+            };
             let export = ExportedBlocks {
                 id: RequestId(1),
                 scope: Default::default(),
@@ -597,6 +648,7 @@ fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
                 layout: "L".into(),
                 pools: pools.clone(),
                 blocks: blocks.clone(),
+                tail,
             };
             let skip = (skipped as usize).min(blocks.len());
             let ticket = ImportTicket {
@@ -606,6 +658,7 @@ fn plan_inputs() -> impl Strategy<Value = (String, String, String, String)> {
                 layout: "L".into(),
                 pools,
                 blocks: blocks[skip..].to_vec(),
+                tail: ticket_tail,
                 write_within_ms: 1000,
                 write_by: None,
             };

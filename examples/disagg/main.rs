@@ -79,9 +79,17 @@ struct Args {
     /// GPU of the decode engine (the same GPU as the prefill engine when only one is lent).
     #[arg(long, default_value_t = 0)]
     decode_gpu: usize,
-    /// Mutation drill: leave out the `index_key` pools or the `draft` cache.
+    /// Mutation drill: leave out the `index_key` pools (DeepSeek-V4: the compressed
+    /// indexer keys), the `draft` cache (DSA) or the `window` pools (DeepSeek-V4: the
+    /// tails).
     #[arg(long)]
     drop: Option<String>,
+    /// The model: `dsa` (the DSA reference model, DeepSeek-V3.2's cache) or a
+    /// DeepSeek-V4 preset, `deepseek-v4-flash` or `deepseek-v4-pro` (the V4 reference
+    /// model with its layer structure, tiny widths; host backend; `--layers` does not
+    /// apply).
+    #[arg(long)]
+    model: Option<String>,
     /// Blocks of the system prompt every request shares (request 0 transfers them).
     #[arg(long, default_value_t = 3)]
     system_blocks: u32,
@@ -129,6 +137,7 @@ fn setup(a: &Args) -> Setup {
         drop: a.drop.clone(),
         system_blocks: a.system_blocks,
         bench_blocks: a.bench_blocks,
+        model: a.model.clone(),
     }
 }
 
@@ -162,7 +171,7 @@ fn prefill(a: &Args, addr: &str) -> Result<Outcome, BoxError> {
             protocol::bench_prefill_side(&s, a.prefill_gpu, t, stream),
         )?));
     }
-    let model = protocol::model(s.layers)?;
+    let model = protocol::family(&s)?;
     let quiet = a.json;
     runtime()?
         .block_on(protocol::prefill_side(

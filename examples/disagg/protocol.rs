@@ -32,8 +32,13 @@ use dsa_kv::transfer::session::{
     AbortReason, HandOver, ImportOutcome, SessionOptions, TransferSession, Wire,
 };
 use dsa_kv::transfer::{CacheKind, ExportedBlocks, KvTransport, TransferReport};
+use dsa_kv::v4::{
+    DeviceBackend, V4Preset, WindowedBackendFactory, WindowedHostDevice, WindowedModel,
+    WindowedSetup,
+};
 use dsa_kv_model::paged::{ForwardOptions, ModelForward, Outputs};
 use dsa_kv_model::unpaged::{draft_reference, generate};
+use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 use dsa_kv_model::{CacheFormat, Model, ModelConfig, TokenOut};
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +76,10 @@ pub(crate) struct Setup {
     /// warm-up, and report the transfer ([`BenchReport`]).
     #[serde(default)]
     pub bench_blocks: Option<usize>,
+    /// A DeepSeek-V4 preset's name: its reference model (the preset's layer structure,
+    /// tiny widths) instead of the DSA one; `None`: the DSA model.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 impl Default for Setup {
@@ -84,19 +93,46 @@ impl Default for Setup {
             drop: None,
             system_blocks: 3,
             bench_blocks: None,
+            model: None,
         }
     }
 }
 
 impl Setup {
+    /// The DeepSeek-V4 preset the run serves (`None`: the DSA model); an unknown name is
+    /// an error.
+    pub(crate) fn v4(&self) -> Result<Option<V4Preset>, BoxError> {
+        match self.model.as_deref() {
+            None | Some("dsa") => Ok(None),
+            Some(name) => V4Preset::parse(name).map(Some).ok_or_else(|| {
+                format!("--model {name:?}: use dsa, deepseek-v4-flash or deepseek-v4-pro").into()
+            }),
+        }
+    }
+
+    /// Tokens per block of the model served (the unit a transfer moves).
+    pub(crate) fn tokens_per_block(&self) -> u32 {
+        match self.v4() {
+            Ok(Some(_)) => 256,
+            _ => DSA_TOKENS_PER_BLOCK,
+        }
+    }
+
     /// Request `i`'s prompt: the system prompt every request shares (`system_blocks` full
-    /// blocks), then 70–130 tokens of its own (so each prompt is longer than the
-    /// indexer's top-64: the sparse selection matters).
+    /// blocks), then 70–130 tokens of its own per 64 tokens of a block (so each prompt
+    /// is longer than the indexer's top-64, the sparse selection matters, and with
+    /// DeepSeek-V4's 256-token blocks each request brings a block of its own).
     pub(crate) fn prompt(&self, i: u64) -> Vec<u32> {
-        let own = 70 + (i as u32 * 29) % 61;
-        (0..self.system_blocks * 64)
-            .map(|t| 1000 + t % 3000)
-            .chain((0..own).map(|k| (i as u32 * 7919 + k * 31) % 5000))
+        let per = self.tokens_per_block() / 64;
+        let own = (70 + (i as u32 * 29) % 61) * per;
+        let vocab = if matches!(self.v4(), Ok(Some(_))) {
+            256
+        } else {
+            5000
+        };
+        (0..self.system_blocks * 64 * per)
+            .map(|t| (1000 + t % 3000) % vocab)
+            .chain((0..own).map(|k| (i as u32 * 7919 + k * 31) % vocab))
             .collect()
     }
 
@@ -117,12 +153,55 @@ pub(crate) fn format(layers: usize) -> CacheFormat {
     }
 }
 
-pub(crate) fn model(layers: usize) -> Result<Arc<Model>, BoxError> {
-    let cfg = ModelConfig {
-        layers,
-        ..ModelConfig::tiny(7)
-    };
-    Ok(Arc::new(Model::new(cfg, format(layers))?))
+/// The model both sides run (its unpaged run is the reference).
+#[derive(Clone)]
+pub(crate) enum Family {
+    /// The DSA reference model (DeepSeek-V3.2's cache: MLA rows and indexer keys).
+    Dsa(Arc<Model>),
+    /// The DeepSeek-V4 reference model with a preset's layer structure (compressed
+    /// blocks, window tails, compressor state).
+    V4(Arc<V4Model>),
+}
+
+/// The model of setup `s`.
+pub(crate) fn family(s: &Setup) -> Result<Family, BoxError> {
+    match s.v4()? {
+        None => {
+            let cfg = ModelConfig {
+                layers: s.layers,
+                ..ModelConfig::tiny(7)
+            };
+            Ok(Family::Dsa(Arc::new(Model::new(cfg, format(s.layers))?)))
+        }
+        Some(preset) => {
+            let spec = preset.spec();
+            let cfg = V4ModelConfig {
+                ratios: spec.compress_ratios.clone(),
+                mtp: spec.num_mtp_layers > 0,
+                ..V4ModelConfig::tiny(7)
+            };
+            Ok(Family::V4(Arc::new(V4Model::new(cfg)?)))
+        }
+    }
+}
+
+/// The engine configuration of a DeepSeek-V4 run: MTP drafts in the target cache
+/// (`s.drafts`), a budget for two sequences of 256-token steps, a host tier.
+fn v4_config(s: &Setup) -> EngineConfig {
+    let mut c = EngineConfig::default();
+    if s.drafts > 0 {
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = s.drafts;
+    }
+    c.spec_decode.separate_draft_cache = false;
+    c.kv_cache.enable_partial_reuse = false;
+    c.kv_cache.max_gpu_total_bytes = Some(256 << 20);
+    c.kv_cache.host_cache_size = Some(64 << 20);
+    c.scheduler.max_num_sequences = 2;
+    c.scheduler.max_num_tokens = 256;
+    c.scheduler.max_prefill_chunk = 256;
+    c.scheduler.max_seq_len = s.system_blocks * 256 + 4096;
+    c
 }
 
 /// The engine configuration both sides run (they must agree: the layouts are checked).
@@ -142,10 +221,36 @@ pub(crate) fn config(s: &Setup) -> EngineConfig {
     c
 }
 
+/// What a model's forward records: every position's output, per device and request.
+enum Recorded {
+    Dsa(Arc<Mutex<Outputs>>),
+    V4(Arc<Mutex<V4Outputs>>),
+}
+
+impl Recorded {
+    /// Device 0's outputs of request `id`, in position order (taken out).
+    fn take(&self, id: RequestId) -> Vec<TokenOut> {
+        let m = match self {
+            Recorded::Dsa(o) => o.lock().unwrap().tokens.remove(&(0, id)),
+            Recorded::V4(o) => o.lock().unwrap().tokens.remove(&(0, id)),
+        };
+        m.map(|m| m.into_values().collect()).unwrap_or_default()
+    }
+
+    /// Positions computed twice with different outputs (a V4 forward records them).
+    fn conflicts(&self) -> Vec<String> {
+        match self {
+            Recorded::Dsa(_) => Vec::new(),
+            Recorded::V4(o) => o.lock().unwrap().conflicts.clone(),
+        }
+    }
+}
+
 /// One engine: the runtime with the reference model as its forward.
 pub(crate) struct Engine {
     pub kv: KvCacheHandle,
-    outputs: Arc<Mutex<Outputs>>,
+    outputs: Recorded,
+    /// Draft proposals to collect (the DSA model's, checked against its reference).
     drafts: usize,
 }
 
@@ -160,25 +265,28 @@ pub(crate) struct Gen {
     pub outputs: Vec<TokenOut>,
     /// Prompt tokens served from the cache.
     pub reused: u64,
+    /// Positions the forward computed twice with different outputs (must stay empty).
+    #[serde(default)]
+    pub conflicts: Vec<String>,
 }
 
 impl Engine {
     /// Starts an engine on `s.backend` (`host`, or `cuda` on GPU `gpu`), or the
     /// synthetic-writer engine of a measurement (`s.bench_blocks`).
-    pub(crate) async fn start(
-        model: Arc<Model>,
-        s: &Setup,
-        gpu: usize,
-    ) -> Result<Engine, BoxError> {
+    pub(crate) async fn start(family: &Family, s: &Setup, gpu: usize) -> Result<Engine, BoxError> {
         let outputs = Arc::new(Mutex::new(Outputs::default()));
         let drafts = s.drafts as usize;
         if let Some(blocks) = s.bench_blocks {
             return Ok(Engine {
                 kv: bench_engine(s.layers, blocks, &s.backend, gpu, 1).await?,
-                outputs,
+                outputs: Recorded::Dsa(outputs),
                 drafts,
             });
         }
+        let model = match family {
+            Family::Dsa(m) => m.clone(),
+            Family::V4(m) => return Self::start_v4(m, s).await,
+        };
         let b = KvCacheBuilder::new().config(config(s));
         let opts = ForwardOptions::default()
             .drafts(drafts)
@@ -207,8 +315,40 @@ impl Engine {
         };
         Ok(Engine {
             kv: b.start().await?,
-            outputs,
+            outputs: Recorded::Dsa(outputs),
             drafts,
+        })
+    }
+
+    /// A DeepSeek-V4 engine: the V4 reference model on one host device (its pools in
+    /// host memory, which the transport registers).
+    async fn start_v4(model: &Arc<V4Model>, s: &Setup) -> Result<Engine, BoxError> {
+        if s.backend != "host" {
+            return Err(format!(
+                "--model {}: the DeepSeek-V4 run uses the host backend (--backend host)",
+                s.model.as_deref().unwrap_or_default()
+            )
+            .into());
+        }
+        let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+        let backend: WindowedBackendFactory = {
+            let (model, outputs) = (model.clone(), outputs.clone());
+            Arc::new(move |i, w: &WindowedSetup| {
+                let f = V4ModelForward::new(model.clone(), outputs.clone());
+                let d = WindowedHostDevice::new(i, &w.plan, &w.slots, Box::new(f))?;
+                Ok(Box::new(d) as Box<dyn DeviceBackend>)
+            })
+        };
+        let kv = KvCacheBuilder::new()
+            .config(v4_config(s))
+            .host_devices(1)
+            .windowed(WindowedModel::new(model.config().spec()?, backend))
+            .start()
+            .await?;
+        Ok(Engine {
+            kv,
+            outputs: Recorded::V4(outputs),
+            drafts: 0,
         })
     }
 
@@ -261,10 +401,8 @@ impl Engine {
             }
             if let Some(f) = c.finished.iter().find(|f| f.finished.id == id) {
                 g.reused = f.finished.reused_tokens;
-                let mut o = self.outputs.lock().unwrap();
-                if let Some(m) = o.tokens.remove(&(0, id)) {
-                    g.outputs = m.into_values().collect();
-                }
+                g.outputs = self.outputs.take(id);
+                g.conflicts = self.outputs.conflicts();
                 return Ok(g);
             }
         }
@@ -273,25 +411,27 @@ impl Engine {
 }
 
 /// The checks of one decoded request against the unpaged reference: the tokens, every
-/// position's output the decode engine ran, and every draft proposal.
-pub(crate) fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<String> {
-    let mut bad = Vec::new();
+/// position's output the decode engine ran, and (DSA) every draft proposal.
+pub(crate) fn check(family: &Family, s: &Setup, p: &[u32], first: u32, d: &Gen) -> Vec<String> {
+    let mut bad = d.conflicts.clone();
     let mut got = vec![first];
     got.extend(&d.tokens);
+    let model = match family {
+        Family::Dsa(m) => m,
+        Family::V4(m) => {
+            let want = match m.generate(p, got.len() as u32) {
+                Ok(w) => w,
+                Err(e) => return vec![format!("reference failed: {e}")],
+            };
+            bad.extend(compare(&got, &d.outputs, &want.tokens, &want.outputs));
+            return bad;
+        }
+    };
     let want = match generate(model, &format(s.layers), p, got.len() as u32) {
         Ok(w) => w,
         Err(e) => return vec![format!("reference failed: {e}")],
     };
-    if got != want.tokens {
-        bad.push(format!("tokens {got:?}, reference {:?}", want.tokens));
-    }
-    if let Some(o) = d
-        .outputs
-        .iter()
-        .find(|o| want.outputs.get(o.pos as usize) != Some(*o))
-    {
-        bad.push(format!("the output after position {} differs", o.pos));
-    }
+    bad.extend(compare(&got, &d.outputs, &want.tokens, &want.outputs));
     if s.drafts > 0 {
         let all: Vec<u32> = p.iter().chain(&want.tokens).copied().collect();
         match draft_reference(model, &format(s.layers), true, &all, s.drafts as usize) {
@@ -308,6 +448,18 @@ pub(crate) fn check(model: &Model, s: &Setup, p: &[u32], first: u32, d: &Gen) ->
             }
             Err(e) => bad.push(format!("draft reference failed: {e}")),
         }
+    }
+    bad
+}
+
+/// The tokens and every output the engine ran against the reference's.
+fn compare(got: &[u32], outs: &[TokenOut], tokens: &[u32], want: &[TokenOut]) -> Vec<String> {
+    let mut bad = Vec::new();
+    if got != tokens {
+        bad.push(format!("tokens {got:?}, reference {tokens:?}"));
+    }
+    if let Some(o) = outs.iter().find(|o| want.get(o.pos as usize) != Some(*o)) {
+        bad.push(format!("the output after position {} differs", o.pos));
     }
     bad
 }
@@ -408,7 +560,7 @@ async fn hand_over(
 /// The prefill side: sends the setup, opens the session, runs every request's prefill
 /// and hands its blocks over, collects the decode side's verdicts.
 pub(crate) async fn prefill_side(
-    model: Arc<Model>,
+    model: Family,
     s: &Setup,
     gpu: usize,
     transport: Box<dyn KvTransport>,
@@ -417,18 +569,32 @@ pub(crate) async fn prefill_side(
 ) -> Result<RunReport, BoxError> {
     let mut wire = wire(stream)?;
     wire.send(&AppMsg::Setup(s.clone())).await?;
-    let engine = Engine::start(model, s, gpu).await?;
+    let engine = Engine::start(&model, s, gpu).await?;
     // SAFETY: the engine runs until after the session is dropped (at the end of this
     // function, or on an early return: `session` is declared after `engine`, so it goes
     // first); the wire is this example's own connection to the decode side.
     let mut session =
         unsafe { TransferSession::open(&engine.kv, transport, wire, s.session_options()) }.await?;
+    let v4 = s.v4()?.is_some();
     match s.drop.as_deref() {
-        Some("index_key") => {
-            session.edit_plans(|p| p.without_pools(|r| r.roles.contains(&Role::IndexKey)))
+        Some("index_key") => session.edit_plans(|p| {
+            p.without_pools(|r| {
+                r.roles.contains(&Role::IndexKey) || r.roles.contains(&Role::CompressedIndexKey)
+            })
+        }),
+        Some("draft") if !v4 => {
+            session.edit_plans(|p| p.without_pools(|r| r.cache == CacheKind::Draft))
         }
-        Some("draft") => session.edit_plans(|p| p.without_pools(|r| r.cache == CacheKind::Draft)),
-        Some(other) => return Err(format!("--drop {other:?}: use index_key or draft").into()),
+        Some("window") if v4 => {
+            session.edit_plans(|p| p.without_pools(|r| matches!(r.cache, CacheKind::Window(_))))
+        }
+        Some(other) => {
+            return Err(format!(
+                "--drop {other:?}: use index_key, or {}",
+                if v4 { "window (the tails)" } else { "draft" }
+            )
+            .into())
+        }
         None => {}
     }
     let mut records = Vec::new();
@@ -437,7 +603,7 @@ pub(crate) async fn prefill_side(
         let p = s.prompt(i);
         let pre = engine.generate(id, &p, 1).await?;
         let first = pre.tokens[0];
-        let tpb = DSA_TOKENS_PER_BLOCK as usize;
+        let tpb = s.tokens_per_block() as usize;
         let toks: Vec<TokenId> = p[..p.len() / tpb * tpb]
             .iter()
             .map(|&t| TokenId(t))
@@ -571,8 +737,8 @@ pub(crate) async fn decode_side(
         AppMsg::Setup(s) => s,
         other => return Err(format!("expected the Setup, got {other:?}").into()),
     };
-    let model = model(s.layers)?;
-    let engine = Engine::start(model.clone(), &s, gpu).await?;
+    let model = family(&s)?;
+    let engine = Engine::start(&model, &s, gpu).await?;
     // SAFETY: as in `prefill_side`.
     let mut session =
         unsafe { TransferSession::open(&engine.kv, transport, wire, s.session_options()) }.await?;
@@ -668,7 +834,7 @@ pub(crate) fn run_in_process(s: &Setup) -> Result<RunReport, BoxError> {
     });
     let stream = std::net::TcpStream::connect(addr)?;
     let t = Box::new(dsa_kv::transfer::LocalTransport::new("prefill"));
-    let report = runtime()?.block_on(prefill_side(model(s.layers)?, s, 0, t, stream, |_| {}));
+    let report = runtime()?.block_on(prefill_side(family(s)?, s, 0, t, stream, |_| {}));
     let decoded = decode.join().map_err(|_| "the decode thread panicked")?;
     let report = report?;
     decoded.map_err(|e| format!("decode side: {e}"))?;
@@ -754,6 +920,75 @@ mod tests {
                 "dropping {drop}: recomputed, the decode is exact: {:?}",
                 q.problems
             );
+        }
+    }
+
+    /// DeepSeek-V4 (the Flash preset's layer structure): each request's compressed
+    /// blocks (compressed KV and indexer keys of every layer) and the tail at their last
+    /// boundary (raw-window rows and compressor state: pages of the window pools) move
+    /// over the session; the decode engine resumes at the boundary and every token and
+    /// every position's logits it computes equal the unpaged V4 model's; every page's
+    /// bytes arrive unchanged (digests, the tail's included). The second request shares
+    /// the first block: skipped, and its own block and tail move. Dropping the window
+    /// pools or the compressed indexer keys from the plan is caught by the digests and
+    /// aborted (the decode engine then recomputes, exactly). Release builds only: the
+    /// 43-layer model is slow unoptimized (the debug pass covers the plan's tail code in
+    /// `dsa-kv-device`'s unit tests).
+    #[test]
+    #[cfg_attr(debug_assertions, ignore = "slow without optimizations")]
+    fn deepseek_v4_prefilled_here_decoded_there_is_exact() {
+        let v4 = Setup {
+            requests: 2,
+            system_blocks: 1,
+            model: Some("deepseek-v4-flash".into()),
+            ..Setup::default()
+        };
+        let r = run_in_process(&v4).unwrap();
+        assert!(r.exact, "{r:#?}");
+        for (i, q) in r.requests.iter().enumerate() {
+            assert!(
+                q.digests_match && q.problems.is_empty(),
+                "request {i}: {q:#?}"
+            );
+            let full = v4.prompt(i as u64).len() / 256 * 256;
+            assert_eq!(q.exported_blocks, full / 256, "request {i}");
+            assert!(q.decode_reused_tokens >= full as u64, "the import is used");
+            let skipped = if i == 0 { 0 } else { 1 };
+            assert_eq!(q.transfer.skipped, skipped);
+            assert_eq!(q.imported_blocks as usize, full / 256 - skipped as usize);
+            // Pages: one per brought block, and the tail's: two raw-window pages, one
+            // ratio-4 state page, none of the ratio-128 state at a block boundary.
+            assert_eq!(
+                q.transfer.pages,
+                q.imported_blocks as u64 + 3,
+                "request {i}: {q:#?}"
+            );
+        }
+        for drop in ["window", "index_key"] {
+            let r = run_in_process(&Setup {
+                requests: 1,
+                max_new: 2,
+                drop: Some(drop.into()),
+                ..v4.clone()
+            })
+            .unwrap();
+            let q = &r.requests[0];
+            assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
+            assert!(
+                matches!(
+                    q.outcome,
+                    Some(ImportOutcome::Aborted {
+                        reason: AbortReason::DigestsDiffer { .. }
+                    })
+                ),
+                "dropping {drop}: {:?}",
+                q.outcome
+            );
+            assert_eq!(
+                q.decode_reused_tokens, 0,
+                "dropping {drop}: nothing imported"
+            );
+            assert!(q.problems.is_empty(), "dropping {drop}: {:?}", q.problems);
         }
     }
 }

@@ -313,6 +313,8 @@ pub(super) const EVENT_CAPACITY: usize = 1 << 16;
 /// The coordinator. See the module docs.
 pub(super) struct Coordinator {
     pub(super) sched: Scheduler,
+    /// A model with sliding windows: its cache plan (the window pools a transfer covers).
+    pub(super) windowed: Option<dsa_kv_core::layout::V4Plan>,
     devices: Vec<Option<ActorRef<DeviceActor>>>,
     draft: Option<ActorRef<DraftReplayActor>>,
     watchers: HashMap<RequestId, Vec<Waiter>>,
@@ -420,6 +422,8 @@ pub(super) struct CoordinatorArgs {
     pub devices: Vec<ActorRef<DeviceActor>>,
     /// The draft-replay actor (separate draft cache).
     pub draft: Option<ActorRef<DraftReplayActor>>,
+    /// A model with sliding windows: its cache plan.
+    pub windowed: Option<dsa_kv_core::layout::V4Plan>,
     /// State shared with the devices and handles.
     pub shared: Arc<RuntimeShared>,
     /// Untaken KV events kept (older ones are dropped and counted).
@@ -448,6 +452,7 @@ impl Actor for Coordinator {
         super::transfer::spawn_lease_timer(&me, sched.transfer_lease());
         Ok(Coordinator {
             sched,
+            windowed: args.windowed,
             devices: args.devices.into_iter().map(Some).collect(),
             draft: args.draft,
             watchers: HashMap::new(),

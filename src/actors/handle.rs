@@ -439,7 +439,7 @@ impl KvCacheBuilder {
             backends.push(dev);
         }
         let (coordinator, draft_actor) = self
-            .spawn_actors(sched, backends, shared.clone(), draft_plan.is_some())
+            .spawn_actors(sched, backends, shared.clone(), draft_plan.is_some(), None)
             .await?;
         let count = |p: &PoolPlan| {
             let all: Vec<_> = p.layer_ids().collect();
@@ -481,6 +481,7 @@ impl KvCacheBuilder {
         backends: Vec<Box<dyn DeviceBackend>>,
         shared: Arc<RuntimeShared>,
         draft_cache: bool,
+        windowed: Option<dsa_kv_core::layout::V4Plan>,
     ) -> Result<(ActorRef<Coordinator>, Option<ActorRef<DraftReplayActor>>), RuntimeError> {
         let refs: Vec<_> = backends
             .into_iter()
@@ -501,6 +502,7 @@ impl KvCacheBuilder {
                 sched,
                 devices: refs,
                 draft: draft_actor.clone(),
+                windowed,
                 shared,
                 event_capacity: self.event_capacity,
                 event_stream_capacity: self.event_stream_capacity,

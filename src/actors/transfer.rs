@@ -12,11 +12,13 @@ use super::coordinator::{Coordinator, Devices};
 use super::device::PoolRegions;
 use super::error::RuntimeError;
 use super::handle::KvCacheHandle;
-use dsa_kv_core::core::scheduler::TRANSFER_DRAIN;
+use dsa_kv_core::core::scheduler::{BlockPages, TRANSFER_DRAIN};
+use dsa_kv_core::core::BlockLoc;
 use dsa_kv_core::core::{BlockKey, ReuseScope};
-use dsa_kv_core::ids::{RequestId, TokenId};
+use dsa_kv_core::ids::{PoolGroupId, RequestId, TokenId};
+use dsa_kv_core::layout::Retention;
 use dsa_kv_device::transfer::{
-    CacheKind, ExportedBlocks, ImportTicket, KvTransport, PeerId, PoolRef, PoolRegion,
+    CacheKind, ExportedBlocks, ImportTicket, KvTransport, PeerId, PoolRef, PoolRegion, WindowTail,
 };
 
 impl Coordinator {
@@ -30,6 +32,9 @@ impl Coordinator {
         if let Some(d) = self.sched.draft() {
             h.update(format!("draft {:?}", d.plan()));
         }
+        if let Some(w) = &self.windowed {
+            h.update(format!("windowed {w:?}"));
+        }
         h.update((self.num_devices() as u64).to_le_bytes());
         h.finalize()[..8]
             .iter()
@@ -37,11 +42,12 @@ impl Coordinator {
             .collect()
     }
 
-    /// Every pool of both caches (what each transfer must cover).
+    /// Every pool of both caches, and of a windowed model's window life cycles (what
+    /// each transfer must cover).
     fn layout_pools(&self) -> Vec<PoolRef> {
         let caches = std::iter::once((CacheKind::Target, self.sched.target().blocks()))
             .chain(self.sched.draft().map(|d| (CacheKind::Draft, d)));
-        caches
+        let mut out: Vec<PoolRef> = caches
             .flat_map(|(cache, m)| {
                 m.plan().pool_groups().iter().flat_map(move |g| {
                     g.pools.iter().map(move |p| PoolRef {
@@ -51,7 +57,57 @@ impl Coordinator {
                     })
                 })
             })
-            .collect()
+            .collect();
+        if let Some(plan) = &self.windowed {
+            let windows = plan
+                .life_cycles()
+                .iter()
+                .filter(|lc| lc.retention != Retention::Full);
+            for (w, lc) in windows.enumerate() {
+                out.extend(lc.pools.iter().map(|p| PoolRef {
+                    cache: CacheKind::Window(w as u16),
+                    group: PoolGroupId(0),
+                    pool: p.id.get(),
+                }));
+            }
+        }
+        out
+    }
+
+    /// A windowed model's export: its cached whole blocks up to the deepest boundary
+    /// with a tail, and that tail.
+    fn export_prefix(&mut self, m: ExportBlocks) -> Result<ExportedBlocks, RuntimeError> {
+        let Some(p) = self
+            .sched
+            .export_prefix(m.id, m.scope, &m.tokens, Instant::now())?
+        else {
+            return Err(RuntimeError::Transfer(format!(
+                "export {}: no whole block of these tokens with a window tail at its boundary \
+                 is cached here, so nothing was pinned: the importer prefills the prompt itself",
+                m.id
+            )));
+        };
+        let mut tokens = m.tokens;
+        tokens.truncate(p.boundary as usize);
+        Ok(ExportedBlocks {
+            id: m.id,
+            scope: m.scope,
+            tokens,
+            tokens_per_block: self.sched.target().tokens_per_block() as u32,
+            layout: self.layout_fingerprint(),
+            pools: self.layout_pools(),
+            blocks: p.blocks.into_iter().map(block_pages).collect(),
+            tail: WindowTail::of_tables(p.tails),
+        })
+    }
+}
+
+/// A windowed model's block (one page, of the compressed life cycle) as a transfer's.
+fn block_pages(b: BlockLoc) -> BlockPages {
+    BlockPages {
+        key: b.key,
+        target: b.pages,
+        draft: Vec::new(),
     }
 }
 
@@ -76,6 +132,9 @@ impl Message<ExportBlocks> for Coordinator {
     type Reply = Result<ExportedBlocks, RuntimeError>;
 
     async fn handle(&mut self, m: ExportBlocks, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if self.windowed.is_some() {
+            return self.export_prefix(m);
+        }
         let blocks = self
             .sched
             .export_blocks(m.id, m.scope, &m.tokens, Instant::now())?;
@@ -90,6 +149,7 @@ impl Message<ExportBlocks> for Coordinator {
             layout: self.layout_fingerprint(),
             pools: self.layout_pools(),
             blocks,
+            tail: Vec::new(),
         })
     }
 }
@@ -137,21 +197,34 @@ impl Message<BeginImport> for Coordinator {
             )));
         }
         let now = Instant::now();
-        let Some(r) = self
-            .sched
-            .begin_import(m.id, m.scope, &m.tokens[..want], &m.keys, now)?
-        else {
-            return Ok(None);
+        let (skipped, blocks, tail, write_by) = if self.windowed.is_some() {
+            let Some((p, write_by)) =
+                self.sched
+                    .begin_prefix_import(m.id, m.scope, &m.tokens[..want], &m.keys, now)?
+            else {
+                return Ok(None);
+            };
+            let blocks = p.blocks.into_iter().map(block_pages).collect();
+            (p.skipped, blocks, WindowTail::of_tables(p.tails), write_by)
+        } else {
+            let Some(r) =
+                self.sched
+                    .begin_import(m.id, m.scope, &m.tokens[..want], &m.keys, now)?
+            else {
+                return Ok(None);
+            };
+            (r.skipped, r.blocks, Vec::new(), r.write_by)
         };
         Ok(Some(ImportTicket {
             id: m.id,
             export: m.export,
-            skipped: r.skipped,
+            skipped,
             layout,
             pools: self.layout_pools(),
-            blocks: r.blocks,
-            write_within_ms: r.write_by.saturating_duration_since(now).as_millis() as u64,
-            write_by: Some(r.write_by),
+            blocks,
+            tail,
+            write_within_ms: write_by.saturating_duration_since(now).as_millis() as u64,
+            write_by: Some(write_by),
         }))
     }
 }
@@ -163,7 +236,11 @@ impl Message<CommitImport> for Coordinator {
     type Reply = Result<u32, RuntimeError>;
 
     async fn handle(&mut self, m: CommitImport, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let n = self.sched.commit_import(m.0, Instant::now());
+        let n = if self.windowed.is_some() {
+            self.sched.commit_prefix_import(m.0, Instant::now())
+        } else {
+            self.sched.commit_import(m.0, Instant::now())
+        };
         // The new blocks (or an expiry's freed pages) reach the router stream in order
         // with everything else.
         self.drain_events();

@@ -272,7 +272,7 @@ impl KvCacheBuilder {
             .map(|i| (model.backend)(i, &setup))
             .collect::<Result<Vec<_>, _>>()?;
         let (coordinator, draft) = self
-            .spawn_actors(sched, backends, shared.clone(), false)
+            .spawn_actors(sched, backends, shared.clone(), false, Some(plan.clone()))
             .await?;
         let t = u64::from(plan.tokens_per_block());
         let info = RuntimeInfo {

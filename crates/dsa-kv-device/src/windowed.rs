@@ -23,6 +23,7 @@ use crate::forward::{
     Batch, BatchMemory, CacheView, Forward, ForwardError, HostMemory, MetadataView, Phase, Region,
     Sampling,
 };
+use crate::transfer::{CacheKind, MemKind, MemRegion, PoolRegion};
 
 /// Where a windowed model's GPU pools are: per life cycle of its plan (plan order), per
 /// pool, the region. Part of the batch's [`CacheView`].
@@ -196,6 +197,52 @@ impl WindowedHostDevice {
     }
 }
 
+/// The pool regions of a windowed model's pools on device `device`, as a transport
+/// registers them: the compressed life cycle's as the target cache's pool group 0 (GPU
+/// and host tiers: the blocks), each window life cycle's as [`CacheKind::Window`] (GPU:
+/// the tails). `pool(lc, tier, pool)` gives a pool's memory and slots (`None`, or no
+/// slots: not on that tier). Each region's roles are the plan's buffers in that pool.
+pub fn windowed_regions(
+    device: usize,
+    plan: &V4Plan,
+    pool: impl Fn(usize, Tier, usize) -> Option<(MemRegion, u32)>,
+) -> Vec<PoolRegion> {
+    let mut out = Vec::new();
+    for (i, lc) in plan.life_cycles().iter().enumerate() {
+        let (cache, tiers): (CacheKind, &[Tier]) = match window_index(plan, i) {
+            None => (CacheKind::Target, &Tier::ALL),
+            Some(w) => (CacheKind::Window(w as u16), &[Tier::Gpu]),
+        };
+        for &tier in tiers {
+            for (j, p) in lc.pools.iter().enumerate() {
+                let Some((region, slots)) = pool(i, tier, j).filter(|(_, n)| *n > 0) else {
+                    continue;
+                };
+                let mut roles: Vec<_> = plan
+                    .buffers()
+                    .iter()
+                    .filter(|b| b.life_cycle == lc.id && b.pool == p.id)
+                    .map(|b| b.role)
+                    .collect();
+                roles.sort();
+                roles.dedup();
+                out.push(PoolRegion {
+                    device: device as u32,
+                    cache,
+                    tier,
+                    group: dsa_kv_core::ids::PoolGroupId(0),
+                    pool: p.id.get(),
+                    slot_bytes: p.slot_bytes(),
+                    slots,
+                    roles,
+                    region,
+                });
+            }
+        }
+    }
+    out
+}
+
 /// A windowed model's forward that writes nothing and samples nothing
 /// ([`Sampling::ByEngine`]: the engine commits its tokens): the default of a windowed
 /// preset on the host backend, for tests, tools and an embedder's first steps. A model's
@@ -289,6 +336,21 @@ impl DeviceBackend for WindowedHostDevice {
     /// bytes; its cache is checked against its unpaged run): nothing is read back.
     fn verify(&mut self, _: &[VerifySpec]) -> Result<(u64, Vec<Mismatch>), DeviceError> {
         Ok((0, Vec::new()))
+    }
+
+    fn pool_regions(&mut self) -> Vec<PoolRegion> {
+        let plan = self.pools.plan.clone();
+        let bytes = &self.pools.bytes;
+        windowed_regions(self.index, &plan, |lc, tier, pool| {
+            let b = bytes.get(lc)?[tier_index(tier)].get(pool)?;
+            let slot = plan.life_cycles()[lc].pools[pool].slot_bytes();
+            let region = MemRegion {
+                addr: b.as_ptr() as u64,
+                len: b.len() as u64,
+                mem: MemKind::Host,
+            };
+            Some((region, (b.len() as u64 / slot.max(1)) as u32))
+        })
     }
 
     fn cache_digest(&mut self) -> Result<String, DeviceError> {

@@ -5,7 +5,7 @@
 
 use sha2::{Digest, Sha256};
 
-use dsa_kv_device::transfer::{BlockPages, CacheKind, MemKind, PoolRegion};
+use dsa_kv_device::transfer::{transfer_units, BlockPages, MemKind, PoolRegion, WindowTail};
 
 use super::SessionError;
 
@@ -57,8 +57,10 @@ impl<'de> serde::Deserialize<'de> for BlockDigest {
     }
 }
 
-/// SHA-256 of each block of `blocks`: its pages' slots in every pool of their
-/// group, target cache then draft cache, pools in (device, pool) order.
+/// SHA-256 of each block of `blocks` (its pages' slots in every pool of their group,
+/// target cache then draft cache, pools in (device, pool) order), then, when `tail` has
+/// pages lists (a windowed model's transfer that moves its tail), one more of the tail's
+/// pages in every window pool, window by window.
 ///
 /// # Safety
 ///
@@ -70,16 +72,13 @@ impl<'de> serde::Deserialize<'de> for BlockDigest {
 pub unsafe fn host_block_digests(
     regions: &[PoolRegion],
     blocks: &[BlockPages],
+    tail: &[WindowTail],
 ) -> Result<Vec<BlockDigest>, SessionError> {
-    let mut out = Vec::with_capacity(blocks.len());
-    for b in blocks {
+    let units = transfer_units(blocks, tail);
+    let mut out = Vec::with_capacity(units.len());
+    for unit in units {
         let mut h = Sha256::new();
-        let pages = b
-            .target
-            .iter()
-            .map(|p| (CacheKind::Target, p))
-            .chain(b.draft.iter().map(|p| (CacheKind::Draft, p)));
-        for (cache, p) in pages {
+        for (cache, p) in unit {
             let mut pools: Vec<&PoolRegion> = regions
                 .iter()
                 .filter(|r| (r.cache, r.tier, r.group) == (cache, p.tier, p.group))

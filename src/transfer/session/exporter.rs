@@ -175,11 +175,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         let digests = if self.options.digests {
             // `plan_writes` checked the ticket against the export: `skipped` is in range.
             let written = &export.blocks[ticket.skipped as usize..];
+            // The tail moved only where the ticket reserved pages for it.
+            let tail: &[_] = if ticket.tail.is_empty() {
+                &[]
+            } else {
+                &export.tail
+            };
             let local = &self.local;
             // SAFETY: this engine's pools (registered at `open`, alive by its
             // contract); the blocks are pinned by the export, which the caller releases
             // only after this call.
-            Some(blocking(|| unsafe { host_block_digests(local, written) })?)
+            Some(blocking(|| unsafe {
+                host_block_digests(local, written, tail)
+            })?)
         } else {
             None
         };

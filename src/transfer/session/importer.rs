@@ -102,10 +102,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
                 digests,
             } if (export, import) == (ticket.export, ticket.id) => {
                 if let Some(d) = &digests {
-                    if d.len() != ticket.blocks.len() {
+                    let units = ticket.blocks.len() + usize::from(!ticket.tail.is_empty());
+                    if d.len() != units {
                         return Err(SessionError::Unexpected {
-                            expected: "one digest per block of the ticket",
-                            got: format!("{} digests for {} blocks", d.len(), ticket.blocks.len()),
+                            expected: "one digest per block of the ticket (and one for its tail)",
+                            got: format!(
+                                "{} digests for {} blocks{}",
+                                d.len(),
+                                ticket.blocks.len(),
+                                if ticket.tail.is_empty() {
+                                    ""
+                                } else {
+                                    " and a tail"
+                                }
+                            ),
                         });
                     }
                 }
@@ -283,7 +293,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> TransferSession<S> {
         // the pages are reserved by the import, renewed just now, whose bytes have landed
         // (the notification came) and whose window is closed: nothing writes them until
         // it is committed or aborted.
-        let ours = blocking(|| unsafe { host_block_digests(local, &ticket.blocks) })?;
+        let ours = blocking(|| unsafe { host_block_digests(local, &ticket.blocks, &ticket.tail) })?;
         Ok(ours.iter().zip(theirs).position(|(a, b)| a != b))
     }
 }

@@ -16,6 +16,9 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// a NIXL agent's metadata for thousands of registered pools is a few hundred KiB).
 pub const MAX_METADATA: usize = 1 << 20;
 
+/// The most digests a `Written` may carry: one per block, and one for a tail.
+const MAX_DIGESTS: usize = MAX_TRANSFER_BLOCKS + 1;
+
 /// One frame of the session protocol. Per transfer, in this order: the exporter's
 /// [`Offer`](Self::Offer); the importer's [`Ticket`](Self::Ticket) (pages reserved, or
 /// none); the exporter's [`Written`](Self::Written) after its write, or
@@ -66,11 +69,10 @@ pub enum SessionMsg {
         import: RequestId,
         /// What moved.
         report: TransferReport,
-        /// SHA-256 of each written block's pages, in ticket order (when both sides check
-        /// digests); at most [`MAX_TRANSFER_BLOCKS`](dsa_kv_device::transfer::MAX_TRANSFER_BLOCKS).
-        #[serde(
-            deserialize_with = "dsa_kv_core::bounded::option_vec::<_, _, MAX_TRANSFER_BLOCKS>"
-        )]
+        /// SHA-256 of each written block's pages, in ticket order, then of the tail's
+        /// when the ticket has tail pages (when both sides check digests); at most
+        /// [`MAX_TRANSFER_BLOCKS`](dsa_kv_device::transfer::MAX_TRANSFER_BLOCKS) + 1.
+        #[serde(deserialize_with = "dsa_kv_core::bounded::option_vec::<_, _, MAX_DIGESTS>")]
         digests: Option<Vec<BlockDigest>>,
     },
     /// The exporter could not write.
@@ -157,7 +159,8 @@ pub enum AbortReason {
     /// Block `block` of the ticket holds other bytes than the exporter's: bytes that
     /// are not the exporter's never enter the cache.
     DigestsDiffer {
-        /// The first differing block (index in the ticket).
+        /// The first differing block (index in the ticket; the ticket's block count:
+        /// its tail).
         block: usize,
     },
     /// The exporter went silent, closed the connection or broke the protocol.
@@ -179,7 +182,7 @@ impl std::fmt::Display for AbortReason {
             ),
             AbortReason::DigestsDiffer { block } => write!(
                 f,
-                "block {block} of the ticket holds other bytes than the exporter's"
+                "unit {block} of the ticket (its blocks, then its tail) holds other bytes than the exporter's"
             ),
             AbortReason::PeerGone { why } => write!(f, "the exporter is gone: {why}"),
             AbortReason::Expired => write!(f, "the import's lease ran out"),

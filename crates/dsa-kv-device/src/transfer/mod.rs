@@ -4,7 +4,10 @@
 //! the block's MLA rows **and** its indexer keys (they share the life cycle), in the
 //! target cache and, with a separate MTP draft cache, in the draft cache too. Nothing
 //! here can move one without the other: a transfer is planned from the pools of every
-//! cache, never from a list of roles.
+//! cache, never from a list of roles. A model with sliding windows (DeepSeek-V4) moves
+//! its compressed life cycle's blocks the same way (the target cache) and, at their last
+//! boundary, the tail of each window life cycle ([`WindowTail`]: raw-window rows and
+//! compressor state, pages of [`CacheKind::Window`]).
 //!
 //! The pieces:
 //!
@@ -38,9 +41,9 @@ mod window;
 pub use local::LocalTransport;
 pub use memory::{check_segments, MemKind, MemRegion, Segment, WriteBatch};
 pub use plan::{
-    plan_writes, BlockPages, CacheKind, ExportedBlocks, ImportTicket, PageLoc, PlanError, PoolRef,
-    PoolRegion, WritePlan, MAX_POOLS, MAX_POOL_ROLES, MAX_REGIONS, MAX_TRANSFER_BLOCKS,
-    MAX_TRANSFER_TOKENS,
+    block_pages, plan_writes, transfer_units, BlockPages, CacheKind, ExportedBlocks, ImportTicket,
+    PageLoc, PlanError, PoolRef, PoolRegion, WindowTail, WritePlan, MAX_POOLS, MAX_POOL_ROLES,
+    MAX_REGIONS, MAX_TAIL_SLOTS, MAX_TAIL_WINDOWS, MAX_TRANSFER_BLOCKS, MAX_TRANSFER_TOKENS,
 };
 pub use push::{push, push_plan, PushError, TransferReport};
 pub use transport::{

@@ -16,7 +16,7 @@ use super::{MemRegion, Segment, WriteBatch};
 pub use dsa_kv_core::core::scheduler::BlockPages;
 pub use dsa_kv_core::core::PageLoc;
 use dsa_kv_core::core::ReuseScope;
-use dsa_kv_core::ids::{PoolGroupId, RequestId, SlotId, Tier, TokenId};
+use dsa_kv_core::ids::{LifeCycleId, PoolGroupId, RequestId, SlotId, Tier, TokenId};
 use dsa_kv_core::layout::Role;
 
 /// The most blocks one transfer moves: a 1M-token prefix of 64-token blocks. An offer,
@@ -38,14 +38,89 @@ pub const MAX_REGIONS: usize = 1 << 14;
 /// The most roles one pool may hold (a pool's buffers: MLA key, scales, indexer key).
 pub const MAX_POOL_ROLES: usize = 16;
 
+/// The most window life cycles a tail may list (DeepSeek-V4 has three).
+pub const MAX_TAIL_WINDOWS: usize = 64;
+
+/// The most slots one window life cycle's tail may list (a 128-token window in pages
+/// of one token, with room to spare).
+pub const MAX_TAIL_SLOTS: usize = 1 << 12;
+
 /// Which cache a page belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CacheKind {
-    /// The target model's cache.
+    /// The target model's cache (a windowed model's compressed life cycle: its blocks).
     Target,
     /// The separate MTP draft cache.
     Draft,
+    /// A window life cycle of a model with sliding windows (its index among the window
+    /// life cycles, in the plan's order): the pages of a tail.
+    Window(u16),
+}
+
+/// One window life cycle's part of a windowed model's tail: what a request resuming at
+/// the transfer's boundary reads from before it (see
+/// `dsa_kv_core::core::ModelCache::export_prefix`). Both sides' tails at one boundary
+/// have the same first position and the same number of pages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowTail {
+    /// The window life cycle (its index among them, the plan's order).
+    pub window: u16,
+    /// The first position of the tail's first page.
+    pub start: u64,
+    /// Its pages' slots (GPU tier), in position order.
+    #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TAIL_SLOTS>")]
+    pub slots: Vec<SlotId>,
+}
+
+impl WindowTail {
+    /// The tail of `tables` (per window life cycle, the manager's `(start, slots)`).
+    pub fn of_tables(tables: Vec<(u64, Vec<SlotId>)>) -> Vec<WindowTail> {
+        tables
+            .into_iter()
+            .enumerate()
+            .map(|(w, (start, slots))| WindowTail {
+                window: w as u16,
+                start,
+                slots,
+            })
+            .collect()
+    }
+
+    /// Its pages, tagged with their cache (the window's GPU pools).
+    pub fn pages(&self) -> impl Iterator<Item = (CacheKind, PageLoc)> + '_ {
+        self.slots.iter().map(|&slot| {
+            (
+                CacheKind::Window(self.window),
+                PageLoc {
+                    life_cycle: LifeCycleId(0),
+                    tier: Tier::Gpu,
+                    group: PoolGroupId(0),
+                    slot,
+                },
+            )
+        })
+    }
+}
+
+/// A block's pages, tagged with their cache: target, then draft.
+pub fn block_pages(b: &BlockPages) -> impl Iterator<Item = (CacheKind, PageLoc)> + '_ {
+    let t = b.target.iter().map(|p| (CacheKind::Target, *p));
+    t.chain(b.draft.iter().map(|p| (CacheKind::Draft, *p)))
+}
+
+/// The pages of each unit a transfer moves and checks (one digest each): every block,
+/// then the tail as one unit when it moves.
+pub fn transfer_units(
+    blocks: &[BlockPages],
+    tail: &[WindowTail],
+) -> Vec<Vec<(CacheKind, PageLoc)>> {
+    let mut out: Vec<Vec<(CacheKind, PageLoc)>> =
+        blocks.iter().map(|b| block_pages(b).collect()).collect();
+    if !tail.is_empty() {
+        out.push(tail.iter().flat_map(WindowTail::pages).collect());
+    }
+    out
 }
 
 /// One pool of one cache on one tier of one device, as registered memory.
@@ -125,6 +200,13 @@ pub struct ExportedBlocks {
     /// The blocks, in prefix order.
     #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TRANSFER_BLOCKS>")]
     pub blocks: Vec<BlockPages>,
+    /// A model with sliding windows: the tail at the last block's boundary, per window
+    /// life cycle (empty for a model without windows).
+    #[serde(
+        default,
+        deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TAIL_WINDOWS>"
+    )]
+    pub tail: Vec<WindowTail>,
 }
 
 /// The importer's reservation: pages for the blocks it did not hold.
@@ -144,6 +226,14 @@ pub struct ImportTicket {
     /// Pages reserved for blocks `skipped..`, in prefix order.
     #[serde(deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TRANSFER_BLOCKS>")]
     pub blocks: Vec<BlockPages>,
+    /// A model with sliding windows: pages reserved for the export's tail, per window
+    /// life cycle; empty when this engine keeps a tail at the boundary already (nothing
+    /// of the windows moves) or the model has no windows.
+    #[serde(
+        default,
+        deserialize_with = "dsa_kv_core::bounded::vec::<_, _, MAX_TAIL_WINDOWS>"
+    )]
+    pub tail: Vec<WindowTail>,
     /// Milliseconds from the ticket's issue within which every byte must have landed
     /// (the importer's window closes then; its lease ends a drain margin later).
     pub write_within_ms: u64,
@@ -172,13 +262,8 @@ impl ImportTicket {
                 });
             }
         }
-        for b in &self.blocks {
-            let pages = b
-                .target
-                .iter()
-                .map(|p| (CacheKind::Target, p))
-                .chain(b.draft.iter().map(|p| (CacheKind::Draft, p)));
-            for (cache, p) in pages {
+        for unit in transfer_units(&self.blocks, &self.tail) {
+            for (cache, p) in unit {
                 let mut found = false;
                 for r in regions
                     .iter()
@@ -317,9 +402,28 @@ fn index_regions(regions: &[PoolRegion]) -> BTreeMap<PoolKey, &PoolRegion> {
         .collect()
 }
 
+/// The importer's tail pages must answer the exporter's tail: the same window life
+/// cycles in order, each starting at the same position with as many pages.
+fn check_tails(export: &[WindowTail], ticket: &[WindowTail]) -> Result<(), PlanError> {
+    let shape = |v: &[WindowTail]| -> Vec<(u16, u64, usize)> {
+        v.iter()
+            .map(|w| (w.window, w.start, w.slots.len()))
+            .collect()
+    };
+    if shape(export) != shape(ticket) {
+        return Err(PlanError::TicketMismatch(format!(
+            "the ticket's tail (window, first position, pages) is {:?}, the export's {:?}",
+            shape(ticket),
+            shape(export)
+        )));
+    }
+    Ok(())
+}
+
 /// Pairs the exported blocks `export.blocks[ticket.skipped..]` with the ticket's pages
-/// and both sides' pool regions into writes: every pool of every page's group, on every
-/// device, one descriptor per contiguous run.
+/// (and, for a model with sliding windows, the export's tail with the ticket's tail
+/// pages, when the ticket has them) and both sides' pool regions into writes: every
+/// pool of every page's group, on every device, one descriptor per contiguous run.
 pub fn plan_writes(
     export: &ExportedBlocks,
     src: &[PoolRegion],
@@ -412,7 +516,8 @@ pub fn plan_writes(
     }
     // (source pool key, destination pool key) → (source slot, destination slot) pairs.
     let mut runs: BTreeMap<(PoolKey, PoolKey), Vec<(u32, u32)>> = BTreeMap::new();
-    let mut pages = 0u64;
+    // (source page, destination page), tagged with their cache.
+    let mut paired: Vec<((CacheKind, PageLoc), (CacheKind, PageLoc))> = Vec::new();
     for (e, t) in export.blocks[skipped..].iter().zip(&ticket.blocks) {
         if e.key != t.key {
             return Err(PlanError::TicketMismatch(format!(
@@ -430,66 +535,68 @@ pub fn plan_writes(
                 e.draft.len()
             )));
         }
-        let tagged = |b: &'_ BlockPages| {
-            let t = b.target.iter().map(|p| (CacheKind::Target, *p));
-            t.chain(b.draft.iter().map(|p| (CacheKind::Draft, *p)))
-                .collect::<Vec<_>>()
-        };
-        for ((cache, sp), (_, dp)) in tagged(e).into_iter().zip(tagged(t)) {
-            if (sp.life_cycle, sp.group) != (dp.life_cycle, dp.group) {
-                return Err(PlanError::TicketMismatch(format!(
-                    "page {sp:?} paired with {dp:?}"
-                )));
-            }
-            let pools =
-                pools_of
-                    .get(&(cache, sp.group))
-                    .ok_or_else(|| PlanError::MissingRegion {
-                        side: "source",
-                        device: devs.first().copied().unwrap_or(0),
-                        cache,
-                        tier: sp.tier,
-                        group: sp.group,
-                        pool: 0,
-                    })?;
-            for &d in &devs {
-                for &p in pools {
-                    let sk = (d, cache, sp.tier, sp.group, p);
-                    let dk = (d, cache, dp.tier, dp.group, p);
-                    let missing = |side, k: PoolKey| PlanError::MissingRegion {
-                        side,
-                        device: k.0,
-                        cache: k.1,
-                        tier: k.2,
-                        group: k.3,
-                        pool: k.4,
-                    };
-                    let s = src_ix.get(&sk).ok_or_else(|| missing("source", sk))?;
-                    let t = dst_ix.get(&dk).ok_or_else(|| missing("destination", dk))?;
-                    if s.slot_bytes != t.slot_bytes {
+        paired.extend(block_pages(e).zip(block_pages(t)));
+    }
+    if !ticket.tail.is_empty() {
+        check_tails(&export.tail, &ticket.tail)?;
+        for (e, t) in export.tail.iter().zip(&ticket.tail) {
+            paired.extend(e.pages().zip(t.pages()));
+        }
+    }
+    let mut pages = 0u64;
+    for ((cache, sp), (_, dp)) in paired {
+        if (sp.life_cycle, sp.group) != (dp.life_cycle, dp.group) {
+            return Err(PlanError::TicketMismatch(format!(
+                "page {sp:?} paired with {dp:?}"
+            )));
+        }
+        let pools = pools_of
+            .get(&(cache, sp.group))
+            .ok_or_else(|| PlanError::MissingRegion {
+                side: "source",
+                device: devs.first().copied().unwrap_or(0),
+                cache,
+                tier: sp.tier,
+                group: sp.group,
+                pool: 0,
+            })?;
+        for &d in &devs {
+            for &p in pools {
+                let sk = (d, cache, sp.tier, sp.group, p);
+                let dk = (d, cache, dp.tier, dp.group, p);
+                let missing = |side, k: PoolKey| PlanError::MissingRegion {
+                    side,
+                    device: k.0,
+                    cache: k.1,
+                    tier: k.2,
+                    group: k.3,
+                    pool: k.4,
+                };
+                let s = src_ix.get(&sk).ok_or_else(|| missing("source", sk))?;
+                let t = dst_ix.get(&dk).ok_or_else(|| missing("destination", dk))?;
+                if s.slot_bytes != t.slot_bytes {
+                    return Err(PlanError::BadPage {
+                        what: format!(
+                            "size: pool {p} of group {} is {} B per slot on the exporter and {} B on the importer",
+                            sp.group, s.slot_bytes, t.slot_bytes
+                        ),
+                    });
+                }
+                for (side, r, slot) in [("source", s, sp.slot), ("destination", t, dp.slot)] {
+                    if slot.0 >= r.slots {
                         return Err(PlanError::BadPage {
                             what: format!(
-                                "size: pool {p} of group {} is {} B per slot on the exporter and {} B on the importer",
-                                sp.group, s.slot_bytes, t.slot_bytes
+                                "slot {slot} on the {side}: pool {p} of group {} has {} slots",
+                                sp.group, r.slots
                             ),
                         });
                     }
-                    for (side, r, slot) in [("source", s, sp.slot), ("destination", t, dp.slot)] {
-                        if slot.0 >= r.slots {
-                            return Err(PlanError::BadPage {
-                                what: format!(
-                                    "slot {slot} on the {side}: pool {p} of group {} has {} slots",
-                                    sp.group, r.slots
-                                ),
-                            });
-                        }
-                    }
-                    runs.entry((sk, dk))
-                        .or_default()
-                        .push((sp.slot.0, dp.slot.0));
                 }
-                pages += 1;
+                runs.entry((sk, dk))
+                    .or_default()
+                    .push((sp.slot.0, dp.slot.0));
             }
+            pages += 1;
         }
     }
     let mut batches: Vec<WriteBatch> = Vec::new();
@@ -601,7 +708,7 @@ mod tests {
         }
     }
 
-    use CacheKind::{Draft, Target};
+    use CacheKind::{Draft, Target, Window};
     use Tier::{Gpu, Host};
 
     fn pools() -> Vec<PoolRef> {
@@ -634,6 +741,7 @@ mod tests {
                 block(3, &[(Target, Gpu, 4), (Draft, Gpu, 4)]),
                 block(4, &[(Target, Host, 9), (Draft, Host, 9)]),
             ],
+            tail: Vec::new(),
         };
         let ticket = ImportTicket {
             id: RequestId(70),
@@ -648,6 +756,7 @@ mod tests {
                 block(3, &[(Target, Gpu, 1), (Draft, Gpu, 1)]),
                 block(4, &[(Target, Gpu, 2), (Draft, Gpu, 2)]),
             ],
+            tail: Vec::new(),
         };
         let mut src = Vec::new();
         let mut dst = Vec::new();
@@ -802,6 +911,153 @@ mod tests {
         assert!(matches!(
             ticket.write_ranges(&d),
             Err(PlanError::MissingRegion { cache: Draft, .. })
+        ));
+    }
+
+    fn tail(spans: &[(u64, &[u32])]) -> Vec<WindowTail> {
+        WindowTail::of_tables(
+            spans
+                .iter()
+                .map(|(start, slots)| (*start, slots.iter().map(|&s| SlotId(s)).collect()))
+                .collect(),
+        )
+    }
+
+    /// A windowed model's transfer: the tail's pages land in the window pools (one
+    /// region per window life cycle and pool), next to the blocks; a ticket without tail
+    /// pages (the importer keeps a tail there) moves none; a tail of another shape, or a
+    /// window pool missing on either side, is refused.
+    #[test]
+    fn a_tail_moves_into_the_window_pools_with_the_blocks() {
+        let (mut export, mut src, mut ticket, mut dst) = sides();
+        // Window 0: two pages of 64 B (pool 0) and 8 B (pool 1); window 1: one page of
+        // 32 B; window 2: none (a ratio-128 state at the boundary).
+        let windows: [(u16, &[u64]); 3] = [(0, &[64, 8]), (1, &[32]), (2, &[16])];
+        for (w, sizes) in windows {
+            for (pool, &n) in sizes.iter().enumerate() {
+                let mut r = region(Window(w), Gpu, pool as u16, 0, n);
+                r.roles = vec![Role::WindowKey];
+                let base = 0x40_0000 + 0x1_0000 * (u64::from(w) * 4 + pool as u64);
+                src.push(PoolRegion {
+                    region: MemRegion {
+                        addr: base,
+                        ..r.region
+                    },
+                    ..r.clone()
+                });
+                dst.push(PoolRegion {
+                    region: MemRegion {
+                        addr: base + 0x80_0000,
+                        ..r.region
+                    },
+                    ..r
+                });
+                for side in [&mut export.pools, &mut ticket.pools] {
+                    side.push(PoolRef {
+                        cache: Window(w),
+                        group: PoolGroupId(0),
+                        pool: pool as u16,
+                    });
+                }
+            }
+        }
+        export.tail = tail(&[(384, &[5, 6]), (508, &[2]), (512, &[])]);
+        ticket.tail = tail(&[(384, &[0, 1]), (508, &[9]), (512, &[])]);
+        let plan = plan_writes(&export, &src, &ticket, &dst).unwrap();
+        // 6 block pages as before, and 3 tail pages.
+        assert_eq!(plan.pages, 6 + 3);
+        assert_eq!(plan.bytes, 6 * 1100 + 2 * 72 + 32);
+        // Window 0's slots 5, 6 → 0, 1: one segment per pool.
+        let segs = &plan.batches[0].segments;
+        assert!(segs.contains(&Segment {
+            src: 0x40_0000 + 5 * 64,
+            dst: 0xC0_0000,
+            len: 128
+        }));
+        assert!(segs.contains(&Segment {
+            src: 0x41_0000 + 5 * 8,
+            dst: 0xC1_0000,
+            len: 16
+        }));
+        assert!(segs.contains(&Segment {
+            src: 0x44_0000 + 2 * 32,
+            dst: 0xC4_0000 + 9 * 32,
+            len: 32
+        }));
+        assert_eq!(plan.descriptors(), 8 + 3);
+        // The window ranges the importer opens: its tail slots, nothing else of them.
+        let ranges = ticket.write_ranges(&dst).unwrap();
+        let window_ranges: Vec<&MemRegion> =
+            ranges.iter().filter(|m| m.addr >= 0xC0_0000).collect();
+        assert_eq!(
+            window_ranges,
+            [
+                &MemRegion {
+                    addr: 0xC0_0000,
+                    len: 128,
+                    mem: MemKind::Host
+                },
+                &MemRegion {
+                    addr: 0xC1_0000,
+                    len: 16,
+                    mem: MemKind::Host
+                },
+                &MemRegion {
+                    addr: 0xC4_0000 + 9 * 32,
+                    len: 32,
+                    mem: MemKind::Host
+                },
+            ]
+        );
+        // Dropping the window pools removes exactly the tail's bytes (the drill).
+        let mutated = plan.without_pools(|r| matches!(r.cache, Window(_)));
+        assert_eq!(mutated.bytes, 6 * 1100);
+        // The importer keeps a tail at the boundary: nothing of the windows moves.
+        let mut held = ticket.clone();
+        held.tail.clear();
+        let p = plan_writes(&export, &src, &held, &dst).unwrap();
+        assert_eq!((p.pages, p.bytes), (6, 6 * 1100));
+        // A tail of another shape: refused.
+        for bad in [
+            tail(&[(320, &[0, 1]), (508, &[9]), (512, &[])]),
+            tail(&[(384, &[0]), (508, &[9]), (512, &[])]),
+            tail(&[(384, &[0, 1]), (508, &[9])]),
+        ] {
+            let mut t = ticket.clone();
+            t.tail = bad;
+            assert!(matches!(
+                plan_writes(&export, &src, &t, &dst),
+                Err(PlanError::TicketMismatch(_))
+            ));
+        }
+        // A tail where the export has none: refused.
+        let mut e = export.clone();
+        e.tail.clear();
+        assert!(matches!(
+            plan_writes(&e, &src, &ticket, &dst),
+            Err(PlanError::TicketMismatch(_))
+        ));
+        // A tail slot past its pool: refused.
+        let mut t = ticket.clone();
+        t.tail[1].slots[0] = SlotId(16);
+        assert!(matches!(
+            plan_writes(&export, &src, &t, &dst),
+            Err(PlanError::BadPage { .. })
+        ));
+        assert!(t.write_ranges(&dst).is_err());
+        // The importer without window 1's pool: refused, not skipped.
+        let d: Vec<_> = dst
+            .iter()
+            .filter(|r| r.cache != Window(1))
+            .cloned()
+            .collect();
+        assert!(plan_writes(&export, &src, &ticket, &d).is_err());
+        assert!(matches!(
+            ticket.write_ranges(&d),
+            Err(PlanError::MissingRegion {
+                cache: Window(1),
+                ..
+            })
         ));
     }
 }
