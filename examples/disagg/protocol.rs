@@ -285,7 +285,7 @@ impl Engine {
         }
         let model = match family {
             Family::Dsa(m) => m.clone(),
-            Family::V4(m) => return Self::start_v4(m, s).await,
+            Family::V4(m) => return Self::start_v4(m, s, gpu).await,
         };
         let b = KvCacheBuilder::new().config(config(s));
         let opts = ForwardOptions::default()
@@ -320,24 +320,47 @@ impl Engine {
         })
     }
 
-    /// A DeepSeek-V4 engine: the V4 reference model on one host device (its pools in
-    /// host memory, which the transport registers).
-    async fn start_v4(model: &Arc<V4Model>, s: &Setup) -> Result<Engine, BoxError> {
-        if s.backend != "host" {
-            return Err(format!(
-                "--model {}: the DeepSeek-V4 run uses the host backend (--backend host)",
-                s.model.as_deref().unwrap_or_default()
-            )
-            .into());
-        }
+    /// A DeepSeek-V4 engine: the V4 reference model on one device, the host backend's
+    /// (pools in host memory) or, with `--backend cuda`, the CUDA backend's windowed
+    /// device on GPU `gpu` (pools in GPU memory, the host tier pinned; the forward in
+    /// kernels).
+    async fn start_v4(model: &Arc<V4Model>, s: &Setup, gpu: usize) -> Result<Engine, BoxError> {
         let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-        let backend: WindowedBackendFactory = {
-            let (model, outputs) = (model.clone(), outputs.clone());
-            Arc::new(move |i, w: &WindowedSetup| {
-                let f = V4ModelForward::new(model.clone(), outputs.clone());
+        let (m, o) = (model.clone(), outputs.clone());
+        let backend: WindowedBackendFactory = match s.backend.as_str() {
+            "host" => Arc::new(move |i, w: &WindowedSetup| {
+                let f = V4ModelForward::new(m.clone(), o.clone());
                 let d = WindowedHostDevice::new(i, &w.plan, &w.slots, Box::new(f))?;
                 Ok(Box::new(d) as Box<dyn DeviceBackend>)
-            })
+            }),
+            #[cfg(feature = "cuda")]
+            "cuda" => Arc::new(move |i, w: &WindowedSetup| {
+                let g = dsa_kv::cuda::Gpu::open(gpu).map_err(|e| {
+                    dsa_kv::device::DeviceError::Backend {
+                        device: i,
+                        source: dsa_kv::storage::BackendError::new(e),
+                    }
+                })?;
+                let d = dsa_kv_model::v4::cuda::v4_cuda_device(
+                    i,
+                    g,
+                    &w.plan,
+                    &w.slots,
+                    m.clone(),
+                    o.clone(),
+                    w.max_positions,
+                )?;
+                Ok(Box::new(d) as Box<dyn DeviceBackend>)
+            }),
+            other => {
+                let _ = gpu;
+                return Err(format!(
+                    "--model {}: backend {other:?} is not available for DeepSeek-V4 (host, or \
+                     cuda in a build with the `cuda` feature)",
+                    s.model.as_deref().unwrap_or_default()
+                )
+                .into());
+            }
         };
         let kv = KvCacheBuilder::new()
             .config(v4_config(s))

@@ -161,6 +161,10 @@ impl DeviceBackend for WindowedCudaDevice {
             .map_err(|e| DeviceError::forward(device, e))
     }
 
+    fn pool_regions(&mut self) -> Vec<dsa_kv_device::transfer::PoolRegion> {
+        self.pools.regions(self.index)
+    }
+
     fn cache_digest(&mut self) -> Result<String, DeviceError> {
         self.pools.digest().map_err(|source| DeviceError::Pools {
             device: self.index,

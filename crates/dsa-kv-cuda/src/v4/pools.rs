@@ -13,6 +13,7 @@ use dsa_kv_core::layout::{Retention, V4Plan};
 use dsa_kv_core::ops::CopyPlan;
 use dsa_kv_device::windowed::{v4_pool_slots, PoolError};
 
+use crate::buffers::PinnedHost;
 use crate::{CudaError, DeviceBuffer, Gpu};
 
 /// A V4 plan's pools on one GPU (and the compressed life cycle's host tier). See the
@@ -22,8 +23,9 @@ pub struct V4GpuPools {
     plan: V4Plan,
     /// Per life cycle (plan order): per pool: the GPU tier.
     device: Vec<Vec<DeviceBuffer>>,
-    /// Per life cycle: per pool: the host tier (empty pools for a window life cycle).
-    host: Vec<Vec<Vec<u8>>>,
+    /// Per life cycle: per pool: the host tier, pinned and device-mapped (a transport
+    /// moves it; empty pools for a window life cycle).
+    host: Vec<Vec<PinnedHost>>,
     /// Per life cycle: its index among the window life cycles, if it is one.
     window_index: Vec<Option<usize>>,
 }
@@ -52,7 +54,7 @@ impl V4GpuPools {
                     })
                 };
                 d.push(DeviceBuffer::zeroed(&gpu, bytes(s.gpu)?, "V4 pool").map_err(setup)?);
-                h.push(vec![0u8; bytes(s.host)?]);
+                h.push(PinnedHost::zeroed(&gpu, bytes(s.host)?, "V4 host pool").map_err(setup)?);
             }
             device.push(d);
             host.push(h);
@@ -94,6 +96,44 @@ impl V4GpuPools {
         Some((b.ptr(), b.len() as u64))
     }
 
+    /// Every pool as memory a transport registers, for device `index`: the GPU tier
+    /// as this GPU's memory, the compressed life cycle's host tier as host memory (see
+    /// [`windowed_regions`](dsa_kv_device::windowed::windowed_regions)).
+    pub fn regions(&self, index: usize) -> Vec<dsa_kv_device::transfer::PoolRegion> {
+        use dsa_kv_device::transfer::{MemKind, MemRegion};
+        let ordinal = self.gpu.ordinal() as u32;
+        dsa_kv_device::windowed::windowed_regions(index, &self.plan, |lc, tier, pool| {
+            let slot = self
+                .plan
+                .life_cycles()
+                .get(lc)?
+                .pools
+                .get(pool)?
+                .slot_bytes();
+            let (region, len) = match tier {
+                Tier::Gpu => {
+                    let (addr, len) = self.device_pool(lc, pool)?;
+                    let mem = MemKind::Device { ordinal };
+                    (MemRegion { addr, len, mem }, len)
+                }
+                Tier::Host => {
+                    let b = self.host.get(lc)?.get(pool)?;
+                    let len = b.len() as u64;
+                    let mem = MemKind::Host;
+                    (
+                        MemRegion {
+                            addr: b.host_ptr(),
+                            len,
+                            mem,
+                        },
+                        len,
+                    )
+                }
+            };
+            Some((region, (len / slot.max(1)) as u32))
+        })
+    }
+
     /// [`digest_pools`](dsa_kv_device::backend::digest_pools) of every GPU-tier pool, in
     /// plan order (what the host device's digest covers). Waits for the GPU.
     pub fn digest(&self) -> Result<String, PoolError> {
@@ -125,7 +165,7 @@ impl V4GpuPools {
                 .host
                 .get(lc)
                 .and_then(|h| h.get(pool))
-                .cloned()
+                .map(|h| h.as_slice().to_vec())
                 .unwrap_or_default()),
         }
     }
@@ -184,13 +224,15 @@ impl V4GpuPools {
                         (Tier::Gpu, Tier::Host) => unsafe {
                             self.gpu.download_raw(
                                 dev.ptr() + a as u64,
-                                &mut self.host[lc][pool][b..b + n],
+                                &mut self.host[lc][pool].as_mut_slice()[b..b + n],
                             )
                         }
                         .map_err(copy_err)?,
                         (Tier::Host, Tier::Gpu) => unsafe {
-                            self.gpu
-                                .upload_raw(dev.ptr() + b as u64, &self.host[lc][pool][a..a + n])
+                            self.gpu.upload_raw(
+                                dev.ptr() + b as u64,
+                                &self.host[lc][pool].as_slice()[a..a + n],
+                            )
                         }
                         .map_err(copy_err)?,
                         (Tier::Gpu, Tier::Gpu) if a != b => unsafe {
@@ -199,7 +241,7 @@ impl V4GpuPools {
                         }
                         .map_err(copy_err)?,
                         (Tier::Host, Tier::Host) if a != b => {
-                            self.host[lc][pool].copy_within(a..a + n, b);
+                            self.host[lc][pool].as_mut_slice().copy_within(a..a + n, b);
                         }
                         _ => {}
                     }
