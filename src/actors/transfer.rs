@@ -372,6 +372,12 @@ impl Transfers<'_> {
     /// [`release_export`](Self::release_export) or until the export's lease
     /// (`transfer.lease_ms`) runs out; [`renew`](Self::renew) before a
     /// push that could outlast it. `id` shares the requests' id space.
+    ///
+    /// A model with sliding windows (DeepSeek-V4) exports its cached whole blocks up to
+    /// the deepest boundary that keeps a window tail, and that tail
+    /// ([`ExportedBlocks::tail`]): what a request resuming at the boundary reads. With no
+    /// such boundary cached nothing is pinned and the export is
+    /// [`RuntimeError::Transfer`] (the importer prefills the prompt itself).
     #[tracing::instrument(level = "debug", skip_all, fields(id = %id, tokens = tokens.len()))]
     pub async fn export(
         &self,
@@ -402,7 +408,9 @@ impl Transfers<'_> {
     }
 
     /// Reserves GPU pages for the exported blocks this engine does not hold (leading
-    /// blocks it already caches are skipped), for the request this engine will serve:
+    /// blocks it already caches are skipped; a windowed model's ticket also reserves
+    /// the export's window tail, unless a tail is kept here at its boundary), for the
+    /// request this engine will serve:
     /// `scope` and `tokens` are **the importer's own** (the request's reuse scope and
     /// prompt, not what the exporter says), and the exporter's block keys must equal
     /// the keys this engine computes from them for the exported blocks, so a peer can
