@@ -905,6 +905,28 @@ mod tests {
         }
     }
 
+    /// A drill's one request: inexact, its digests differ, its import aborted with
+    /// nothing brought.
+    fn caught_and_aborted<'r>(r: &'r RunReport, drop: &str) -> &'r RequestRecord {
+        let q = &r.requests[0];
+        assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
+        assert!(
+            matches!(
+                q.outcome,
+                Some(ImportOutcome::Aborted {
+                    reason: AbortReason::DigestsDiffer { .. }
+                })
+            ),
+            "dropping {drop}: {:?}",
+            q.outcome
+        );
+        assert_eq!(
+            q.imported_blocks, 0,
+            "dropping {drop}: the import was aborted"
+        );
+        q
+    }
+
     /// The mutation drill: a transfer that leaves the indexer pools or the draft cache
     /// out is caught by the page digests, and the import is aborted: nothing of it
     /// enters the decode engine's cache, which then recomputes the prompt and decodes it
@@ -918,22 +940,7 @@ mod tests {
                 ..Setup::default()
             })
             .unwrap();
-            let q = &r.requests[0];
-            assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
-            assert!(
-                matches!(
-                    q.outcome,
-                    Some(ImportOutcome::Aborted {
-                        reason: AbortReason::DigestsDiffer { .. }
-                    })
-                ),
-                "dropping {drop}: {:?}",
-                q.outcome
-            );
-            assert_eq!(
-                q.imported_blocks, 0,
-                "dropping {drop}: the import was aborted"
-            );
+            let q = caught_and_aborted(&r, drop);
             assert!(
                 q.decode_reused_tokens < 64 * q.exported_blocks as u64,
                 "dropping {drop}: the decode engine served what it did not import: {q:#?}"
@@ -995,18 +1002,7 @@ mod tests {
                 ..v4.clone()
             })
             .unwrap();
-            let q = &r.requests[0];
-            assert!(!r.exact && !q.digests_match, "dropping {drop}: {q:#?}");
-            assert!(
-                matches!(
-                    q.outcome,
-                    Some(ImportOutcome::Aborted {
-                        reason: AbortReason::DigestsDiffer { .. }
-                    })
-                ),
-                "dropping {drop}: {:?}",
-                q.outcome
-            );
+            let q = caught_and_aborted(&r, drop);
             assert_eq!(
                 q.decode_reused_tokens, 0,
                 "dropping {drop}: nothing imported"

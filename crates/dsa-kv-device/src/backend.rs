@@ -388,14 +388,12 @@ pub fn cache_regions(
                 let Some(region) = addr(tier, g.id, p.id.get()) else {
                     continue;
                 };
-                let mut roles: Vec<Role> = plan
-                    .placements()
-                    .iter()
-                    .filter(|b| b.pool_group == g.id && b.pool == p.id)
-                    .map(|b| b.role)
-                    .collect();
-                roles.sort();
-                roles.dedup();
+                let roles = sorted_roles(
+                    plan.placements()
+                        .iter()
+                        .filter(|b| b.pool_group == g.id && b.pool == p.id)
+                        .map(|b| b.role),
+                );
                 out.push(PoolRegion {
                     device: device as u32,
                     cache,
@@ -411,6 +409,14 @@ pub fn cache_regions(
         }
     }
     out
+}
+
+/// The distinct roles of a pool's buffers, sorted (a [`PoolRegion`]'s `roles`).
+pub(crate) fn sorted_roles(roles: impl Iterator<Item = Role>) -> Vec<Role> {
+    let mut v: Vec<Role> = roles.collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// SHA-256 over pools in a fixed order: each pool's length, then its bytes (fed in

@@ -218,14 +218,12 @@ pub fn windowed_regions(
                 let Some((region, slots)) = pool(i, tier, j).filter(|(_, n)| *n > 0) else {
                     continue;
                 };
-                let mut roles: Vec<_> = plan
-                    .buffers()
-                    .iter()
-                    .filter(|b| b.life_cycle == lc.id && b.pool == p.id)
-                    .map(|b| b.role)
-                    .collect();
-                roles.sort();
-                roles.dedup();
+                let roles = crate::backend::sorted_roles(
+                    plan.buffers()
+                        .iter()
+                        .filter(|b| b.life_cycle == lc.id && b.pool == p.id)
+                        .map(|b| b.role),
+                );
                 out.push(PoolRegion {
                     device: device as u32,
                     cache,
