@@ -603,3 +603,137 @@ async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
     assert!(st.events.stored >= 2, "{:?}", st.events);
     kv.shutdown().await;
 }
+
+/// The transformers `DeepseekV4ForCausalLM` checkpoint of `tests/fixtures/hf/deepseek_v4`
+/// (`V4Model::from_checkpoint`: window-only, ratio-4 with its indexer and ratio-128
+/// layers, hyper-connections, hash-routed and top-k experts, YaRN; no MTP layer:
+/// transformers builds none) through the paged runtime: chunked prefill at an odd chunk
+/// (97 tokens), a GPU tier of 4 blocks and a host tier, prefix hits at window tails, a
+/// preemption. Every request's tokens and every position's logits equal the checkpoint
+/// model run alone on a contiguous cache, bit for bit; and at the fixture's own prompts,
+/// where transformers' indexer selects every visible entry, our greedy token is
+/// transformers' at ≥ 90 % of the positions (the bound and its reason are the oracle
+/// test's: `crates/dsa-kv-model/tests/hf_checkpoint_v4.rs`, which also bounds the logits
+/// by the cache formats' rounding; paged equal to unpaged carries that bound here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transformers_v4_checkpoint_runs_through_the_paged_runtime() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/deepseek_v4");
+    let model = Arc::new(V4Model::from_checkpoint(&dir).unwrap());
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let list = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as u32)
+            .collect()
+    };
+    let hf: Vec<(Vec<u32>, Vec<u32>)> = reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (list(&p["tokens"]), list(&p["argmax"])))
+        .collect();
+    assert_eq!(hf.iter().map(|p| p.0.len()).collect::<Vec<_>>(), [90, 400]);
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let mut w = WindowedModel::new(
+        model.config().spec().unwrap(),
+        host_backend(&model, &outputs),
+    );
+    w.slots = Some(WindowedSlots {
+        blocks: TierSlots {
+            gpu: vec![4],
+            host: vec![16],
+        },
+        windows: vec![14, 300, 200],
+    });
+    let mut c = EngineConfig::default();
+    c.kv_cache.max_gpu_total_bytes = Some(256 << 20);
+    c.scheduler.max_num_sequences = 3;
+    c.scheduler.max_prefill_chunk = 97;
+    c.scheduler.max_num_tokens = 200;
+    c.scheduler.max_seq_len = 2048;
+    let kv = KvCacheBuilder::new()
+        .config(c)
+        .host_devices(1)
+        .windowed(w)
+        .start()
+        .await
+        .unwrap();
+    // Wave 1: the fixture's prompts and two longer ones (pressure); wave 2: the 400-token
+    // prompt again and extended (hits at its tail at 256), and another long one.
+    let mut rng = SplitMix64(11);
+    let mut long = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(256) as u32).collect() };
+    let extended: Vec<u32> = hf[1].0.iter().copied().chain(long(70)).collect();
+    let waves = vec![
+        vec![hf[0].0.clone(), hf[1].0.clone(), long(700), long(530)],
+        vec![hf[1].0.clone(), extended, long(610)],
+    ];
+    let mut prompts: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut got: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let (mut preempted, mut copies, mut reuse_wave2) = (0, 0, 0u64);
+    const MAX_NEW: u32 = 6;
+    for (wi, wave) in waves.into_iter().enumerate() {
+        let mut ids = Vec::new();
+        for (i, p) in wave.into_iter().enumerate() {
+            let id = RequestId(wi as u64 * 10 + i as u64);
+            let toks = p.iter().map(|&t| TokenId(t)).collect();
+            kv.submit(SubmitRequest::new(id, toks, MAX_NEW))
+                .await
+                .unwrap();
+            prompts.insert(id, p);
+            ids.push(id);
+        }
+        let mut steps = 0;
+        while ids.iter().any(|id| !got.contains_key(id)) {
+            steps += 1;
+            assert!(steps < 2_000, "wave {wi} does not finish");
+            let rep = kv.step(Drafts::none()).await.unwrap();
+            assert!(rep.failed.is_empty(), "{:?}", rep.failed);
+            preempted += rep.preempted.len();
+            copies += rep.devices[0].slot_copies;
+            let Some(done) = rep.committed else { continue };
+            for f in done.finished {
+                let f = f.finished;
+                if wi == 1 {
+                    reuse_wave2 += f.reused_tokens;
+                }
+                got.insert(f.id, f.output().iter().map(|t| t.0).collect());
+            }
+        }
+    }
+    kv.shutdown().await;
+    let out = outputs.lock().unwrap();
+    assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
+    let mut positions = 0;
+    for (id, p) in &prompts {
+        let g = model.generate(p, MAX_NEW).unwrap();
+        assert_eq!(got[id], g.tokens, "request {id}: tokens");
+        for (&pos, o) in &out.tokens[&(0, *id)] {
+            assert_eq!(*o, g.outputs[pos as usize], "request {id}, position {pos}");
+            positions += 1;
+        }
+    }
+    // transformers' greedy tokens at the fixture prompts' dense positions (wave 1 runs
+    // them from position 0).
+    let (mut n, mut same) = (0, 0);
+    for (i, (tokens, argmax)) in hf.iter().enumerate() {
+        let recorded = &out.tokens[&(0, RequestId(i as u64))];
+        for q in (0..tokens.len()).filter(|&q| (q + 1) / 4 <= 64) {
+            let o = recorded[&(q as u32)];
+            n += 1;
+            same += usize::from(o.greedy == argmax[q]);
+        }
+    }
+    eprintln!(
+        "checkpoint through the runtime: {positions} positions bit-exact, transformers' greedy \
+         token at {same} of {n} dense positions, {preempted} preemptions, {copies} slot \
+         copies, {reuse_wave2} tokens reused in wave 2"
+    );
+    assert!(same as f64 >= 0.9 * n as f64, "{same} of {n}");
+    assert!(reuse_wave2 >= 2 * 256, "hits at the tail: {reuse_wave2}");
+    assert!(preempted > 0, "a preemption");
+    assert!(copies > 0, "host-tier traffic");
+}
