@@ -13,7 +13,6 @@ use super::device::PoolRegions;
 use super::error::RuntimeError;
 use super::handle::KvCacheHandle;
 use dsa_kv_core::core::scheduler::{BlockPages, TRANSFER_DRAIN};
-use dsa_kv_core::core::BlockLoc;
 use dsa_kv_core::core::{BlockKey, ReuseScope};
 use dsa_kv_core::ids::{PoolGroupId, RequestId, TokenId};
 use dsa_kv_core::layout::Retention;
@@ -96,18 +95,9 @@ impl Coordinator {
             tokens_per_block: self.sched.target().tokens_per_block() as u32,
             layout: self.layout_fingerprint(),
             pools: self.layout_pools(),
-            blocks: p.blocks.into_iter().map(block_pages).collect(),
+            blocks: p.blocks.into_iter().map(BlockPages::from).collect(),
             tail: WindowTail::of_tables(p.tails),
         })
-    }
-}
-
-/// A windowed model's block (one page, of the compressed life cycle) as a transfer's.
-fn block_pages(b: BlockLoc) -> BlockPages {
-    BlockPages {
-        key: b.key,
-        target: b.pages,
-        draft: Vec::new(),
     }
 }
 
@@ -204,7 +194,7 @@ impl Message<BeginImport> for Coordinator {
             else {
                 return Ok(None);
             };
-            let blocks = p.blocks.into_iter().map(block_pages).collect();
+            let blocks = p.blocks.into_iter().map(BlockPages::from).collect();
             (p.skipped, blocks, WindowTail::of_tables(p.tails), write_by)
         } else {
             let Some(r) =

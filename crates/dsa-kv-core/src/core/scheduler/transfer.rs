@@ -144,17 +144,20 @@ fn no_handle(id: RequestId) -> SchedError {
     .into()
 }
 
+/// A block of the target cache alone (no draft cache, or a windowed model's block).
+impl From<BlockLoc> for BlockPages {
+    fn from(b: BlockLoc) -> Self {
+        BlockPages {
+            key: b.key,
+            target: b.pages,
+            draft: Vec::new(),
+        }
+    }
+}
+
 fn pair(t: Vec<BlockLoc>, d: Option<Vec<BlockLoc>>) -> Option<Vec<BlockPages>> {
     match d {
-        None => Some(
-            t.into_iter()
-                .map(|b| BlockPages {
-                    key: b.key,
-                    target: b.pages,
-                    draft: Vec::new(),
-                })
-                .collect(),
-        ),
+        None => Some(t.into_iter().map(BlockPages::from).collect()),
         Some(d) if d.len() == t.len() && d.iter().zip(&t).all(|(a, b)| a.key == b.key) => Some(
             t.into_iter()
                 .zip(d)
