@@ -609,7 +609,7 @@ impl ModelRun {
                 return Ok((reused, out));
             }
             self.model
-                .draft_write(&mut kv, c as u32, &chunk)
+                .draft_write(&mut kv, c as u32, &chunk, &[])
                 .map_err(err)?;
             drop(kv);
             self.m.commit(rid, &token_ids(&chunk)).map_err(err)?;

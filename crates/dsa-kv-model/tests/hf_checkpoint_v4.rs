@@ -49,7 +49,12 @@ fn prompts() -> Vec<Prompt> {
 
 /// transformers' logits (`logits.npy`: float32 `[positions, vocab]`, prompts in order).
 fn hf_logits() -> (usize, Vec<f32>) {
-    let b = std::fs::read(fixture().join("logits.npy")).unwrap();
+    npy_f32(&fixture().join("logits.npy"))
+}
+
+/// A float32 `[rows, vocab]` array: vocab and the values.
+fn npy_f32(path: &Path) -> (usize, Vec<f32>) {
+    let b = std::fs::read(path).unwrap();
     assert_eq!(&b[..6], b"\x93NUMPY");
     let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
     let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
@@ -348,6 +353,236 @@ fn a_changed_weight_is_caught() {
         row += p.tokens.len();
     }
     std::fs::remove_dir_all(&dir).unwrap();
+    eprintln!("a 5 % change of {target}: max |Δlogit| / max |logit| {worst:.2e}");
+    assert!(worst > 10.0 * F32_ORDER, "the change went unseen: {worst}");
+}
+
+// ---------------------------------------------------------------------------------------
+// The Flash-pattern checkpoint with the published MTP layer
+// ---------------------------------------------------------------------------------------
+
+/// `tests/fixtures/hf/deepseek_v4_mtp` (`make_v4_fixture.py --variant deepseek_v4_mtp`):
+/// layers `[0, 0, 4, 128, 4]`, the first three hash-routed, 4 hyper-connection streams,
+/// YaRN, and an MTP layer under the published names (`mtp.0.*`), run by the fixture
+/// script from transformers' own decoder-layer and hyper-head modules as vLLM's
+/// `deepseek_v4_mtp.py` composes them (transformers itself builds no MTP layer).
+fn mtp_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/deepseek_v4_mtp")
+}
+
+struct MtpPrompt {
+    tokens: Vec<u32>,
+    argmax: Vec<u32>,
+    mtp_argmax: Vec<u32>,
+    /// `(position, first draft, second draft)`.
+    chain: Vec<(u32, u32, u32)>,
+}
+
+fn mtp_prompts() -> Vec<MtpPrompt> {
+    let text = std::fs::read_to_string(mtp_fixture().join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ints = |p: &serde_json::Value| -> Vec<u32> {
+        p.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| MtpPrompt {
+            tokens: ints(&p["tokens"]),
+            argmax: ints(&p["argmax"]),
+            mtp_argmax: ints(&p["mtp_argmax"]),
+            chain: p["chain"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| {
+                    let u = |k: &str| c[k].as_u64().unwrap() as u32;
+                    (u("position"), u("first"), u("second"))
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// `|Δ|` max over the row and the reference row's largest `|logit|`.
+fn diff(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
+    let d = ours
+        .iter()
+        .zip(theirs)
+        .fold(0f32, |w, (a, b)| w.max((a - b).abs()));
+    (d, theirs.iter().fold(0f32, |w, v| w.max(v.abs())))
+}
+
+/// Per prompt: the target's logits at every position, the MTP layer's first-draft
+/// logits at every position `p < len − 1` (proposing at `p` with the prompt's own token
+/// at `p + 1`), and at the chain points the second draft's logits.
+#[allow(clippy::type_complexity)]
+fn mtp_run(
+    m: &V4Model,
+    p: &MtpPrompt,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<(u32, u32, Vec<f32>)>) {
+    let mut kv = V4Contiguous::new();
+    let (_, hidden) = m.run_hidden(&mut kv, 0, &p.tokens).unwrap();
+    m.draft_write(&mut kv, 0, &p.tokens, &hidden).unwrap();
+    let target = hidden.iter().map(|h| m.logits(h)).collect();
+    let n = p.tokens.len();
+    let first = (0..n - 1)
+        .map(|q| {
+            let d = m
+                .propose_logits(&kv, q as u32, &hidden[q], p.tokens[q + 1], 1)
+                .unwrap();
+            d[0].1.clone()
+        })
+        .collect();
+    let chain = p
+        .chain
+        .iter()
+        .map(|&(q, _, _)| {
+            let d = m
+                .propose_logits(&kv, q, &hidden[q as usize], p.tokens[q as usize + 1], 2)
+                .unwrap();
+            (d[0].0, d[1].0, d[1].1.clone())
+        })
+        .collect();
+    (target, first, chain)
+}
+
+#[test]
+fn the_flash_pattern_checkpoint_loads_with_its_published_mtp_layer() {
+    let m = V4Model::from_checkpoint(&mtp_fixture()).unwrap();
+    let c = m.config();
+    assert_eq!(c.ratios, vec![0, 0, 4, 128, 4]);
+    assert!(m.is_checkpoint() && c.mtp);
+    assert_eq!(c.mtp_input, 4 * 32, "hc_mult × hidden");
+    let spec = c.spec().unwrap();
+    assert_eq!((spec.num_mtp_layers, spec.mtp_input_width), (1, 128));
+    // The V3-style fixture has no MTP tensors: no MTP layer, no input kept.
+    let plain = V4Model::from_checkpoint(&fixture()).unwrap();
+    assert_eq!((plain.config().mtp, plain.config().mtp_input), (false, 0));
+}
+
+/// Where the indexers select every visible entry (positions ≤ 258), our unrounded run
+/// is transformers' up to f32 summation order: the target's logits at every position,
+/// the MTP layer's first draft at every position (its row built from the target's
+/// streams and the next token) and the second draft of the chain (the MTP layer on its
+/// own first draft and output streams). Through the cache (MODEL1 rows, FP8 keys, BF16
+/// queries, BF16 MTP input) the logits stay within [`cache_tolerance`] of the 6 layers
+/// and the drafts are transformers' at ≥ 90 % of these positions.
+#[test]
+fn the_published_mtp_layer_matches_its_transformers_composition() {
+    let exact = V4Model::from_checkpoint_unrounded(&mtp_fixture()).unwrap();
+    let cached = V4Model::from_checkpoint(&mtp_fixture()).unwrap();
+    let (vocab, hf_target) = npy_f32(&mtp_fixture().join("logits.npy"));
+    let (_, hf_mtp) = npy_f32(&mtp_fixture().join("mtp_logits.npy"));
+    let (_, hf_chain) = npy_f32(&mtp_fixture().join("chain_logits.npy"));
+    let row = |all: &[f32], r: usize| all[r * vocab..(r + 1) * vocab].to_vec();
+    let (mut trow, mut mrow, mut crow) = (0, 0, 0);
+    let (mut worst, mut worst_cached) = (0f32, 0f32);
+    let (mut n, mut same, mut chains) = (0, 0, 0);
+    for p in mtp_prompts() {
+        let (et, ef, ec) = mtp_run(&exact, &p);
+        let (ct, cf, cc) = mtp_run(&cached, &p);
+        let len = p.tokens.len();
+        for q in (0..len).filter(|&q| dense(q)) {
+            let theirs = row(&hf_target, trow + q);
+            let (d, scale) = diff(&et[q], &theirs);
+            assert!(d <= F32_ORDER * scale, "target at {q}: |Δlogit| {d}");
+            assert_eq!(argmax(&et[q]), p.argmax[q], "target at {q}");
+            let (d, _) = diff(&ct[q], &theirs);
+            assert!(d <= 2.0 * 6.0 * E4M3_U * scale, "target at {q} cached: {d}");
+            if q + 1 < len {
+                let theirs = row(&hf_mtp, mrow + q);
+                let (d, scale) = diff(&ef[q], &theirs);
+                assert!(d <= F32_ORDER * scale, "MTP draft at {q}: |Δlogit| {d}");
+                assert_eq!(argmax(&ef[q]), p.mtp_argmax[q], "MTP draft at {q}");
+                worst = worst.max(d / scale);
+                let (d, _) = diff(&cf[q], &theirs);
+                assert!(
+                    d <= 2.0 * 6.0 * E4M3_U * scale,
+                    "MTP draft at {q} cached: {d}"
+                );
+                worst_cached = worst_cached.max(d / scale);
+                n += 1;
+                same += usize::from(argmax(&cf[q]) == p.mtp_argmax[q]);
+            }
+        }
+        for (i, &(q, first, second)) in p.chain.iter().enumerate() {
+            let theirs = row(&hf_chain, crow + i);
+            if dense(q as usize + 1) {
+                let (d1, d2, logits) = &ec[i];
+                assert_eq!((*d1, *d2), (first, second), "chain at {q}");
+                let (d, scale) = diff(logits, &theirs);
+                assert!(d <= F32_ORDER * scale, "second draft at {q}: |Δlogit| {d}");
+                let _ = &cc[i];
+                chains += 1;
+            }
+        }
+        trow += len;
+        mrow += len - 1;
+        crow += p.chain.len();
+    }
+    eprintln!(
+        "MTP: {n} first drafts, max |Δlogit| / max |logit| {worst:.2e} unrounded, \
+         {worst_cached:.2e} through the cache, transformers' draft at {same} of {n} through \
+         the cache; {chains} second drafts exact"
+    );
+    assert!(chains >= 8 && n > 400);
+    assert!(same as f64 >= 0.9 * n as f64, "{same} of {n}");
+}
+
+/// The MTP comparison can fail: `h_proj` scaled by 1.05 (a copy of the checkpoint)
+/// moves the first drafts' logits outside f32 order.
+#[test]
+fn a_changed_mtp_weight_is_caught() {
+    let dir = std::env::temp_dir().join(format!("dsa-kv-hf-v4-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(mtp_fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(mtp_fixture().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let target = "mtp.0.h_proj.weight";
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let mut data = v.data().to_vec();
+            if name == target {
+                for c in data.chunks_exact_mut(2) {
+                    let x = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() * 1.05;
+                    c.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+            (name, v.dtype(), v.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, t, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let m = V4Model::from_checkpoint_unrounded(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (vocab, hf_mtp) = npy_f32(&mtp_fixture().join("mtp_logits.npy"));
+    let p = &mtp_prompts()[0];
+    let (_, first, _) = mtp_run(&m, p);
+    let mut worst = 0f32;
+    for (q, l) in first.iter().enumerate().filter(|(q, _)| dense(*q)) {
+        let (d, scale) = diff(l, &hf_mtp[q * vocab..(q + 1) * vocab]);
+        worst = worst.max(d / scale);
+    }
     eprintln!("a 5 % change of {target}: max |Δlogit| / max |logit| {worst:.2e}");
     assert!(worst > 10.0 * F32_ORDER, "the change went unseen: {worst}");
 }

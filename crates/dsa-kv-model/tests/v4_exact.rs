@@ -152,7 +152,7 @@ impl Reference {
             outs.extend(o);
             hidden.extend(h);
         }
-        model.draft_write(&mut kv, 0, &tokens).unwrap();
+        model.draft_write(&mut kv, 0, &tokens, &hidden).unwrap();
         Reference {
             tokens,
             outs,
@@ -342,7 +342,9 @@ impl Engine {
         };
         let kept = &tokens[..=accepted];
         assert_eq!(kept, &r.reference.tokens[c..=c + accepted]);
-        self.model.draft_write(&mut kv, c as u32, kept).unwrap();
+        self.model
+            .draft_write(&mut kv, c as u32, kept, &hidden[..=accepted])
+            .unwrap();
         drop(kv);
         self.check(r, c, &outs[..=accepted]);
         let ids: Vec<TokenId> = kept.iter().map(|&t| TokenId(t)).collect();

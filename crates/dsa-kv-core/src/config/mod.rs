@@ -27,7 +27,10 @@ pub use model::{
     ComponentBytes, DsaModel, DsaModelSpec, IndexerDtype, IndexerLayers, KvDtype, LayerKind,
     LayerSet, ModelError, ModelPreset,
 };
-pub use v4::{V4Error, V4LayerKind, V4Preset, V4Spec, V4_BLOCK_TOKENS, V4_WINDOW_PAGE_TOKENS};
+pub use v4::{
+    V4Error, V4LayerKind, V4Preset, V4Spec, MAX_MTP_INPUT_WIDTH, V4_BLOCK_TOKENS,
+    V4_WINDOW_PAGE_TOKENS,
+};
 
 #[cfg(test)]
 mod tests;

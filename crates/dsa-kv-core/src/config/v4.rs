@@ -14,6 +14,8 @@ use super::IndexerDtype;
 /// Tokens of a V4 logical block (the prefix-reuse unit: a multiple of every page size
 /// and of both compression ratios).
 pub const V4_BLOCK_TOKENS: u32 = 256;
+/// The most values of the MTP layer's target input per position ([`V4Spec::mtp_input_width`]).
+pub const MAX_MTP_INPUT_WIDTH: u32 = 1 << 20;
 /// Tokens per page of the sliding-window KV.
 pub const V4_WINDOW_PAGE_TOKENS: u32 = 64;
 
@@ -35,6 +37,13 @@ pub struct V4Spec {
     pub num_q_heads: u32,
     /// Indexer key storage (FP8: 132 B, MXFP4: 68 B per compressed entry).
     pub indexer_dtype: IndexerDtype,
+    /// Values per position of what the published MTP layer reads of the target besides
+    /// the tokens: its pre-`hc_head` residual streams (`hc_mult × hidden`), kept as BF16
+    /// for the last position written and at every block boundary, so that the MTP row
+    /// after a boundary can be built on a prefix hit. 0: the MTP layer reads no target
+    /// state (or there is none).
+    #[serde(default)]
+    pub mtp_input_width: u32,
 }
 
 /// The published DeepSeek-V4 models.
@@ -123,7 +132,9 @@ impl V4Spec {
     }
 
     /// DeepSeek-V4-Flash: 43 layers (2 window-only, 21 ratio-4, 20 ratio-128), 1 MTP
-    /// layer, window 128, top-512, 64 query heads, FP8 indexer keys.
+    /// layer, window 128, top-512, 64 query heads, FP8 indexer keys. Without the MTP
+    /// layer's target input (`mtp_input_width` 0): a checkpoint's configuration supplies
+    /// it (`hc_mult × hidden_size`, 16,384 for Flash).
     pub fn flash() -> V4Spec {
         V4Spec {
             name: "DeepSeek-V4-Flash".into(),
@@ -133,11 +144,13 @@ impl V4Spec {
             index_topk: 512,
             num_q_heads: 64,
             indexer_dtype: IndexerDtype::Fp8,
+            mtp_input_width: 0,
         }
     }
 
     /// DeepSeek-V4-Pro: 61 layers (30 ratio-4, 31 ratio-128), 1 MTP layer, window 128,
-    /// top-1024, 128 query heads, FP8 indexer keys.
+    /// top-1024, 128 query heads, FP8 indexer keys; `mtp_input_width` 0 as for
+    /// [`flash`](Self::flash) (28,672 for Pro).
     pub fn pro() -> V4Spec {
         V4Spec {
             name: "DeepSeek-V4-Pro".into(),
@@ -147,6 +160,7 @@ impl V4Spec {
             index_topk: 1024,
             num_q_heads: 128,
             indexer_dtype: IndexerDtype::Fp8,
+            mtp_input_width: 0,
         }
     }
 
@@ -176,6 +190,13 @@ impl V4Spec {
                 field: "num_q_heads",
                 value: u64::from(self.num_q_heads),
                 what: "64 or 128 (FlashMLA's sparse decode)",
+            });
+        }
+        if self.mtp_input_width > MAX_MTP_INPUT_WIDTH {
+            return Err(V4Error::Field {
+                field: "mtp_input_width",
+                value: u64::from(self.mtp_input_width),
+                what: "at most 2^20 values (hc_mult × hidden; the published models: 16,384 and 28,672)",
             });
         }
         if self.index_topk == 0 || !self.index_topk.is_multiple_of(64) {

@@ -67,6 +67,9 @@ pub enum Role {
     CompressorState,
     /// DeepSeek-V4: a ratio-4 layer's indexer compressor's fp32 state rows.
     IndexerCompressorState,
+    /// DeepSeek-V4: what the MTP layer reads of the target at a position (its
+    /// pre-`hc_head` residual streams, BF16).
+    MtpInput,
     /// Accounting only: the sum of every buffer of the layer.
     All,
 }
@@ -84,6 +87,7 @@ impl fmt::Display for Role {
             Role::CompressedIndexKey => "compressed_index_key",
             Role::CompressorState => "compressor_state",
             Role::IndexerCompressorState => "indexer_compressor_state",
+            Role::MtpInput => "mtp_input",
             Role::All => "all",
         })
     }

@@ -6,8 +6,8 @@
 //! values in MODEL1 rows, 128-wide indexer keys, compression ratios 4 and 128).
 //!
 //! What the implementation does with each key is in ARCHITECTURE.md ("Plan:
-//! DeepSeek-V4's hybrid caches", item 7). transformers builds no MTP layer
-//! (`num_nextn_predict_layers` is kept for information).
+//! DeepSeek-V4's hybrid caches", item 7). transformers builds no MTP layer; we load
+//! the published one (`mtp.0.*`) when `num_nextn_predict_layers` asks for it.
 
 use dsa_kv_core::config::file::json_with_path;
 use dsa_kv_core::config::{IndexerDtype, V4Spec};
@@ -93,7 +93,8 @@ pub struct HfV4Config {
     /// (`compress_rope_theta`, YaRN when given, with its attention factor 1: cos and sin
     /// are not scaled).
     pub compress_rope: RopeConfig,
-    /// `num_nextn_predict_layers` (transformers builds none).
+    /// `num_nextn_predict_layers` (transformers builds none; with the checkpoint's
+    /// `mtp.0.*` tensors, we build the first).
     pub mtp_layers: usize,
 }
 
@@ -457,6 +458,7 @@ impl HfV4Config {
             index_topk: self.index_topk,
             num_q_heads: 64,
             indexer_dtype: IndexerDtype::Fp8,
+            mtp_input_width: 0,
         };
         spec.validate()
             .map_err(|e| bad("layer_types / sliding_window / index_topk", e.to_string()))?;

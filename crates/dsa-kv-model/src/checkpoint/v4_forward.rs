@@ -37,7 +37,7 @@ use dsa_kv_core::ops::model1::{dequantize_model1_row, MODEL1_NOPE};
 
 use super::forward::{rmsnorm_w, sigmoid, silu};
 use super::v4_config::V4Scoring;
-use super::v4_weights::{Hc, HfV4Model, V4Comp, V4HfLayer, V4Route};
+use super::v4_weights::{Hc, HfV4Model, V4Comp, V4HfLayer, V4HfMtp, V4Route};
 use super::weights::Rope;
 use crate::config::{INDEX_DIM, LATENT};
 use crate::math::{dot, exp, relu, to_bf16, Mat};
@@ -259,8 +259,13 @@ impl HfV4Model {
             .and_then(|m| f(&m.lock().unwrap_or_else(|e| e.into_inner())))
     }
 
+    /// Layer `l`'s compression ratio (0 for the MTP layer, after the target layers).
+    fn ratio(&self, l: usize) -> u32 {
+        self.cfg.ratios.get(l).copied().unwrap_or(0)
+    }
+
     fn rope(&self, l: usize) -> &Rope {
-        if self.cfg.ratios[l] == 0 {
+        if self.ratio(l) == 0 {
             &self.main_rope
         } else {
             &self.compress_rope
@@ -269,7 +274,8 @@ impl HfV4Model {
 
     /// Runs one request's new `tokens` at positions `first..` (the caches hold what
     /// positions `0..first` wrote): writes their rows and returns each token's output
-    /// and final hidden state.
+    /// and final residual streams (`hc_mult × hidden`, before `hc_head`: what the MTP
+    /// layer reads).
     pub(crate) fn run(
         &self,
         kv: &mut dyn V4Store,
@@ -301,59 +307,220 @@ impl HfV4Model {
             })
             .collect();
         for (l, layer) in self.layers.iter().enumerate() {
-            let hcw: Vec<_> = xs
-                .iter()
-                .map(|x| {
-                    hc_weights(
-                        &layer.attn_hc,
-                        x,
-                        n,
-                        c.hc_sinkhorn_iters,
-                        c.hc_eps,
-                        c.rms_norm_eps,
-                    )
-                })
-                .collect();
-            let normed: Vec<Vec<f32>> = xs
-                .iter()
-                .zip(&hcw)
-                .map(|(x, (pre, _, _))| {
-                    rmsnorm_w(&collapse(x, pre, h), &layer.input_norm, c.rms_norm_eps)
-                })
-                .collect();
-            for (i, xn) in normed.iter().enumerate() {
-                self.write(kv, l, layer, xn, first + i as u32)?;
-            }
-            for (i, xn) in normed.iter().enumerate() {
-                let y = self.attend(kv, l, layer, xn, first + i as u32)?;
-                let (_, post, comb) = &hcw[i];
-                xs[i] = expand(&xs[i], &y, post, comb, n, h);
-                let (pre, post, comb) = hc_weights(
-                    &layer.ffn_hc,
-                    &xs[i],
+            self.layer_forward(kv, l, layer, &mut xs, first, 0, tokens)?;
+        }
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let outs = xs
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let y = self.collapse_head(&self.hc_head, &self.norm, x);
+                output_of(&head.apply(&y), first + i as u32)
+            })
+            .collect();
+        Ok((outs, xs))
+    }
+
+    /// The logits of the target's final residual streams `x` (`run`'s second output).
+    pub(crate) fn target_logits(&self, x: &[f32]) -> Vec<f32> {
+        let y = self.collapse_head(&self.hc_head, &self.norm, x);
+        self.head.as_ref().unwrap_or(&self.embed).apply(&y)
+    }
+
+    /// `hc_head` collapses the streams `x`, then `norm`.
+    fn collapse_head(&self, hc: &Hc, norm: &[f32], x: &[f32]) -> Vec<f32> {
+        let c = &self.cfg;
+        let n = c.hc_mult;
+        let mix = hc.fn_.apply(&rmsnorm_plain(x, c.rms_norm_eps));
+        let pre: Vec<f32> = (0..n)
+            .map(|k| sigmoid(mix[k] * hc.scale[0] + hc.base[k]) + c.hc_eps)
+            .collect();
+        rmsnorm_w(&collapse(x, &pre, c.hidden), norm, c.rms_norm_eps)
+    }
+
+    /// One decoder layer over the residual streams `xs` of the tokens at slots
+    /// `first..`: every token's rows first, then each token's attention and experts.
+    /// `shift`: the slot's RoPE position is `slot − shift` (the MTP layer's row of the
+    /// token at `j` stands at position `j − 1`).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        kv: &mut dyn V4Store,
+        l: usize,
+        layer: &V4HfLayer,
+        xs: &mut [Vec<f32>],
+        first: u32,
+        shift: u32,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let (h, n) = (c.hidden, c.hc_mult);
+        let hcw: Vec<_> = xs
+            .iter()
+            .map(|x| {
+                hc_weights(
+                    &layer.attn_hc,
+                    x,
                     n,
                     c.hc_sinkhorn_iters,
                     c.hc_eps,
                     c.rms_norm_eps,
-                );
-                let xm = rmsnorm_w(&collapse(&xs[i], &pre, h), &layer.post_norm, c.rms_norm_eps);
-                let m = self.moe(layer, &xm, tokens[i]);
-                xs[i] = expand(&xs[i], &m, &post, &comb, n, h);
+                )
+            })
+            .collect();
+        let normed: Vec<Vec<f32>> = xs
+            .iter()
+            .zip(&hcw)
+            .map(|(x, (pre, _, _))| {
+                rmsnorm_w(&collapse(x, pre, h), &layer.input_norm, c.rms_norm_eps)
+            })
+            .collect();
+        for (i, xn) in normed.iter().enumerate() {
+            self.write(kv, l, layer, xn, first + i as u32, shift)?;
+        }
+        for (i, xn) in normed.iter().enumerate() {
+            let y = self.attend(kv, l, layer, xn, first + i as u32, shift)?;
+            let (_, post, comb) = &hcw[i];
+            xs[i] = expand(&xs[i], &y, post, comb, n, h);
+            let (pre, post, comb) = hc_weights(
+                &layer.ffn_hc,
+                &xs[i],
+                n,
+                c.hc_sinkhorn_iters,
+                c.hc_eps,
+                c.rms_norm_eps,
+            );
+            let xm = rmsnorm_w(&collapse(&xs[i], &pre, h), &layer.post_norm, c.rms_norm_eps);
+            let m = self.moe(layer, &xm, tokens[i]);
+            xs[i] = expand(&xs[i], &m, &post, &comb, n, h);
+        }
+        Ok(())
+    }
+
+    /// The MTP layer's input streams for the token `t` at slot `j ≥ 1` and the target's
+    /// streams `h` at position `j − 1`: `h_proj(hnorm(h_k)) + e_proj(enorm(embed(t)))` per
+    /// stream `k`, the embedding zeroed at position 0 (as vLLM's MTP layer does).
+    fn mtp_streams(&self, mtp: &V4HfMtp, t: u32, j: u32, h: &[f32]) -> Vec<f32> {
+        let c = &self.cfg;
+        let d = c.hidden;
+        let embed = mtp.embed.as_ref().unwrap_or(&self.embed);
+        let e = if j == 1 {
+            vec![0f32; d]
+        } else {
+            embed.w[t as usize * d..(t as usize + 1) * d].to_vec()
+        };
+        let e = mtp.e_proj.apply(&rmsnorm_w(&e, &mtp.enorm, c.rms_norm_eps));
+        let mut out = Vec::with_capacity(h.len());
+        for hk in h.chunks_exact(d) {
+            let v = mtp.h_proj.apply(&rmsnorm_w(hk, &mtp.hnorm, c.rms_norm_eps));
+            out.extend(v.iter().zip(&e).map(|(a, b)| a + b));
+        }
+        out
+    }
+
+    fn mtp_layer(&self) -> Result<&V4HfMtp, ModelError> {
+        self.mtp.as_ref().ok_or_else(|| {
+            ModelError::Unsupported("this checkpoint has no MTP layer (mtp.0.*)".into())
+        })
+    }
+
+    fn check_mtp(&self, t: u32, j: u32, h: &[f32]) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        if j == 0 || t as usize >= c.vocab || h.len() != c.hc_mult * c.hidden {
+            return Err(ModelError::Access(format!(
+                "MTP row at slot {j} for token {t} with {} input values: the slot must be \
+                 at least 1, the token below {}, the input {} values",
+                h.len(),
+                c.vocab,
+                c.hc_mult * c.hidden
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes the MTP layer's window row at slot `j` (cache layer `layers()`) for the
+    /// token `t` at `j` and the target's streams `h` at `j − 1`.
+    pub(crate) fn mtp_write(
+        &self,
+        kv: &mut dyn V4Store,
+        j: u32,
+        t: u32,
+        h: &[f32],
+    ) -> Result<(), ModelError> {
+        self.check_mtp(t, j, h)?;
+        let c = &self.cfg;
+        let mtp = self.mtp_layer()?;
+        let x = self.mtp_streams(mtp, t, j, h);
+        let (pre, _, _) = hc_weights(
+            &mtp.layer.attn_hc,
+            &x,
+            c.hc_mult,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        );
+        let xn = rmsnorm_w(
+            &collapse(&x, &pre, c.hidden),
+            &mtp.layer.input_norm,
+            c.rms_norm_eps,
+        );
+        self.write(kv, self.layers.len(), &mtp.layer, &xn, j, 1)
+    }
+
+    /// The MTP layer at slot `j` (writes its row, attends its window): the logits of
+    /// the token at `j + 1` and the layer's output streams (the next draft's input).
+    pub(crate) fn mtp_step(
+        &self,
+        kv: &mut dyn V4Store,
+        j: u32,
+        t: u32,
+        h: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        self.check_mtp(t, j, h)?;
+        let mtp = self.mtp_layer()?;
+        let mut xs = vec![self.mtp_streams(mtp, t, j, h)];
+        self.layer_forward(kv, self.layers.len(), &mtp.layer, &mut xs, j, 1, &[t])?;
+        let y = self.collapse_head(&mtp.hc_head, &mtp.norm, &xs[0]);
+        let head = mtp
+            .head
+            .as_ref()
+            .or(self.head.as_ref())
+            .unwrap_or(&self.embed);
+        let out = xs.pop().expect("one token");
+        Ok((head.apply(&y), out))
+    }
+
+    /// In the unrounded oracle mode, the kept window rows of layer `l` at `slots` (a
+    /// draft chain's rows go there too and must not outlive it); `None` otherwise.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn float_window_rows(
+        &self,
+        l: usize,
+        slots: std::ops::Range<u32>,
+    ) -> Option<Vec<(u32, Option<Vec<f32>>)>> {
+        self.kept(|f| Some(slots.map(|j| (j, f.window.get(&(l, j)).cloned())).collect()))
+    }
+
+    /// Puts back what [`float_window_rows`](Self::float_window_rows) returned.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn restore_float_window_rows(&self, l: usize, rows: Vec<(u32, Option<Vec<f32>>)>) {
+        self.keep(|f| {
+            for (j, r) in rows {
+                match r {
+                    Some(r) => f.window.insert((l, j), r),
+                    None => f.window.remove(&(l, j)),
+                };
             }
+        });
+    }
+
+    /// What the cache keeps of the target's streams for the MTP layer: BF16 (every
+    /// value as stored), or as computed in the unrounded oracle mode.
+    pub(crate) fn mtp_kept(&self, h: &[f32]) -> Vec<f32> {
+        if self.float.is_some() {
+            return h.to_vec();
         }
-        let mut outs = Vec::with_capacity(xs.len());
-        let mut hidden = Vec::with_capacity(xs.len());
-        for (i, x) in xs.iter().enumerate() {
-            let mix = self.hc_head.fn_.apply(&rmsnorm_plain(x, c.rms_norm_eps));
-            let pre: Vec<f32> = (0..n)
-                .map(|k| sigmoid(mix[k] * self.hc_head.scale[0] + self.hc_head.base[k]) + c.hc_eps)
-                .collect();
-            let y = rmsnorm_w(&collapse(x, &pre, h), &self.norm, c.rms_norm_eps);
-            let head = self.head.as_ref().unwrap_or(&self.embed);
-            outs.push(output_of(&head.apply(&y), first + i as u32));
-            hidden.push(y);
-        }
-        Ok((outs, hidden))
+        to_bf16(h).iter().map(|v| v.to_f32()).collect()
     }
 
     /// Everything the token at `p` writes in layer `l`.
@@ -364,12 +531,13 @@ impl HfV4Model {
         layer: &V4HfLayer,
         x: &[f32],
         p: u32,
+        shift: u32,
     ) -> Result<(), ModelError> {
         let c = &self.cfg;
         let a = &layer.attn;
         let rope = self.rope(l);
         let mut lat = rmsnorm_w(&a.kv.apply(x), &a.kv_norm, c.rms_norm_eps);
-        rope_tail(rope, &mut lat, p);
+        rope_tail(rope, &mut lat, p - shift);
         kv.write_window(l, p, &crate::v4::model1(&lat))?;
         self.keep(|f| f.window.insert((l, p), lat.clone()));
         let Some(comp) = &a.comp else {
@@ -379,7 +547,7 @@ impl HfV4Model {
         if let Some(ix) = &a.index {
             kv.write_state(l, StateKind::Index, p, &ix.comp.state_row(x, p))?;
         }
-        let r = c.ratios[l];
+        let r = self.ratio(l);
         if !(p + 1).is_multiple_of(r) {
             return Ok(());
         }
@@ -465,12 +633,13 @@ impl HfV4Model {
         layer: &V4HfLayer,
         x: &[f32],
         q: u32,
+        shift: u32,
     ) -> Result<Vec<f32>, ModelError> {
         let c = &self.cfg;
         let a = &layer.attn;
         let rope = self.rope(l);
         let decode = |r: Model1Row| dequantize_model1_row(&r.data, &r.scales);
-        let low = (q + 1).saturating_sub(c.window);
+        let low = (q + 1).saturating_sub(c.window).max(shift);
         let mut rows = Vec::with_capacity((q + 1 - low) as usize);
         let exact = |m: &HashMap<(usize, u32), Vec<f32>>, key| -> Option<[f32; LATENT]> {
             m.get(&key)
@@ -483,7 +652,7 @@ impl HfV4Model {
             });
         }
         let q_res = rmsnorm_w(&a.q_a.apply(x), &a.q_a_norm, c.rms_norm_eps);
-        let entries: Vec<u32> = match c.ratios[l] {
+        let entries: Vec<u32> = match self.ratio(l) {
             0 => Vec::new(),
             4 => self.select(kv, l, layer, x, &q_res, q)?,
             r => (0..(q + 1) / r).collect(),
@@ -499,12 +668,12 @@ impl HfV4Model {
         let mut heads = Vec::with_capacity(c.heads * LATENT);
         for (qh, &sink) in all.chunks_exact(LATENT).zip(&a.sinks) {
             let mut qh = rmsnorm_plain(qh, c.rms_norm_eps);
-            rope_tail(rope, &mut qh, q);
+            rope_tail(rope, &mut qh, q - shift);
             if self.float.is_none() {
                 qh = to_bf16(&qh).iter().map(|v| v.to_f32()).collect();
             }
             let mut o = crate::v4::attend_sink(&qh, &rows, scale, sink);
-            rope.interleaved_inverse(&mut o[MODEL1_NOPE..], q);
+            rope.interleaved_inverse(&mut o[MODEL1_NOPE..], q - shift);
             heads.extend(o);
         }
         // The grouped output projection: group g's heads through rows g·o_lora.. of o_a.
@@ -642,7 +811,10 @@ mod tests {
         greedy.sort_unstable();
         greedy.dedup();
         assert!(greedy.len() > 3, "degenerate outputs: {greedy:?}");
-        assert!(m.draft_write(&mut kv, 0, &[1]).is_err(), "no MTP layer");
+        assert!(
+            m.draft_write(&mut kv, 0, &[1], &[]).is_err(),
+            "no MTP layer"
+        );
         std::fs::remove_dir_all(d).unwrap();
     }
 

@@ -93,6 +93,26 @@ pub(crate) struct V4HfLayer {
     pub(crate) moe: V4Moe,
 }
 
+/// The published MTP layer (`mtp.0.*`, the names of DeepSeek's release, which vLLM
+/// loads): for the token at `j` and the target's residual streams at `j − 1`,
+/// `h_proj(hnorm(streams)) + e_proj(enorm(embed(token)))` into a window-only decoder
+/// layer, then its own `hc_head`, `norm` and `head`.
+pub(crate) struct V4HfMtp {
+    pub(crate) enorm: Vec<f32>,
+    pub(crate) hnorm: Vec<f32>,
+    /// `[hidden, hidden]`.
+    pub(crate) e_proj: Mat,
+    /// `[hidden, hidden]`, applied to each stream.
+    pub(crate) h_proj: Mat,
+    pub(crate) layer: V4HfLayer,
+    pub(crate) hc_head: Hc,
+    pub(crate) norm: Vec<f32>,
+    /// `None`: the target's head.
+    pub(crate) head: Option<Mat>,
+    /// `emb.tok_emb.weight`; `None`: the target's embedding.
+    pub(crate) embed: Option<Mat>,
+}
+
 /// A `deepseek_v4` model loaded from a checkpoint.
 pub(crate) struct HfV4Model {
     pub(crate) cfg: HfV4Config,
@@ -103,6 +123,9 @@ pub(crate) struct HfV4Model {
     /// `hc_head`: `fn [hc_mult, hc_mult · hidden]`, `base [hc_mult]`, `scale [1]`.
     pub(crate) hc_head: Hc,
     pub(crate) layers: Vec<V4HfLayer>,
+    /// The MTP layer, when the configuration asks for one (`num_nextn_predict_layers`)
+    /// and the checkpoint has its tensors.
+    pub(crate) mtp: Option<V4HfMtp>,
     /// Window-only layers' RoPE.
     pub(crate) main_rope: Rope,
     /// Compressed layers' RoPE (queries, latent, compressor, indexer).
@@ -212,6 +235,150 @@ fn is_mtp(name: &str) -> bool {
     name.starts_with("mtp.") || name.contains(".mtp.")
 }
 
+/// The decoder layer whose tensors are under `p` (`model.layers.{l}.`, or the MTP
+/// layer's `mtp.0.`): attention (with its compressor and indexer at ratio 4 or 128),
+/// experts routed as `kind` says, norms and hyper-connections.
+fn layer(
+    t: &mut Tensors,
+    nm: Names,
+    cfg: &HfV4Config,
+    p: &str,
+    ratio: usize,
+    kind: V4MlpKind,
+) -> Result<V4HfLayer, CheckpointError> {
+    let (d, h, n) = (cfg.hidden, cfg.heads, cfg.hc_mult);
+    let hc_outs = (2 + n) * n;
+    let a = format!("{p}{}", nm.pick("attn.", "self_attn."));
+    let an = |saved: &str, modules: &str| format!("{a}{}", nm.pick(saved, modules));
+    let c = format!("{a}compressor.");
+    let ix = format!("{a}{}", nm.pick("indexer.", "compressor.indexer."));
+    let index = if ratio == 4 {
+        let ixc = format!("{ix}{}", nm.pick("compressor.", ""));
+        Some(V4HfIndexer {
+            comp: comp(t, nm, &ixc, 4, INDEX_DIM, d)?,
+            q_b: mat(
+                t,
+                &format!("{ix}{}", nm.pick("wq_b.weight", "q_b_proj.weight")),
+                cfg.index_heads * INDEX_DIM,
+                cfg.q_lora,
+            )?,
+            weights: mat(
+                t,
+                &format!(
+                    "{ix}{}",
+                    nm.pick("weights_proj.weight", "scorer.weights_proj.weight")
+                ),
+                cfg.index_heads,
+                d,
+            )?,
+        })
+    } else {
+        None
+    };
+    let attn = V4HfAttn {
+        q_a: mat(t, &an("wq_a.weight", "q_a_proj.weight"), cfg.q_lora, d)?,
+        q_a_norm: t.take(&an("q_norm.weight", "q_a_norm.weight"), &[cfg.q_lora])?,
+        q_b: mat(
+            t,
+            &an("wq_b.weight", "q_b_proj.weight"),
+            h * LATENT,
+            cfg.q_lora,
+        )?,
+        kv: mat(t, &an("wkv.weight", "kv_proj.weight"), LATENT, d)?,
+        kv_norm: t.take(&an("norm.weight", "kv_norm.weight"), &[LATENT])?,
+        o_a: mat(
+            t,
+            &an("wo_a.weight", "o_a_proj.weight"),
+            cfg.o_groups * cfg.o_lora,
+            h * LATENT / cfg.o_groups,
+        )?,
+        o_b: mat(
+            t,
+            &an("wo_b.weight", "o_b_proj.weight"),
+            d,
+            cfg.o_groups * cfg.o_lora,
+        )?,
+        sinks: t.take(&an("attn_sink", "sinks"), &[h])?,
+        comp: (ratio > 0)
+            .then(|| comp(t, nm, &c, ratio, LATENT, d))
+            .transpose()?,
+        index,
+    };
+    let mp = format!("{p}{}", nm.pick("ffn.", "mlp."));
+    let (e, k, i) = (cfg.experts, cfg.experts_per_token, cfg.moe_intermediate);
+    let route = match kind {
+        V4MlpKind::Moe => V4Route::Bias(t.take(
+            &format!(
+                "{mp}{}",
+                nm.pick("gate.bias", "gate.e_score_correction_bias")
+            ),
+            &[e],
+        )?),
+        V4MlpKind::HashMoe => {
+            let name = format!("{mp}gate.tid2eid");
+            let ids = t.take_ints(&name, &[cfg.vocab, k])?;
+            let table = ids
+                .iter()
+                .map(|&x| u32::try_from(x).ok().filter(|&x| (x as usize) < e))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| CheckpointError::Tensor {
+                    name: name.clone(),
+                    what: format!("an expert id outside 0..{e}"),
+                })?;
+            V4Route::Hash(table)
+        }
+    };
+    let (gate_up, down) = match nm {
+        Names::Modules => (
+            t.take(&format!("{mp}experts.gate_up_proj"), &[e, 2 * i, d])?,
+            t.take(&format!("{mp}experts.down_proj"), &[e, d, i])?,
+        ),
+        Names::Saved => {
+            let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+            for x in 0..e {
+                let m = mlp(t, nm, &format!("{mp}experts.{x}."), i, d)?;
+                gate_up.extend(m.gate.w);
+                gate_up.extend(m.up.w);
+                down.extend(m.down.w);
+            }
+            (gate_up, down)
+        }
+    };
+    let moe = V4Moe {
+        router: mat(t, &format!("{mp}gate.weight"), e, d)?,
+        route,
+        gate_up,
+        down,
+        shared: mlp(t, nm, &format!("{mp}shared_experts."), i, d)?,
+    };
+    let hcn = |saved: &str, modules: &str| {
+        ["fn", "base", "scale"].map(|k| match nm {
+            Names::Saved => format!("{p}{saved}_{k}"),
+            Names::Modules => format!("{p}{modules}.{k}"),
+        })
+    };
+    Ok(V4HfLayer {
+        input_norm: t.take(
+            &format!(
+                "{p}{}",
+                nm.pick("attn_norm.weight", "input_layernorm.weight")
+            ),
+            &[d],
+        )?,
+        post_norm: t.take(
+            &format!(
+                "{p}{}",
+                nm.pick("ffn_norm.weight", "post_attention_layernorm.weight")
+            ),
+            &[d],
+        )?,
+        attn_hc: hc(t, hcn("hc_attn", "attn_hc"), hc_outs, n * d, 3)?,
+        ffn_hc: hc(t, hcn("hc_ffn", "ffn_hc"), hc_outs, n * d, 3)?,
+        attn,
+        moe,
+    })
+}
+
 impl HfV4Model {
     /// Reads the checkpoint in `dir` (`config.json` and its safetensors).
     pub(crate) fn load(dir: &Path) -> Result<HfV4Model, CheckpointError> {
@@ -224,7 +391,13 @@ impl HfV4Model {
         let cfg = HfV4Config::parse(&text)?;
         let mut t = Tensors::load(dir)?;
         let m = Self::from_tensors(cfg, &mut t)?;
-        let left: Vec<String> = t.left().into_iter().filter(|n| !is_mtp(n)).collect();
+        // transformers ignores `mtp.*`; so do we unless the MTP layer was loaded (then a
+        // second MTP layer's tensors are refused: one is supported).
+        let left: Vec<String> = t
+            .left()
+            .into_iter()
+            .filter(|n| m.mtp.is_some() || !is_mtp(n))
+            .collect();
         if !left.is_empty() {
             return Err(CheckpointError::Tensor {
                 name: left[0].clone(),
@@ -240,144 +413,14 @@ impl HfV4Model {
 
     fn from_tensors(cfg: HfV4Config, t: &mut Tensors) -> Result<HfV4Model, CheckpointError> {
         let nm = Names::detect(t);
-        let (d, h, n) = (cfg.hidden, cfg.heads, cfg.hc_mult);
-        let hc_outs = (2 + n) * n;
+        let (d, n) = (cfg.hidden, cfg.hc_mult);
         let embed = mat(t, "model.embed_tokens.weight", cfg.vocab, d)?;
         // Grown as layers load: the configuration's count is not trusted with a
         // reservation (2^24 layers would reserve gigabytes before the first tensor).
         let mut layers = Vec::new();
         for (l, &ratio) in cfg.ratios.iter().enumerate() {
             let p = format!("model.layers.{l}.");
-            let a = format!("{p}{}", nm.pick("attn.", "self_attn."));
-            let an = |saved: &str, modules: &str| format!("{a}{}", nm.pick(saved, modules));
-            let ratio = ratio as usize;
-            let c = format!("{a}compressor.");
-            let ix = format!("{a}{}", nm.pick("indexer.", "compressor.indexer."));
-            let index = if ratio == 4 {
-                let ixc = format!("{ix}{}", nm.pick("compressor.", ""));
-                Some(V4HfIndexer {
-                    comp: comp(t, nm, &ixc, 4, INDEX_DIM, d)?,
-                    q_b: mat(
-                        t,
-                        &format!("{ix}{}", nm.pick("wq_b.weight", "q_b_proj.weight")),
-                        cfg.index_heads * INDEX_DIM,
-                        cfg.q_lora,
-                    )?,
-                    weights: mat(
-                        t,
-                        &format!(
-                            "{ix}{}",
-                            nm.pick("weights_proj.weight", "scorer.weights_proj.weight")
-                        ),
-                        cfg.index_heads,
-                        d,
-                    )?,
-                })
-            } else {
-                None
-            };
-            let attn = V4HfAttn {
-                q_a: mat(t, &an("wq_a.weight", "q_a_proj.weight"), cfg.q_lora, d)?,
-                q_a_norm: t.take(&an("q_norm.weight", "q_a_norm.weight"), &[cfg.q_lora])?,
-                q_b: mat(
-                    t,
-                    &an("wq_b.weight", "q_b_proj.weight"),
-                    h * LATENT,
-                    cfg.q_lora,
-                )?,
-                kv: mat(t, &an("wkv.weight", "kv_proj.weight"), LATENT, d)?,
-                kv_norm: t.take(&an("norm.weight", "kv_norm.weight"), &[LATENT])?,
-                o_a: mat(
-                    t,
-                    &an("wo_a.weight", "o_a_proj.weight"),
-                    cfg.o_groups * cfg.o_lora,
-                    h * LATENT / cfg.o_groups,
-                )?,
-                o_b: mat(
-                    t,
-                    &an("wo_b.weight", "o_b_proj.weight"),
-                    d,
-                    cfg.o_groups * cfg.o_lora,
-                )?,
-                sinks: t.take(&an("attn_sink", "sinks"), &[h])?,
-                comp: (ratio > 0)
-                    .then(|| comp(t, nm, &c, ratio, LATENT, d))
-                    .transpose()?,
-                index,
-            };
-            let mp = format!("{p}{}", nm.pick("ffn.", "mlp."));
-            let (e, k, i) = (cfg.experts, cfg.experts_per_token, cfg.moe_intermediate);
-            let route = match cfg.mlp[l] {
-                V4MlpKind::Moe => V4Route::Bias(t.take(
-                    &format!(
-                        "{mp}{}",
-                        nm.pick("gate.bias", "gate.e_score_correction_bias")
-                    ),
-                    &[e],
-                )?),
-                V4MlpKind::HashMoe => {
-                    let name = format!("{mp}gate.tid2eid");
-                    let ids = t.take_ints(&name, &[cfg.vocab, k])?;
-                    let table = ids
-                        .iter()
-                        .map(|&x| u32::try_from(x).ok().filter(|&x| (x as usize) < e))
-                        .collect::<Option<Vec<u32>>>()
-                        .ok_or_else(|| CheckpointError::Tensor {
-                            name: name.clone(),
-                            what: format!("an expert id outside 0..{e}"),
-                        })?;
-                    V4Route::Hash(table)
-                }
-            };
-            let (gate_up, down) = match nm {
-                Names::Modules => (
-                    t.take(&format!("{mp}experts.gate_up_proj"), &[e, 2 * i, d])?,
-                    t.take(&format!("{mp}experts.down_proj"), &[e, d, i])?,
-                ),
-                Names::Saved => {
-                    let (mut gate_up, mut down) = (Vec::new(), Vec::new());
-                    for x in 0..e {
-                        let m = mlp(t, nm, &format!("{mp}experts.{x}."), i, d)?;
-                        gate_up.extend(m.gate.w);
-                        gate_up.extend(m.up.w);
-                        down.extend(m.down.w);
-                    }
-                    (gate_up, down)
-                }
-            };
-            let moe = V4Moe {
-                router: mat(t, &format!("{mp}gate.weight"), e, d)?,
-                route,
-                gate_up,
-                down,
-                shared: mlp(t, nm, &format!("{mp}shared_experts."), i, d)?,
-            };
-            let hcn = |saved: &str, modules: &str| {
-                ["fn", "base", "scale"].map(|k| match nm {
-                    Names::Saved => format!("{p}{saved}_{k}"),
-                    Names::Modules => format!("{p}{modules}.{k}"),
-                })
-            };
-            layers.push(V4HfLayer {
-                input_norm: t.take(
-                    &format!(
-                        "{p}{}",
-                        nm.pick("attn_norm.weight", "input_layernorm.weight")
-                    ),
-                    &[d],
-                )?,
-                post_norm: t.take(
-                    &format!(
-                        "{p}{}",
-                        nm.pick("ffn_norm.weight", "post_attention_layernorm.weight")
-                    ),
-                    &[d],
-                )?,
-                attn_hc: hc(t, hcn("hc_attn", "attn_hc"), hc_outs, n * d, 3)?,
-                ffn_hc: hc(t, hcn("hc_ffn", "ffn_hc"), hc_outs, n * d, 3)?,
-                attn,
-                moe,
-            });
+            layers.push(layer(t, nm, &cfg, &p, ratio as usize, cfg.mlp[l])?);
         }
         let norm = t.take("model.norm.weight", &[d])?;
         let hc_head = hc(
@@ -401,7 +444,36 @@ impl HfV4Model {
         } else {
             Some(mat(t, head_name, cfg.vocab, d)?)
         };
+        let mtp = if cfg.mtp_layers > 0 && t.left().iter().any(|n| n.starts_with("mtp.0.")) {
+            let head = t.take_opt("mtp.0.head.weight", &[cfg.vocab, d])?;
+            let embed = t.take_opt("mtp.0.emb.tok_emb.weight", &[cfg.vocab, d])?;
+            let m = |w: Vec<f32>| Mat {
+                rows: cfg.vocab,
+                cols: d,
+                w,
+            };
+            Some(V4HfMtp {
+                enorm: t.take("mtp.0.enorm.weight", &[d])?,
+                hnorm: t.take("mtp.0.hnorm.weight", &[d])?,
+                e_proj: mat(t, "mtp.0.e_proj.weight", d, d)?,
+                h_proj: mat(t, "mtp.0.h_proj.weight", d, d)?,
+                layer: layer(t, Names::Saved, &cfg, "mtp.0.", 0, V4MlpKind::Moe)?,
+                hc_head: hc(
+                    t,
+                    ["fn", "base", "scale"].map(|k| format!("mtp.0.hc_head_{k}")),
+                    n,
+                    n * d,
+                    1,
+                )?,
+                norm: t.take("mtp.0.norm.weight", &[d])?,
+                head: head.map(m),
+                embed: embed.map(m),
+            })
+        } else {
+            None
+        };
         Ok(HfV4Model {
+            mtp,
             main_rope: Rope::unscaled(&cfg.main_rope),
             compress_rope: Rope::unscaled(&cfg.compress_rope),
             float: None,
@@ -557,11 +629,13 @@ pub(super) mod tests {
         std::env::temp_dir().join(format!("dsa-kv-v4-weights-{}-{name}", std::process::id()))
     }
 
-    /// Every tensor lands where the configuration says, once; the MTP layer's are
-    /// skipped as transformers skips them.
+    /// Every tensor lands where the configuration says, once; with
+    /// `num_nextn_predict_layers` 0 the MTP layer's are skipped as transformers skips
+    /// them.
     #[test]
     fn a_complete_checkpoint_loads() {
-        let json = tiny_config();
+        let mut json = tiny_config();
+        json["num_nextn_predict_layers"] = 0.into();
         let cfg = HfV4Config::parse(&json.to_string()).unwrap();
         let mut t = tensors(&cfg, &mut SplitMix64(1));
         t.insert(
@@ -668,5 +742,101 @@ pub(super) mod tests {
             Ok(_) => panic!("loaded"),
         }
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The published MTP layer's tensors (`mtp.0.*`: the decoder layer under the
+    /// published names, the MTP projections, norms and head) of `cfg`.
+    fn mtp_tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
+        let (d, n, e, i) = (cfg.hidden, cfg.hc_mult, cfg.experts, cfg.moe_intermediate);
+        let mut out = BTreeMap::new();
+        let mut f = |name: &str, shape: Vec<usize>| {
+            let count: usize = shape.iter().product();
+            let bytes: Vec<u8> = (0..count)
+                .flat_map(|_| ((rng.below(2001) as f32 - 1000.0) / 1000.0).to_le_bytes())
+                .collect();
+            out.insert(format!("mtp.0.{name}"), (shape, bytes, Dtype::F32));
+        };
+        for k in ["enorm", "hnorm", "norm", "attn_norm", "ffn_norm"] {
+            f(&format!("{k}.weight"), vec![d]);
+        }
+        f("e_proj.weight", vec![d, d]);
+        f("h_proj.weight", vec![d, d]);
+        f("head.weight", vec![cfg.vocab, d]);
+        f("hc_head_fn", vec![n, n * d]);
+        f("hc_head_base", vec![n]);
+        f("hc_head_scale", vec![1]);
+        for k in ["hc_attn", "hc_ffn"] {
+            f(&format!("{k}_fn"), vec![(2 + n) * n, n * d]);
+            f(&format!("{k}_base"), vec![(2 + n) * n]);
+            f(&format!("{k}_scale"), vec![3]);
+        }
+        let h = cfg.heads;
+        f("attn.wq_a.weight", vec![cfg.q_lora, d]);
+        f("attn.q_norm.weight", vec![cfg.q_lora]);
+        f("attn.wq_b.weight", vec![h * 512, cfg.q_lora]);
+        f("attn.wkv.weight", vec![512, d]);
+        f("attn.norm.weight", vec![512]);
+        f(
+            "attn.wo_a.weight",
+            vec![cfg.o_groups * cfg.o_lora, h * 512 / cfg.o_groups],
+        );
+        f("attn.wo_b.weight", vec![d, cfg.o_groups * cfg.o_lora]);
+        f("attn.attn_sink", vec![h]);
+        f("ffn.gate.weight", vec![e, d]);
+        f("ffn.gate.bias", vec![e]);
+        for x in 0..e {
+            f(&format!("ffn.experts.{x}.w1.weight"), vec![i, d]);
+            f(&format!("ffn.experts.{x}.w3.weight"), vec![i, d]);
+            f(&format!("ffn.experts.{x}.w2.weight"), vec![d, i]);
+        }
+        f("ffn.shared_experts.w1.weight", vec![i, d]);
+        f("ffn.shared_experts.w3.weight", vec![i, d]);
+        f("ffn.shared_experts.w2.weight", vec![d, i]);
+        out
+    }
+
+    /// With `num_nextn_predict_layers` 1 the published MTP layer loads (its head its
+    /// own, its embedding the target's); without its tensors the model has none (a
+    /// transformers re-save drops them); a missing MTP tensor or a second MTP layer is
+    /// refused, naming the tensor.
+    #[test]
+    fn the_published_mtp_layer_loads_or_is_refused_by_name() {
+        let json = tiny_config();
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        assert_eq!(cfg.mtp_layers, 1, "transformers' default");
+        let mut rng = SplitMix64(4);
+        let base = tensors(&cfg, &mut rng);
+        let mtp = mtp_tensors(&cfg, &mut rng);
+        let load = |t: &Named, name: &str| {
+            let d = dir(name);
+            write(&d, &json, t);
+            let m = HfV4Model::load(&d);
+            std::fs::remove_dir_all(&d).unwrap();
+            m
+        };
+        let mut full = base.clone();
+        full.extend(mtp.clone());
+        let m = load(&full, "mtp").unwrap();
+        let mt = m.mtp.as_ref().expect("an MTP layer");
+        assert!(mt.head.is_some() && mt.embed.is_none());
+        assert!(mt.layer.attn.comp.is_none() && matches!(mt.layer.moe.route, V4Route::Bias(_)));
+        let (_, bytes, _) = &mtp["mtp.0.h_proj.weight"];
+        assert_eq!(mt.h_proj.w[0].to_le_bytes(), bytes[..4]);
+        assert!(load(&base, "none").unwrap().mtp.is_none());
+        let mut partial = full.clone();
+        partial.remove("mtp.0.attn.wkv.weight");
+        match load(&partial, "partial") {
+            Err(CheckpointError::Tensor { name, .. }) => assert_eq!(name, "mtp.0.attn.wkv.weight"),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        let mut second = full.clone();
+        second.insert(
+            "mtp.1.enorm.weight".into(),
+            (vec![cfg.hidden], vec![0; 4 * cfg.hidden], Dtype::F32),
+        );
+        match load(&second, "second") {
+            Err(CheckpointError::Tensor { name, .. }) => assert_eq!(name, "mtp.1.enorm.weight"),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
     }
 }

@@ -22,11 +22,35 @@ pub struct V4Outputs {
     /// `(device, request)` → position → output. A position computed again (a recompute
     /// after preemption) must give the same output: see `conflicts`.
     pub tokens: HashMap<(usize, RequestId), BTreeMap<u32, TokenOut>>,
-    /// Positions whose recomputed output differed from the first (must stay empty).
+    /// `(device, request)` → the position a step sampled at → the MTP proposals made
+    /// there. Proposed again at the same position (after a preemption), they must be
+    /// the same: see `conflicts`.
+    pub drafts: HashMap<(usize, RequestId), BTreeMap<u32, Vec<u32>>>,
+    /// Positions whose recomputed output or proposals differed from the first (must
+    /// stay empty).
     pub conflicts: Vec<String>,
 }
 
 impl V4Outputs {
+    /// Records the proposals `drafts` made at position `last` of request `id` on
+    /// `device`; others recorded there before are a conflict.
+    pub(super) fn record_drafts(
+        &mut self,
+        device: usize,
+        id: RequestId,
+        last: u32,
+        drafts: &[u32],
+    ) {
+        let m = self.drafts.entry((device, id)).or_default();
+        if let Some(prev) = m.insert(last, drafts.to_vec()) {
+            if prev != drafts {
+                self.conflicts.push(format!(
+                    "device {device}, request {id}, drafts at position {last}: {prev:?} then {drafts:?}"
+                ));
+            }
+        }
+    }
+
     /// Records the kept positions' outputs of request `id` on `device`; a position
     /// recorded before with another output is a conflict.
     pub(super) fn record(&mut self, device: usize, id: RequestId, outs: &[TokenOut]) {
@@ -72,10 +96,11 @@ pub(super) fn outcome(
     proposals: &mut Proposals,
 ) -> RequestOutcome {
     if let Some(outputs) = outputs {
-        outputs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record(device, p.id, &outs[..kept]);
+        let mut o = outputs.lock().unwrap_or_else(|e| e.into_inner());
+        o.record(device, p.id, &outs[..kept]);
+        if p.produces_token && !drafts.is_empty() {
+            o.record_drafts(device, p.id, outs[kept - 1].pos, &drafts);
+        }
     }
     if p.produces_token {
         proposals.push((p.id, drafts.into_iter().map(TokenId).collect()));
@@ -141,7 +166,7 @@ impl Forward for V4ModelForward {
             let mtp = self.model.config().mtp;
             if mtp {
                 self.model
-                    .draft_write(&mut kv, first, &tokens[..kept])
+                    .draft_write(&mut kv, first, &tokens[..kept], &hidden[..kept])
                     .map_err(err)?;
             }
             let next = outs[kept - 1].greedy;

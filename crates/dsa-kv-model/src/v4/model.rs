@@ -40,6 +40,11 @@ pub struct V4ModelConfig {
     pub mlp: usize,
     /// Weight seed.
     pub seed: u64,
+    /// Values per position of the target state the MTP layer reads (a checkpoint's
+    /// published MTP: `hc_mult × hidden`, kept by the cache as BF16,
+    /// [`V4Spec::mtp_input_width`]); 0 for the built-in model, whose MTP layer reads the
+    /// token only.
+    pub mtp_input: usize,
 }
 
 impl V4ModelConfig {
@@ -57,6 +62,7 @@ impl V4ModelConfig {
             window: 128,
             mlp: 128,
             seed,
+            mtp_input: 0,
         }
     }
 
@@ -72,6 +78,13 @@ impl V4ModelConfig {
             index_topk: self.topk,
             num_q_heads: 64,
             indexer_dtype: IndexerDtype::Fp8,
+            mtp_input_width: if self.mtp {
+                u32::try_from(self.mtp_input).map_err(|_| {
+                    ModelError::Cache(format!("an MTP input of {} values", self.mtp_input))
+                })?
+            } else {
+                0
+            },
         };
         spec.validate()
             .map_err(|e| ModelError::Cache(format!("not a V4 structure: {e}")))?;
@@ -338,7 +351,12 @@ impl V4Model {
         let c = &hf.cfg;
         let cfg = V4ModelConfig {
             ratios: c.ratios.clone(),
-            mtp: false,
+            mtp: hf.mtp.is_some(),
+            mtp_input: if hf.mtp.is_some() {
+                c.hc_mult * c.hidden
+            } else {
+                0
+            },
             hidden: c.hidden,
             vocab: c.vocab,
             heads: c.heads,
@@ -416,7 +434,7 @@ impl V4Model {
     /// (the oracle tests compare them with a published implementation's).
     pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
         match &self.hf {
-            Some(hf) => hf.head.as_ref().unwrap_or(&hf.embed).apply(hidden),
+            Some(hf) => hf.target_logits(hidden),
             None => self.w_out.apply8(&rmsnorm8(hidden)),
         }
     }
@@ -689,20 +707,60 @@ impl V4Model {
         Ok(Generation { outputs, tokens })
     }
 
-    /// Writes the MTP layer's window rows of `tokens` at positions `first..` (a pure
-    /// function of token and position, so the same for every request sharing the
-    /// prefix).
+    /// Writes the MTP layer's rows for the kept `tokens` at positions `first..`, whose
+    /// final hidden states ([`run_hidden`](Self::run_hidden)) are `hidden` (one per
+    /// token; the built-in model ignores them).
+    ///
+    /// The built-in model's row of a position depends only on its token and position.
+    /// A checkpoint's published MTP layer reads the target too: its row at slot `j` is
+    /// built from the token at `j` and the target's residual streams at `j − 1` (RoPE at
+    /// `j − 1`; slot 0 holds nothing). So the streams of every kept position are kept
+    /// (BF16, [`StateKind::MtpInput`]), and slot `first` reads those of `first − 1`,
+    /// written by the step before or carried in a prefix hit's tail: rows depend only
+    /// on the tokens up to their own, like the target's, and a hit at any block
+    /// boundary loses no MTP row.
     pub fn draft_write(
         &self,
         kv: &mut dyn V4Store,
         first: u32,
         tokens: &[u32],
+        hidden: &[Vec<f32>],
     ) -> Result<(), ModelError> {
         self.has_draft()?;
+        let Some(hf) = &self.hf else {
+            for (i, &t) in tokens.iter().enumerate() {
+                let p = first + i as u32;
+                let row = Self::window_row(&self.draft, &rmsnorm8(&self.embedding(t)), p);
+                kv.write_window(self.mtp_layer(), p, &row)?;
+            }
+            return Ok(());
+        };
+        if hidden.len() != tokens.len() {
+            return Err(ModelError::Access(format!(
+                "{} MTP inputs for {} tokens",
+                hidden.len(),
+                tokens.len()
+            )));
+        }
+        let layer = self.mtp_layer();
+        let kept: Vec<Vec<f32>> = hidden.iter().map(|h| hf.mtp_kept(h)).collect();
+        // The previous position's streams first (a later write may reuse its page).
+        let before = if first > 0 && !tokens.is_empty() {
+            Some(kv.state(layer, StateKind::MtpInput, first - 1)?)
+        } else {
+            None
+        };
+        for (i, h) in kept.iter().enumerate() {
+            kv.write_state(layer, StateKind::MtpInput, first + i as u32, h)?;
+        }
         for (i, &t) in tokens.iter().enumerate() {
-            let p = first + i as u32;
-            let row = Self::window_row(&self.draft, &rmsnorm8(&self.embedding(t)), p);
-            kv.write_window(self.mtp_layer(), p, &row)?;
+            let j = first + i as u32;
+            let h = match (i, &before) {
+                (0, Some(h)) => h,
+                (0, None) => continue,
+                _ => &kept[i - 1],
+            };
+            hf.mtp_write(kv, j, t, h)?;
         }
         Ok(())
     }
@@ -728,6 +786,24 @@ impl V4Model {
         next: u32,
         k: usize,
     ) -> Result<Vec<u32>, ModelError> {
+        Ok(self
+            .propose_logits(kv, last, hidden, next, k)?
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect())
+    }
+
+    /// [`propose`](Self::propose) with each proposal's logits (a checkpoint's model; the
+    /// built-in model's are not kept: empty). For the oracle tests.
+    #[doc(hidden)]
+    pub fn propose_logits(
+        &self,
+        kv: &dyn V4Store,
+        last: u32,
+        hidden: &[f32],
+        next: u32,
+        k: usize,
+    ) -> Result<Vec<(u32, Vec<f32>)>, ModelError> {
         self.has_draft()?;
         let layer = self.mtp_layer();
         let mut local = DraftOverlay {
@@ -736,8 +812,31 @@ impl V4Model {
             from: last + 1,
             rows: Vec::new(),
         };
-        let (mut h, mut tok) = (hidden.to_vec(), next);
         let mut out = Vec::with_capacity(k);
+        if let Some(hf) = &self.hf {
+            // Slot `last + 1` holds the sampled token and the target's streams at
+            // `last` (the row the next step writes); then each draft with the MTP
+            // layer's own output streams.
+            let saved = hf.float_window_rows(layer, last + 1..last + 1 + k as u32);
+            let (mut h, mut tok) = (hf.mtp_kept(hidden), next);
+            let mut chain = || -> Result<(), ModelError> {
+                for i in 0..k as u32 {
+                    let j = last + 1 + i;
+                    let (logits, y) = hf.mtp_step(&mut local, j, tok, &h)?;
+                    tok = output_of(&logits, j).greedy;
+                    out.push((tok, logits));
+                    h = hf.mtp_kept(&y);
+                }
+                Ok(())
+            };
+            let done = chain();
+            if let Some(rows) = saved {
+                hf.restore_float_window_rows(layer, rows);
+            }
+            done?;
+            return Ok(out);
+        }
+        let (mut h, mut tok) = (hidden.to_vec(), next);
         for i in 0..k as u32 {
             let pos = last + 1 + i;
             let row = Self::window_row(&self.draft, &rmsnorm8(&self.embedding(tok)), pos);
@@ -748,7 +847,7 @@ impl V4Model {
             add(&mut x, &attn);
             Self::mlp(&self.draft, &mut x);
             tok = self.output(&x, pos).greedy;
-            out.push(tok);
+            out.push((tok, Vec::new()));
             h = x;
         }
         Ok(out)

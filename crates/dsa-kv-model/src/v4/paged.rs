@@ -273,7 +273,16 @@ impl V4Paged<'_> {
         match kind {
             StateKind::Kv => Role::CompressorState,
             StateKind::Index => Role::IndexerCompressorState,
+            StateKind::MtpInput => Role::MtpInput,
         }
+    }
+}
+
+/// Bytes per value of a state row: fp32 compressor state, BF16 MTP input.
+fn state_width(kind: StateKind) -> usize {
+    match kind {
+        StateKind::Kv | StateKind::Index => 4,
+        StateKind::MtpInput => 2,
     }
 }
 
@@ -303,17 +312,24 @@ impl V4Store for V4Paged<'_> {
                 "layer {layer}: not a state buffer"
             )));
         };
-        if row.len() * 4 != row_bytes as usize {
+        let width = state_width(kind);
+        if row.len() * width != row_bytes as usize {
             return Err(ModelError::Cache(format!(
                 "layer {layer}: a {kind:?} state row of {} values, the plan's has {}",
                 row.len(),
-                row_bytes / 4
+                row_bytes as usize / width
             )));
         }
         let at = self.ring_row(&b, pos, true)?;
         let out = self.bytes_mut(&at, at.data, row_bytes as usize);
-        for (o, v) in out.chunks_exact_mut(4).zip(row) {
-            o.copy_from_slice(&v.to_le_bytes());
+        if kind == StateKind::MtpInput {
+            for (o, v) in out.chunks_exact_mut(2).zip(row) {
+                o.copy_from_slice(&half::bf16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        } else {
+            for (o, v) in out.chunks_exact_mut(4).zip(row) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
         }
         Ok(())
     }
@@ -326,11 +342,18 @@ impl V4Store for V4Paged<'_> {
             )));
         };
         let at = self.ring_row(&b, pos, false)?;
-        Ok(self
-            .bytes(&at, at.data, row_bytes as usize)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        let bytes = self.bytes(&at, at.data, row_bytes as usize);
+        Ok(if kind == StateKind::MtpInput {
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect()
+        } else {
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
     }
 
     fn write_entry(&mut self, layer: usize, w: u32, row: &Model1Row) -> Result<(), ModelError> {

@@ -51,13 +51,16 @@ pub struct Model1Row {
     pub scales: [u8; MODEL1_SCALES],
 }
 
-/// Which compressor's state row.
+/// Which per-position state row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StateKind {
     /// The KV compressor (`coff · 512` kv values, then as many scores).
     Kv,
     /// The indexer's compressor on ratio-4 layers (`2 · 128` and `2 · 128`).
     Index,
+    /// On the MTP layer: the target's residual streams at the position
+    /// (`hc_mult × hidden` values, BF16-exact: the paged cache stores them as BF16).
+    MtpInput,
 }
 
 /// Where a V4 forward reads and writes one request's caches. Layers count the target
@@ -97,8 +100,8 @@ pub trait V4Store {
 #[derive(Default)]
 pub struct V4Contiguous {
     windows: Vec<Vec<Option<Model1Row>>>,
-    /// Per [`StateKind`] (`Kv`, `Index`): per layer, rows in position order.
-    states: [Vec<Vec<Option<Vec<f32>>>>; 2],
+    /// Per [`StateKind`] (`Kv`, `Index`, `MtpInput`): per layer, rows in position order.
+    states: [Vec<Vec<Option<Vec<f32>>>>; 3],
     entries: Vec<Vec<Option<Model1Row>>>,
     index: Vec<Vec<Option<[u8; INDEX_ENTRY_BYTES]>>>,
 }
@@ -161,6 +164,7 @@ impl V4Store for V4Contiguous {
         let what = match kind {
             StateKind::Kv => "kv state of position",
             StateKind::Index => "indexer state of position",
+            StateKind::MtpInput => "MTP input of position",
         };
         get(&self.states[kind as usize], layer, pos, what)
     }

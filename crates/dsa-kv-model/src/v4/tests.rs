@@ -84,11 +84,11 @@ fn proposals_are_deterministic_and_need_the_mtp_layer() {
     let p = prompt(200);
     let mut a = V4Contiguous::new();
     let (_, hidden) = m.run_hidden(&mut a, 0, &p).unwrap();
-    m.draft_write(&mut a, 0, &p).unwrap();
+    m.draft_write(&mut a, 0, &p, &hidden).unwrap();
     let mut b = V4Contiguous::new();
     m.run(&mut b, 0, &p).unwrap();
     for (i, &t) in p.iter().enumerate() {
-        m.draft_write(&mut b, i as u32, &[t]).unwrap();
+        m.draft_write(&mut b, i as u32, &[t], &[]).unwrap();
     }
     let pa = m.propose(&a, 150, &hidden[150], p[151], 3).unwrap();
     assert_eq!(pa, m.propose(&b, 150, &hidden[150], p[151], 3).unwrap());

@@ -1,4 +1,4 @@
-//! The DeepSeek-V4 pool plan. Four life cycles, each its own slot space (pool group):
+//! The DeepSeek-V4 pool plan. Up to five life cycles, each its own slot space (pool group):
 //!
 //! | life cycle | retention | tokens per page (slot) | buffers |
 //! |---|---|---|---|
@@ -6,6 +6,7 @@
 //! | `Window` | the last `window` tokens | 64 | every layer's raw window KV (MODEL1 rows), the MTP layers' too |
 //! | `State4` | the last 8 tokens | 4 | ratio-4 layers' compressor state and their indexer's compressor state (fp32) |
 //! | `State128` | the last 128 tokens | 8 | ratio-128 layers' compressor state (fp32) |
+//! | `MtpInput` | the last 2 tokens | 1 | the MTP layer's target input (BF16 residual streams), when the spec has one |
 //!
 //! A life cycle without buffers (a model with no ratio-128 layer has no `State128`) is
 //! left out; ids count the ones present, in the order above. Inside a life cycle buffers
@@ -54,7 +55,7 @@ pub enum Retention {
     },
 }
 
-/// The four kinds of life cycle.
+/// The kinds of life cycle.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum V4LifeCycleKind {
@@ -66,6 +67,8 @@ pub enum V4LifeCycleKind {
     State4,
     /// The ratio-128 compressors' state.
     State128,
+    /// What the MTP layer reads of the target at the position before its row's token.
+    MtpInput,
 }
 
 impl V4LifeCycleKind {
@@ -76,6 +79,7 @@ impl V4LifeCycleKind {
             V4LifeCycleKind::Window => "window",
             V4LifeCycleKind::State4 => "state4",
             V4LifeCycleKind::State128 => "state128",
+            V4LifeCycleKind::MtpInput => "mtp_input",
         }
     }
 }
@@ -100,7 +104,7 @@ pub enum V4PageFormat {
         /// Tokens that one entry stands for.
         tokens_per_entry: u32,
     },
-    /// One fp32 compressor-state row per token.
+    /// One state row per token (a compressor's fp32 values; the MTP input's BF16).
     State {
         /// Bytes per row.
         row_bytes: u32,
@@ -309,6 +313,16 @@ impl V4Plan {
                     tokens_per_entry: 1,
                 },
             );
+            if l == n_target && spec.mtp_input_width > 0 {
+                want(
+                    Role::MtpInput,
+                    V4LifeCycleKind::MtpInput,
+                    V4PageFormat::State {
+                        row_bytes: 2 * spec.mtp_input_width,
+                        tokens: 1,
+                    },
+                );
+            }
             match spec.layer_kind(l) {
                 None | Some(V4LayerKind::WindowOnly) => {}
                 Some(V4LayerKind::Compressed4) => {
@@ -398,6 +412,13 @@ impl V4Plan {
                 STATE128_PAGE_TOKENS,
                 // A boundary closes every 128-token group: nothing is carried.
                 0,
+            ),
+            (
+                V4LifeCycleKind::MtpInput,
+                // The MTP row of the token at `q` reads the target's streams at `q − 1`.
+                Retention::Window { tokens: 2 },
+                1,
+                1,
             ),
         ];
         let mut life_cycles = Vec::new();
@@ -748,5 +769,76 @@ mod tests {
             ..V4Spec::flash()
         };
         assert!(V4Plan::new(&bad).is_err());
+    }
+
+    /// With the published MTP's target input, a fifth life cycle: one BF16 row of
+    /// `hc_mult × hidden` values per position on the first MTP layer, 1-token pages, the
+    /// last 2 positions kept and 1 carried over a block boundary (the tail a prefix hit
+    /// resumes from); nothing else moves. Too wide an input is refused.
+    #[test]
+    fn the_mtp_input_is_its_own_life_cycle() {
+        let base = V4Plan::new(&V4Spec::flash()).unwrap();
+        let spec = V4Spec {
+            mtp_input_width: 4 * 4096,
+            ..V4Spec::flash()
+        };
+        let p = V4Plan::new(&spec).unwrap();
+        assert_eq!(
+            kinds(&p),
+            [
+                V4LifeCycleKind::Compressed,
+                V4LifeCycleKind::Window,
+                V4LifeCycleKind::State4,
+                V4LifeCycleKind::State128,
+                V4LifeCycleKind::MtpInput
+            ]
+        );
+        let lc = p.life_cycle(V4LifeCycleKind::MtpInput).unwrap();
+        assert_eq!(lc.id, LifeCycleId(4));
+        assert_eq!(lc.retention, Retention::Window { tokens: 2 });
+        assert_eq!(
+            (lc.tokens_per_page, lc.tail_tokens, lc.tail_pages()),
+            (1, 1, 1)
+        );
+        assert_eq!(lc.slot_bytes(), 32_768);
+        let b = p.buffer(LayerId(43), Role::MtpInput).unwrap();
+        assert_eq!(b.life_cycle, lc.id);
+        assert_eq!(
+            b.format,
+            V4PageFormat::State {
+                row_bytes: 32_768,
+                tokens: 1
+            }
+        );
+        // A decode step with 3 drafts holds 2 + 3 positions: 5 pages.
+        assert_eq!(lc.window_pages(3, 1), Some(5));
+        assert_eq!(p.bytes_per_block(), base.bytes_per_block());
+        assert_eq!(
+            p.window_bytes_per_request(0, 1),
+            base.window_bytes_per_request(0, 1) + 2 * 32_768
+        );
+        for l in &base.life_cycles()[..4] {
+            assert_eq!(p.life_cycles()[l.id.0 as usize], *l);
+        }
+        // No MTP layer: no input kept.
+        let none = V4Spec {
+            num_mtp_layers: 0,
+            ..spec.clone()
+        };
+        assert!(V4Plan::new(&none)
+            .unwrap()
+            .life_cycle(V4LifeCycleKind::MtpInput)
+            .is_none());
+        let wide = V4Spec {
+            mtp_input_width: (1 << 20) + 1,
+            ..spec
+        };
+        assert!(matches!(
+            V4Plan::new(&wide),
+            Err(V4Error::Field {
+                field: "mtp_input_width",
+                ..
+            })
+        ));
     }
 }
