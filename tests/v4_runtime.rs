@@ -19,7 +19,7 @@ use dsa_kv::v4::{
 };
 use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_device::DeviceBackend;
-use dsa_kv_model::v4::{V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
+use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 
 /// The workload's model, plan and slots.
 fn setup() -> (Arc<V4Model>, V4Plan, WindowedSlots) {
@@ -604,6 +604,154 @@ async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
     kv.shutdown().await;
 }
 
+/// A checkpoint model's run through the paged runtime on one host device.
+struct CheckpointRun {
+    prompts: HashMap<RequestId, Vec<u32>>,
+    got: HashMap<RequestId, Vec<u32>>,
+    /// Per request: tokens reused at its admission.
+    reused: HashMap<RequestId, u64>,
+    preempted: usize,
+    copies: u64,
+    accepted: u64,
+    outputs: Arc<Mutex<V4Outputs>>,
+    stats: RuntimeStats,
+}
+
+/// Runs `waves` of prompts (each wave after the one before has finished; request ids
+/// `10 · wave + i`) through the paged runtime with `max_new` tokens each: chunks of
+/// `chunk`, `drafts` MTP drafts (0: off), a GPU tier of `gpu_blocks` and a host tier.
+async fn run_checkpoint(
+    model: &Arc<V4Model>,
+    waves: Vec<Vec<Vec<u32>>>,
+    max_new: u32,
+    chunk: u32,
+    drafts: u32,
+    gpu_blocks: u32,
+) -> CheckpointRun {
+    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
+    let spec = model.config().spec().unwrap();
+    let mut w = WindowedModel::new(spec.clone(), host_backend(model, &outputs));
+    let mut windows = vec![14, 300, 200];
+    if spec.mtp_input_width > 0 {
+        // 1-token pages: each sequence's step writes up to a chunk's positions.
+        windows.push(4 * (chunk + drafts + 2));
+    }
+    w.slots = Some(WindowedSlots {
+        blocks: TierSlots {
+            gpu: vec![gpu_blocks],
+            host: vec![24],
+        },
+        windows,
+    });
+    let mut c = EngineConfig::default();
+    c.kv_cache.max_gpu_total_bytes = Some(256 << 20);
+    c.scheduler.max_num_sequences = 3;
+    c.scheduler.max_prefill_chunk = chunk;
+    c.scheduler.max_num_tokens = 2 * chunk + 6;
+    c.scheduler.max_seq_len = 8192;
+    if drafts > 0 {
+        c.spec_decode.mode = SpecMode::Mtp;
+        c.spec_decode.draft_tokens = drafts;
+    }
+    let kv = KvCacheBuilder::new()
+        .config(c)
+        .host_devices(1)
+        .windowed(w)
+        .start()
+        .await
+        .unwrap();
+    let mut run = CheckpointRun {
+        prompts: HashMap::new(),
+        got: HashMap::new(),
+        reused: HashMap::new(),
+        preempted: 0,
+        copies: 0,
+        accepted: 0,
+        outputs: outputs.clone(),
+        stats: RuntimeStats::default(),
+    };
+    for (wi, wave) in waves.into_iter().enumerate() {
+        let mut ids = Vec::new();
+        for (i, p) in wave.into_iter().enumerate() {
+            let id = RequestId(wi as u64 * 10 + i as u64);
+            let toks = p.iter().map(|&t| TokenId(t)).collect();
+            kv.submit(SubmitRequest::new(id, toks, max_new))
+                .await
+                .unwrap();
+            run.prompts.insert(id, p);
+            ids.push(id);
+        }
+        let mut steps = 0;
+        while ids.iter().any(|id| !run.got.contains_key(id)) {
+            steps += 1;
+            assert!(steps < 5_000, "wave {wi} does not finish");
+            let rep = kv.step(Drafts::none()).await.unwrap();
+            assert!(rep.failed.is_empty(), "{:?}", rep.failed);
+            run.preempted += rep.preempted.len();
+            run.copies += rep.devices[0].slot_copies;
+            run.accepted += rep
+                .outcomes
+                .iter()
+                .map(|o| u64::from(o.accepted_drafts))
+                .sum::<u64>();
+            let Some(done) = rep.committed else { continue };
+            for f in done.finished {
+                let f = f.finished;
+                run.reused.insert(f.id, f.reused_tokens);
+                run.got
+                    .insert(f.id, f.output().iter().map(|t| t.0).collect());
+            }
+        }
+    }
+    kv.step(Drafts::none()).await.unwrap();
+    run.stats = kv.stats().await.unwrap();
+    kv.shutdown().await;
+    run
+}
+
+/// Checks every request of `run` against `model` run alone on a contiguous cache: its
+/// tokens, every recorded position's output and every step's MTP proposals and their
+/// logits (made again there by the unpaged model from the same hidden state and sampled
+/// token), bit for bit. Returns (positions, proposals) checked.
+fn check_against_unpaged(model: &V4Model, run: &CheckpointRun, max_new: u32) -> (usize, usize) {
+    let out = run.outputs.lock().unwrap();
+    assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
+    let (mut positions, mut proposals) = (0, 0);
+    for (id, p) in &run.prompts {
+        let g = model.generate(p, max_new).unwrap();
+        assert_eq!(run.got[id], g.tokens, "request {id}: tokens");
+        for (&pos, o) in &out.tokens[&(0, *id)] {
+            assert_eq!(*o, g.outputs[pos as usize], "request {id}, position {pos}");
+            positions += 1;
+        }
+        let Some(drafts) = out.drafts.get(&(0, *id)) else {
+            continue;
+        };
+        let seq: Vec<u32> = p.iter().chain(&g.tokens).copied().collect();
+        let mut kv = V4Contiguous::new();
+        let (_, hidden) = model.run_hidden(&mut kv, 0, &seq).unwrap();
+        model.draft_write(&mut kv, 0, &seq, &hidden).unwrap();
+        for (&last, (d, bits)) in drafts {
+            let l = last as usize;
+            let want = model
+                .propose_logits(&kv, last, &hidden[l], seq[l + 1], d.len())
+                .unwrap();
+            let tokens: Vec<u32> = want.iter().map(|w| w.0).collect();
+            assert_eq!(*d, tokens, "request {id}: proposals at {last}");
+            let want_bits: Vec<u32> = want
+                .iter()
+                .flat_map(|w| w.1.iter().map(|v| v.to_bits()))
+                .collect();
+            assert!(
+                *bits == want_bits,
+                "request {id}: proposals' logits at {last}"
+            );
+            proposals += 1;
+        }
+    }
+    (positions, proposals)
+}
+
 /// The transformers `DeepseekV4ForCausalLM` checkpoint of `tests/fixtures/hf/deepseek_v4`
 /// (`V4Model::from_checkpoint`: window-only, ratio-4 with its indexer and ratio-128
 /// layers, hyper-connections, hash-routed and top-k experts, YaRN; no MTP layer:
@@ -637,31 +785,6 @@ async fn the_transformers_v4_checkpoint_runs_through_the_paged_runtime() {
         .map(|p| (list(&p["tokens"]), list(&p["argmax"])))
         .collect();
     assert_eq!(hf.iter().map(|p| p.0.len()).collect::<Vec<_>>(), [90, 400]);
-    let outputs = Arc::new(Mutex::new(V4Outputs::default()));
-    let mut w = WindowedModel::new(
-        model.config().spec().unwrap(),
-        host_backend(&model, &outputs),
-    );
-    w.slots = Some(WindowedSlots {
-        blocks: TierSlots {
-            gpu: vec![4],
-            host: vec![16],
-        },
-        windows: vec![14, 300, 200],
-    });
-    let mut c = EngineConfig::default();
-    c.kv_cache.max_gpu_total_bytes = Some(256 << 20);
-    c.scheduler.max_num_sequences = 3;
-    c.scheduler.max_prefill_chunk = 97;
-    c.scheduler.max_num_tokens = 200;
-    c.scheduler.max_seq_len = 2048;
-    let kv = KvCacheBuilder::new()
-        .config(c)
-        .host_devices(1)
-        .windowed(w)
-        .start()
-        .await
-        .unwrap();
     // Wave 1: the fixture's prompts and two longer ones (pressure); wave 2: the 400-token
     // prompt again and extended (hits at its tail at 256), and another long one.
     let mut rng = SplitMix64(11);
@@ -671,51 +794,10 @@ async fn the_transformers_v4_checkpoint_runs_through_the_paged_runtime() {
         vec![hf[0].0.clone(), hf[1].0.clone(), long(700), long(530)],
         vec![hf[1].0.clone(), extended, long(610)],
     ];
-    let mut prompts: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let mut got: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let (mut preempted, mut copies, mut reuse_wave2) = (0, 0, 0u64);
     const MAX_NEW: u32 = 6;
-    for (wi, wave) in waves.into_iter().enumerate() {
-        let mut ids = Vec::new();
-        for (i, p) in wave.into_iter().enumerate() {
-            let id = RequestId(wi as u64 * 10 + i as u64);
-            let toks = p.iter().map(|&t| TokenId(t)).collect();
-            kv.submit(SubmitRequest::new(id, toks, MAX_NEW))
-                .await
-                .unwrap();
-            prompts.insert(id, p);
-            ids.push(id);
-        }
-        let mut steps = 0;
-        while ids.iter().any(|id| !got.contains_key(id)) {
-            steps += 1;
-            assert!(steps < 2_000, "wave {wi} does not finish");
-            let rep = kv.step(Drafts::none()).await.unwrap();
-            assert!(rep.failed.is_empty(), "{:?}", rep.failed);
-            preempted += rep.preempted.len();
-            copies += rep.devices[0].slot_copies;
-            let Some(done) = rep.committed else { continue };
-            for f in done.finished {
-                let f = f.finished;
-                if wi == 1 {
-                    reuse_wave2 += f.reused_tokens;
-                }
-                got.insert(f.id, f.output().iter().map(|t| t.0).collect());
-            }
-        }
-    }
-    kv.shutdown().await;
-    let out = outputs.lock().unwrap();
-    assert!(out.conflicts.is_empty(), "{:?}", out.conflicts);
-    let mut positions = 0;
-    for (id, p) in &prompts {
-        let g = model.generate(p, MAX_NEW).unwrap();
-        assert_eq!(got[id], g.tokens, "request {id}: tokens");
-        for (&pos, o) in &out.tokens[&(0, *id)] {
-            assert_eq!(*o, g.outputs[pos as usize], "request {id}, position {pos}");
-            positions += 1;
-        }
-    }
+    let run = run_checkpoint(&model, waves, MAX_NEW, 97, 0, 4).await;
+    let (positions, _) = check_against_unpaged(&model, &run, MAX_NEW);
+    let out = run.outputs.lock().unwrap();
     // transformers' greedy tokens at the fixture prompts' dense positions (wave 1 runs
     // them from position 0).
     let (mut n, mut same) = (0, 0);
@@ -727,13 +809,58 @@ async fn the_transformers_v4_checkpoint_runs_through_the_paged_runtime() {
             same += usize::from(o.greedy == argmax[q]);
         }
     }
+    let reuse_wave2: u64 = (10..13).map(|i| run.reused[&RequestId(i)]).sum();
     eprintln!(
         "checkpoint through the runtime: {positions} positions bit-exact, transformers' greedy \
-         token at {same} of {n} dense positions, {preempted} preemptions, {copies} slot \
-         copies, {reuse_wave2} tokens reused in wave 2"
+         token at {same} of {n} dense positions, {} preemptions, {} slot copies, \
+         {reuse_wave2} tokens reused in wave 2",
+        run.preempted, run.copies
     );
     assert!(same as f64 >= 0.9 * n as f64, "{same} of {n}");
     assert!(reuse_wave2 >= 2 * 256, "hits at the tail: {reuse_wave2}");
-    assert!(preempted > 0, "a preemption");
-    assert!(copies > 0, "host-tier traffic");
+    assert!(run.preempted > 0, "a preemption");
+    assert!(run.copies > 0, "host-tier traffic");
+}
+
+fn mtp_fixture() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/deepseek_v4_mtp")
+}
+
+/// The Flash-pattern checkpoint with the published MTP layer
+/// (`tests/fixtures/hf/deepseek_v4_mtp`, checked against transformers' modules by
+/// `crates/dsa-kv-model/tests/hf_checkpoint_v4.rs`) through the paged runtime with 3
+/// MTP drafts: chunks of 97, repeats and extensions of earlier prompts that resume at
+/// block tails (the MTP row after the boundary reads the target's streams kept in the
+/// tail), a preemption and host-tier traffic. Every token, every position's logits and
+/// every step's proposals equal the model run alone on a contiguous cache, bit for bit,
+/// drafts are accepted, and the tail hits lose nothing to the MTP layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_mtp_drafts_through_the_paged_runtime_are_exact() {
+    let model = Arc::new(V4Model::from_checkpoint(&mtp_fixture()).unwrap());
+    assert!(model.config().mtp);
+    let mut rng = SplitMix64(12);
+    let mut long = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(256) as u32).collect() };
+    let (a, b) = (long(300), long(600));
+    let a_longer: Vec<u32> = a.iter().copied().chain(long(45)).collect();
+    let waves = vec![
+        vec![a.clone(), b.clone(), long(530)],
+        vec![a.clone(), a_longer, b.clone(), long(410)],
+    ];
+    const MAX_NEW: u32 = 12;
+    let run = run_checkpoint(&model, waves, MAX_NEW, 97, 3, 4).await;
+    let (positions, proposals) = check_against_unpaged(&model, &run, MAX_NEW);
+    let hits: Vec<u64> = (10..13).map(|i| run.reused[&RequestId(i)]).collect();
+    eprintln!(
+        "published MTP through the runtime: {positions} positions and {proposals} proposals \
+         bit-exact, {} drafts accepted, reuse in wave 2 {hits:?}, {} preemptions, {} slot \
+         copies",
+        run.accepted, run.preempted, run.copies
+    );
+    // 300 → its block at 256; 345 → 256; 600 → 512: no block lost to the MTP layer.
+    assert_eq!(hits, [256, 256, 512]);
+    assert!(proposals > 20 && run.accepted > 0);
+    assert!(run.preempted > 0, "a preemption");
+    assert!(run.copies > 0, "host-tier traffic");
+    let w = run.stats.windows.expect("windowed counters");
+    assert!(w.windows.tails_adopted >= 3, "{w:?}");
 }

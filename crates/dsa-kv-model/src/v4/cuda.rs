@@ -710,7 +710,7 @@ impl Forward for V4CudaForward {
                 p,
                 &outs,
                 (accepted, kept),
-                drafts,
+                drafts.into_iter().map(|t| (t, Vec::new())).collect(),
                 &mut proposals,
             ));
         }

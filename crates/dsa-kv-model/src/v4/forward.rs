@@ -23,9 +23,10 @@ pub struct V4Outputs {
     /// after preemption) must give the same output: see `conflicts`.
     pub tokens: HashMap<(usize, RequestId), BTreeMap<u32, TokenOut>>,
     /// `(device, request)` → the position a step sampled at → the MTP proposals made
-    /// there. Proposed again at the same position (after a preemption), they must be
-    /// the same: see `conflicts`.
-    pub drafts: HashMap<(usize, RequestId), BTreeMap<u32, Vec<u32>>>,
+    /// there and the bits of their logits, concatenated (a checkpoint's model; empty
+    /// for the built-in one). Proposed again at the same position (after a
+    /// preemption), they must be the same: see `conflicts`.
+    pub drafts: HashMap<(usize, RequestId), BTreeMap<u32, (Vec<u32>, Vec<u32>)>>,
     /// Positions whose recomputed output or proposals differed from the first (must
     /// stay empty).
     pub conflicts: Vec<String>,
@@ -39,13 +40,22 @@ impl V4Outputs {
         device: usize,
         id: RequestId,
         last: u32,
-        drafts: &[u32],
+        drafts: &[(u32, Vec<f32>)],
     ) {
+        let now = (
+            drafts.iter().map(|d| d.0).collect::<Vec<_>>(),
+            drafts
+                .iter()
+                .flat_map(|d| d.1.iter().map(|v| v.to_bits()))
+                .collect::<Vec<_>>(),
+        );
         let m = self.drafts.entry((device, id)).or_default();
-        if let Some(prev) = m.insert(last, drafts.to_vec()) {
-            if prev != drafts {
+        if let Some(prev) = m.insert(last, now.clone()) {
+            if prev != now {
                 self.conflicts.push(format!(
-                    "device {device}, request {id}, drafts at position {last}: {prev:?} then {drafts:?}"
+                    "device {device}, request {id}, drafts at position {last}: {:?} then {:?} \
+                     (or their logits differ)",
+                    prev.0, now.0
                 ));
             }
         }
@@ -92,7 +102,7 @@ pub(super) fn outcome(
     p: &PlannedRequest,
     outs: &[TokenOut],
     (accepted, kept): (usize, usize),
-    drafts: Vec<u32>,
+    drafts: Vec<(u32, Vec<f32>)>,
     proposals: &mut Proposals,
 ) -> RequestOutcome {
     if let Some(outputs) = outputs {
@@ -103,7 +113,7 @@ pub(super) fn outcome(
         }
     }
     if p.produces_token {
-        proposals.push((p.id, drafts.into_iter().map(TokenId).collect()));
+        proposals.push((p.id, drafts.into_iter().map(|d| TokenId(d.0)).collect()));
     }
     RequestOutcome {
         id: p.id,
@@ -173,7 +183,7 @@ impl Forward for V4ModelForward {
             let drafts = if p.produces_token && mtp && p.next_drafts > 0 {
                 let last = first + kept as u32 - 1;
                 self.model
-                    .propose(&kv, last, &hidden[kept - 1], next, p.next_drafts as usize)
+                    .propose_logits(&kv, last, &hidden[kept - 1], next, p.next_drafts as usize)
                     .map_err(err)?
             } else {
                 Vec::new()
