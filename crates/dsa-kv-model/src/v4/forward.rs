@@ -16,6 +16,9 @@ use dsa_kv_device::{Batch, Forward, ForwardError, Proposals, Sampled, Sampling};
 use super::{V4Model, V4Paged};
 use crate::{ModelError, TokenOut};
 
+/// A step's MTP proposals and the bits of their logits, concatenated.
+pub type RecordedDrafts = (Vec<u32>, Vec<u32>);
+
 /// What every device's V4 forward produced.
 #[derive(Debug, Default)]
 pub struct V4Outputs {
@@ -26,7 +29,7 @@ pub struct V4Outputs {
     /// there and the bits of their logits, concatenated (a checkpoint's model; empty
     /// for the built-in one). Proposed again at the same position (after a
     /// preemption), they must be the same: see `conflicts`.
-    pub drafts: HashMap<(usize, RequestId), BTreeMap<u32, (Vec<u32>, Vec<u32>)>>,
+    pub drafts: HashMap<(usize, RequestId), BTreeMap<u32, RecordedDrafts>>,
     /// Positions whose recomputed output or proposals differed from the first (must
     /// stay empty).
     pub conflicts: Vec<String>,
