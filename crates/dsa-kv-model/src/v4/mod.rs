@@ -56,7 +56,7 @@ mod paged;
 mod store;
 
 pub use dsa_kv_device::windowed::V4Pools;
-pub use forward::{V4ModelForward, V4Outputs};
+pub use forward::{RecordedDrafts, V4ModelForward, V4Outputs};
 pub(crate) use model::{attend_sink, model1};
 pub use model::{V4Model, V4ModelConfig, V4Trace};
 pub use paged::V4Paged;
