@@ -864,3 +864,56 @@ async fn the_published_mtp_drafts_through_the_paged_runtime_are_exact() {
     let w = run.stats.windows.expect("windowed counters");
     assert!(w.windows.tails_adopted >= 3, "{w:?}");
 }
+
+/// Prefix hits with the published MTP at any prompt length (the hit-loss table of
+/// `benches/results/2026-12-08-v4-mtp-hits`): a prompt of 257, 300, 511, 700 or 4,097
+/// tokens, then the same prompt again, with 3 MTP drafts and without. The repeat
+/// reuses every whole block below its last token in both (256 · ⌊(L − 1) / 256⌋: the
+/// MTP layer costs no block), and with MTP its tokens, logits and proposals (the first
+/// ones right after the hit included) equal the unpaged model's, bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
+    let model = Arc::new(V4Model::from_checkpoint(&mtp_fixture()).unwrap());
+    let mut rng = SplitMix64(13);
+    let mut rows = Vec::new();
+    for len in [257usize, 300, 511, 700, 4097] {
+        let prompt: Vec<u32> = (0..len).map(|_| rng.below(256) as u32).collect();
+        let mut reuse = [0u64; 2];
+        let mut after_hit = 0;
+        for (i, drafts) in [3u32, 0].into_iter().enumerate() {
+            let waves = vec![vec![prompt.clone()], vec![prompt.clone()]];
+            const MAX_NEW: u32 = 8;
+            let run = run_checkpoint(&model, waves, MAX_NEW, 200, drafts, 24).await;
+            reuse[i] = run.reused[&RequestId(10)];
+            if drafts > 0 {
+                // (The run without drafts is the other tests' case.)
+                check_against_unpaged(&model, &run, MAX_NEW);
+                let out = run.outputs.lock().unwrap();
+                let d = &out.drafts[&(0, RequestId(10))];
+                // The repeat's first proposals: at its last prompt position, right after
+                // the hit (checked bit for bit above).
+                assert!(
+                    d.contains_key(&(len as u32 - 1)),
+                    "{len}: proposals after the hit"
+                );
+                after_hit = d.len();
+            }
+        }
+        let want = 256 * ((len as u64 - 1) / 256);
+        assert_eq!(
+            reuse,
+            [want, want],
+            "prompt of {len}: reuse with MTP, without"
+        );
+        rows.push(format!(
+            "| {len} | {} | {} | {} | {after_hit} |",
+            reuse[0],
+            reuse[1],
+            reuse[1] - reuse[0]
+        ));
+    }
+    eprintln!(
+        "| prompt | reused, MTP on | reused, MTP off | lost to MTP | proposals checked on the repeat |\n|---|---|---|---|---|\n{}",
+        rows.join("\n")
+    );
+}
