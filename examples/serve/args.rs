@@ -64,7 +64,9 @@ pub(crate) struct Args {
     /// Run this Hugging Face checkpoint's model instead of the built-in one (a folder with
     /// config.json and safetensors of DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM, e.g.
     /// tests/fixtures/hf/deepseek_v32; host backend): the cache takes its layers and
-    /// indexer layers, the workload its vocabulary
+    /// indexer layers, the workload its vocabulary. A DeepseekV4ForCausalLM checkpoint
+    /// (e.g. tests/fixtures/hf/deepseek_v4_mtp, with the published MTP layer) runs
+    /// through the V4 runtime as --model does, sized by --budget-mib
     #[arg(long, value_name = "DIR")]
     pub(crate) checkpoint: Option<PathBuf>,
     /// Where the report files go
@@ -97,6 +99,23 @@ pub(crate) struct Args {
     /// [default: 400 for deepseek-v4-flash, 640 for deepseek-v4-pro]
     #[arg(long, value_name = "MIB")]
     pub(crate) budget_mib: Option<u64>,
+    /// Cap the V4 run's GPU tier at this many compressed blocks (pressure: preemption by
+    /// recompute and host-tier traffic with a model whose blocks are small) [default: as
+    /// many as the budget holds]
+    #[arg(long, value_name = "N")]
+    pub(crate) gpu_blocks: Option<u32>,
+    /// Whether `--checkpoint` is a DeepSeek-V4 checkpoint (set by [`check`]).
+    #[arg(skip)]
+    pub(crate) v4_checkpoint: bool,
+}
+
+/// Whether `dir/config.json` says `"model_type": "deepseek_v4"` (an unreadable file is
+/// the V3.2 path's to report).
+fn is_v4_checkpoint(dir: &std::path::Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v["model_type"] == "deepseek_v4")
 }
 
 fn at_least_one(v: &str) -> Result<usize, String> {
@@ -118,7 +137,35 @@ pub(crate) fn check(mut a: Args) -> Args {
             "--room-faults needs the fault drills: run with --features fault-injection",
         );
     }
-    if let Some(p) = a.model {
+    a.v4_checkpoint = a.model.is_none() && a.checkpoint.as_deref().is_some_and(is_v4_checkpoint);
+    if a.v4_checkpoint {
+        let mut clash = Vec::new();
+        for (set, flag) in [
+            (a.source != Source::Model, "--source synthetic"),
+            (a.config.is_some(), "--config"),
+            (a.kv_dtype.is_some(), "--kv-dtype"),
+            (a.cuda_graphs, "--cuda-graphs"),
+            (a.room_faults > 0, "--room-faults"),
+            (a.metrics_addr.is_some(), "--metrics-addr"),
+            (a.verify.is_some_and(|v| v.is_on()), "--verify"),
+            (a.backend == Backend::Cuda, "--backend cuda"),
+        ] {
+            if set {
+                clash.push(flag);
+            }
+        }
+        if !clash.is_empty() {
+            common::usage_error::<Args>(format!(
+                "--checkpoint with a DeepSeek-V4 checkpoint runs it through the V4 runtime on \
+                 host devices (the CUDA device runs the built-in V4 model only); it does not \
+                 take {}",
+                clash.join(", ")
+            ));
+        }
+        if a.budget_mib == Some(0) || a.gpu_blocks == Some(0) {
+            common::usage_error::<Args>("--budget-mib and --gpu-blocks must be at least 1");
+        }
+    } else if let Some(p) = a.model {
         let mut clash = Vec::new();
         for (set, flag) in [
             (a.source != Source::Model, "--source synthetic"),
@@ -142,13 +189,14 @@ pub(crate) fn check(mut a: Args) -> Args {
                 clash.join(", ")
             ));
         }
-        if a.budget_mib == Some(0) {
-            common::usage_error::<Args>("--budget-mib must be at least 1");
+        if a.budget_mib == Some(0) || a.gpu_blocks == Some(0) {
+            common::usage_error::<Args>("--budget-mib and --gpu-blocks must be at least 1");
         }
-    } else if a.budget_mib.is_some() {
+    } else if a.budget_mib.is_some() || a.gpu_blocks.is_some() {
         common::usage_error::<Args>(
-            "--budget-mib sizes a DeepSeek-V4 run: add --model deepseek-v4-flash or \
-             deepseek-v4-pro (the other models are sized with --config)",
+            "--budget-mib and --gpu-blocks size a DeepSeek-V4 run: add --model deepseek-v4-flash or \
+             deepseek-v4-pro, or --checkpoint with a DeepSeek-V4 checkpoint (the other models \
+             are sized with --config)",
         );
     }
     a.conversations = a.conversations.map(|n| n.max(1));

@@ -327,7 +327,11 @@ impl StepLatency {
 
 async fn run(a: Args) -> Result<serde_json::Value, ServeError> {
     if let Some(preset) = a.model {
-        return v4::run(a, preset).await;
+        return v4::run(a, v4::V4Source::Preset(preset)).await;
+    }
+    if a.v4_checkpoint {
+        let dir = a.checkpoint.clone().expect("checked: a V4 checkpoint");
+        return v4::run(a, v4::V4Source::Checkpoint(dir)).await;
     }
     let config = engine_config(&a)?;
     // The embedder's choice of exporter: here Prometheus text over HTTP.

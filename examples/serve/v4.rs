@@ -41,19 +41,51 @@ struct Sent {
     max_new: u32,
 }
 
-pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, ServeError> {
-    let spec = preset.spec();
-    let cfg = V4ModelConfig {
-        ratios: spec.compress_ratios.clone(),
-        mtp: spec.num_mtp_layers > 0,
-        ..V4ModelConfig::tiny(MODEL_SEED)
+/// Which V4 model runs.
+pub(crate) enum V4Source {
+    /// The reference model with the preset's layer structure and tiny widths.
+    Preset(V4Preset),
+    /// A transformers `deepseek_v4` checkpoint (`V4Model::from_checkpoint`), with its
+    /// published MTP layer when it has one.
+    Checkpoint(std::path::PathBuf),
+}
+
+pub(crate) async fn run(a: Args, source: V4Source) -> Result<serde_json::Value, ServeError> {
+    let (model, name, widths, default_mib) = match &source {
+        V4Source::Preset(preset) => {
+            let spec = preset.spec();
+            let cfg = V4ModelConfig {
+                ratios: spec.compress_ratios.clone(),
+                mtp: spec.num_mtp_layers > 0,
+                ..V4ModelConfig::tiny(MODEL_SEED)
+            };
+            let mib = match preset {
+                V4Preset::Flash => 400,
+                V4Preset::Pro => 640,
+            };
+            let widths = "latent 512 (MODEL1 rows), indexer 128; hidden 64, 2 heads, top-64";
+            (
+                V4Model::new(cfg)?,
+                preset.name().to_string(),
+                widths.to_string(),
+                mib,
+            )
+        }
+        V4Source::Checkpoint(dir) => {
+            let m = V4Model::from_checkpoint(dir)?;
+            let c = m.config();
+            let widths = format!(
+                "latent 512 (MODEL1 rows), indexer 128; hidden {}, {} heads, top-{}, \
+                 MTP input {} values",
+                c.hidden, c.heads, c.topk, c.mtp_input
+            );
+            let name = format!("deepseek_v4 checkpoint {}", dir.display());
+            (m, name, widths, 400)
+        }
     };
-    let model = Arc::new(V4Model::new(cfg)?);
+    let model = Arc::new(model);
+    let spec = model.config().spec()?;
     let draft_tokens = if model.config().mtp { 3 } else { 0 };
-    let default_mib = match preset {
-        V4Preset::Flash => 400,
-        V4Preset::Pro => 640,
-    };
     let budget = a.budget_mib.unwrap_or(default_mib) << 20;
     let mut config = EngineConfig::default();
     config.kv_cache.max_gpu_total_bytes = Some(budget);
@@ -81,7 +113,11 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         })
     };
     let mut windowed = WindowedModel::new(model.config().spec()?, backend);
-    windowed.slots = Some(v4_slots(&model, &config)?);
+    let mut slots = v4_slots(&model, &config)?;
+    if let Some(cap) = a.gpu_blocks {
+        slots.blocks.gpu[0] = slots.blocks.gpu[0].min(cap);
+    }
+    windowed.slots = Some(slots);
     let rt = KvCacheBuilder::new()
         .config(config)
         .host_devices(a.devices)
@@ -209,11 +245,11 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
     };
     let (window, c4, c128) = spec.layer_counts();
     let report = json!({
-        "model": preset.name(),
+        "model": name,
         "structure": {
             "layers": spec.compress_ratios.len(), "window_only": window, "ratio_4": c4,
             "ratio_128": c128, "mtp_layers": spec.num_mtp_layers,
-            "widths": "latent 512 (MODEL1 rows), indexer 128; hidden 64, 2 heads, top-64",
+            "widths": widths,
         },
         "devices": a.devices,
         "backend": format!("{:?}", a.backend).to_lowercase(),
@@ -260,7 +296,7 @@ pub(crate) async fn run(a: Args, preset: V4Preset) -> Result<serde_json::Value, 
         let r = &report;
         println!(
             "model                {} ({} layers + {} MTP, tiny widths)",
-            preset.name(),
+            name,
             spec.compress_ratios.len(),
             spec.num_mtp_layers
         );
