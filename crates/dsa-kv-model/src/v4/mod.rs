@@ -35,7 +35,9 @@
 //! [`V4Model::run_traced`] gives a token's attention as the sparse decode sees it
 //! ([`V4Trace`]), for external kernels.
 //! The MTP draft layer is window-only (it has its own window cache after the target
-//! layers); its row of a position depends only on that position's token.
+//! layers); its row of a position depends only on that position's token. (A
+//! checkpoint's published MTP layer reads the target's streams too: see
+//! [`V4Model::draft_write`].)
 //!
 //! Arithmetic: that of the V3.2 model (`exp` as a fixed polynomial, softmax and
 //! weighted sums in ascending order), except that every dot product (projections,
