@@ -586,3 +586,198 @@ fn a_changed_mtp_weight_is_caught() {
     eprintln!("a 5 % change of {target}: max |Δlogit| / max |logit| {worst:.2e}");
     assert!(worst > 10.0 * F32_ORDER, "the change went unseen: {worst}");
 }
+
+/// An E4M3 byte's value (sign, 4 exponent bits with bias 7, 3 mantissa bits; subnormals;
+/// 0x7f / 0xff are NaN), written here apart from the crate's codec.
+fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    if b & 0x7f == 0x7f {
+        return f32::NAN;
+    }
+    sign * if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// The spacing of E4M3 values around `v` (≥ 0): 3 mantissa bits, the smallest normal
+/// exponent −6 (below it the subnormals' 2⁻⁹).
+fn e4m3_step(v: f32) -> f32 {
+    2f32.powi(v.log2().floor().max(-6.0) as i32 - 3)
+}
+
+/// The spacing of BF16 values around `v` (7 mantissa bits).
+fn bf16_step(v: f32) -> f32 {
+    2f32.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
+}
+
+/// Checks our scaled-E4M3 values `ours` (tile scale `s`) against transformers' `theirs`:
+/// each within one E4M3 step at the tile scale, and the scale the UE8M0 power of two
+/// the tile's largest value (in BF16, as the cache takes it) asks for (amax / 448 ≤ s <
+/// 2 · amax / 448). The worst
+/// error in steps, or what was wrong.
+fn check_tile(ours: &[f32], theirs: &[f32], s: f32) -> Result<f32, String> {
+    // The cache quantizes BF16 values: the scale follows the BF16 amax.
+    let amax = bf16::from_f32(theirs.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .to_f32()
+        .max(1e-4);
+    if !(s * 448.0 >= amax * 0.999 && s * 448.0 < 2.0 * amax * 1.001) {
+        return Err(format!("scale {s} for a tile of amax {amax}"));
+    }
+    let mut worst = 0f32;
+    for (a, b) in ours.iter().zip(theirs) {
+        let step = s * e4m3_step(b.abs() / s);
+        let d = (a - b).abs() / step;
+        if d.is_nan() || d > 1.0 {
+            return Err(format!("{a} vs {b}: {d} steps of {step}"));
+        }
+        worst = worst.max(d);
+    }
+    Ok(worst)
+}
+
+/// A MODEL1 row (584 bytes) against transformers' 512 values: the 448 NoPE values per
+/// 64-tile as [`check_tile`], the 64 BF16 RoPE values within one BF16 step (plus f32
+/// order of the part's largest value).
+fn check_model1(data: &[u8], scales: &[u8], theirs: &[f32]) -> Result<f32, String> {
+    let mut worst = 0f32;
+    for t in 0..7 {
+        let s = 2f32.powi(i32::from(scales[t]) - 127);
+        let ours: Vec<f32> = data[t * 64..(t + 1) * 64]
+            .iter()
+            .map(|&b| e4m3(b) * s)
+            .collect();
+        worst = worst.max(check_tile(&ours, &theirs[t * 64..(t + 1) * 64], s)?);
+    }
+    // RoPE outputs are differences of products (x·cos − y·sin): the f32 order of the two
+    // sides moves a small one by up to F32_ORDER of the part's largest value.
+    let amax = theirs[448..].iter().fold(0f32, |m, v| m.max(v.abs()));
+    for j in 0..64 {
+        let o = 448 + 2 * j;
+        let v = bf16::from_bits(u16::from_le_bytes([data[o], data[o + 1]])).to_f32();
+        let b = theirs[448 + j];
+        if (v - b).abs() > bf16_step(b) + F32_ORDER * amax {
+            return Err(format!("RoPE value {j}: {v} vs {b}"));
+        }
+    }
+    Ok(worst)
+}
+
+/// transformers' cache after a prefill (`cache.safetensors`): name → (rows, values).
+fn hf_cache() -> std::collections::HashMap<String, (usize, Vec<f32>)> {
+    let bytes = std::fs::read(mtp_fixture().join("cache.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .filter(|(_, v)| v.dtype() == safetensors::Dtype::F32)
+        .map(|(name, v)| {
+            let vals = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, (v.shape()[0], vals))
+        })
+        .collect()
+}
+
+/// transformers' indexer picks of ratio-4 layer `l` at every position of the first
+/// prompt (`layers.{l}.topk` of `cache.safetensors`), ascending.
+fn hf_cache_picks(l: usize) -> Vec<Vec<u32>> {
+    let bytes = std::fs::read(mtp_fixture().join("cache.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let v = st.tensor(&format!("layers.{l}.topk")).unwrap();
+    assert_eq!(v.dtype(), safetensors::Dtype::I32);
+    v.data()
+        .chunks_exact(4 * 64)
+        .map(|row| {
+            row.chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .filter(|&x| x >= 0)
+                .map(|x| x as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// After a prefill of the first prompt (300 tokens, the unrounded run), our cache holds
+/// what transformers' does, within the formats: every layer's last 127 window rows, every compressed entry
+/// (MODEL1 rows: E4M3 NoPE values within one E4M3 step of their tile scale, the scale
+/// the UE8M0 power of two the tile's largest value asks for, BF16 RoPE values within one
+/// BF16 step) and every ratio-4 indexer key (the same for its 128 values and its scale
+/// word). The check can fail: the window compared one position off is refused.
+#[test]
+fn the_cache_after_a_prefill_holds_transformers_rows_within_one_e4m3_step() {
+    use dsa_kv_model::v4::V4Store;
+    // The unrounded run reads rows as computed but writes the cache's rows as always: its
+    // activations are transformers' to f32 order, so what is compared is the rows'
+    // formats and places, not the drift earlier layers' rounding puts into later ones.
+    // Where the indexers select (past position 258) it attends transformers' picks: scores
+    // tie exactly at the 64th place here and there, and torch breaks ties otherwise (see
+    // `sparse_regime_selections_differ_only_at_exact_ties_and_the_rest_is_exact`).
+    let m = V4Model::from_checkpoint_unrounded(&mtp_fixture()).unwrap();
+    let p = &mtp_prompts()[0];
+    let len = p.tokens.len() as u32;
+    for (l, &ratio) in m.config().ratios.iter().enumerate() {
+        if ratio == 4 {
+            for (q, picks) in hf_cache_picks(l).into_iter().enumerate() {
+                if !dense(q) {
+                    assert!(m.force_unrounded_selection(l, q as u32, picks));
+                }
+            }
+        }
+    }
+    let mut kv = V4Contiguous::new();
+    m.run_hidden(&mut kv, 0, &p.tokens).unwrap();
+    let hf = hf_cache();
+    let (mut rows, mut worst) = (0, 0f32);
+    for (l, &ratio) in m.config().ratios.iter().enumerate() {
+        let (n, w) = &hf[&format!("layers.{l}.window")];
+        assert_eq!(*n, 127);
+        for i in 0..*n {
+            let pos = len - *n as u32 + i as u32;
+            let r = kv.window(l, pos).unwrap();
+            let theirs = &w[i * 512..(i + 1) * 512];
+            worst = worst.max(
+                check_model1(&r.data, &r.scales, theirs)
+                    .unwrap_or_else(|e| panic!("layer {l} window row {pos}: {e}")),
+            );
+            rows += 1;
+            if l == 0 && i > 0 {
+                // The same row against the one before it: refused.
+                let prev = kv.window(l, pos - 1).unwrap();
+                assert!(check_model1(&prev.data, &prev.scales, theirs).is_err());
+            }
+        }
+        if ratio == 0 {
+            continue;
+        }
+        let (n, e) = &hf[&format!("layers.{l}.compressor")];
+        assert_eq!(*n as u32, len / ratio);
+        for i in 0..*n {
+            let r = kv.entry(l, i as u32).unwrap();
+            worst = worst.max(
+                check_model1(&r.data, &r.scales, &e[i * 512..(i + 1) * 512])
+                    .unwrap_or_else(|e| panic!("layer {l} entry {i}: {e}")),
+            );
+            rows += 1;
+        }
+        if ratio == 4 {
+            let (n, k) = &hf[&format!("layers.{l}.indexer")];
+            for i in 0..*n {
+                let key = kv.index_entry(l, i as u32).unwrap();
+                let s = f32::from_le_bytes([key[128], key[129], key[130], key[131]]);
+                let ours: Vec<f32> = key[..128].iter().map(|&b| e4m3(b) * s).collect();
+                worst = worst.max(
+                    check_tile(&ours, &k[i * 128..(i + 1) * 128], s)
+                        .unwrap_or_else(|e| panic!("layer {l} indexer key {i}: {e}")),
+                );
+                rows += 1;
+            }
+        }
+    }
+    eprintln!("cache after a prefill: {rows} rows and keys within {worst:.2} E4M3 steps");
+    assert!(rows > 700);
+}
