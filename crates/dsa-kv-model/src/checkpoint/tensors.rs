@@ -1,8 +1,20 @@
 //! The checkpoint's tensors: `model.safetensors`, or the shards a
 //! `model.safetensors.index.json` names, read with the `safetensors` crate and widened
-//! to f32 (F32, BF16 and F16 tensors; quantized checkpoints are refused), integer
-//! tensors (I64, I32: DeepSeek-V4's token → expert tables) kept as integers. Each tensor
-//! is taken once, with its shape checked; what no layer took is reported.
+//! to f32 (F32, BF16 and F16 tensors), integer tensors (I64, I32: DeepSeek-V4's token →
+//! expert tables) kept as integers. Each tensor is taken once, with its shape checked;
+//! what no layer took is reported.
+//!
+//! Quantized weights as DeepSeek publishes them (and transformers 5.17's fine-grained
+//! FP8 loader reads them) are dequantized at load: a weight `X.weight` with a sibling
+//! `X.scale` (F8_E8M0 exponents, or F32 powers of two) is
+//! * F8_E4M3 `[rows, cols]` with one scale per 128 × 128 block (`[⌈rows/128⌉,
+//!   ⌈cols/128⌉]`), or
+//! * FP4 E2M1 packed two to a byte (I8, U8 or F4; the low nibble first) `[rows, cols/2]`
+//!   with one scale per 32 values of a row (`[rows, cols/32]`, MXFP4),
+//!
+//! and becomes `X.weight` in f32 (value × scale). A quantized tensor without its scale, a
+//! scale of another shape, a NaN exponent (0xff) or another 8-bit format is refused,
+//! naming the tensor.
 
 use dsa_kv_core::config::file::{json_with_path, read_regular, read_regular_text};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -58,6 +70,7 @@ impl Tensors {
         };
         let mut map = HashMap::new();
         let mut ints = HashMap::new();
+        let mut raw: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
         for f in files {
             let path = dir.join(&f);
             let bytes = read_regular(&path, MAX_SHARD_BYTES).map_err(|e| io(&path, e))?;
@@ -76,16 +89,29 @@ impl Tensors {
                     }
                     continue;
                 }
+                if is_quantized(view.dtype()) {
+                    let dup = map.contains_key(&name) || ints.contains_key(&name);
+                    let v = (view.dtype(), view.shape().to_vec(), view.data().to_vec());
+                    if dup || raw.insert(name.clone(), v).is_some() {
+                        return Err(CheckpointError::Tensor {
+                            name,
+                            what: "stored twice".into(),
+                        });
+                    }
+                    continue;
+                }
                 let data =
                     widen(view.dtype(), view.data()).ok_or_else(|| CheckpointError::Tensor {
                         name: name.clone(),
                         what: format!(
-                            "stored as {:?}: this loader reads F32, BF16 and F16 tensors \
-                             (dequantize an FP8 checkpoint first)",
+                            "stored as {:?}: this loader reads F32, BF16 and F16 tensors, \
+                             integer tables, and F8_E4M3 / FP4 weights with their \
+                             F8_E8M0 block scales",
                             view.dtype()
                         ),
                     })?;
                 if ints.contains_key(&name)
+                    || raw.contains_key(&name)
                     || map
                         .insert(name.clone(), (view.shape().to_vec(), data))
                         .is_some()
@@ -97,7 +123,40 @@ impl Tensors {
                 }
             }
         }
+        dequantize_all(&mut map, raw)?;
         Ok(Tensors { map, ints })
+    }
+
+    /// Renames tensors: each name `old` → `f(old)` where that is `Some` (the checkpoint's
+    /// naming onto the loader's). Two names onto one is refused.
+    pub(crate) fn rename(
+        &mut self,
+        f: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), CheckpointError> {
+        for m in [0, 1] {
+            let names: Vec<String> = if m == 0 {
+                self.map.keys().cloned().collect()
+            } else {
+                self.ints.keys().cloned().collect()
+            };
+            for old in names {
+                let Some(new) = f(&old) else { continue };
+                if self.map.contains_key(&new) || self.ints.contains_key(&new) {
+                    return Err(CheckpointError::Tensor {
+                        name: old,
+                        what: format!("its loader name {new} is taken by another tensor"),
+                    });
+                }
+                if m == 0 {
+                    let v = self.map.remove(&old).expect("listed");
+                    self.map.insert(new, v);
+                } else {
+                    let v = self.ints.remove(&old).expect("listed");
+                    self.ints.insert(new, v);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Takes integer tensor `name`, which must have `shape`.
@@ -211,4 +270,179 @@ fn widen(dtype: Dtype, b: &[u8]) -> Option<Vec<f32>> {
             .collect(),
         _ => return None,
     })
+}
+
+/// Whether a dtype is one of the 8-bit or 4-bit formats held raw until dequantized.
+fn is_quantized(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::F8_E4M3
+            | Dtype::F8_E8M0
+            | Dtype::F8_E5M2
+            | Dtype::F8_E4M3FNUZ
+            | Dtype::F8_E5M2FNUZ
+            | Dtype::I8
+            | Dtype::U8
+            | Dtype::F4
+    )
+}
+
+/// E2M1 (FP4) values by nibble.
+const FP4_E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// An F8_E4M3 (FN: no infinities, 0x7f / 0xff NaN) byte's value.
+fn e4m3(b: u8) -> f32 {
+    let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    let v = if b & 0x7f == 0x7f {
+        f32::NAN
+    } else if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// The FP8 block of DeepSeek's published weights (rows × columns).
+const FP8_BLOCK: usize = 128;
+/// Values per FP4 scale (MXFP4).
+const FP4_BLOCK: usize = 32;
+
+/// Replaces every quantized weight `X.weight` of `raw` and its scale `X.scale` (in `raw`
+/// as F8_E8M0, or in `map` as F32) by `X.weight` in f32 in `map`.
+fn dequantize_all(
+    map: &mut HashMap<String, (Vec<usize>, Vec<f32>)>,
+    mut raw: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+) -> Result<(), CheckpointError> {
+    let bad = |name: &str, what: String| CheckpointError::Tensor {
+        name: name.into(),
+        what,
+    };
+    let mut weights: Vec<String> = raw
+        .iter()
+        .filter(|(_, (d, _, _))| *d != Dtype::F8_E8M0)
+        .map(|(n, _)| n.clone())
+        .collect();
+    weights.sort();
+    for name in weights {
+        let (dtype, shape, bytes) = raw.remove(&name).expect("listed");
+        let Some(base) = name.strip_suffix(".weight") else {
+            return Err(bad(
+                &name,
+                format!("stored as {dtype:?}: only `.weight` tensors are read quantized"),
+            ));
+        };
+        let scale_name = format!("{base}.scale");
+        let scales: (Vec<usize>, Vec<f32>) = if let Some((d, s, b)) = raw.remove(&scale_name) {
+            if d != Dtype::F8_E8M0 {
+                return Err(bad(
+                    &scale_name,
+                    format!("stored as {d:?}: F8_E8M0 or F32 expected"),
+                ));
+            }
+            let v = b
+                .iter()
+                .map(|&e| {
+                    (e != 0xff)
+                        .then(|| 2f32.powi(i32::from(e) - 127))
+                        .ok_or_else(|| bad(&scale_name, "an E8M0 exponent of 0xff (NaN)".into()))
+                })
+                .collect::<Result<Vec<f32>, _>>()?;
+            (s, v)
+        } else if let Some((s, v)) = map.remove(&scale_name) {
+            if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return Err(bad(
+                    &scale_name,
+                    format!("a scale of {x}: positive and finite expected"),
+                ));
+            }
+            (s, v)
+        } else {
+            return Err(bad(
+                &name,
+                format!("stored as {dtype:?} without its block scales {scale_name}"),
+            ));
+        };
+        if shape.len() != 2 || scales.0.len() != 2 {
+            return Err(bad(
+                &name,
+                format!(
+                    "a quantized weight of shape {shape:?} with scales {:?}: 2-D expected",
+                    scales.0
+                ),
+            ));
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let s = &scales.1;
+        let out = match dtype {
+            Dtype::F8_E4M3 => {
+                let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
+                if scales.0 != grid {
+                    return Err(bad(
+                        &scale_name,
+                        format!(
+                            "shape {:?}: {grid:?} expected for an F8_E4M3 weight of {shape:?} \
+                             (one per {FP8_BLOCK} × {FP8_BLOCK} block)",
+                            scales.0
+                        ),
+                    ));
+                }
+                (0..rows * cols)
+                    .map(|i| {
+                        let (r, c) = (i / cols, i % cols);
+                        e4m3(bytes[i]) * s[(r / FP8_BLOCK) * grid[1] + c / FP8_BLOCK]
+                    })
+                    .collect::<Vec<f32>>()
+            }
+            Dtype::I8 | Dtype::U8 | Dtype::F4 => {
+                // F4 counts elements (two a byte); I8 / U8 count bytes.
+                let packed = if dtype == Dtype::F4 { cols / 2 } else { cols };
+                let full = 2 * packed;
+                if dtype == Dtype::F4 && cols % 2 != 0 {
+                    return Err(bad(&name, format!("an odd F4 row of {cols}")));
+                }
+                if full % FP4_BLOCK != 0 || scales.0 != [rows, full / FP4_BLOCK] {
+                    return Err(bad(
+                        &scale_name,
+                        format!(
+                            "shape {:?}: [{rows}, {}] expected for FP4 rows of {full} values \
+                             (one per {FP4_BLOCK}; rows a multiple of {FP4_BLOCK})",
+                            scales.0,
+                            full / FP4_BLOCK
+                        ),
+                    ));
+                }
+                let mut v = Vec::with_capacity(rows * full);
+                for r in 0..rows {
+                    for (j, &b) in bytes[r * packed..(r + 1) * packed].iter().enumerate() {
+                        let sc = s[r * (full / FP4_BLOCK) + 2 * j / FP4_BLOCK];
+                        v.push(FP4_E2M1[usize::from(b & 0xf)] * sc);
+                        v.push(FP4_E2M1[usize::from(b >> 4)] * sc);
+                    }
+                }
+                map.insert(name.clone(), (vec![rows, full], v));
+                continue;
+            }
+            other => {
+                return Err(bad(
+                    &name,
+                    format!("stored as {other:?}: F8_E4M3 or FP4 (I8 / U8 / F4) weights are read"),
+                ))
+            }
+        };
+        if let Some(x) = out.iter().find(|x| x.is_nan()) {
+            return Err(bad(&name, format!("an F8_E4M3 NaN ({x})")));
+        }
+        map.insert(name, (shape, out));
+    }
+    if let Some(name) = raw.keys().min() {
+        return Err(bad(name, "block scales of no quantized weight".into()));
+    }
+    Ok(())
 }

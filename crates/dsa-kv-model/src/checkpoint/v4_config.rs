@@ -164,6 +164,8 @@ struct Raw {
     rms_norm_eps: f32,
     #[serde(default)]
     tie_word_embeddings: bool,
+    /// The published checkpoint's FP8 settings (its weights are dequantized at load).
+    quantization_config: Option<Value>,
     partial_rotary_factor: Option<f64>,
     qk_rope_head_dim: Option<usize>,
     rope_parameters: Option<Value>,
@@ -406,6 +408,16 @@ impl HfV4Config {
         for (key, v) in positive {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(key, format!("{v}: a positive number")));
+            }
+        }
+        if let Some(q) = &r.quantization_config {
+            // The loader dequantizes F8_E4M3 weights by 128 × 128 blocks (DeepSeek's).
+            let block = &q["weight_block_size"];
+            if !block.is_null() && *block != serde_json::json!([128, 128]) {
+                return Err(bad(
+                    "quantization_config.weight_block_size",
+                    format!("{block}: the loader reads FP8 weights in 128 × 128 blocks"),
+                ));
             }
         }
         let (main_rope, compress_rope) = ropes(&r)?;

@@ -149,7 +149,8 @@ fn mat(t: &mut Tensors, name: &str, rows: usize, cols: usize) -> Result<Mat, Che
 enum Names {
     /// What transformers' `save_pretrained` writes (5.17): the published checkpoint's
     /// names under `model.` (`model.layers.{l}.attn.wq_a.weight`, `…ffn.experts.{e}.w1`,
-    /// `…hc_attn_fn`, `head.weight`).
+    /// `…hc_attn_fn`, `head.weight`). The published checkpoint itself (no `model.`) is
+    /// renamed to these at load ([`published_name`]).
     Saved,
     /// transformers' module names (`model.layers.{l}.self_attn.q_a_proj.weight`,
     /// `…mlp.experts.gate_up_proj`, `…attn_hc.fn`, `lm_head.weight`).
@@ -228,6 +229,22 @@ fn mlp(
         up: mat(t, &n("w3", "up_proj"), width, hidden)?,
         down: mat(t, &n("w2", "down_proj"), hidden, width)?,
     })
+}
+
+/// The name under which transformers saves a tensor of DeepSeek's published checkpoint
+/// (whose names have no `model.`): `embed.weight`, `norm.weight`, `hc_head_{fn,base,scale}`
+/// and `layers.*` move under `model.`; `head.weight` and `mtp.*` stay.
+fn published_name(name: &str) -> Option<String> {
+    let moved = match name {
+        "embed.weight" => "model.embed_tokens.weight",
+        "norm.weight" => "model.norm.weight",
+        "hc_head_fn" => "model.hc_head.hc_fn",
+        "hc_head_base" => "model.hc_head.hc_base",
+        "hc_head_scale" => "model.hc_head.hc_scale",
+        n if n.starts_with("layers.") => return Some(format!("model.{n}")),
+        _ => return None,
+    };
+    Some(moved.into())
 }
 
 /// Whether transformers ignores `name` on load (`(^|\.)mtp\.`: the MTP layer).
@@ -390,6 +407,9 @@ impl HfV4Model {
             })?;
         let cfg = HfV4Config::parse(&text)?;
         let mut t = Tensors::load(dir)?;
+        if !t.has("model.layers.0.attn_norm.weight") && t.has("layers.0.attn_norm.weight") {
+            t.rename(published_name)?;
+        }
         let m = Self::from_tensors(cfg, &mut t)?;
         // transformers ignores `mtp.*`; so do we unless the MTP layer was loaded (then a
         // second MTP layer's tensors are refused: one is supported).
@@ -744,55 +764,236 @@ pub(super) mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
-    /// The published MTP layer's tensors (`mtp.0.*`: the decoder layer under the
-    /// published names, the MTP projections, norms and head) of `cfg`.
-    fn mtp_tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
-        let (d, n, e, i) = (cfg.hidden, cfg.hc_mult, cfg.experts, cfg.moe_intermediate);
-        let mut out = BTreeMap::new();
-        let mut f = |name: &str, shape: Vec<usize>| {
+    /// Random f32 tensors under a prefix, by the published names (`f(name, shape)`).
+    fn filler<'a>(
+        out: &'a mut Named,
+        rng: &'a mut SplitMix64,
+        prefix: &'a str,
+    ) -> impl FnMut(&str, Vec<usize>) + 'a {
+        move |name: &str, shape: Vec<usize>| {
             let count: usize = shape.iter().product();
             let bytes: Vec<u8> = (0..count)
                 .flat_map(|_| ((rng.below(2001) as f32 - 1000.0) / 1000.0).to_le_bytes())
                 .collect();
-            out.insert(format!("mtp.0.{name}"), (shape, bytes, Dtype::F32));
-        };
-        for k in ["enorm", "hnorm", "norm", "attn_norm", "ffn_norm"] {
-            f(&format!("{k}.weight"), vec![d]);
+            out.insert(format!("{prefix}{name}"), (shape, bytes, Dtype::F32));
         }
-        f("e_proj.weight", vec![d, d]);
-        f("h_proj.weight", vec![d, d]);
-        f("head.weight", vec![cfg.vocab, d]);
-        f("hc_head_fn", vec![n, n * d]);
-        f("hc_head_base", vec![n]);
-        f("hc_head_scale", vec![1]);
-        for k in ["hc_attn", "hc_ffn"] {
-            f(&format!("{k}_fn"), vec![(2 + n) * n, n * d]);
-            f(&format!("{k}_base"), vec![(2 + n) * n]);
-            f(&format!("{k}_scale"), vec![3]);
-        }
-        let h = cfg.heads;
-        f("attn.wq_a.weight", vec![cfg.q_lora, d]);
-        f("attn.q_norm.weight", vec![cfg.q_lora]);
-        f("attn.wq_b.weight", vec![h * 512, cfg.q_lora]);
-        f("attn.wkv.weight", vec![512, d]);
-        f("attn.norm.weight", vec![512]);
-        f(
-            "attn.wo_a.weight",
-            vec![cfg.o_groups * cfg.o_lora, h * 512 / cfg.o_groups],
+    }
+
+    /// A decoder layer's tensors under `prefix` by the published names (ratio `r`;
+    /// top-k routed unless `hash`, whose `tid2eid` goes in as I64).
+    fn published_layer(
+        cfg: &HfV4Config,
+        rng: &mut SplitMix64,
+        prefix: &str,
+        r: usize,
+        hash: bool,
+    ) -> Named {
+        let (d, n, e, i, h) = (
+            cfg.hidden,
+            cfg.hc_mult,
+            cfg.experts,
+            cfg.moe_intermediate,
+            cfg.heads,
         );
-        f("attn.wo_b.weight", vec![d, cfg.o_groups * cfg.o_lora]);
-        f("attn.attn_sink", vec![h]);
-        f("ffn.gate.weight", vec![e, d]);
-        f("ffn.gate.bias", vec![e]);
-        for x in 0..e {
-            f(&format!("ffn.experts.{x}.w1.weight"), vec![i, d]);
-            f(&format!("ffn.experts.{x}.w3.weight"), vec![i, d]);
-            f(&format!("ffn.experts.{x}.w2.weight"), vec![d, i]);
+        let mut out = BTreeMap::new();
+        let mut ids = Vec::new();
+        {
+            let mut f = filler(&mut out, rng, prefix);
+            f("attn_norm.weight", vec![d]);
+            f("ffn_norm.weight", vec![d]);
+            for k in ["hc_attn", "hc_ffn"] {
+                f(&format!("{k}_fn"), vec![(2 + n) * n, n * d]);
+                f(&format!("{k}_base"), vec![(2 + n) * n]);
+                f(&format!("{k}_scale"), vec![3]);
+            }
+            f("attn.wq_a.weight", vec![cfg.q_lora, d]);
+            f("attn.q_norm.weight", vec![cfg.q_lora]);
+            f("attn.wq_b.weight", vec![h * 512, cfg.q_lora]);
+            f("attn.wkv.weight", vec![512, d]);
+            f("attn.norm.weight", vec![512]);
+            f(
+                "attn.wo_a.weight",
+                vec![cfg.o_groups * cfg.o_lora, h * 512 / cfg.o_groups],
+            );
+            f("attn.wo_b.weight", vec![d, cfg.o_groups * cfg.o_lora]);
+            f("attn.attn_sink", vec![h]);
+            let mut comp = |p: &str, w: usize| {
+                let coff = if r == 4 { 2 } else { 1 };
+                f(&format!("{p}wkv.weight"), vec![coff * w, d]);
+                f(&format!("{p}wgate.weight"), vec![coff * w, d]);
+                f(&format!("{p}ape"), vec![r, coff * w]);
+                f(&format!("{p}norm.weight"), vec![w]);
+            };
+            if r > 0 {
+                comp("attn.compressor.", 512);
+            }
+            if r == 4 {
+                comp("attn.indexer.compressor.", 128);
+                f(
+                    "attn.indexer.wq_b.weight",
+                    vec![cfg.index_heads * 128, cfg.q_lora],
+                );
+                f("attn.indexer.weights_proj.weight", vec![cfg.index_heads, d]);
+            }
+            f("ffn.gate.weight", vec![e, d]);
+            if hash {
+                ids.push(format!("{prefix}ffn.gate.tid2eid"));
+            } else {
+                f("ffn.gate.bias", vec![e]);
+            }
+            for x in 0..e {
+                f(&format!("ffn.experts.{x}.w1.weight"), vec![i, d]);
+                f(&format!("ffn.experts.{x}.w3.weight"), vec![i, d]);
+                f(&format!("ffn.experts.{x}.w2.weight"), vec![d, i]);
+            }
+            f("ffn.shared_experts.w1.weight", vec![i, d]);
+            f("ffn.shared_experts.w3.weight", vec![i, d]);
+            f("ffn.shared_experts.w2.weight", vec![d, i]);
         }
-        f("ffn.shared_experts.w1.weight", vec![i, d]);
-        f("ffn.shared_experts.w3.weight", vec![i, d]);
-        f("ffn.shared_experts.w2.weight", vec![d, i]);
+        for name in ids {
+            let k = cfg.experts_per_token;
+            let bytes: Vec<u8> = (0..cfg.vocab * k)
+                .flat_map(|_| (rng.below(e as u64) as i64).to_le_bytes())
+                .collect();
+            out.insert(name, (vec![cfg.vocab, k], bytes, Dtype::I64));
+        }
         out
+    }
+
+    /// The published MTP layer's tensors (`mtp.0.*`: the decoder layer under the
+    /// published names, the MTP projections, norms and head) of `cfg`.
+    fn mtp_tensors(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
+        let (d, n) = (cfg.hidden, cfg.hc_mult);
+        let mut out = published_layer(cfg, rng, "mtp.0.", 0, false);
+        {
+            let mut f = filler(&mut out, rng, "mtp.0.");
+            for k in ["enorm", "hnorm", "norm"] {
+                f(&format!("{k}.weight"), vec![d]);
+            }
+            f("e_proj.weight", vec![d, d]);
+            f("h_proj.weight", vec![d, d]);
+            f("head.weight", vec![cfg.vocab, d]);
+            f("hc_head_fn", vec![n, n * d]);
+            f("hc_head_base", vec![n]);
+            f("hc_head_scale", vec![1]);
+        }
+        out
+    }
+
+    /// A whole checkpoint by the published names (no `model.`), its MTP layer included.
+    fn published(cfg: &HfV4Config, rng: &mut SplitMix64) -> Named {
+        let (d, n) = (cfg.hidden, cfg.hc_mult);
+        let mut out = BTreeMap::new();
+        for (l, &r) in cfg.ratios.iter().enumerate() {
+            let hash = cfg.mlp[l] == V4MlpKind::HashMoe;
+            out.extend(published_layer(
+                cfg,
+                rng,
+                &format!("layers.{l}."),
+                r as usize,
+                hash,
+            ));
+        }
+        out.extend(mtp_tensors(cfg, rng));
+        {
+            let mut f = filler(&mut out, rng, "");
+            f("embed.weight", vec![cfg.vocab, d]);
+            f("head.weight", vec![cfg.vocab, d]);
+            f("norm.weight", vec![d]);
+            f("hc_head_fn", vec![n, n * d]);
+            f("hc_head_base", vec![n]);
+            f("hc_head_scale", vec![1]);
+        }
+        out
+    }
+
+    /// `t` as DeepSeek publishes it: every routed expert's weights FP4 (E2M1 packed two
+    /// to an I8, low nibble first) with an F8_E8M0 scale per 32 values, every other 2-D
+    /// `.weight` but the embedding and head F8_E4M3 with an F8_E8M0 scale per 128 × 128
+    /// block, from random codes; and the same values dequantized here (by the formats'
+    /// definitions, apart from the loader) as F32.
+    fn quantize(t: &Named, rng: &mut SplitMix64) -> (Named, Named) {
+        let fp4 = [
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+        ];
+        let e4m3 = |b: u8| -> f32 {
+            let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+            let v = if e == 0 {
+                m / 8.0 / 64.0
+            } else {
+                (1.0 + m / 8.0) * 2f32.powi(e - 7)
+            };
+            if b & 0x80 != 0 {
+                -v
+            } else {
+                v
+            }
+        };
+        let (mut q, mut plain) = (BTreeMap::new(), BTreeMap::new());
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        for (name, (shape, bytes, dt)) in t {
+            let skip = *dt != Dtype::F32
+                || shape.len() != 2
+                || !name.ends_with(".weight")
+                || name.ends_with("embed.weight")
+                || name.ends_with("head.weight")
+                || name.contains("norm");
+            if skip {
+                q.insert(name.clone(), (shape.clone(), bytes.clone(), *dt));
+                plain.insert(name.clone(), (shape.clone(), bytes.clone(), *dt));
+                continue;
+            }
+            let (rows, cols) = (shape[0], shape[1]);
+            let base = name.strip_suffix(".weight").unwrap();
+            let mut values = vec![0f32; rows * cols];
+            if name.contains(".experts.") && !name.contains("shared") {
+                let exps: Vec<u8> = (0..rows * cols / 32)
+                    .map(|_| 120 + rng.below(10) as u8)
+                    .collect();
+                let mut packed = Vec::with_capacity(rows * cols / 2);
+                for r in 0..rows {
+                    for j in 0..cols / 2 {
+                        let (lo, hi) = (rng.below(16) as u8, rng.below(16) as u8);
+                        packed.push(lo | (hi << 4));
+                        let s = 2f32.powi(i32::from(exps[r * cols / 32 + 2 * j / 32]) - 127);
+                        values[r * cols + 2 * j] = fp4[lo as usize] * s;
+                        values[r * cols + 2 * j + 1] = fp4[hi as usize] * s;
+                    }
+                }
+                q.insert(name.clone(), (vec![rows, cols / 2], packed, Dtype::I8));
+                q.insert(
+                    format!("{base}.scale"),
+                    (vec![rows, cols / 32], exps, Dtype::F8_E8M0),
+                );
+            } else {
+                let grid = [rows.div_ceil(128), cols.div_ceil(128)];
+                let exps: Vec<u8> = (0..grid[0] * grid[1])
+                    .map(|_| 118 + rng.below(10) as u8)
+                    .collect();
+                let codes: Vec<u8> = (0..rows * cols)
+                    .map(|_| {
+                        let b = rng.below(255) as u8;
+                        if b & 0x7f == 0x7f {
+                            0
+                        } else {
+                            b
+                        }
+                    })
+                    .collect();
+                for (k, &b) in codes.iter().enumerate() {
+                    let (r, c) = (k / cols, k % cols);
+                    let e = exps[(r / 128) * grid[1] + c / 128];
+                    values[k] = e4m3(b) * 2f32.powi(i32::from(e) - 127);
+                }
+                q.insert(name.clone(), (shape.clone(), codes, Dtype::F8_E4M3));
+                q.insert(
+                    format!("{base}.scale"),
+                    (grid.to_vec(), exps, Dtype::F8_E8M0),
+                );
+            }
+            plain.insert(name.clone(), (shape.clone(), f32s(&values), Dtype::F32));
+        }
+        (q, plain)
     }
 
     /// With `num_nextn_predict_layers` 1 the published MTP layer loads (its head its
@@ -838,5 +1039,95 @@ pub(super) mod tests {
             Err(CheckpointError::Tensor { name, .. }) => assert_eq!(name, "mtp.1.enorm.weight"),
             other => panic!("{:?}", other.map(|_| ())),
         }
+    }
+
+    /// A checkpoint in the published format (names without `model.`, a 4-entry
+    /// `compress_ratios` with the MTP layer's 0, F8_E4M3 weights with F8_E8M0 block
+    /// scales, FP4 routed experts, the MTP layer) loads dequantized: its model gives the
+    /// same logits and MTP drafts, bit for bit, as the same values stored as F32. A
+    /// missing scale, a scale of another shape, a NaN exponent, an F8_E5M2 weight and a
+    /// scale of no weight are refused, naming the tensor.
+    #[test]
+    fn a_published_format_checkpoint_loads_dequantized_or_is_refused_by_name() {
+        use crate::v4::{V4Contiguous, V4Model};
+        let mut json = tiny_config();
+        json["hidden_size"] = 32.into();
+        json["moe_intermediate_size"] = 32.into();
+        json["compress_ratios"] = serde_json::json!([0, 4, 128, 0]);
+        json["num_nextn_predict_layers"] = 1.into();
+        json["expert_dtype"] = "fp4".into();
+        json["quantization_config"] = serde_json::json!({
+            "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+        });
+        let cfg = HfV4Config::parse(&json.to_string()).unwrap();
+        let mut rng = SplitMix64(9);
+        let (q, plain) = quantize(&published(&cfg, &mut rng), &mut rng);
+        assert!(q.values().any(|t| t.2 == Dtype::I8) && q.values().any(|t| t.2 == Dtype::F8_E4M3));
+        let run = |t: &Named, name: &str| {
+            let d = dir(name);
+            write(&d, &json, t);
+            let m = V4Model::from_checkpoint(&d);
+            std::fs::remove_dir_all(&d).unwrap();
+            m
+        };
+        let (mq, mp) = (run(&q, "fp8").unwrap(), run(&plain, "f32").unwrap());
+        assert!(mq.config().mtp);
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 32).collect();
+        let go = |m: &V4Model| {
+            let mut kv = V4Contiguous::new();
+            let (_, h) = m.run_hidden(&mut kv, 0, &prompt).unwrap();
+            m.draft_write(&mut kv, 0, &prompt, &h).unwrap();
+            let logits: Vec<u32> = h
+                .iter()
+                .flat_map(|x| m.logits(x))
+                .map(f32::to_bits)
+                .collect();
+            let drafts = m.propose_logits(&kv, 39, &h[39], 5, 2).unwrap();
+            (
+                logits,
+                drafts
+                    .into_iter()
+                    .map(|d| (d.0, d.1.iter().map(|v| v.to_bits()).collect::<Vec<_>>()))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert!(go(&mq) == go(&mp), "the published format's model differs");
+        let refuse = |edit: &dyn Fn(&mut Named), want: &str| {
+            let mut t = q.clone();
+            edit(&mut t);
+            match run(&t, "bad") {
+                Err(crate::ModelError::Checkpoint(CheckpointError::Tensor { name, what })) => {
+                    assert_eq!(name, want, "{what}")
+                }
+                Err(e) => panic!("{want}: {e}"),
+                Ok(_) => panic!("{want}: loaded"),
+            }
+        };
+        let w = "layers.1.attn.wq_b.weight";
+        refuse(
+            &|t| {
+                t.remove("layers.1.attn.wq_b.scale");
+            },
+            w,
+        );
+        refuse(
+            &|t| t.get_mut("layers.1.attn.wq_b.scale").unwrap().0 = vec![8, 2],
+            "layers.1.attn.wq_b.scale",
+        );
+        refuse(
+            &|t| t.get_mut("layers.2.ffn.experts.1.w2.scale").unwrap().1[0] = 0xff,
+            "layers.2.ffn.experts.1.w2.scale",
+        );
+        refuse(&|t| t.get_mut(w).unwrap().2 = Dtype::F8_E5M2, w);
+        refuse(
+            &|t| {
+                t.insert(
+                    "layers.0.attn.extra.scale".into(),
+                    (vec![1, 1], vec![127], Dtype::F8_E8M0),
+                );
+            },
+            "layers.0.attn.extra.scale",
+        );
     }
 }
