@@ -21,6 +21,11 @@ use dsa_kv_core::rng::SplitMix64;
 use dsa_kv_device::DeviceBackend;
 use dsa_kv_model::v4::{V4Contiguous, V4Model, V4ModelConfig, V4ModelForward, V4Outputs};
 
+/// The metrics recorder is global to this test binary: the test that compares its
+/// counters with `stats()` runs alone (write), every other runtime of this binary beside
+/// the others (read).
+static METRICS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 /// The workload's model, plan and slots.
 fn setup() -> (Arc<V4Model>, V4Plan, WindowedSlots) {
     let model = Arc::new(V4Model::new(V4ModelConfig::tiny(7)).unwrap());
@@ -192,6 +197,7 @@ async fn workload(
 /// room-fault drill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v4_runtime_is_bit_exact_against_the_unpaged_model() {
+    let _alone = METRICS.write().await;
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -310,6 +316,7 @@ impl<D: DeviceBackend> DeviceBackend for Shared<D> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA device"]
 async fn v4_cuda_device_is_bit_exact_against_the_host_device_and_the_unpaged_model() {
+    let _beside = METRICS.read().await;
     use dsa_kv::ids::Tier;
     use dsa_kv_model::v4::cuda::v4_cuda_device;
 
@@ -543,6 +550,7 @@ impl dsa_kv_device::Forward for Ones {
 /// its tail, and the blocks it stored are KV events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v4_preset_in_the_configuration_starts_the_one_runtime() {
+    let _beside = METRICS.read().await;
     let config = EngineConfig::from_toml_str(
         "[model]\npreset = \"deepseek-v4-flash\"\n\
          [kv_cache]\nmax_gpu_total_bytes = 1073741824\n\
@@ -765,6 +773,7 @@ fn check_against_unpaged(model: &V4Model, run: &CheckpointRun, max_new: u32) -> 
 /// by the cache formats' rounding; paged equal to unpaged carries that bound here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transformers_v4_checkpoint_runs_through_the_paged_runtime() {
+    let _beside = METRICS.read().await;
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/deepseek_v4");
     let model = Arc::new(V4Model::from_checkpoint(&dir).unwrap());
@@ -836,6 +845,7 @@ fn mtp_fixture() -> std::path::PathBuf {
 /// drafts are accepted, and the tail hits lose nothing to the MTP layer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_published_mtp_drafts_through_the_paged_runtime_are_exact() {
+    let _beside = METRICS.read().await;
     let model = Arc::new(V4Model::from_checkpoint(&mtp_fixture()).unwrap());
     assert!(model.config().mtp);
     let mut rng = SplitMix64(12);
@@ -873,6 +883,7 @@ async fn the_published_mtp_drafts_through_the_paged_runtime_are_exact() {
 /// ones right after the hit included) equal the unpaged model's, bit for bit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtp_prefix_hits_lose_no_block_at_any_prompt_length() {
+    let _beside = METRICS.read().await;
     let model = Arc::new(V4Model::from_checkpoint(&mtp_fixture()).unwrap());
     let mut rng = SplitMix64(13);
     let mut rows = Vec::new();

@@ -11,8 +11,8 @@
 //!     [--max-sequences S] [--max-batched-tokens B] [--drafts D] [--tail-boundaries N] [--json]
 //! ```
 //!
-//! DeepSeek-V4 models print their four life cycles (compressed blocks, raw window, two
-//! compressor states), the bytes a block and a decoding request cost, and the budget split
+//! DeepSeek-V4 models print their life cycles (compressed blocks, raw window, two
+//! compressor states, and with an MTP input width the MTP layer's target input), the bytes a block and a decoding request cost, and the budget split
 //! into window slots (sized for `--max-sequences`, `--max-batched-tokens`, `--drafts` and
 //! `--tail-boundaries`) and blocks (`plan/v4.rs`), from the configuration these flags
 //! make (`model.preset`, `scheduler.max_num_sequences` / `max_num_tokens`,

@@ -21,9 +21,10 @@
 //! DeepSeek-V4 (`deepseek_v4`, transformers ≥ 5.8): [`HfV4Config`] reads its
 //! `config.json` (the cache structure and every size its implementation reads),
 //! `v4_weights.rs` its tensors (under the names transformers' `save_pretrained` writes,
-//! or its module names), `v4_forward.rs` its forward through a
+//! its module names, or DeepSeek's published names with FP8 / FP4 weights dequantized
+//! by `tensors.rs`), `v4_forward.rs` its forward and the published MTP layer through a
 //! [`V4Store`](crate::v4::V4Store); [`V4Model::from_checkpoint`](crate::v4::V4Model::from_checkpoint)
-//! builds the model (no MTP layer, as transformers builds none; the host backend only).
+//! builds the model (the host backend only).
 //! `tests/hf_checkpoint_v4.rs` compares it with transformers' own forward.
 
 mod config;

@@ -6,7 +6,7 @@
 //!
 //! Quantized weights as DeepSeek publishes them (and transformers 5.17's fine-grained
 //! FP8 loader reads them) are dequantized at load: a weight `X.weight` with a sibling
-//! `X.scale` (F8_E8M0 exponents, or F32 powers of two) is
+//! `X.scale` (F8_E8M0 exponents, or F32 / BF16 / F16 powers of two) is
 //! * F8_E4M3 `[rows, cols]` with one scale per 128 × 128 block (`[⌈rows/128⌉,
 //!   ⌈cols/128⌉]`), or
 //! * FP4 E2M1 packed two to a byte (I8, U8 or F4; the low nibble first) `[rows, cols/2]`
@@ -356,10 +356,11 @@ fn dequantize_all(
                 .collect::<Result<Vec<f32>, _>>()?;
             (s, v)
         } else if let Some((s, v)) = map.remove(&scale_name) {
-            if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            let pow2 = |x: f32| x.is_normal() && x > 0.0 && x.to_bits() & 0x7f_ffff == 0;
+            if let Some(x) = v.iter().find(|x| !pow2(**x)) {
                 return Err(bad(
                     &scale_name,
-                    format!("a scale of {x}: positive and finite expected"),
+                    format!("a scale of {x}: a positive power of two expected"),
                 ));
             }
             (s, v)
@@ -412,7 +413,7 @@ fn dequantize_all(
                         &scale_name,
                         format!(
                             "shape {:?}: [{rows}, {}] expected for FP4 rows of {full} values \
-                             (one per {FP4_BLOCK}; rows a multiple of {FP4_BLOCK})",
+                             (one per {FP4_BLOCK}; a row's length a multiple of {FP4_BLOCK})",
                             scales.0,
                             full / FP4_BLOCK
                         ),

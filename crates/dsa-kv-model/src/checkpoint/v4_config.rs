@@ -458,19 +458,27 @@ impl HfV4Config {
         self.ratios.len()
     }
 
-    /// The cache structure of a model built from this checkpoint (no MTP layer: the
-    /// implementation builds none). Its `num_q_heads` is the sparse decode kernel's
+    /// The cache structure of a model built from this checkpoint with its MTP layer
+    /// when the configuration asks for one (one window-only layer reading `hc_mult ×
+    /// hidden` target values; a checkpoint without the `mtp.0.*` tensors loads without
+    /// it, and then [`V4ModelConfig::spec`](crate::v4::V4ModelConfig::spec) of the loaded
+    /// model is the one to plan with). Its `num_q_heads` is the sparse decode kernel's
     /// (64): the cache does not depend on the head count.
     pub fn spec(&self) -> Result<V4Spec, CheckpointError> {
+        let mtp = self.mtp_layers > 0;
         let spec = V4Spec {
             name: format!("deepseek_v4 checkpoint ({} layers)", self.ratios.len()),
             compress_ratios: self.ratios.clone(),
-            num_mtp_layers: 0,
+            num_mtp_layers: u32::from(mtp),
             window: self.window,
             index_topk: self.index_topk,
             num_q_heads: 64,
             indexer_dtype: IndexerDtype::Fp8,
-            mtp_input_width: 0,
+            mtp_input_width: if mtp {
+                u32::try_from(self.hc_mult * self.hidden).unwrap_or(u32::MAX)
+            } else {
+                0
+            },
         };
         spec.validate()
             .map_err(|e| bad("layer_types / sliding_window / index_topk", e.to_string()))?;
@@ -542,6 +550,14 @@ fn ratios(r: &Raw, layers: usize) -> Result<Vec<u32>, CheckpointError> {
         return Err(bad(
             "layer_types",
             format!("{} entries for {layers} layers", types.len()),
+        ));
+    }
+    // Entries past the target layers are the MTP layers' (the published lists end in
+    // the MTP layer's 0): the MTP layer we build is window-only.
+    if let Some(&x) = types[layers..].iter().find(|&&x| x != 0) {
+        return Err(bad(
+            "compress_ratios",
+            format!("{x} for an MTP layer (past the {layers} target layers): its layer is window-only (0)"),
         ));
     }
     Ok(types[..layers].to_vec())
@@ -690,6 +706,15 @@ mod tests {
         let spec = c.spec().unwrap();
         assert_eq!(spec.compress_ratios, V4Spec::flash().compress_ratios);
         assert_eq!(spec.window, 128);
+        assert_eq!((spec.num_mtp_layers, spec.mtp_input_width), (1, 4 * 4096));
+        // The MTP layer's entry of the published list must be window-only.
+        let with_mtp = |r: u32| {
+            let mut v: serde_json::Value = serde_json::from_str(&flash_json()).unwrap();
+            v["compress_ratios"].as_array_mut().unwrap().push(r.into());
+            HfV4Config::parse(&v.to_string())
+        };
+        assert_eq!(with_mtp(0).unwrap().ratios, c.ratios);
+        assert!(matches!(with_mtp(4), Err(CheckpointError::Config { .. })));
         assert_eq!(
             c.mlp[..4],
             [

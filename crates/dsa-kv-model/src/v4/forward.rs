@@ -184,10 +184,19 @@ impl Forward for V4ModelForward {
             }
             let next = outs[kept - 1].greedy;
             let drafts = if p.produces_token && mtp && p.next_drafts > 0 {
-                let last = first + kept as u32 - 1;
-                self.model
-                    .propose_logits(&kv, last, &hidden[kept - 1], next, p.next_drafts as usize)
-                    .map_err(err)?
+                let (last, k) = (first + kept as u32 - 1, p.next_drafts as usize);
+                if self.outputs.is_some() {
+                    // Recorded with their logits for the exactness check.
+                    self.model
+                        .propose_logits(&kv, last, &hidden[kept - 1], next, k)
+                        .map_err(err)?
+                } else {
+                    let d = self.model.propose(&kv, last, &hidden[kept - 1], next, k);
+                    d.map_err(err)?
+                        .into_iter()
+                        .map(|t| (t, Vec::new()))
+                        .collect()
+                }
             } else {
                 Vec::new()
             };

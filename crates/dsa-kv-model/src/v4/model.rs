@@ -261,7 +261,7 @@ pub struct V4Model {
     pub(super) draft: V4Layer,
     pub(super) w_out: Mat,
     /// A checkpoint's model: it runs instead of the built-in weights (whose fields are
-    /// then empty; it has no MTP layer).
+    /// then empty; its MTP layer, if any, is the checkpoint's).
     pub(super) hf: Option<Box<HfV4Model>>,
 }
 
@@ -344,8 +344,10 @@ impl V4Model {
 
     /// The model of the transformers `deepseek_v4` checkpoint in `dir` (`config.json`
     /// and its safetensors; see [`crate::checkpoint`]). Its [`config`](Self::config)
-    /// reports the checkpoint's dimensions (`mlp` is the experts' width, `seed` 0); it
-    /// has no MTP layer (transformers builds none), so it serves without drafts.
+    /// reports the checkpoint's dimensions (`mlp` is the experts' width, `seed` 0). With
+    /// the published MTP layer's tensors (`mtp.0.*`, which transformers ignores) and
+    /// `num_nextn_predict_layers` ≥ 1 it drafts with that layer (`mtp`, `mtp_input`);
+    /// without them it serves without drafts.
     pub fn from_checkpoint(dir: &std::path::Path) -> Result<V4Model, ModelError> {
         let hf = HfV4Model::load(dir)?;
         let c = &hf.cfg;

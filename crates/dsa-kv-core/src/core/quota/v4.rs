@@ -1,4 +1,4 @@
-//! DeepSeek-V4's budget: one byte budget pays for the four life cycles. The window life
+//! DeepSeek-V4's budget: one byte budget pays for every life cycle. The window life
 //! cycles are sized first, from what they must hold at once ([`V4Demand`]); the
 //! compressed life cycle gets every remaining byte as 256-token blocks. Every pool is
 //! rounded up to [`ALLOC_GRANULARITY`], as for the other models.

@@ -72,6 +72,9 @@ pub struct V4WindowBytes {
     pub state4: u64,
     /// The ratio-128 layers' compressor state, 8-token pages.
     pub state128: u64,
+    /// The MTP layer's target input (BF16 `mtp_input_width` values), 1-token pages over
+    /// the last 2 positions (0 without it).
+    pub mtp_input: u64,
 }
 
 /// Pages of `page` tokens that a span of `span` consecutive tokens may touch.
@@ -99,12 +102,17 @@ impl V4WindowBytes {
             window: layers * window_pages * window_page.page_bytes(),
             state4: c4 as u64 * s4_pages * C4_STATE_PAGE * (C4_STATE + C4_INDEXER_STATE),
             state128: c128 as u64 * s128_pages * C128_STATE_PAGE * C128_STATE,
+            mtp_input: if spec.num_mtp_layers > 0 {
+                pages_touched(2 + extra, 1) * 2 * u64::from(spec.mtp_input_width)
+            } else {
+                0
+            },
         }
     }
 
     /// All of it.
     pub fn total(&self) -> u64 {
-        self.window + self.state4 + self.state128
+        self.window + self.state4 + self.state128 + self.mtp_input
     }
 }
 

@@ -587,7 +587,11 @@ mod tests {
             indexer_dtype: IndexerDtype::Fp4,
             ..V4Spec::flash()
         };
-        for spec in [V4Spec::flash(), V4Spec::pro(), fp4] {
+        let mtp_input = V4Spec {
+            mtp_input_width: 4 * 7168,
+            ..V4Spec::pro()
+        };
+        for spec in [V4Spec::flash(), V4Spec::pro(), fp4, mtp_input] {
             let p = V4Plan::new(&spec).unwrap();
             assert_eq!(p.bytes_per_block(), V4BlockBytes::of(&spec).total());
             for drafts in 0..4 {
