@@ -138,56 +138,39 @@ pub(crate) fn check(mut a: Args) -> Args {
         );
     }
     a.v4_checkpoint = a.model.is_none() && a.checkpoint.as_deref().is_some_and(is_v4_checkpoint);
-    if a.v4_checkpoint {
+    if a.v4_checkpoint || a.model.is_some() {
         let mut clash = Vec::new();
         for (set, flag) in [
             (a.source != Source::Model, "--source synthetic"),
+            (a.model.is_some() && a.checkpoint.is_some(), "--checkpoint"),
             (a.config.is_some(), "--config"),
             (a.kv_dtype.is_some(), "--kv-dtype"),
             (a.cuda_graphs, "--cuda-graphs"),
             (a.room_faults > 0, "--room-faults"),
             (a.metrics_addr.is_some(), "--metrics-addr"),
             (a.verify.is_some_and(|v| v.is_on()), "--verify"),
-            (a.backend == Backend::Cuda, "--backend cuda"),
+            (
+                a.v4_checkpoint && a.backend == Backend::Cuda,
+                "--backend cuda",
+            ),
         ] {
             if set {
                 clash.push(flag);
             }
         }
         if !clash.is_empty() {
-            common::usage_error::<Args>(format!(
-                "--checkpoint with a DeepSeek-V4 checkpoint runs it through the V4 runtime on \
-                 host devices (the CUDA device runs the built-in V4 model only); it does not \
-                 take {}",
-                clash.join(", ")
-            ));
-        }
-        if a.budget_mib == Some(0) || a.gpu_blocks == Some(0) {
-            common::usage_error::<Args>("--budget-mib and --gpu-blocks must be at least 1");
-        }
-    } else if let Some(p) = a.model {
-        let mut clash = Vec::new();
-        for (set, flag) in [
-            (a.source != Source::Model, "--source synthetic"),
-            (a.checkpoint.is_some(), "--checkpoint"),
-            (a.config.is_some(), "--config"),
-            (a.kv_dtype.is_some(), "--kv-dtype"),
-            (a.cuda_graphs, "--cuda-graphs"),
-            (a.room_faults > 0, "--room-faults"),
-            (a.metrics_addr.is_some(), "--metrics-addr"),
-            (a.verify.is_some_and(|v| v.is_on()), "--verify"),
-        ] {
-            if set {
-                clash.push(flag);
-            }
-        }
-        if !clash.is_empty() {
-            common::usage_error::<Args>(format!(
-                "--model {} runs the V4 reference model through the V4 runtime (host or \
-                 CUDA devices); it does not take {}",
-                p.name(),
-                clash.join(", ")
-            ));
+            let what = match a.model {
+                Some(p) => format!(
+                    "--model {} runs the V4 reference model through the V4 runtime (host or \
+                     CUDA devices)",
+                    p.name()
+                ),
+                None => "--checkpoint with a DeepSeek-V4 checkpoint runs it through the V4 \
+                         runtime on host devices (the CUDA device runs the built-in V4 model \
+                         only)"
+                    .into(),
+            };
+            common::usage_error::<Args>(format!("{what}; it does not take {}", clash.join(", ")));
         }
         if a.budget_mib == Some(0) || a.gpu_blocks == Some(0) {
             common::usage_error::<Args>("--budget-mib and --gpu-blocks must be at least 1");

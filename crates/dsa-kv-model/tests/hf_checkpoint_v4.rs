@@ -284,24 +284,11 @@ fn sparse_regime_selections_differ_only_at_exact_ties_and_the_rest_is_exact() {
     );
 }
 
-/// The comparison can fail: the same checkpoint with one hyper-connection scale of one
-/// layer moved by 5 % (a copy in a temporary folder) gives logits outside f32 order in
-/// the dense regime.
-#[test]
-fn a_changed_weight_is_caught() {
-    let dir = std::env::temp_dir().join(format!("dsa-kv-hf-v4-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "logits.npy",
-        "reference.json",
-    ] {
-        std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
-    }
-    let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+/// Writes `dir/model.safetensors`: the checkpoint of `src` with its BF16 tensor `target`
+/// scaled by 1.05 (the mutation tests' changed weight).
+fn write_scaled(src: &Path, dir: &Path, target: &str) {
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let target = "model.layers.0.hc_attn_scale";
     let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
         .tensors()
         .into_iter()
@@ -331,6 +318,25 @@ fn a_changed_weight_is_caught() {
         safetensors::serialize(views, None).unwrap(),
     )
     .unwrap();
+}
+
+/// The comparison can fail: the same checkpoint with one hyper-connection scale of one
+/// layer moved by 5 % (a copy in a temporary folder) gives logits outside f32 order in
+/// the dense regime.
+#[test]
+fn a_changed_weight_is_caught() {
+    let dir = std::env::temp_dir().join(format!("dsa-kv-hf-v4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "logits.npy",
+        "reference.json",
+    ] {
+        std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+    }
+    let target = "model.layers.0.hc_attn_scale";
+    write_scaled(&fixture(), &dir, target);
     let m = V4Model::from_checkpoint_unrounded(&dir).unwrap();
     let ps = prompts();
     let mut worst = 0f32;
@@ -542,37 +548,8 @@ fn a_changed_mtp_weight_is_caught() {
     let dir = std::env::temp_dir().join(format!("dsa-kv-hf-v4-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(mtp_fixture().join("config.json"), dir.join("config.json")).unwrap();
-    let bytes = std::fs::read(mtp_fixture().join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let target = "mtp.0.h_proj.weight";
-    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, v)| {
-            let mut data = v.data().to_vec();
-            if name == target {
-                for c in data.chunks_exact_mut(2) {
-                    let x = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() * 1.05;
-                    c.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
-                }
-            }
-            (name, v.dtype(), v.shape().to_vec(), data)
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
-        .iter()
-        .map(|(n, t, s, d)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(
-        dir.join("model.safetensors"),
-        safetensors::serialize(views, None).unwrap(),
-    )
-    .unwrap();
+    write_scaled(&mtp_fixture(), &dir, target);
     let m = V4Model::from_checkpoint_unrounded(&dir).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     let (vocab, hf_mtp) = npy_f32(&mtp_fixture().join("mtp_logits.npy"));
